@@ -1,0 +1,78 @@
+"""``fedtier coordinator`` and ``fedtier simulate``: thin commands over library functions."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+@click.group()
+def coordinator() -> None:
+    """Cloud coordinator: drives a rollout's rounds, aggregates cells, evaluates, keeps state."""
+
+
+@coordinator.command("run")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Rollout config (same format as experiments/*.toml; see docs/configuration.md).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None, help="Override the config's log level.")
+def coordinator_run(config_path: Path, log_level: str | None) -> None:
+    """Run the rollout over MQTT until its last round closes (or SIGINT/SIGTERM).
+
+    State (rounds, model versions, accepted updates of the open round) is in
+    <state_dir>/coordinator.db: run the same command again to resume after a crash.
+    """
+    from cloud_coordinator.config import RolloutConfig
+    from cloud_coordinator.run import run
+    from fedtier import logs
+    from fedtier.config import load
+
+    cfg = load(RolloutConfig, config_path)
+    logs.setup(log_level or cfg.log_level, node=cfg.cloud_id)
+    raise SystemExit(run(cfg))
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Experiment config, e.g. experiments/digits_fedavg.toml.")
+@click.option("--rounds", type=click.IntRange(1), default=None, help="Override the number of rounds.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write per-round metrics JSON here (default: the config's metrics_file).")
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON instead of a table.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="warning", show_default=True)
+def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json: bool, log_level: str) -> None:
+    """Run a rollout with every device, edge and the cloud in this process (in-memory transport).
+
+    The same roles and node code as a real deployment; one shared ORT session per
+    architecture. Writes per-round metrics (accuracy, loss, bytes per tier) to JSON.
+    """
+    import dataclasses
+
+    from cloud_coordinator.config import RolloutConfig
+    from cloud_coordinator.report import round_line, summary_table
+    from cloud_coordinator.simulate import simulate as run_simulation
+    from fedtier import logs
+    from fedtier.config import load
+
+    logs.setup(log_level)
+    cfg = load(RolloutConfig, config_path)
+    if rounds is not None:
+        cfg = dataclasses.replace(cfg, rounds=rounds)
+    if output is not None:
+        cfg = dataclasses.replace(cfg, metrics_file=output)
+    started = time.perf_counter()
+    echo = (lambda row: None) if as_json else (lambda row: click.echo(round_line(row, cfg.rounds), err=True))
+    result = run_simulation(cfg, on_round=echo)
+    wall = time.perf_counter() - started
+    if as_json:
+        json.dump({"rollout": cfg.rollout, "rounds": result.rounds, "wall_s": wall,
+                   "metrics_file": str(cfg.metrics_path)}, sys.stdout, indent=1, default=float)
+        click.echo()
+    else:
+        click.echo(summary_table(result.rounds, wall, f"simulation of {cfg.rollout} ({config_path})"))
+        click.echo(f"metrics: {cfg.metrics_path}")

@@ -1,0 +1,167 @@
+"""The coordinator's rollout configuration — also the format of ``experiments/<name>.toml``.
+
+One file describes a whole training campaign: the model, the data (for simulation, and
+the held-out test split the coordinator evaluates on), the topology of cells and devices,
+the algorithm's settings, and, for ``fedtier coordinator run``, the cloud broker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedtier.algorithms.fedavg import FedAvgConfig
+from fedtier.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
+from fedtier.layout import ArchSpec
+from fedtier.topics import check_id
+
+DATASETS = ("digits", "breast_cancer", "synthetic")
+PARTITIONS = ("iid", "shards", "dirichlet")
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """Which network; input and output sizes come from the dataset."""
+
+    kind: str = opt("mlp", choices=("mlp", "cnn1d"), help="Model family.")
+    hidden: tuple[int, ...] = opt((64,), help="MLP hidden layer widths.")
+    channels: int = opt(1, min=1, help="CNN1D input channels (features = channels x length).")
+    filters: tuple[int, ...] = opt((16, 32), help="CNN1D filters per conv layer.")
+    kernel: int = opt(5, min=1, help="CNN1D kernel size.")
+    init_seed: int = opt(0, help="Seed of the initial weights.")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if any(h <= 0 for h in self.hidden):
+            raise self.error("hidden widths must be positive", "hidden", prefix=prefix, source=source)
+        if any(f <= 0 for f in self.filters):
+            raise self.error("filters must be positive", "filters", prefix=prefix, source=source)
+
+    def arch(self, num_features: int, num_classes: int) -> ArchSpec:
+        if self.kind == "mlp":
+            return ArchSpec("mlp", {"sizes": [num_features, *self.hidden, num_classes]})
+        if num_features % self.channels:
+            raise ValueError(f"{num_features} features do not split into {self.channels} channels")
+        return ArchSpec("cnn1d", {"channels": self.channels, "length": num_features // self.channels,
+                                  "classes": num_classes, "filters": list(self.filters), "kernel": self.kernel})
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """Where training data comes from (bundled or generated; nothing is downloaded)."""
+
+    dataset: str = opt("digits", choices=DATASETS, help="scikit-learn bundled set, or a synthetic mixture.")
+    partition: str = opt("shards", choices=PARTITIONS,
+                         help="How training data is split across devices: iid, label shards, or Dirichlet.")
+    classes_per_device: int = opt(2, min=1, help="Label classes per device for partition = shards.")
+    alpha: float = opt(0.5, gt=0, help="Dirichlet concentration for partition = dirichlet (small = skewed).")
+    test_fraction: float = opt(0.2, gt=0, max=0.9, help="Held-out share evaluated by the coordinator.")
+    seed: int = opt(0, help="Seed of the train/test split and the partition.")
+    samples: int = opt(2000, min=10, help="synthetic: number of samples.")
+    features: int = opt(20, min=1, help="synthetic: number of features.")
+    classes: int = opt(4, min=2, help="synthetic: number of classes.")
+    separation: float = opt(2.0, gt=0, help="synthetic: distance between class means (larger = easier).")
+
+
+@dataclass(frozen=True)
+class TopologyConfig(Section):
+    """Cells and their devices: generated (cells x devices_per_cell) or listed in ``members``."""
+
+    cells: int = opt(2, min=1, max=26 * 26, help="Number of edge cells (named cell-a, cell-b, ...).")
+    devices_per_cell: int = opt(6, min=1, help="Devices per cell (named dev-00, dev-01, ...).")
+    members: dict[str, tuple[str, ...]] | None = opt(
+        None, help="Explicit cell -> device ids; overrides cells/devices_per_cell.")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.members is not None:
+            seen: set[str] = set()
+            for cell, devices in self.members.items():
+                try:
+                    check_id(cell, "cell")
+                    for d in devices:
+                        check_id(d, "device")
+                except Exception as exc:
+                    raise self.error(str(exc), f"members.{cell}", prefix=prefix, source=source) from None
+                if not devices:
+                    raise self.error("a cell needs at least one device", f"members.{cell}",
+                                     prefix=prefix, source=source)
+                dup = seen & set(devices)
+                if dup:
+                    raise self.error(f"devices in two cells: {sorted(dup)}", f"members.{cell}",
+                                     prefix=prefix, source=source)
+                seen |= set(devices)
+
+    def layout(self) -> dict[str, tuple[str, ...]]:
+        """cell id -> device ids."""
+        if self.members is not None:
+            return {c: tuple(d) for c, d in self.members.items()}
+        out: dict[str, tuple[str, ...]] = {}
+        width = max(2, len(str(self.cells * self.devices_per_cell - 1)))
+        for c in range(self.cells):
+            name = "cell-" + (chr(ord("a") + c) if self.cells <= 26 else f"{chr(ord('a') + c // 26)}"
+                                                                           f"{chr(ord('a') + c % 26)}")
+            out[name] = tuple(f"dev-{c * self.devices_per_cell + i:0{width}d}" for i in range(self.devices_per_cell))
+        return out
+
+
+@dataclass(frozen=True)
+class FedAvgSection(Section):
+    """Hierarchical FedAvg settings (see fedtier.algorithms.fedavg)."""
+
+    local_steps: int = opt(10, min=1, help="SGD steps per device per round.")
+    batch_size: int = opt(32, min=1, help="Minibatch size.")
+    lr: float = opt(0.05, min=0, help="SGD learning rate.")
+    weighting: str = opt("uniform", choices=("uniform", "samples"),
+                         help="Edge weights per device: 1 each, or by sample count.")
+    quorum: float = opt(1.0, gt=0, max=1, help="Share of members (and cells) enough after the deadline.")
+    deadline_s: float = opt(60.0, gt=0, help="Seconds before a round may close with a quorum.")
+
+    def algorithm_config(self, seed: int) -> FedAvgConfig:
+        return FedAvgConfig(local_steps=self.local_steps, batch_size=self.batch_size, lr=self.lr,
+                            weighting=self.weighting, quorum=self.quorum, deadline_s=self.deadline_s, seed=seed)
+
+
+@dataclass(frozen=True)
+class SimulationConfig(Section):
+    """In-process simulation knobs."""
+
+    threads: int = opt(1, min=1, help="onnxruntime intra-op threads of the shared session.")
+    max_payload: int = opt(0, min=0, help="Chunk messages above this many bytes (0 = no limit), "
+                                          "to exercise chunking as a broker limit would.")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.max_payload and self.max_payload < 4096:
+            raise self.error("must be 0 or at least 4096 (manifests are not chunked)", "max_payload",
+                             prefix=prefix, source=source)
+
+
+@dataclass(frozen=True)
+class RolloutConfig(Section):
+    """A training campaign (``fedtier coordinator run``, ``fedtier simulate``)."""
+
+    rollout: str = opt("default", check=node_id, help="Rollout id (appears in every topic).")
+    algorithm: str = opt("fedavg", choices=("fedavg",), help="Algorithm.")
+    rounds: int = opt(20, min=1, help="Global rounds.")
+    seed: int = opt(0, help="Rollout seed: names every RNG stream (minibatches, ...).")
+    state_dir: Path = opt(Path("fedtier-state"), help="Coordinator state: SQLite database and artifact store.")
+    metrics_file: Path | None = opt(None, help="Per-round metrics JSON (default <state_dir>/metrics.json).")
+    cloud_id: str = opt("cloud", check=node_id, help="The coordinator's node id.")
+    artifact_store: Path | None = opt(None, help="Content-addressed artifact store (default <state_dir>/artifacts).")
+    log_level: str = opt("info", choices=LOG_LEVELS, help="Logging level.")
+    metrics_port: int = opt(0, min=0, max=65535, help="Serve Prometheus /metrics on this port; 0 = off.")
+    model: ModelConfig = opt(default_factory=ModelConfig, help="Model.")
+    data: DataConfig = opt(default_factory=DataConfig, help="Data.")
+    topology: TopologyConfig = opt(default_factory=TopologyConfig, help="Cells and devices.")
+    fedavg: FedAvgSection = opt(default_factory=FedAvgSection, help="FedAvg settings.")
+    broker: BrokerConfig = opt(default_factory=BrokerConfig, help="Cloud broker (coordinator run).")
+    simulation: SimulationConfig = opt(default_factory=SimulationConfig, help="Simulator knobs.")
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.metrics_file if self.metrics_file is not None else self.state_dir / "metrics.json"
+
+    @property
+    def artifacts_path(self) -> Path:
+        return self.artifact_store if self.artifact_store is not None else self.state_dir / "artifacts"
+
+    def algorithm_config(self) -> FedAvgConfig:
+        return self.fedavg.algorithm_config(self.seed)

@@ -1,0 +1,281 @@
+"""``fedtier demo``: a whole hierarchy on this machine, as separate processes, over real MQTT.
+
+1. start a broker on a free port: Mosquitto when it is on PATH, else the embedded one;
+2. split scikit-learn's bundled ``digits`` non-iid (Dirichlet) across the devices and write
+   each device's ``.npz`` into its own data directory;
+3. write one config per node (coordinator, one edge per cell, one agent per device) and
+   start each with the real command: ``fedtier coordinator|edge|agent run --config ...``;
+4. follow the coordinator's metrics file: a line and a progress bar per round;
+5. stop every process it started — at the end, on error, or on Ctrl-C — and print the
+   summary: accuracy per round, bytes per tier, wall time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from cloud_coordinator.fleet import FleetPaths, write_fleet
+from cloud_coordinator.report import progress_bar, round_line
+
+READY_TIMEOUT_S = 15.0
+
+
+class DemoError(RuntimeError):
+    """The demo could not run (no broker, a process died, timeout). Carries where the logs are."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def default_artifact_store() -> Path:
+    """Artifacts are content-addressed, so every demo run can share one store (built once)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "fedtier" / "artifacts"
+
+
+def mosquitto_path() -> str | None:
+    return shutil.which("mosquitto") or next(
+        (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
+
+
+@dataclass
+class DemoOptions:
+    devices: int = 12
+    cells: int = 2
+    rounds: int = 30
+    broker: str = "auto"  # auto | mosquitto | embedded
+    algorithm: str = "fedavg"
+    local_steps: int = 20
+    lr: float = 0.1
+    batch_size: int = 32
+    hidden: int = 64
+    alpha: float = 0.5
+    seed: int = 0
+    workdir: Path | None = None
+    timeout_s: float = 600.0
+    max_packet_size: int = 0
+
+
+@dataclass
+class DemoResult:
+    rounds: list[dict[str, Any]]
+    wall_s: float
+    broker: str
+    workdir: Path
+    processes: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    role: str
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Demo:
+    """Plans, starts, follows and stops one demo run."""
+
+    def __init__(self, opts: DemoOptions, say: Callable[[str], None], progress: Callable[[str], None]) -> None:
+        if opts.devices < opts.cells or opts.cells < 1:
+            raise ValueError(f"need at least one device per cell (devices={opts.devices}, cells={opts.cells})")
+        self.opts = opts
+        self.say = say
+        self.progress = progress
+        self.procs: list[_Proc] = []
+        self._own_workdir = opts.workdir is None
+        self.workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="fedtier-demo-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.logs = self.workdir / "logs"
+        self.broker_kind = ""
+
+    # --- plan ----------------------------------------------------------------------------------------
+
+    def members(self) -> dict[str, list[str]]:
+        o = self.opts
+        width = max(2, len(str(o.devices - 1)))
+        devices = [f"dev-{i:0{width}d}" for i in range(o.devices)]
+        sizes = [o.devices // o.cells + (1 if c < o.devices % o.cells else 0) for c in range(o.cells)]
+        out, start = {}, 0
+        for c, size in enumerate(sizes):
+            out[f"cell-{chr(ord('a') + c) if o.cells <= 26 else c}"] = devices[start:start + size]
+            start += size
+        return out
+
+    def rollout_config(self) -> dict[str, Any]:
+        o = self.opts
+        return {
+            "rollout": "demo", "algorithm": o.algorithm, "rounds": o.rounds, "seed": o.seed,
+            "state_dir": str(self.workdir / "coordinator"), "artifact_store": str(default_artifact_store()),
+            "log_level": "info",
+            "model": {"kind": "mlp", "hidden": [o.hidden]},
+            "data": {"dataset": "digits", "partition": "dirichlet", "alpha": o.alpha, "seed": o.seed},
+            "topology": {"members": self.members()},
+            "fedavg": {"local_steps": o.local_steps, "lr": o.lr, "batch_size": o.batch_size, "deadline_s": 60.0},
+        }
+
+    def _broker_section(self, port: int) -> dict[str, Any]:
+        section: dict[str, Any] = {"host": "127.0.0.1", "port": port, "protocol": 5}
+        if self.opts.max_packet_size:
+            section["max_packet_size"] = self.opts.max_packet_size
+        return section
+
+    def write_configs(self, port: int) -> FleetPaths:
+        return write_fleet(self.rollout_config(), self.workdir, self._broker_section(port))
+
+    # --- processes ------------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, role: str, argv: list[str]) -> _Proc:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = self.logs / f"{name}.log"
+        fh = open(log, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Own session: a Ctrl-C in the terminal reaches only the demo, which then stops
+        # every child in order (and none is left behind if the demo itself is killed hard,
+        # since the children see their broker go away and we kill the groups on exit).
+        popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, env=env, cwd=self.workdir)
+        fh.close()
+        proc = _Proc(name, popen, log, role)
+        self.procs.append(proc)
+        return proc
+
+    def start_broker(self, port: int) -> None:
+        kind = self.opts.broker
+        mosq = mosquitto_path()
+        if kind == "mosquitto" and mosq is None:
+            raise DemoError("--broker mosquitto, but mosquitto is not installed (apt-get install mosquitto)")
+        if kind == "mosquitto" or (kind == "auto" and mosq is not None):
+            conf = self.workdir / "mosquitto.conf"
+            lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false",
+                     "log_dest stdout", "max_queued_messages 10000"]
+            if self.opts.max_packet_size:
+                lines.append(f"max_packet_size {self.opts.max_packet_size}")
+            conf.write_text("\n".join(lines) + "\n")
+            self.broker_kind = "mosquitto"
+            self._spawn("broker", "broker", [str(mosq), "-c", str(conf)])
+        else:
+            self.broker_kind = "embedded"
+            argv = [sys.executable, "-m", "fedtier", "broker", "run", "--port", str(port)]
+            if self.opts.max_packet_size:
+                argv += ["--max-packet-size", str(self.opts.max_packet_size)]
+            self._spawn("broker", "broker", argv)
+        if not wait_for_port(port, READY_TIMEOUT_S):
+            raise DemoError(f"the {self.broker_kind} broker did not open port {port}:\n{_tail(self.procs[-1].log)}")
+
+    def start_nodes(self, paths: FleetPaths) -> None:
+        fedtier = [sys.executable, "-m", "fedtier"]
+        self._spawn("coordinator", "coordinator", [*fedtier, "coordinator", "run", "--config", str(paths.coordinator)])
+        for cell, path in paths.edges.items():
+            self._spawn(f"edge-{cell}", "edge", [*fedtier, "edge", "run", "--config", str(path)])
+        for device, path in paths.devices.items():
+            self._spawn(device, "agent", [*fedtier, "agent", "run", "--config", str(path)])
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every child (devices first, broker last), then SIGKILL what remains."""
+        order = sorted(self.procs, key=lambda p: ["agent", "edge", "coordinator", "broker"].index(p.role))
+        for p in order:
+            if p.popen.poll() is None:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in order:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.popen.wait()
+
+    # --- run -----------------------------------------------------------------------------------------
+
+    def run(self) -> DemoResult:
+        started = time.perf_counter()
+        o = self.opts
+        ok = False
+        try:
+            port = free_port()
+            self.start_broker(port)
+            paths = self.write_configs(port)
+            self.say(f"fedtier demo: {o.devices} devices in {o.cells} cells, {o.rounds} rounds of {o.algorithm} on "
+                     f"digits (non-iid, Dirichlet alpha={o.alpha}); {self.broker_kind} broker on 127.0.0.1:{port}")
+            self.start_nodes(paths)
+            self.say(f"started {len(self.procs)} processes (logs: {self.logs})")
+            rows = self.follow(self.workdir / "coordinator" / "metrics.json", started)
+            ok = True
+            return DemoResult(rounds=rows, wall_s=time.perf_counter() - started, broker=self.broker_kind,
+                              workdir=self.workdir, processes=len(self.procs))
+        finally:
+            self.stop_all()
+            if ok and self._own_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def follow(self, metrics_path: Path, started: float) -> list[dict[str, Any]]:
+        """Wait for rounds to close, reporting each; return all rows once the rollout finished."""
+        import json
+
+        seen = 0
+        rows: list[dict[str, Any]] = []
+        mtime = 0.0
+        coordinator = next(p for p in self.procs if p.role == "coordinator")
+        while True:
+            if time.perf_counter() - started > self.opts.timeout_s:
+                raise DemoError(f"timed out after {self.opts.timeout_s:.0f}s at round {seen}/{self.opts.rounds}; "
+                                f"logs in {self.logs}")
+            for p in self.procs:
+                code = p.popen.poll()
+                if code is not None and not (p is coordinator and code == 0):
+                    raise DemoError(f"{p.name} exited with code {code}; last lines of {p.log}:\n{_tail(p.log)}")
+            finished = False
+            try:
+                m = metrics_path.stat().st_mtime
+            except FileNotFoundError:
+                m = 0.0
+            if m and m != mtime:
+                mtime = m
+                doc = json.loads(metrics_path.read_text())
+                rows = doc["rounds"]
+                finished = bool(doc.get("finished"))
+                for row in rows[seen:]:
+                    self.say(round_line(row, self.opts.rounds))
+                seen = len(rows)
+            self.progress(f"{progress_bar(seen, self.opts.rounds)}  {time.perf_counter() - started:5.1f}s")
+            if finished or (coordinator.popen.poll() == 0 and seen >= self.opts.rounds):
+                return rows
+            time.sleep(0.1)

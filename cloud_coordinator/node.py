@@ -1,0 +1,258 @@
+"""The cloud node: hosts the cloud role of a rollout, persists rounds, evaluates, serves artifacts.
+
+Start (or restart):
+
+1. subscribe to every cell's uplink and to presence;
+2. publish the rollout's manifest (retained; a restart republishes the stored one);
+3. resume from the store: the newest model version and the round after it; replay the
+   cell updates accepted in the open round;
+4. open the round (tasks to every cell). A cell whose edge comes online while it still
+   owes the round gets its task again.
+
+Each closed round is evaluated on the held-out set with the ORT eval model, committed to
+SQLite together with its model version, and appended to the metrics file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from cloud_coordinator.rollout import PreparedRollout
+from cloud_coordinator.store import CoordinatorStore
+from fedtier import algorithms, messages, topics
+from fedtier.algorithms.base import Action, Dropped, Finished, RoundClosed, SendToChild
+from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
+from fedtier.manifest import Manifest
+from fedtier.messages import ArtifactBlob, ArtifactRequest, CellUpdate
+from fedtier.metrics import Metrics
+from fedtier.node import ACCEPTED, NodeBase
+from fedtier.trainer import EvalResult
+from fedtier.transport.base import Inbound, Transport
+
+log = logging.getLogger("fedtier.coordinator")
+
+
+class Evaluator(Protocol):
+    def __call__(self, params: dict[str, Any]) -> EvalResult: ...
+
+
+class OrtEvaluator:
+    """Evaluates global parameters on the held-out set with the bundle's ORT eval model."""
+
+    def __init__(self, prepared: PreparedRollout, threads: int = 1) -> None:
+        from device_agent.trainers import make_trainer
+
+        self.trainer = make_trainer("ort", prepared.bundle, threads=threads)
+        x, self.y = prepared.data.test
+        self.x = x.reshape((len(x), *prepared.arch.input_shape))
+
+    def __call__(self, params: dict[str, Any]) -> EvalResult:
+        self.trainer.set_parameters(params)
+        return self.trainer.evaluate(self.x, self.y)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(obj, fh, indent=1, default=float)
+    os.replace(tmp, path)
+
+
+class CloudNode(NodeBase):
+    """The coordinator of one rollout over ``transport``."""
+
+    def __init__(self, *, prepared: PreparedRollout, transport: Transport, store: CoordinatorStore,
+                 evaluator: Evaluator | None, metrics: Metrics | None = None,
+                 on_round: Callable[[dict[str, Any]], None] | None = None,
+                 wall_clock: Callable[[], float] = time.time, max_message_bytes: int = 256 << 20) -> None:
+        cfg = prepared.config
+        super().__init__(cfg.cloud_id, metrics or Metrics(node=cfg.cloud_id, role="cloud"), log, max_message_bytes)
+        self.prepared = prepared
+        self.cfg = cfg
+        self.rollout = cfg.rollout
+        self.tx = transport
+        self.store = store
+        self.evaluator = evaluator
+        self.on_round = on_round
+        self.wall_clock = wall_clock
+        self.role: Any = None
+        self.manifest: Manifest = prepared.manifest
+        self.history: list[dict[str, Any]] = []
+        self.finished = False
+        self._presence: dict[str, float] = {}
+        self._round_bytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._started_at = wall_clock()
+        self._last_close = self._started_at
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, now: float) -> None:
+        self.tx.subscribe(topics.edge_up_filter())
+        self.tx.subscribe(topics.ALL_STATUS)
+        stored = self.store.manifest(self.rollout)
+        if stored is not None:
+            self.manifest = Manifest.decode(stored)
+        self.store.ensure_rollout(self.rollout, self.cfg.to_dict(), self.manifest.encode())
+        self.tx.publish(topics.manifest(self.rollout), self.manifest.encode(), retain=True)
+        self.history = self.store.rounds(self.rollout)
+
+        latest = self.store.latest_model(self.rollout)
+        if latest is None:
+            self.store.save_initial_model(self.rollout, self.prepared.initial_params)
+            params, start_round, version = dict(self.prepared.initial_params), 0, 0
+        else:
+            params, start_round, version = latest.params, latest.round + 1, latest.version
+            log.info("resuming rollout %s at round %d from model version %d", self.rollout, start_round, version)
+        module = algorithms.load(self.cfg.algorithm)
+        self.role = module.Cloud(rollout=self.rollout, cells=self.prepared.cells, initial_params=params,
+                                 config=self.cfg.algorithm_config(), rounds=self.cfg.rounds,
+                                 cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version)
+        self._execute(self.role.start(now), now)
+        for payload in self.store.inputs(self.rollout):
+            msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
+            self._on_update(payload, msg, now, replay=True)
+
+    def tick(self, now: float) -> None:
+        if self.role is not None and not self.finished:
+            self._execute(self.role.tick(now), now)
+
+    # --- inbound --------------------------------------------------------------------------------
+
+    def handle(self, inbound: Inbound, now: float) -> None:
+        parsed = topics.parse(inbound.topic)
+        if parsed is None:
+            self.reject(inbound, UnexpectedMessageError(f"topic {inbound.topic!r} is not in the fedtier tree"))
+            return
+        if parsed.channel == "status":
+            self._on_status(inbound, parsed, now)
+            return
+        if parsed.channel != "edge_up":
+            return
+        if parsed.rollout != self.rollout:
+            self.reject(inbound, UnexpectedMessageError(f"message for rollout {parsed.rollout!r}"))
+            return
+        msg = self.decode_inbound(inbound, parsed)
+        if msg is None:
+            return
+        try:
+            if isinstance(msg, CellUpdate):
+                self._on_update(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
+            elif isinstance(msg, ArtifactRequest):
+                self._serve_artifacts(msg)
+            else:
+                raise UnexpectedMessageError(f"coordinator does not accept {msg.KIND}")
+        except RemoteProtocolError as exc:
+            self.reject(inbound, exc)
+
+    def _on_update(self, payload: bytes, msg: messages.Message, now: float, replay: bool = False,
+                   wire_bytes: int | None = None) -> None:
+        actions = self.role.receive(msg, now)
+        duplicate = any(isinstance(a, Dropped) and a.key == msg.key for a in actions)
+        if not duplicate:
+            if not replay:
+                self.store.record_input(self.rollout, msg.round, msg.key, payload)
+                self.metrics.inc(ACCEPTED, kind=msg.KIND)
+            self._round_bytes[msg.round]["edge_up_bytes"] += len(payload) if wire_bytes is None else wire_bytes
+        self._execute(actions, now)
+
+    def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
+        node = parsed.device
+        try:
+            doc = json.loads(inbound.payload.decode()) if inbound.payload else {}
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return
+        if not isinstance(doc, dict) or doc.get("state") != "online" or node not in self.prepared.cells:
+            return
+        since = doc.get("since")
+        since = float(since) if isinstance(since, (int, float)) and math.isfinite(since) else 0.0
+        if self._presence.get(node) == since:
+            return
+        self._presence[node] = since
+        if self.role is not None and not self.finished:
+            self._execute(self.role.resend(node, now), now)
+
+    def _serve_artifacts(self, req: ArtifactRequest) -> None:
+        files = {f.sha256: f for f in self.prepared.bundle.files.values()}
+        unknown = [d for d in req.digests if d not in files]
+        if unknown:
+            raise UnexpectedMessageError(f"request for artifacts not in the manifest: {unknown}")
+        for sha in req.digests:
+            entry = files[sha]
+            role = next(r for r, f in self.prepared.bundle.files.items() if f.sha256 == sha)
+            data = self.prepared.bundle.path(role).read_bytes()
+            blob = ArtifactBlob(rollout=self.rollout, round=0, sender=self.cfg.cloud_id, sha256=sha,
+                                name=entry.filename, data=data)
+            self.tx.publish(topics.cloud_down(self.rollout, req.sender, blob.KIND), blob.encode())
+        log.info("served %d artifact file(s) to %s", len(req.digests), req.sender)
+
+    # --- actions --------------------------------------------------------------------------------
+
+    def _execute(self, actions: Sequence[Action], now: float) -> None:
+        self.diagnostics(actions)
+        for action in actions:
+            if isinstance(action, SendToChild):
+                payload = action.message.encode()
+                sent = self.tx.publish(topics.cloud_down(self.rollout, action.child, action.message.KIND), payload)
+                self._round_bytes[action.message.round]["cloud_down_bytes"] += sent or len(payload)
+            elif isinstance(action, RoundClosed):
+                self._close(action)
+            elif isinstance(action, Finished):
+                self.finished = True
+                self.store.set_status(self.rollout, "finished")
+                self.write_metrics()
+                log.info("rollout %s finished after %d rounds", self.rollout, action.rounds)
+
+    def _close(self, closed: RoundClosed) -> None:
+        result = self.evaluator(dict(closed.params)) if self.evaluator is not None else None
+        wall = self.wall_clock()
+        cells = closed.metrics.get("cells", {})
+        traffic = self._round_bytes.pop(closed.round, {})
+        row: dict[str, Any] = {
+            "round": closed.round,
+            "accuracy": result.accuracy if result else None,
+            "loss": result.loss if result else None,
+            "train_loss": closed.metrics.get("train_loss"),
+            "model_version": closed.metrics.get("model_version"),
+            "devices_reported": sum(len(r) for r in closed.reported.values()),
+            "missing": list(closed.missing),
+            "bytes": {
+                "device_up": sum(int(c.get("device_up_bytes", 0)) for c in cells.values()),
+                "device_down": sum(int(c.get("device_down_bytes", 0)) for c in cells.values()),
+                "edge_up": int(traffic.get("edge_up_bytes", 0)),
+                "cloud_down": int(traffic.get("cloud_down_bytes", 0)),
+            },
+            "round_s": wall - self._last_close,
+            "elapsed_s": wall - self._started_at,
+        }
+        self._last_close = wall
+        self.store.commit_round(self.rollout, closed.round, int(closed.metrics.get("model_version", 0)),
+                                closed.params, row["accuracy"], row["loss"], row)
+        self.history.append(row)
+        self.metrics.set("fedtier_round", closed.round)
+        if result is not None:
+            self.metrics.set("fedtier_accuracy", result.accuracy)
+        log.info("round %d closed: accuracy %s loss %s (%d devices)", closed.round,
+                 f"{result.accuracy:.4f}" if result else "-", f"{result.loss:.4f}" if result else "-",
+                 row["devices_reported"])
+        self.write_metrics()
+        if self.on_round is not None:
+            self.on_round(row)
+
+    def write_metrics(self) -> None:
+        write_json_atomic(self.cfg.metrics_path, {
+            "rollout": self.rollout, "algorithm": self.cfg.algorithm, "rounds_planned": self.cfg.rounds,
+            "finished": self.finished, "rounds": self.history,
+        })
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.role.params)

@@ -1,0 +1,25 @@
+"""``device.toml``: the configuration of one device agent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedtier.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
+
+
+@dataclass(frozen=True)
+class DeviceConfig(Section):
+    """One device: who it is, which cell it belongs to, where its data and state live."""
+
+    device_id: str = opt(help="This device's node id (= MQTT client id; = certificate CN with TLS).",
+                         check=node_id)
+    cell: str = opt(help="The cell (edge) this device belongs to.", check=node_id)
+    data_dir: Path = opt(help="Directory of .npz (arrays x, y) or .csv (label last) files with local data.")
+    state_dir: Path = opt(help="Directory for the outbox (SQLite) and downloaded artifacts.")
+    trainer: str = opt("ort", choices=("ort", "torch"),
+                       help="Training backend: onnxruntime-training, or torch for boards without an ORT wheel.")
+    threads: int = opt(1, min=1, max=64, help="Threads for local training.")
+    broker: BrokerConfig = opt(default_factory=BrokerConfig, help="The cell broker (on the gateway).")
+    max_message_mb: float = opt(64.0, gt=0, help="Refuse messages (after reassembly) larger than this.")
+    log_level: str = opt("info", choices=LOG_LEVELS, help="Logging level.")

@@ -1,0 +1,253 @@
+"""The device node: hosts a device role with a trainer, local data and an outbox.
+
+Flow for one rollout:
+
+1. the cell's retained manifest arrives -> the device lists the artifact files it lacks
+   and asks its edge for them (``artifact_request``), re-asking every few seconds;
+2. each ``artifact`` is verified against its sha256 and cached; once all are present the
+   bundle is assembled, verified again as a whole, and a trainer is built from it;
+3. a ``device_task`` (broadcast, or on the device's own catch-up topic) goes to the role;
+   a task that arrives before the trainer is ready waits (only the newest is kept);
+4. the role's ``LocalTrain`` runs on the trainer with minibatches drawn from the named
+   RNG stream; the resulting ``device_update`` is written to the outbox, then published,
+   and deleted from the outbox when the broker acknowledges it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from fedtier import aggregate, algorithms, rng, topics
+from fedtier.algorithms.base import Action, LocalResult, LocalTrain, SendToParent
+from fedtier.artifact_cache import ArtifactCache
+from fedtier.batching import minibatch_indices
+from fedtier.bundle import ArtifactBundle
+from fedtier.errors import ArtifactError, RemoteProtocolError, UnexpectedMessageError
+from fedtier.manifest import Manifest
+from fedtier.messages import ArtifactBlob, ArtifactRequest, DeviceTask
+from fedtier.metrics import Metrics
+from fedtier.node import NodeBase
+from fedtier.trainer import Trainer
+from fedtier.transport.base import Inbound, Transport
+
+from device_agent.data import LocalData
+from device_agent.state import DeviceState
+
+log = logging.getLogger("fedtier.agent")
+
+ARTIFACT_RETRY_S = 5.0
+TrainerProvider = Callable[[ArtifactBundle], Trainer]
+
+
+class DeviceNode(NodeBase):
+    """Device ``device_id`` of cell ``cell``; transport-agnostic (MQTT, or memory in simulation)."""
+
+    def __init__(self, *, device_id: str, cell: str, transport: Transport, data: LocalData,
+                 trainer_provider: TrainerProvider, state: DeviceState, cache: ArtifactCache, bundles_dir: Path,
+                 metrics: Metrics | None = None, max_message_bytes: int = 64 << 20) -> None:
+        super().__init__(device_id, metrics or Metrics(node=device_id, role="device"), log, max_message_bytes)
+        self.device_id = device_id
+        self.cell = cell
+        self.tx = transport
+        self.data = data
+        self.trainer_provider = trainer_provider
+        self.state = state
+        self.cache = cache
+        self.bundles_dir = Path(bundles_dir)
+        self.manifests: dict[str, Manifest] = {}
+        self.trainers: dict[str, Trainer] = {}
+        self.roles: dict[str, Any] = {}
+        self._pending_task: dict[str, DeviceTask] = {}
+        self._asked: dict[str, float] = {}
+        self.rounds_done = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self, now: float) -> None:
+        self.tx.subscribe(topics.cell_down_filter(self.cell))
+        pending = self.state.pending()
+        for key, topic, payload in pending:
+            self._publish_update(key, topic, payload)
+        if pending:
+            log.info("resent %d unacknowledged update(s) from the outbox", len(pending))
+
+    def tick(self, now: float) -> None:
+        for rollout in list(self.manifests):
+            if rollout not in self.trainers:
+                self._ensure_ready(rollout, now)
+        for role in self.roles.values():
+            self._execute(role.tick(now), now)
+
+    # --- inbound -------------------------------------------------------------------------------------
+
+    def handle(self, inbound: Inbound, now: float) -> None:
+        parsed = topics.parse(inbound.topic)
+        if parsed is None or parsed.channel not in ("cell_manifest", "cell_down"):
+            return  # not for us (our own uplink echo, other channels)
+        if parsed.channel == "cell_manifest":
+            self._on_manifest(inbound, parsed, now)
+            return
+        if parsed.device is not None and parsed.device != self.device_id:
+            return  # another device's catch-up message
+        msg = self.decode_inbound(inbound, parsed)
+        if msg is None:
+            return
+        try:
+            if isinstance(msg, DeviceTask):
+                self._on_task(msg, now)
+            elif isinstance(msg, ArtifactBlob):
+                self._on_artifact(msg, now)
+            elif isinstance(msg, ArtifactRequest):
+                return  # another device's request echoed on a shared broker
+            else:
+                raise UnexpectedMessageError(f"device does not accept {msg.KIND}")
+        except RemoteProtocolError as exc:
+            self.reject(inbound, exc)
+
+    def _on_manifest(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
+        if not inbound.payload:
+            return
+        try:
+            manifest = Manifest.decode(inbound.payload)
+            if manifest.rollout != parsed.rollout:
+                raise UnexpectedMessageError("manifest rollout differs from its topic")
+        except RemoteProtocolError as exc:
+            self.reject(inbound, exc)
+            return
+        if self.device_id not in manifest.cells.get(self.cell, ()):
+            log.info("manifest of rollout %s does not include %s; ignoring", manifest.rollout, self.device_id)
+            return
+        known = self.manifests.get(manifest.rollout)
+        if known is not None and manifest.version <= known.version:
+            return
+        self.manifests[manifest.rollout] = manifest
+        self.trainers.pop(manifest.rollout, None)
+        log.info("manifest v%d of rollout %s (%s, bundle %s)", manifest.version, manifest.rollout,
+                 manifest.algorithm, str(manifest.bundle.get("bundle_id", ""))[:12])
+        self._ensure_ready(manifest.rollout, now)
+
+    def _on_task(self, task: DeviceTask, now: float) -> None:
+        if task.rollout not in self.trainers:
+            self._pending_task[task.rollout] = task  # keep the newest until artifacts are in
+            return
+        self._run_task(task, now)
+
+    def _on_artifact(self, blob: ArtifactBlob, now: float) -> None:
+        manifest = self.manifests.get(blob.rollout)
+        if manifest is None or blob.sha256 not in manifest.artifact_digests.values():
+            return  # not something we asked for (another device's download on the shared downlink)
+        if not self.cache.has(blob.sha256):
+            self.cache.put(blob.sha256, blob.data)  # ShaMismatchError if the bytes are wrong
+        self._ensure_ready(blob.rollout, now)
+
+    # --- artifacts -> trainer ---------------------------------------------------------------------------
+
+    def _ensure_ready(self, rollout: str, now: float) -> None:
+        manifest = self.manifests[rollout]
+        missing = sorted({sha for sha in manifest.artifact_digests.values() if not self.cache.has(sha)})
+        if missing:
+            asked = self._asked.get(rollout, -math.inf)
+            if now - asked >= ARTIFACT_RETRY_S:
+                self._asked[rollout] = now
+                req = ArtifactRequest(rollout=rollout, round=0, sender=self.device_id, digests=tuple(missing))
+                self.tx.publish(topics.cell_up(rollout, self.cell, self.device_id, req.KIND), req.encode())
+                log.info("requested %d artifact file(s) of rollout %s", len(missing), rollout)
+            return
+        try:
+            bundle = self._assemble(manifest)
+            self._shape_data(bundle.arch.input_shape)
+            self.trainers[rollout] = self.trainer_provider(bundle)
+        except ArtifactError as exc:
+            log.error("cannot load artifacts of rollout %s: %s", rollout, exc)
+            return
+        log.info("artifacts of rollout %s ready; trainer loaded", rollout)
+        task = self._pending_task.pop(rollout, None)
+        if task is not None:
+            self._run_task(task, now)
+
+    def _shape_data(self, input_shape: tuple[int, ...]) -> None:
+        """Lay flat feature rows out as the model's example shape (e.g. channels x length)."""
+        x = self.data.x
+        if x.shape[1:] == input_shape:
+            return
+        if int(np.prod(x.shape[1:])) != int(np.prod(input_shape)):
+            raise ArtifactError(f"local examples have shape {x.shape[1:]}, the model takes {input_shape}")
+        self.data = LocalData(x=np.ascontiguousarray(x.reshape((len(x), *input_shape))), y=self.data.y)
+
+    def _assemble(self, manifest: Manifest) -> ArtifactBundle:
+        """Lay the cached files out as a bundle directory and verify it as a whole."""
+        descriptor = ArtifactBundle.from_json(manifest.bundle)
+        directory = self.bundles_dir / descriptor.bundle_id
+        directory.mkdir(parents=True, exist_ok=True)
+        for entry in descriptor.files.values():
+            target = directory / entry.filename
+            if not target.exists():
+                source = self.cache.path(entry.sha256)
+                try:
+                    os.link(source, target)
+                except OSError:
+                    shutil.copyfile(source, target)
+        bundle = ArtifactBundle.from_json(manifest.bundle, directory=directory)
+        bundle.save()
+        return ArtifactBundle.load(directory, verify=True)
+
+    # --- the round ------------------------------------------------------------------------------------
+
+    def _role(self, task: DeviceTask) -> Any:
+        role = self.roles.get(task.rollout)
+        if role is None:
+            module = algorithms.load(str(task.config.get("algorithm", "")))
+            role = module.Device(device_id=self.device_id, cell=self.cell, rollout=task.rollout,
+                                 last_round=self.state.last_round(task.rollout))
+            self.roles[task.rollout] = role
+        return role
+
+    def _run_task(self, task: DeviceTask, now: float) -> None:
+        role = self._role(task)
+        self._execute(role.receive(task, now), now, rollout=task.rollout)
+
+    def _execute(self, actions: Sequence[Action], now: float, rollout: str | None = None) -> None:
+        self.diagnostics(actions)
+        for action in actions:
+            if isinstance(action, LocalTrain):
+                assert rollout is not None
+                result = self.train(self.trainers[rollout], action)
+                self._execute(self.roles[rollout].trained(action.round, result), now, rollout)
+            elif isinstance(action, SendToParent):
+                msg = action.message
+                topic = topics.cell_up(msg.rollout, self.cell, self.device_id, msg.KIND)
+                payload = msg.encode()
+                self.state.put_update(msg.key, topic, payload, msg.rollout, msg.round, now)
+                self._publish_update(msg.key, topic, payload)
+                self.rounds_done += 1
+                log.info("round %d of %s: update sent (%d bytes, loss %.4f)", msg.round, msg.rollout, len(payload),
+                         getattr(msg, "train_loss", float("nan")))
+
+    def train(self, trainer: Trainer, request: LocalTrain) -> LocalResult:
+        """Execute a ``LocalTrain`` request: set params, run the steps, return the change."""
+        trainer.set_parameters(request.params)
+        gen = rng.stream(*request.stream)
+        batches = [(self.data.x[idx], self.data.y[idx])
+                   for idx in minibatch_indices(len(self.data), request.batch_size, request.steps, gen)]
+        stats = trainer.train_steps(batches, request.lr)
+        delta = aggregate.subtract(trainer.get_parameters(), request.params)
+        return LocalResult(delta=delta, num_samples=len(self.data), mean_loss=stats.mean_loss, steps=stats.steps)
+
+    def _publish_update(self, key: str, topic: str, payload: bytes) -> None:
+        def done(ok: bool) -> None:
+            if ok:
+                self.state.delete(key)
+            else:
+                # Refused by the broker (e.g. ACL): retrying cannot help. Logged by the transport.
+                log.error("update %s was refused by the broker; dropping it from the outbox", key)
+                self.state.delete(key)
+
+        self.tx.publish(topic, payload, on_done=done)
+

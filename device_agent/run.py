@@ -1,0 +1,47 @@
+"""``fedtier agent run``: build a device node over MQTT from ``device.toml`` and run it."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from device_agent.config import DeviceConfig
+from device_agent.data import load_data_dir
+from device_agent.node import DeviceNode
+from device_agent.state import DeviceState
+from fedtier import service
+from fedtier.artifact_cache import ArtifactCache
+from fedtier.bundle import ArtifactBundle
+from fedtier.trainer import Trainer
+from fedtier.transport import mqtt
+
+log = logging.getLogger("fedtier.agent")
+
+
+def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Queue"]:
+    """The node and its connection, not yet started (tests drive these directly)."""
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    data = load_data_dir(cfg.data_dir)
+    inbox: queue.Queue = queue.Queue()
+    max_bytes = int(cfg.max_message_mb * (1 << 20))
+    tx = mqtt.from_config(cfg.broker, name="cell", client_id=cfg.device_id, inbox=inbox,
+                          status={"node": cfg.device_id, "role": "device", "cell": cfg.cell},
+                          max_message_bytes=max_bytes)
+
+    def provider(bundle: ArtifactBundle) -> Trainer:
+        from device_agent.trainers import make_trainer  # the torch backend imports torch only if chosen
+
+        return make_trainer(cfg.trainer, bundle, threads=cfg.threads)
+
+    node = DeviceNode(device_id=cfg.device_id, cell=cfg.cell, transport=tx, data=data, trainer_provider=provider,
+                      state=DeviceState(cfg.state_dir / "agent.db"), cache=ArtifactCache(cfg.state_dir / "artifacts"),
+                      bundles_dir=cfg.state_dir / "bundles", max_message_bytes=max_bytes)
+    return node, tx, inbox
+
+
+def run(cfg: DeviceConfig, stop: threading.Event | None = None) -> int:
+    node, tx, inbox = build(cfg)
+    log.info("device %s of cell %s: %d local samples; broker %s:%d", cfg.device_id, cfg.cell, len(node.data),
+             cfg.broker.host, cfg.broker.port)
+    return service.run(node, [tx], inbox, start=node.start, stop=stop)

@@ -1,0 +1,33 @@
+"""``fedtier edge``: the gateway's commands. Imports neither torch nor onnxruntime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def edge() -> None:
+    """Edge service: aggregates one cell's devices each round and forwards to the cloud."""
+
+
+@edge.command("run")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="edge.toml (see docs/configuration.md).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
+              help="Override the config's log level.")
+def run_cmd(config_path: Path, log_level: str | None) -> None:
+    """Run the edge of a cell until stopped (SIGINT/SIGTERM).
+
+    Round state is kept in SQLite: a restarted edge resumes the open round with every
+    update it had accepted.
+    """
+    from edge_broker.config import EdgeConfig
+    from edge_broker.run import run
+    from fedtier import logs
+    from fedtier.config import load
+
+    cfg = load(EdgeConfig, config_path)
+    logs.setup(log_level or cfg.log_level, node=cfg.cell)
+    raise SystemExit(run(cfg))

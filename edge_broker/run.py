@@ -1,0 +1,46 @@
+"""``fedtier edge run``: build the edge node over two MQTT connections from ``edge.toml`` and run it."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from edge_broker.config import EdgeConfig
+from edge_broker.service import EdgeNode
+from edge_broker.store import EdgeStore
+from fedtier import service
+from fedtier.artifact_cache import ArtifactCache
+from fedtier.chunking import SqliteChunkStore
+from fedtier.metrics import Metrics
+from fedtier.transport import mqtt
+
+log = logging.getLogger("fedtier.edge")
+
+
+def build(cfg: EdgeConfig) -> tuple[EdgeNode, list[mqtt.MqttTransport], "queue.Queue"]:
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    inbox: queue.Queue = queue.Queue()
+    max_bytes = int(cfg.max_message_mb * (1 << 20))
+    # Chunks are acknowledged as soon as they are stored, so they are stored durably.
+    cell_tx = mqtt.from_config(cfg.cell_broker, name="cell", client_id=cfg.cell, inbox=inbox,
+                               chunk_store=SqliteChunkStore(str(cfg.state_dir / "chunks-cell.db")),
+                               max_message_bytes=max_bytes)
+    cloud_tx = mqtt.from_config(cfg.cloud_broker, name="cloud", client_id=f"{cfg.cell}.up", inbox=inbox,
+                                status={"node": cfg.cell, "role": "edge", "cell": cfg.cell},
+                                chunk_store=SqliteChunkStore(str(cfg.state_dir / "chunks-cloud.db")),
+                                max_message_bytes=max_bytes)
+    node = EdgeNode(cell=cfg.cell, cell_transport=cell_tx, cloud_transport=cloud_tx,
+                    store=EdgeStore(cfg.state_dir / "edge.db"), cache=ArtifactCache(cfg.state_dir / "artifacts"),
+                    parent=cfg.parent, metrics=Metrics(node=cfg.cell, role="edge"), max_message_bytes=max_bytes)
+    return node, [cell_tx, cloud_tx], inbox
+
+
+def run(cfg: EdgeConfig, stop: threading.Event | None = None) -> int:
+    node, transports, inbox = build(cfg)
+    if cfg.metrics_port:
+        node.metrics.serve(cfg.metrics_port)
+        log.info("metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
+    log.info("edge of cell %s: cell broker %s:%d, cloud broker %s:%d", cfg.cell, cfg.cell_broker.host,
+             cfg.cell_broker.port, cfg.cloud_broker.host, cfg.cloud_broker.port)
+    return service.run(node, transports, inbox, start=node.start, stop=stop)

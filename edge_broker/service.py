@@ -1,0 +1,261 @@
+"""The edge service: hosts the edge role of one cell between its cell broker and the cloud.
+
+Per inbound message (on the node's single thread, see ``fedtier.node.run_loop``):
+
+* cloud ``manifest``      -> validate, keep the newest version, relay (retained) to the cell,
+                             prefetch the artifacts it lists;
+* cloud ``cell_task``     -> role; the accepted task is recorded; the role's device task is
+                             broadcast to the cell;
+* cloud ``artifact``      -> verify, cache, relay to the cell;
+* device ``device_update``-> role; the accepted update is recorded before it is acknowledged;
+                             when the role closes the cell, the cell update goes to the cloud;
+* device ``artifact_request`` -> serve from the cache, or ask the cloud;
+* ``status`` (presence)   -> a member that comes online and still owes an update gets the
+                             open round's task on its own topic.
+
+Every rejection is logged with its typed reason and counted (``fedtier_rejected_total``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections import defaultdict
+from typing import Any, Sequence
+
+from fedtier import algorithms, messages, topics
+from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, SendToParent
+from fedtier.artifact_cache import ArtifactCache
+from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
+from fedtier.manifest import Manifest
+from fedtier.messages import ArtifactBlob, ArtifactRequest, CellTask, DeviceUpdate, Message
+from fedtier.metrics import Metrics
+from fedtier.node import ACCEPTED, NodeBase
+from fedtier.transport.base import Inbound, Transport
+
+from edge_broker.store import EdgeStore
+
+log = logging.getLogger("fedtier.edge")
+
+ARTIFACT_REREQUEST_S = 5.0
+
+
+class EdgeNode(NodeBase):
+    """The edge of cell ``cell``. Transport-agnostic: MQTT in deployment, memory in simulation."""
+
+    def __init__(self, *, cell: str, cell_transport: Transport, cloud_transport: Transport, store: EdgeStore,
+                 cache: ArtifactCache, parent: str = "cloud", metrics: Metrics | None = None,
+                 max_message_bytes: int = 64 << 20) -> None:
+        super().__init__(cell, metrics or Metrics(node=cell, role="edge"), log, max_message_bytes)
+        self.cell = cell
+        self.parent = parent
+        self.cell_tx = cell_transport
+        self.cloud_tx = cloud_transport
+        self.store = store
+        self.cache = cache
+        self.roles: dict[str, Any] = {}
+        self.manifests: dict[str, Manifest] = {}
+        self._presence: dict[str, float] = {}
+        self._requested: dict[str, float] = {}
+        self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self, now: float) -> None:
+        """Subscribe, then rebuild the open round from the store (after a restart)."""
+        self.cloud_tx.subscribe(topics.ALL_MANIFESTS)
+        self.cloud_tx.subscribe(topics.cloud_down_filter(self.cell))
+        self.cell_tx.subscribe(topics.cell_up_filter(self.cell))
+        self.cell_tx.subscribe(topics.ALL_STATUS)
+        for rollout, (_, payload) in self.store.manifests().items():
+            try:
+                self.manifests[rollout] = Manifest.decode(payload)
+            except RemoteProtocolError:
+                log.warning("ignoring unreadable stored manifest of %s", rollout)
+        replayed = 0
+        for _rollout, payload in self.store.inputs():
+            msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
+            assert isinstance(msg, (CellTask, DeviceUpdate))
+            self._on_round_message(payload, msg, now, replay=True)
+            replayed += 1
+        if replayed:
+            log.info("resumed from state: replayed %d accepted messages (%s)", replayed,
+                     ", ".join(f"{r}: round {role.round}, {len(role.reported)} updates"
+                               for r, role in self.roles.items()))
+
+    def tick(self, now: float) -> None:
+        for rollout, role in list(self.roles.items()):
+            self._execute(rollout, role.tick(now))
+
+    # --- inbound ---------------------------------------------------------------------------------
+
+    def handle(self, inbound: Inbound, now: float) -> None:
+        parsed = topics.parse(inbound.topic)
+        if parsed is None:
+            self.reject(inbound, UnexpectedMessageError(f"topic {inbound.topic!r} is not in the fedtier tree"))
+            return
+        if parsed.channel == "status":
+            self._on_status(inbound, parsed, now)
+        elif parsed.channel == "manifest":
+            self._on_manifest(inbound, parsed)
+        elif parsed.channel in ("cloud_down", "cell_up"):
+            msg = self.decode_inbound(inbound, parsed)
+            if msg is not None:
+                self._on_message(inbound, msg, now)
+        # Our own downlink echoes and other channels are not for us.
+
+    def _on_message(self, inbound: Inbound, msg: Message, now: float) -> None:
+        try:
+            if isinstance(msg, ArtifactBlob):
+                self._on_artifact(msg)
+            elif isinstance(msg, ArtifactRequest):
+                self._on_artifact_request(msg, now)
+            elif isinstance(msg, (CellTask, DeviceUpdate)):
+                self._on_round_message(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
+            else:
+                raise UnexpectedMessageError(f"edge does not accept {msg.KIND}")
+        except RemoteProtocolError as exc:
+            self.reject(inbound, exc)
+
+    def _role_for(self, msg: Message) -> Any:
+        role = self.roles.get(msg.rollout)
+        if role is None:
+            if not isinstance(msg, CellTask):
+                raise UnexpectedMessageError(f"no open round of rollout {msg.rollout!r}")
+            module = algorithms.load(str(msg.config.get("algorithm", "")))
+            role = module.Edge(cell=self.cell, rollout=msg.rollout, parent=self.parent)
+            self.roles[msg.rollout] = role
+        return role
+
+    def _on_round_message(self, payload: bytes, msg: CellTask | DeviceUpdate, now: float,
+                          replay: bool = False, wire_bytes: int | None = None) -> None:
+        if isinstance(msg, CellTask) and msg.sender != self.parent:
+            raise UnexpectedMessageError(f"cell task from {msg.sender!r}, not from parent {self.parent!r}")
+        role = self._role_for(msg)
+        actions = role.receive(msg, now)
+        duplicate = any(isinstance(a, Dropped) and a.key == msg.key for a in actions)
+        if not duplicate:
+            if not replay:
+                # Accepted: make it durable before the broker is acknowledged (run_loop confirms
+                # only after this returns), so a crash from here on loses nothing.
+                self.store.record(msg.rollout, msg.round, msg.KIND, msg.key, payload)
+                if isinstance(msg, CellTask):
+                    self.store.prune(msg.rollout, msg.round)
+                self.metrics.inc(ACCEPTED, kind=msg.KIND)
+            if isinstance(msg, DeviceUpdate):
+                self._round_bytes[(msg.rollout, msg.round)]["device_up_bytes"] += (
+                    len(payload) if wire_bytes is None else wire_bytes)
+        self._execute(msg.rollout, actions)
+
+    def _execute(self, rollout: str, actions: Sequence[Action]) -> None:
+        self.diagnostics(actions)
+        for action in actions:
+            if isinstance(action, Broadcast):
+                payload = action.message.encode()
+                sent = self.cell_tx.publish(topics.cell_down(rollout, self.cell, action.message.KIND), payload)
+                fanout = len(getattr(action.message, "members", ())) or 1
+                self._round_bytes[(rollout, action.message.round)]["device_down_bytes"] += \
+                    (sent or len(payload)) * fanout
+            elif isinstance(action, SendToChild):
+                payload = action.message.encode()
+                sent = self.cell_tx.publish(
+                    topics.cell_down(rollout, self.cell, action.message.KIND, action.child), payload)
+                self._round_bytes[(rollout, action.message.round)]["device_down_bytes"] += sent or len(payload)
+            elif isinstance(action, SendToParent):
+                msg = action.message
+                stats = dict(self._round_bytes.pop((rollout, msg.round), {}))
+                if hasattr(msg, "stats"):
+                    msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
+                self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), msg.encode())
+                log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,
+                         len(getattr(msg, "reported", ())))
+
+    # --- presence ---------------------------------------------------------------------------------
+
+    def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
+        node = parsed.device
+        try:
+            doc = json.loads(inbound.payload.decode()) if inbound.payload else {}
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            self.reject(inbound, UnexpectedMessageError(f"status of {node} is not JSON"))
+            return
+        if not isinstance(doc, dict) or doc.get("state") != "online" or node is None:
+            return
+        since = doc.get("since")
+        since = float(since) if isinstance(since, (int, float)) and math.isfinite(since) else 0.0
+        if self._presence.get(node) == since:
+            return  # the same online event again (retained redelivery)
+        self._presence[node] = since
+        for rollout, role in list(self.roles.items()):
+            self._execute(rollout, role.resend(node, now))
+        for rollout, manifest in self.manifests.items():
+            if node in manifest.cells.get(self.cell, ()):
+                log.debug("device %s online for rollout %s", node, rollout)
+
+    # --- manifests and artifacts ------------------------------------------------------------------
+
+    def _on_manifest(self, inbound: Inbound, parsed: topics.Topic) -> None:
+        if not inbound.payload:
+            return  # a cleared retained manifest
+        try:
+            manifest = Manifest.decode(inbound.payload)
+            if manifest.rollout != parsed.rollout:
+                raise UnexpectedMessageError("manifest rollout differs from its topic")
+        except RemoteProtocolError as exc:
+            self.reject(inbound, exc)
+            return
+        if self.cell not in manifest.cells:
+            return
+        known = self.manifests.get(manifest.rollout)
+        if known is not None and manifest.version <= known.version and inbound.payload == known.encode():
+            return
+        if known is not None and manifest.version < known.version:
+            log.warning("ignoring manifest v%d of %s: have v%d", manifest.version, manifest.rollout, known.version)
+            return
+        self.manifests[manifest.rollout] = manifest
+        self.store.save_manifest(manifest.rollout, manifest.version, inbound.payload)
+        self.cell_tx.publish(topics.cell_manifest(manifest.rollout, self.cell), inbound.payload, retain=True)
+        log.info("manifest v%d of rollout %s relayed to cell %s", manifest.version, manifest.rollout, self.cell)
+        missing = [d for d in manifest.artifact_digests.values() if not self.cache.has(d)]
+        if missing:
+            self._request_from_cloud(manifest.rollout, missing, now=None)
+
+    def _allowed_digests(self, rollout: str) -> set[str]:
+        manifest = self.manifests.get(rollout)
+        return set(manifest.artifact_digests.values()) if manifest else set()
+
+    def _request_from_cloud(self, rollout: str, digests: list[str], now: float | None) -> None:
+        fresh = [d for d in digests if now is None or now - self._requested.get(d, -math.inf) > ARTIFACT_REREQUEST_S]
+        if not fresh:
+            return
+        for d in fresh:
+            self._requested[d] = now if now is not None else 0.0
+        req = ArtifactRequest(rollout=rollout, round=0, sender=self.cell, digests=tuple(sorted(fresh)))
+        self.cloud_tx.publish(topics.edge_up(rollout, self.cell, req.KIND), req.encode())
+
+    def _on_artifact_request(self, req: ArtifactRequest, now: float) -> None:
+        allowed = self._allowed_digests(req.rollout)
+        unknown = [d for d in req.digests if d not in allowed]
+        if unknown:
+            raise UnexpectedMessageError(f"request for artifacts not in the manifest: {unknown}")
+        manifest = self.manifests[req.rollout]
+        names = {sha: name for name, sha in manifest.artifact_digests.items()}
+        missing = []
+        for sha in req.digests:
+            data = self.cache.get(sha)
+            if data is None:
+                missing.append(sha)
+                continue
+            blob = ArtifactBlob(rollout=req.rollout, round=0, sender=self.cell, sha256=sha, name=names[sha], data=data)
+            self.cell_tx.publish(topics.cell_down(req.rollout, self.cell, blob.KIND), blob.encode())
+        if missing:
+            self._request_from_cloud(req.rollout, missing, now)
+
+    def _on_artifact(self, blob: ArtifactBlob) -> None:
+        if blob.sha256 not in self._allowed_digests(blob.rollout):
+            raise UnexpectedMessageError(f"artifact {blob.sha256[:12]} is not in the manifest")
+        self.cache.put(blob.sha256, blob.data)  # ShaMismatchError (a DecodeError) if the bytes are wrong
+        relay = dataclasses.replace(blob, sender=self.cell)
+        self.cell_tx.publish(topics.cell_down(blob.rollout, self.cell, relay.KIND), relay.encode())

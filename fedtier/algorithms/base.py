@@ -1,0 +1,200 @@
+"""The contract between sans-I/O algorithm roles and the shells that host them.
+
+Theory of operation
+-------------------
+Every algorithm is three small state machines — device, edge, cloud — that never touch a
+socket, a clock, a thread or a logger. A shell (``device_agent``, ``edge_broker``,
+``cloud_coordinator``, or the in-process simulator) owns all of that. The shell
+
+1. decodes bytes from the wire into a typed ``Message`` (``fedtier.messages``),
+2. calls ``role.receive(message, now)`` (or ``role.tick(now)`` periodically, or a
+   role-specific verb such as ``device.trained(...)`` when local work finishes),
+3. executes the returned ``Action`` list in order: ``Send*`` actions are encoded and
+   published, ``LocalTrain`` runs the trainer, ``RoundClosed`` is persisted and evaluated,
+   ``Dropped``/``Note`` are logged and counted.
+
+Edge cases every role implements the same way (tested by the role contract suite):
+
+* A message whose idempotency key was already accepted returns ``[Dropped("duplicate")]``:
+  QoS 1 delivers duplicates after reconnects, and outboxes resend after restarts.
+* A message for another round raises ``WrongRoundError``; for a round that is already
+  closed, ``LateMessageError``; from a node that is not a member of the round,
+  ``UnknownSenderError``; with tensors that do not match the model, ``LayoutMismatchError``.
+  These are ``RemoteProtocolError``: the shell drops the message, logs and counts it, and
+  the role's state is unchanged — one bad peer must not stop a round.
+* Calling a verb in the wrong state (``trained`` while idle) raises ``LocalProtocolError``
+  and moves the role to ``ERROR``; every later call raises too. That is a bug in the shell.
+* Quorum not met by the deadline means the round stays open (no new model); the devices
+  that did not report are listed in the eventual ``RoundClosed``/cell update.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+from fedtier.errors import LocalProtocolError
+from fedtier.messages import Message
+
+Tensors = Mapping[str, np.ndarray]
+
+
+class RoleState(enum.Enum):
+    """States shared by the roles. Each algorithm module documents its transition table."""
+
+    IDLE = "idle"  # waiting for a task (device/edge) or for start() (cloud)
+    TRAINING = "training"  # device: local work requested, result not yet back
+    COLLECTING = "collecting"  # edge/cloud: round open, gathering children's updates
+    FORWARDED = "forwarded"  # edge: cell update sent upward; waiting for the next task
+    FINISHED = "finished"  # cloud: all rounds done
+    ERROR = "error"  # a LocalProtocolError happened; the role refuses further calls
+
+
+# --- actions a role returns -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SendToParent:
+    """Publish ``message`` on this node's uplink."""
+
+    message: Message
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Broadcast:
+    """Publish ``message`` once on this node's downlink, for all children."""
+
+    message: Message
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SendToChild:
+    """Publish ``message`` on the downlink of one child (a cell, or one device)."""
+
+    child: str
+    message: Message
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LocalTrain:
+    """Device: run ``steps`` SGD steps of ``batch_size`` from ``params`` with rate ``lr``.
+
+    ``stream`` names the RNG stream for minibatch sampling (``fedtier.rng.stream``), so the
+    simulator and a real device draw the same batches. The shell reports back with
+    ``role.trained(round, result)``.
+    """
+
+    round: int
+    params: Tensors
+    steps: int
+    batch_size: int
+    lr: float
+    stream: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LocalResult:
+    """What the shell hands back after ``LocalTrain``: the parameter change and stats."""
+
+    delta: Tensors
+    num_samples: int
+    mean_loss: float
+    steps: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RoundClosed:
+    """Cloud: round ``round`` is aggregated; ``params`` is the new global model."""
+
+    round: int
+    params: Tensors
+    reported: Mapping[str, tuple[str, ...]]
+    missing: tuple[str, ...]
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Cloud: the last configured round closed; nothing more will be sent."""
+
+    rounds: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """A message was ignored without being an error (duplicate, not selected, superseded)."""
+
+    reason: str
+    key: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something worth a log line (a deadline passed, a cell closed with stragglers)."""
+
+    event: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+Action = SendToParent | Broadcast | SendToChild | LocalTrain | RoundClosed | Finished | Dropped | Note
+
+
+# --- role protocols -----------------------------------------------------------------------
+
+
+class Role(Protocol):
+    """What every role offers its shell."""
+
+    @property
+    def state(self) -> RoleState: ...
+
+    def receive(self, message: Message, now: float) -> list[Action]:
+        """Handle one decoded message from a peer. May raise ``RemoteProtocolError``."""
+        ...
+
+    def tick(self, now: float) -> list[Action]:
+        """Let time pass: deadlines. Called periodically by the shell."""
+        ...
+
+
+class DeviceRole(Role, Protocol):
+    def trained(self, round: int, result: LocalResult) -> list[Action]:
+        """The shell finished the ``LocalTrain`` of ``round``."""
+        ...
+
+
+class EdgeRole(Role, Protocol):
+    def resend(self, child: str, now: float) -> list[Action]:
+        """A child (re)appeared online: give it the open round's task if it still owes an update."""
+        ...
+
+
+class CloudRole(Role, Protocol):
+    def start(self, now: float) -> list[Action]:
+        """Open the first round (or the resumed round)."""
+        ...
+
+    def resend(self, child: str, now: float) -> list[Action]:
+        ...
+
+
+class StateGuard:
+    """Mixin: ``ERROR`` is terminal, and misuse moves a role there (h11's failure state)."""
+
+    _state: RoleState
+
+    @property
+    def state(self) -> RoleState:
+        return self._state
+
+    def _guard(self) -> None:
+        if self._state is RoleState.ERROR:
+            raise LocalProtocolError("role is in ERROR state after an earlier misuse")
+
+    def _misuse(self, message: str) -> LocalProtocolError:
+        self._state = RoleState.ERROR
+        return LocalProtocolError(message)

@@ -1,0 +1,86 @@
+"""The ``fedtier`` command. Role subcommands load lazily (click's LazyGroup pattern).
+
+``fedtier agent ...`` imports only ``device_agent`` (never torch), ``fedtier edge ...``
+only ``edge_broker``; the coordinator's commands import torch when they run. Library
+errors are turned into exit codes in one place, ``FedtierGroup.invoke``:
+``ConfigError`` -> 2 (usage), any other ``FedtierError`` -> 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+from fedtier import __version__
+from fedtier.errors import ConfigError, FedtierError
+
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "agent": ("device_agent.cli", "agent"),
+    "edge": ("edge_broker.cli", "edge"),
+    "coordinator": ("cloud_coordinator.cli", "coordinator"),
+    "simulate": ("cloud_coordinator.cli", "simulate"),
+    "demo": ("cloud_coordinator.demo_cli", "demo"),
+    "broker": ("fedtier.broker_cli", "broker"),
+}
+
+SHORT_HELP = {
+    "agent": "Run a device agent (on-device training over MQTT).",
+    "edge": "Run the edge service of one cell (on a gateway).",
+    "coordinator": "Run the cloud coordinator of a rollout.",
+    "simulate": "Run a rollout in one process over the in-memory transport.",
+    "demo": "Run a whole hierarchy on this machine over a real MQTT broker.",
+    "broker": "Run the embedded pure-Python MQTT broker.",
+}
+
+
+class FedtierGroup(click.Group):
+    """Loads subcommands on first use and maps library errors to exit codes."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(LAZY_COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = LAZY_COMMANDS.get(name)
+        if target is None:
+            return None
+        module = importlib.import_module(target[0])
+        command = getattr(module, target[1])
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{target} is not a click command")
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Listing commands must not import them (that would import torch for `fedtier --help`).
+        rows = [(name, SHORT_HELP[name]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
+        except FedtierError as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+
+
+@click.group(cls=FedtierGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="fedtier")
+def cli() -> None:
+    """fedtier: hierarchical federated learning for fleets of small devices.
+
+    Devices train ONNX models with onnxruntime-training and publish updates over MQTT to an
+    edge per cell; edges aggregate and forward to a cloud coordinator.
+
+    Start with `fedtier demo`: a coordinator, 2 edges and 12 device agents on this machine.
+    """
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cli.main(args=argv, prog_name="fedtier", standalone_mode=True)
+    except SystemExit as exc:
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    return 0

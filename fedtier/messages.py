@@ -1,0 +1,320 @@
+"""Typed messages of the hierarchy, one frozen dataclass per message type.
+
+Each class knows its wire ``KIND`` and converts to and from ``wire.Envelope``;
+``from_envelope`` validates every field and raises ``MalformedHeaderError`` (a
+``DecodeError``) for a message that parsed but does not have the fields its type needs.
+
+Idempotency keys are derived from what a message *is* — kind, rollout, round, step and
+sender — not drawn at random. A device that crashes and resends its update from the outbox
+sends the same key, and so does a QoS 1 redelivery, so receivers drop both as duplicates;
+a replay of an old round carries an old round number and is rejected as a wrong round.
+
+Tensor-carrying messages use ``eq=False`` (an array comparison is not one bool); tests
+compare them with ``messages_equal``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Mapping, TypeVar
+
+import numpy as np
+
+from fedtier import wire
+from fedtier.errors import LocalProtocolError, MalformedHeaderError, UnknownMessageTypeError
+from fedtier.wire import Envelope, TensorEncoding
+
+Tensors = Mapping[str, np.ndarray]
+
+
+def make_key(kind: str, rollout: str, round: int, step: int, sender: str) -> str:
+    """The idempotency key of a message: stable across resends and redeliveries."""
+    return f"{kind}/{rollout}/{round}/{step}/{sender}"
+
+
+def _get(meta: Mapping[str, Any], key: str, typ: type | tuple[type, ...], *, default: Any = ...) -> Any:
+    if key not in meta:
+        if default is ...:
+            raise MalformedHeaderError(f"message lacks field {key!r}")
+        return default
+    value = meta[key]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if (typ is int or typ is float) and isinstance(value, bool):
+        raise MalformedHeaderError(f"field {key!r} must be {typ.__name__}, got bool")
+    if not isinstance(value, typ):
+        raise MalformedHeaderError(f"field {key!r} has type {type(value).__name__}")
+    if isinstance(value, float) and not np.isfinite(value):
+        raise MalformedHeaderError(f"field {key!r} is not finite")
+    return value
+
+
+def _str_list(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = _get(meta, key, list)
+    if not all(isinstance(v, str) for v in value):
+        raise MalformedHeaderError(f"field {key!r} must be a list of strings")
+    return tuple(value)
+
+
+def _plain(value: Any, path: str = "config") -> Any:
+    """Check that a config value is made of msgpack-safe plain types."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, path) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, f"{path}.{k}") for k, v in value.items()}
+    raise LocalProtocolError(f"{path}: {type(value).__name__} is not a plain value")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Message:
+    """Fields every message has. Subclasses add theirs and set ``KIND``."""
+
+    KIND: ClassVar[str] = ""
+    TENSOR_FIELD: ClassVar[str | None] = None
+
+    rollout: str
+    round: int
+    sender: str
+
+    @property
+    def step(self) -> int:
+        return 0
+
+    @property
+    def key(self) -> str:
+        return make_key(self.KIND, self.rollout, self.round, self.step, self.sender)
+
+    def _meta(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def tensors(self) -> Tensors:
+        return getattr(self, self.TENSOR_FIELD) if self.TENSOR_FIELD else {}
+
+    def to_envelope(self, encodings: Mapping[str, TensorEncoding] | None = None) -> Envelope:
+        return Envelope(
+            type=self.KIND, rollout=self.rollout, round=self.round, step=self.step,
+            sender=self.sender, key=self.key, meta=self._meta(), tensors=self.tensors(),
+            encodings=dict(encodings or {}),
+        )
+
+    def encode(self, encodings: Mapping[str, TensorEncoding] | None = None) -> bytes:
+        return wire.encode(self.to_envelope(encodings))
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "Message":
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CellTask(Message):
+    """Cloud -> edge: start ``round`` of a cell with the global ``params``.
+
+    ``members`` are the devices that take part (anyone else is an unknown sender);
+    ``config`` is the algorithm's per-round settings (learning rate, local steps, quorum,
+    deadline, ...), passed through to devices as ``DeviceTask.config``.
+    """
+
+    KIND: ClassVar[str] = "cell_task"
+    TENSOR_FIELD: ClassVar[str | None] = "params"
+
+    params: Tensors = field(default_factory=dict)
+    members: tuple[str, ...] = ()
+    config: Mapping[str, Any] = field(default_factory=dict)
+    model_version: int = 0
+
+    def _meta(self) -> dict[str, Any]:
+        return {"members": list(self.members), "config": _plain(self.config),
+                "model_version": self.model_version}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "CellTask":
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, params=env.tensors,
+                   members=_str_list(env.meta, "members"), config=_get(env.meta, "config", dict),
+                   model_version=_get(env.meta, "model_version", int))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DeviceTask(Message):
+    """Edge -> devices of its cell: train from ``params`` with ``config`` for ``round``."""
+
+    KIND: ClassVar[str] = "device_task"
+    TENSOR_FIELD: ClassVar[str | None] = "params"
+
+    params: Tensors = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
+    members: tuple[str, ...] = ()
+
+    def _meta(self) -> dict[str, Any]:
+        return {"config": _plain(self.config), "members": list(self.members)}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "DeviceTask":
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, params=env.tensors,
+                   config=_get(env.meta, "config", dict), members=_str_list(env.meta, "members"))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DeviceUpdate(Message):
+    """Device -> edge: the model change of one round of local training, and its weight."""
+
+    KIND: ClassVar[str] = "device_update"
+    TENSOR_FIELD: ClassVar[str | None] = "delta"
+
+    delta: Tensors = field(default_factory=dict)
+    num_samples: int = 0
+    train_loss: float = 0.0
+    steps: int = 0
+
+    def _meta(self) -> dict[str, Any]:
+        return {"num_samples": self.num_samples, "train_loss": float(self.train_loss),
+                "steps": self.steps}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "DeviceUpdate":
+        n = _get(env.meta, "num_samples", int)
+        if n < 0:
+            raise MalformedHeaderError("num_samples is negative")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, delta=env.tensors,
+                   num_samples=n, train_loss=_get(env.meta, "train_loss", float),
+                   steps=_get(env.meta, "steps", int))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CellUpdate(Message):
+    """Edge -> cloud: the cell's aggregate of one round.
+
+    ``weight`` is what the cloud weights this cell by (number of devices aggregated, or
+    their samples, as the rollout's weighting says); ``reported`` lists the devices that
+    made it in; ``stats`` carries the cell's traffic counters for the round.
+    """
+
+    KIND: ClassVar[str] = "cell_update"
+    TENSOR_FIELD: ClassVar[str | None] = "delta"
+
+    delta: Tensors = field(default_factory=dict)
+    weight: float = 0.0
+    reported: tuple[str, ...] = ()
+    mean_loss: float = 0.0
+    stats: Mapping[str, Any] = field(default_factory=dict)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"weight": float(self.weight), "reported": list(self.reported),
+                "mean_loss": float(self.mean_loss), "stats": _plain(self.stats)}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "CellUpdate":
+        weight = _get(env.meta, "weight", float)
+        if weight <= 0:
+            raise MalformedHeaderError("cell weight must be positive")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, delta=env.tensors,
+                   weight=weight, reported=_str_list(env.meta, "reported"),
+                   mean_loss=_get(env.meta, "mean_loss", float), stats=_get(env.meta, "stats", dict))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ArtifactRequest(Message):
+    """Child -> parent: please send the artifact files with these sha256 digests."""
+
+    KIND: ClassVar[str] = "artifact_request"
+
+    digests: tuple[str, ...] = ()
+
+    def _meta(self) -> dict[str, Any]:
+        return {"digests": list(self.digests)}
+
+    @property
+    def key(self) -> str:
+        # Requests are cheap and must not be deduplicated across restarts: a node that lost
+        # its cache asks again. Key by content so one burst is still collapsed.
+        return make_key(self.KIND, self.rollout, self.round, 0, f"{self.sender}:{','.join(self.digests)}")
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "ArtifactRequest":
+        digests = _str_list(env.meta, "digests")
+        if not all(len(d) == 64 and all(c in "0123456789abcdef" for c in d) for d in digests):
+            raise MalformedHeaderError("digests must be lowercase hex sha256 strings")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, digests=digests)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ArtifactBlob(Message):
+    """Parent -> children: one artifact file; receivers verify ``sha256`` before storing it."""
+
+    KIND: ClassVar[str] = "artifact"
+
+    sha256: str = ""
+    name: str = ""
+    data: bytes = b""
+
+    def _meta(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "name": self.name}
+
+    def tensors(self) -> Tensors:
+        return {"data": np.frombuffer(self.data, dtype=np.uint8)}
+
+    def to_envelope(self, encodings: Mapping[str, TensorEncoding] | None = None) -> Envelope:
+        return super(ArtifactBlob, self).to_envelope({"data": TensorEncoding("u8")})
+
+    @property
+    def key(self) -> str:
+        return make_key(self.KIND, self.rollout, 0, 0, self.sha256)
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "ArtifactBlob":
+        data = env.tensors.get("data")
+        if data is None or data.dtype != np.uint8 or data.ndim != 1:
+            raise MalformedHeaderError("artifact message needs one 1-D u8 tensor 'data'")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender,
+                   sha256=_get(env.meta, "sha256", str), name=_get(env.meta, "name", str),
+                   data=data.tobytes())
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (CellTask, DeviceTask, DeviceUpdate, CellUpdate, ArtifactRequest, ArtifactBlob)
+}
+
+M = TypeVar("M", bound=Message)
+
+
+def register_message(cls: type[M]) -> type[M]:
+    """Class decorator for algorithm-specific message types (kinds are never reused)."""
+    if cls.KIND in MESSAGE_TYPES and MESSAGE_TYPES[cls.KIND] is not cls:
+        raise LocalProtocolError(f"message kind {cls.KIND!r} is already registered")
+    MESSAGE_TYPES[cls.KIND] = cls
+    return cls
+
+
+def from_envelope(env: Envelope) -> Message:
+    """Turn a decoded envelope into its typed message; unknown types are rejected."""
+    cls = MESSAGE_TYPES.get(env.type)
+    if cls is None:
+        raise UnknownMessageTypeError(f"unknown message type {env.type!r}")
+    msg = cls.from_envelope(env)
+    if msg.key != env.key:
+        raise MalformedHeaderError(f"idempotency key {env.key!r} does not match the message ({msg.key!r})")
+    return msg
+
+
+def decode_message(data: bytes, *, max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """``wire.decode`` then ``from_envelope``: bytes from the wire to a typed message."""
+    return from_envelope(wire.decode(data, max_bytes=max_bytes))
+
+
+def messages_equal(a: Message, b: Message) -> bool:
+    """Value equality for messages (test helper)."""
+    if type(a) is not type(b):
+        return False
+    for f in fields(a):
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(va, Mapping) and va and isinstance(next(iter(va.values())), np.ndarray):
+            if set(va) != set(vb) or not all(np.array_equal(va[k], vb[k]) for k in va):
+                return False
+        elif isinstance(va, Mapping):
+            if dict(va) != dict(vb):
+                return False
+        elif va != vb:
+            return False
+    return True

@@ -1,0 +1,156 @@
+"""The MQTT topic tree (DESIGN §5). Every topic fedtier uses is built and parsed here.
+
+::
+
+    ft/v1/{rollout}/manifest                              cloud -> edges (retained)
+    ft/v1/{rollout}/cloud/down/{cell}/{kind}              cloud -> edge of {cell}
+    ft/v1/{rollout}/edge/{cell}/up/{kind}                 edge -> cloud
+    ft/v1/{rollout}/cell/{cell}/down/manifest             edge -> devices (retained)
+    ft/v1/{rollout}/cell/{cell}/down/{kind}[/{device}]    edge -> devices (or one device)
+    ft/v1/{rollout}/cell/{cell}/up/{device}/{kind}        device -> edge
+    ft/v1/status/{node}                                   presence, retained + last will
+
+The id segments ({rollout}, {cell}, {device}) are restricted to ``[A-Za-z0-9_.-]`` so that
+no id can smuggle a wildcard or a level separator into a topic, and so that an ACL
+pattern on the device segment (``%u`` = certificate CN) is exact.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fedtier.errors import LocalProtocolError
+
+PREFIX = "ft/v1"
+_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def check_id(value: str, what: str = "id") -> str:
+    """Return ``value`` if it is a valid node/cell/rollout id, else raise ``LocalProtocolError``."""
+    if not isinstance(value, str) or not _ID.match(value) or value in (".", ".."):
+        raise LocalProtocolError(f"invalid {what} {value!r}: use 1-64 of A-Z a-z 0-9 _ . -")
+    return value
+
+
+def manifest(rollout: str) -> str:
+    return f"{PREFIX}/{check_id(rollout, 'rollout')}/manifest"
+
+
+def cloud_down(rollout: str, cell: str, kind: str) -> str:
+    return f"{PREFIX}/{check_id(rollout, 'rollout')}/cloud/down/{check_id(cell, 'cell')}/{kind}"
+
+
+def edge_up(rollout: str, cell: str, kind: str) -> str:
+    return f"{PREFIX}/{check_id(rollout, 'rollout')}/edge/{check_id(cell, 'cell')}/up/{kind}"
+
+
+def cell_manifest(rollout: str, cell: str) -> str:
+    return f"{PREFIX}/{check_id(rollout, 'rollout')}/cell/{check_id(cell, 'cell')}/down/manifest"
+
+
+def cell_down(rollout: str, cell: str, kind: str, device: str | None = None) -> str:
+    base = f"{PREFIX}/{check_id(rollout, 'rollout')}/cell/{check_id(cell, 'cell')}/down/{kind}"
+    return base if device is None else f"{base}/{check_id(device, 'device')}"
+
+
+def cell_up(rollout: str, cell: str, device: str, kind: str) -> str:
+    return (f"{PREFIX}/{check_id(rollout, 'rollout')}/cell/{check_id(cell, 'cell')}/up/"
+            f"{check_id(device, 'device')}/{kind}")
+
+
+def status(node: str) -> str:
+    return f"{PREFIX}/status/{check_id(node, 'node')}"
+
+
+# Subscription filters -------------------------------------------------------------------
+
+ALL_MANIFESTS = f"{PREFIX}/+/manifest"
+ALL_STATUS = f"{PREFIX}/status/+"
+
+
+def cloud_down_filter(cell: str) -> str:
+    """What an edge subscribes to on the cloud broker."""
+    return f"{PREFIX}/+/cloud/down/{check_id(cell, 'cell')}/#"
+
+
+def edge_up_filter() -> str:
+    """What the coordinator subscribes to: every cell's uplink, every rollout."""
+    return f"{PREFIX}/+/edge/+/up/#"
+
+
+def cell_down_filter(cell: str) -> str:
+    """What a device subscribes to: its cell's downlink, every rollout."""
+    return f"{PREFIX}/+/cell/{check_id(cell, 'cell')}/down/#"
+
+
+def cell_up_filter(cell: str) -> str:
+    """What an edge subscribes to on its cell broker: every device of the cell."""
+    return f"{PREFIX}/+/cell/{check_id(cell, 'cell')}/up/+/#"
+
+
+@dataclass(frozen=True, slots=True)
+class Topic:
+    """A parsed fedtier topic. ``origin`` is the node the topic attributes the message to."""
+
+    channel: str  # manifest | cloud_down | edge_up | cell_manifest | cell_down | cell_up | status
+    rollout: str | None
+    cell: str | None
+    kind: str | None
+    device: str | None = None
+
+    @property
+    def origin(self) -> str | None:
+        if self.channel == "cell_up":
+            return self.device
+        if self.channel == "edge_up":
+            return self.cell
+        return None
+
+
+def parse(topic: str) -> Topic | None:
+    """Parse a topic of the tree above; ``None`` for anything else (the caller rejects it)."""
+    parts = topic.split("/")
+    if len(parts) < 3 or parts[0] != "ft" or parts[1] != "v1":
+        return None
+    rest = parts[2:]
+    if rest[0] == "status" and len(rest) == 2 and _ID.match(rest[1]):
+        return Topic("status", None, None, None, device=rest[1])
+    if not _ID.match(rest[0]):
+        return None
+    rollout = rest[0]
+    tail = rest[1:]
+    if tail == ["manifest"]:
+        return Topic("manifest", rollout, None, "manifest")
+    if len(tail) == 4 and tail[0] == "cloud" and tail[1] == "down" and _ID.match(tail[2]):
+        return Topic("cloud_down", rollout, tail[2], tail[3])
+    if len(tail) == 4 and tail[0] == "edge" and tail[2] == "up" and _ID.match(tail[1]):
+        return Topic("edge_up", rollout, tail[1], tail[3])
+    if len(tail) >= 4 and tail[0] == "cell" and _ID.match(tail[1]):
+        cell = tail[1]
+        if tail[2] == "down":
+            if tail[3:] == ["manifest"]:
+                return Topic("cell_manifest", rollout, cell, "manifest")
+            if len(tail) == 4:
+                return Topic("cell_down", rollout, cell, tail[3])
+            if len(tail) == 5 and _ID.match(tail[4]):
+                return Topic("cell_down", rollout, cell, tail[3], device=tail[4])
+        if tail[2] == "up" and len(tail) == 5 and _ID.match(tail[3]):
+            return Topic("cell_up", rollout, cell, tail[4], device=tail[3])
+    return None
+
+
+def matches(topic_filter: str, topic: str) -> bool:
+    """MQTT topic-filter matching (``+`` one level, ``#`` the rest; ``$`` topics excluded)."""
+    f_parts = topic_filter.split("/")
+    t_parts = topic.split("/")
+    if t_parts[0].startswith("$") and f_parts[0] in ("+", "#"):
+        return False
+    for i, fp in enumerate(f_parts):
+        if fp == "#":
+            return True
+        if i >= len(t_parts):
+            return False
+        if fp != "+" and fp != t_parts[i]:
+            return False
+    return len(f_parts) == len(t_parts)

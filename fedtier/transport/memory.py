@@ -1,0 +1,107 @@
+"""An in-memory broker and transports, for the simulator and for unit tests of shells.
+
+Delivery is deterministic: publishes are queued in one FIFO and ``run_until_idle`` hands
+them to subscribers in order, on the caller's thread. Retained messages, chunking (when a
+``max_payload`` is set) and traffic accounting behave as over MQTT, so the simulator's
+byte counts are comparable to a real run's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from fedtier import chunking, topics
+from fedtier.transport.base import ChunkingMixin, DoneCallback, Inbound, Traffic
+
+Handler = Callable[[Inbound], None]
+
+
+class MemoryBroker:
+    """Routes publishes between ``MemoryTransport``s by MQTT topic-filter matching."""
+
+    def __init__(self, *, max_payload: int = 1 << 30) -> None:
+        self.max_payload = max_payload
+        self._transports: list[MemoryTransport] = []
+        self._queue: deque[tuple[MemoryTransport, str, bytes]] = deque()
+        self._retained: dict[str, bytes] = {}
+        self.now: float = 0.0
+
+    def connect(self, name: str, handler: Handler | None = None) -> "MemoryTransport":
+        transport = MemoryTransport(self, name, handler)
+        self._transports.append(transport)
+        return transport
+
+    def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
+        if retain:
+            if payload:
+                self._retained[topic] = payload
+            else:
+                self._retained.pop(topic, None)
+        for t in self._transports:
+            if any(topics.matches(f, topic) for f in t.filters):
+                self._queue.append((t, topic, payload))
+
+    def _subscribed(self, transport: "MemoryTransport", topic_filter: str) -> None:
+        for topic, payload in sorted(self._retained.items()):
+            if topics.matches(topic_filter, topic):
+                self._queue.append((transport, topic, payload))
+
+    def run_until_idle(self, max_deliveries: int = 10_000_000) -> int:
+        """Deliver queued messages (and whatever handlers publish in turn) until none are left."""
+        delivered = 0
+        while self._queue:
+            transport, topic, payload = self._queue.popleft()
+            transport._deliver(topic, payload, self.now)
+            delivered += 1
+            if delivered >= max_deliveries:
+                raise RuntimeError("message storm: more deliveries than max_deliveries")
+        return delivered
+
+
+class MemoryTransport(ChunkingMixin):
+    """One node's connection to a ``MemoryBroker``."""
+
+    def __init__(self, broker: MemoryBroker, name: str, handler: Handler | None) -> None:
+        self.broker = broker
+        self.name = name
+        self.handler = handler
+        self.filters: list[str] = []
+        self.reassembler = chunking.Reassembler()
+        self._traffic = Traffic()
+
+    @property
+    def traffic(self) -> Traffic:
+        return self._traffic
+
+    def set_handler(self, handler: Handler) -> None:
+        self.handler = handler
+
+    def close(self) -> None:
+        """Disconnect: no more deliveries (messages already queued for us are dropped)."""
+        if self in self.broker._transports:
+            self.broker._transports.remove(self)
+        self.broker._queue = type(self.broker._queue)(q for q in self.broker._queue if q[0] is not self)
+
+    def subscribe(self, topic_filter: str) -> None:
+        if topic_filter not in self.filters:
+            self.filters.append(topic_filter)
+            self.broker._subscribed(self, topic_filter)
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False,
+                on_done: DoneCallback | None = None) -> int:
+        total = 0
+        for part in self._split(payload, self.broker.max_payload):
+            self.broker._publish(topic, part, retain)
+            self._traffic.count("out", topic, len(part))
+            total += len(part)
+        if on_done is not None:
+            on_done(True)
+        return total
+
+    def _deliver(self, topic: str, payload: bytes, now: float) -> None:
+        self._traffic.count("in", topic, len(payload))
+        inbound = self._classify(topic, payload, now, ack=lambda: None)
+        if inbound is not None and self.handler is not None:
+            self.handler(inbound)
+            inbound.confirm()

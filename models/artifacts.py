@@ -1,0 +1,375 @@
+"""Build onnxruntime-training artifacts for an architecture, once, in a content-addressed store.
+
+Store layout::
+
+    store_dir/
+      <bundle_id>/            training_model.onnx eval_model.onnx optimizer_model.onnx
+                              checkpoint bundle.json arch.json layout.json
+      by-arch/<arch.sha256>   {"arch": {...}, "bundles": {"<seed>": "<bundle_id>"}}
+      .build-XXXX/            in-progress builds (renamed to <bundle_id> when complete)
+
+A build goes into a temporary directory inside the store and is renamed to its final name
+in one ``rename``, so a crash never leaves a half bundle under a ``bundle_id`` (and a
+truncated file would fail ``ArtifactBundle.load``'s sha256 check anyway). The ``by-arch``
+index lets a second call for the same ``(arch, seed)`` return the verified existing bundle
+without running the exporter. Index updates are atomic but not locked: two concurrent
+builders may drop each other's index entry, which only costs a rebuild later (builds are
+deterministic, so the rebuild lands on the same ``bundle_id``).
+
+The artifacts: SGD optimizer (``SGDOptimizerV2``, stateless), mean cross-entropy on the
+``logits`` output with int64 ``labels``, every parameter trainable, and
+``additional_output_names=["logits"]`` so both the training and the eval graph return
+``(loss, logits)``. The checkpoint holds the seeded initial weights; rounds ship parameters.
+
+torch, onnx and onnxruntime are imported inside functions. ``generate_artifacts`` prints
+hundreds of INFO lines from C++ straight to file descriptor 2 (``set_default_logger_severity``
+does not stop them, field notes §1.3), so the call runs with fd 2 redirected to a temp file
+that is logged at DEBUG, or at ERROR level if the build fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from fedtier.bundle import (
+    MAX_IR_VERSION,
+    MAX_OPSET,
+    ArtifactBundle,
+    BundleFile,
+    write_text_atomic,
+)
+from fedtier.errors import ArtifactError, LocalProtocolError
+from fedtier.layout import ArchSpec
+from models.export import INPUT_NAME, OUTPUT_NAME, export_forward
+from models.zoo import layout_of
+
+logger = logging.getLogger(__name__)
+
+INDEX_DIR = "by-arch"
+LABELS_NAME = "labels"
+FILENAMES = {
+    "training_model": "training_model.onnx",
+    "eval_model": "eval_model.onnx",
+    "optimizer_model": "optimizer_model.onnx",
+    "checkpoint": "checkpoint",
+}
+_ONNX_ROLES = ("training_model", "eval_model", "optimizer_model")
+_ONNX_DOMAINS = ("", "ai.onnx")
+_STDERR_TAIL = 4000
+_fd2_lock = threading.Lock()
+
+
+def build_artifacts(arch: ArchSpec, store_dir: Path | str, *, seed: int = 0) -> ArtifactBundle:
+    """Return the artifact bundle for ``(arch, seed)``, building it only if the store lacks it.
+
+    Args:
+        arch: The architecture to export and make trainable.
+        store_dir: The content-addressed store (created if missing).
+        seed: Seed of the initial weights in the checkpoint.
+
+    Returns:
+        The verified bundle in ``store_dir/<bundle_id>``.
+
+    Raises:
+        ArtifactError: Export or artifact generation failed, or the generated graphs are not
+            what ORT 1.19.2 / the trainers expect (opset, IR, inputs, outputs).
+        LocalProtocolError: Invalid architecture options or seed.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise LocalProtocolError(f"seed must be a non-negative int, got {seed!r}")
+    layout_of(arch)  # validate options before touching the store or torch
+    store = Path(store_dir)
+    store.mkdir(parents=True, exist_ok=True)
+    cached = _lookup(store, arch, seed)
+    if cached is not None:
+        logger.debug("artifact store hit: %s seed %d -> %s", arch.kind, seed, cached.bundle_id)
+        return cached
+
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=store))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the published bundle should be readable
+    try:
+        built = _build_into(tmp, arch, seed)
+        bundle = _publish(tmp, built, store)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    _record(store, arch, seed, bundle.bundle_id)
+    logger.info("built artifacts for %s (seed %d): bundle %s", arch.kind, seed, bundle.bundle_id)
+    return bundle
+
+
+# --- store -------------------------------------------------------------------------------------
+
+
+def _index_path(store: Path, arch: ArchSpec) -> Path:
+    return store / INDEX_DIR / arch.sha256
+
+
+def _read_index(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        logger.warning("ignoring unreadable artifact index %s: %s", path, exc)
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _lookup(store: Path, arch: ArchSpec, seed: int) -> ArtifactBundle | None:
+    """The verified bundle the index names for ``(arch, seed)``, or None."""
+    index = _read_index(_index_path(store, arch))
+    bundles = index.get("bundles")
+    bundle_id = bundles.get(str(seed)) if isinstance(bundles, dict) else None
+    if not isinstance(bundle_id, str) or not _is_hex_digest(bundle_id):
+        return None
+    try:
+        bundle = ArtifactBundle.load(store / bundle_id, verify=True)
+    except ArtifactError as exc:
+        logger.warning("artifact store entry %s is unusable, rebuilding: %s", bundle_id, exc)
+        return None
+    if bundle.arch.sha256 != arch.sha256 or bundle.seed != seed or bundle.bundle_id != bundle_id:
+        logger.warning("artifact index %s points at a bundle of another arch/seed; rebuilding",
+                       arch.sha256[:12])
+        return None
+    return bundle
+
+
+def _is_hex_digest(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def _record(store: Path, arch: ArchSpec, seed: int, bundle_id: str) -> None:
+    path = _index_path(store, arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    index = _read_index(path)
+    previous = index.get("bundles")
+    bundles: dict[str, Any] = dict(previous) if isinstance(previous, dict) else {}
+    bundles[str(seed)] = bundle_id
+    write_text_atomic(path, json.dumps({"arch": arch.to_json(), "bundles": bundles},
+                                       indent=2, sort_keys=True) + "\n")
+
+
+def _publish(tmp: Path, built: ArtifactBundle, store: Path) -> ArtifactBundle:
+    """Rename the finished build to ``store/<bundle_id>``; reuse a valid existing copy."""
+    final = store / built.bundle_id
+    _fsync_tree(tmp)
+    for _attempt in range(2):
+        try:
+            os.rename(tmp, final)
+            _fsync_dir(store)
+            break
+        except OSError:
+            if not final.exists():
+                raise
+        # Someone built the same bundle before us (or a broken copy sits there).
+        try:
+            return ArtifactBundle.load(final, verify=True)
+        except ArtifactError as exc:
+            aside = store / f".broken-{built.bundle_id[:12]}-{uuid.uuid4().hex[:8]}"
+            logger.warning("replacing broken bundle %s (moved to %s): %s", final, aside, exc)
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(final, aside)
+    else:
+        raise ArtifactError(f"could not publish bundle {built.bundle_id} into {store}")
+    return ArtifactBundle.load(final, verify=True)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush the build's files so a crash after the rename cannot leave empty files behind."""
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    if sys.platform == "win32":  # directories cannot be opened for fsync on Windows
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- build ---------------------------------------------------------------------------------------
+
+
+def _build_into(tmp: Path, arch: ArchSpec, seed: int) -> ArtifactBundle:
+    """Export, generate and check the artifacts in ``tmp``; write the descriptor files."""
+    import onnx
+
+    layout = layout_of(arch)
+    forward_path = tmp / "forward.onnx"
+    try:
+        forward = export_forward(arch, seed, forward_path)
+    except (ArtifactError, LocalProtocolError):
+        raise
+    except Exception as exc:  # torch.onnx raises a zoo of types
+        raise ArtifactError(f"ONNX export of {arch.kind} failed: {exc}") from exc
+    _generate(forward, tmp)
+    forward_path.unlink()
+
+    models = {role: onnx.load(str(tmp / FILENAMES[role]), load_external_data=False)
+              for role in _ONNX_ROLES}
+    opset, ir_version = _check_generated(models, list(layout.names))
+    (tmp / "arch.json").write_text(json.dumps(arch.to_json(), indent=2, sort_keys=True) + "\n",
+                                   encoding="utf-8")
+    (tmp / "layout.json").write_text(json.dumps(layout.to_json(), indent=2) + "\n",
+                                     encoding="utf-8")
+    bundle = ArtifactBundle(
+        directory=tmp,
+        files={role: BundleFile.of(tmp / name) for role, name in FILENAMES.items()},
+        arch=arch,
+        layout=layout,
+        opset=opset,
+        ir_version=ir_version,
+        seed=seed,
+    )
+    bundle.save()
+    return bundle
+
+
+def _generate(forward: Any, out_dir: Path) -> None:
+    """Run ``generate_artifacts`` (SGD, cross-entropy, logits as extra output) quietly."""
+    with _no_root_basic_config():  # onnxruntime.tools.logger calls basicConfig at import
+        from onnxruntime.training import artifacts
+
+    names = [init.name for init in forward.graph.initializer]
+    failure: Exception | None = None
+    with _quiet_fd2() as captured, _no_root_basic_config():
+        _reset_graph_name_counter()
+        try:
+            artifacts.generate_artifacts(
+                forward,
+                requires_grad=names,
+                frozen_params=[],
+                loss=artifacts.LossType.CrossEntropyLoss,
+                optimizer=artifacts.OptimType.SGD,
+                artifact_directory=str(out_dir),
+                additional_output_names=[OUTPUT_NAME],
+            )
+        except Exception as exc:  # noqa: BLE001 - re-raised below once stderr is restored
+            failure = exc
+        native_stderr = captured.tail()
+    # Log only after fd 2 is restored, or a stderr log handler would write into the sink.
+    if failure is not None:
+        logger.error("generate_artifacts failed: %s\n--- native stderr (tail) ---\n%s",
+                     failure, native_stderr)
+        raise ArtifactError(f"onnxruntime-training generate_artifacts failed: {failure}"
+                            ) from failure
+    logger.debug("generate_artifacts native stderr (tail):\n%s", native_stderr)
+    missing = [name for name in FILENAMES.values() if not (out_dir / name).is_file()]
+    if missing:
+        raise ArtifactError(f"generate_artifacts did not write {missing} (is the checkpoint a "
+                            "directory in this onnxruntime version?)")
+
+
+def _check_generated(models: dict[str, Any], names: list[str]) -> tuple[int, int]:
+    """Check the graphs' interfaces; return ``(max ai.onnx opset, max IR version)``."""
+    opset = max(op.version for m in models.values() for op in m.opset_import
+                if op.domain in _ONNX_DOMAINS)
+    ir_version = max(m.ir_version for m in models.values())
+    if opset > MAX_OPSET or ir_version > MAX_IR_VERSION:
+        raise ArtifactError(
+            f"generated artifacts use opset {opset} / IR {ir_version}; onnxruntime-training "
+            f"1.19.2 supports at most opset {MAX_OPSET} / IR {MAX_IR_VERSION} (pin onnx<1.17)")
+    train_inputs = [i.name for i in models["training_model"].graph.input]
+    expected_prefix = [INPUT_NAME, LABELS_NAME, *names]
+    if train_inputs[:len(expected_prefix)] != expected_prefix:
+        raise ArtifactError(
+            f"training graph inputs {train_inputs} do not start with {expected_prefix}: the "
+            "layout order would not be the training-graph order")
+    for role in ("training_model", "eval_model"):
+        outputs = [o.name for o in models[role].graph.output]
+        if len(outputs) < 2 or outputs[1] != OUTPUT_NAME:
+            raise ArtifactError(f"{role} outputs {outputs} are not (loss, {OUTPUT_NAME}, ...)")
+    eval_inputs = [i.name for i in models["eval_model"].graph.input]
+    if eval_inputs[:2] != [INPUT_NAME, LABELS_NAME]:
+        raise ArtifactError(f"eval graph inputs {eval_inputs} do not start with "
+                            f"[{INPUT_NAME!r}, {LABELS_NAME!r}]")
+    return int(opset), int(ir_version)
+
+
+def _reset_graph_name_counter() -> None:
+    """Make generated node names independent of earlier builds in this process.
+
+    onnxblock names nodes ``onnx::<op>::<n>`` from a process-global counter
+    (``_graph_utils._GRAPH_TOKEN``), so without a reset the same architecture built second in
+    a process gets different bytes, hence a different ``bundle_id``, than when built first.
+    1.19.2 is the last release, so poking this private counter is stable. Called under the
+    fd-2 lock, which also serialises builds.
+    """
+    from onnxruntime.training.onnxblock import _graph_utils
+
+    if hasattr(_graph_utils, "_GRAPH_TOKEN"):
+        _graph_utils._GRAPH_TOKEN = 0
+    else:  # pragma: no cover - other onnxruntime versions
+        logger.warning("onnxblock has no _GRAPH_TOKEN; bundle ids may depend on build order")
+
+
+@contextlib.contextmanager
+def _no_root_basic_config() -> Iterator[None]:
+    """Keep onnxruntime's tooling from configuring the application's root logger.
+
+    Importing ``onnxruntime.training.artifacts`` runs ``logging.basicConfig(...)``
+    (``onnxruntime/tools/logger.py``), and ``generate_artifacts`` calls bare
+    ``logging.info``, which runs ``basicConfig()`` on a handler-less root logger. Either
+    installs a stderr handler and turns the application's own later ``basicConfig(...)``
+    into a silent no-op. A temporary ``NullHandler`` on the root logger prevents both.
+    """
+    root = logging.getLogger()
+    guard = logging.NullHandler() if not root.handlers else None
+    if guard is not None:
+        root.addHandler(guard)
+    try:
+        yield
+    finally:
+        if guard is not None:
+            root.removeHandler(guard)
+
+
+class _Captured:
+    """Handle to the temp file that received fd 2 during a quiet section."""
+
+    def __init__(self, fh: Any) -> None:
+        self._fh = fh
+
+    def tail(self) -> str:
+        self._fh.flush()
+        self._fh.seek(0, os.SEEK_END)
+        size = self._fh.tell()
+        self._fh.seek(max(0, size - _STDERR_TAIL))
+        return self._fh.read().decode("utf-8", errors="replace")
+
+
+@contextlib.contextmanager
+def _quiet_fd2() -> Iterator[_Captured]:
+    """Redirect file descriptor 2 (native stderr) to a temp file; always restore it.
+
+    Process-wide while active (other threads' stderr goes to the file too), hence the lock.
+    """
+    with _fd2_lock, tempfile.TemporaryFile() as sink:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(sink.fileno(), 2)
+            yield _Captured(sink)
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)

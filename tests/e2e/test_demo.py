@@ -1,0 +1,83 @@
+"""``fedtier demo`` as a user runs it: separate processes, a real broker, a summary at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import mosquitto_binary, require
+
+pytestmark = pytest.mark.slow
+
+
+def run_demo(*args: str, timeout: float = 240) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--json", *args], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_demo_with_defaults_reaches_090_accuracy() -> None:
+    require(mosquitto_binary() is not None, "Mosquitto")
+    result = run_demo()
+    accuracies = [r["accuracy"] for r in result["rounds"]]
+    assert len(accuracies) == 30
+    assert result["final_accuracy"] >= 0.90, accuracies
+    assert result["broker"] == "mosquitto"
+    assert result["processes"] == 1 + 1 + 2 + 12  # broker, coordinator, edges, agents
+    assert all(r["devices_reported"] == 12 for r in result["rounds"])
+    assert all(v > 0 for v in result["bytes"].values())
+
+
+def test_demo_over_the_embedded_broker_with_chunked_messages() -> None:
+    # 8 KiB packets: every 19 KB model message travels as several chunks.
+    result = run_demo("--broker", "embedded", "--devices", "4", "--cells", "2", "--rounds", "4",
+                      "--max-packet-size", "8192")
+    assert result["broker"] == "embedded"
+    accuracies = [r["accuracy"] for r in result["rounds"]]
+    assert len(accuracies) == 4 and accuracies[-1] > accuracies[0] > 0.1
+    assert all(r["devices_reported"] == 4 for r in result["rounds"])
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    require(mosquitto_binary() is not None, "Mosquitto")
+    workdir = tmp_path / "demo"
+    demo = subprocess.Popen([sys.executable, "-m", "fedtier", "demo", "--devices", "3", "--cells", "1",
+                             "--rounds", "100000", "--workdir", str(workdir)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        assert demo.stderr is not None
+        deadline = time.monotonic() + 60
+        for line in demo.stderr:
+            if "round   2/" in line or time.monotonic() > deadline:
+                break
+        children = _processes_mentioning(str(workdir))
+        assert len(children) >= 5, children  # broker, coordinator, edge, 3 agents
+        demo.send_signal(signal.SIGINT)
+        code = demo.wait(30)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert code == 130
+    assert _processes_mentioning(str(workdir)) == []
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{entry}/stat").read_text().split()[2]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids

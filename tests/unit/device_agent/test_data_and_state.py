@@ -1,0 +1,62 @@
+"""A device's local data directory and its durable outbox."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_agent.data import load_data_dir
+from device_agent.state import DeviceState
+from fedtier.errors import ConfigError
+
+
+def test_npz_and_csv_files_are_concatenated(tmp_path: Path) -> None:
+    np.savez(tmp_path / "a.npz", x=np.ones((2, 3)), y=np.array([0, 1]))
+    (tmp_path / "b.csv").write_text("f1,f2,f3,label\n1,2,3,2\n4,5,6,0\n")
+    data = load_data_dir(tmp_path)
+    assert data.x.shape == (4, 3) and data.x.dtype == np.float32
+    assert data.y.tolist() == [0, 1, 2, 0] and data.y.dtype == np.int64
+
+
+def test_examples_are_reshaped_to_the_model_input(tmp_path: Path) -> None:
+    np.savez(tmp_path / "a.npz", x=np.zeros((5, 8)), y=np.zeros(5))
+    assert load_data_dir(tmp_path, input_shape=(2, 4)).x.shape == (5, 2, 4)
+    with pytest.raises(ConfigError, match="model takes"):
+        load_data_dir(tmp_path, input_shape=(3, 3))
+
+
+@pytest.mark.parametrize("write,match", [
+    (lambda d: None, "no .npz or .csv"),
+    (lambda d: np.savez(d / "a.npz", x=np.ones((2, 1)), y=np.array([0.5, 1])), "non-negative integers"),
+    (lambda d: np.savez(d / "a.npz", x=np.ones((2, 1)), y=np.array([-1, 1])), "non-negative integers"),
+    (lambda d: np.savez(d / "a.npz", x=np.array([[np.nan], [1]]), y=np.array([0, 1])), "NaN"),
+    (lambda d: np.savez(d / "a.npz", x=np.ones((3, 1)), y=np.array([0, 1])), "labels"),
+    (lambda d: np.savez(d / "a.npz", features=np.ones(2)), "needs arrays"),
+    (lambda d: np.savez(d / "a.npz", x=np.array([{"a": 1}], dtype=object), y=np.array([0])), "readable"),
+    (lambda d: (d / "a.npz").write_bytes(b"not a zip"), "readable"),
+    (lambda d: (d / "a.csv").write_text("1,2\nx,y\n"), "not numeric"),
+])
+def test_bad_data_is_a_config_error_naming_the_file(tmp_path: Path, write, match: str) -> None:
+    write(tmp_path)
+    with pytest.raises(ConfigError, match=match):
+        load_data_dir(tmp_path)
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_data_dir(tmp_path / "nope")
+
+
+def test_outbox_survives_a_restart_and_tracks_the_last_round(tmp_path: Path) -> None:
+    state = DeviceState(tmp_path / "agent.db")
+    state.put_update("k1", "t/1", b"update-1", "r", 1, 1.0)
+    state.put_update("k2", "t/2", b"update-2", "r", 2, 2.0)
+    state.delete("k1")
+    state.close()
+    again = DeviceState(tmp_path / "agent.db")
+    assert again.pending() == [("k2", "t/2", b"update-2")]
+    assert again.last_round("r") == 2 and again.last_round("other") == -1
+    again.put_update("k0", "t/0", b"old", "r", 0, 3.0)  # an older round never lowers progress
+    assert again.last_round("r") == 2

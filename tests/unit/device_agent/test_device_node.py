@@ -1,0 +1,116 @@
+"""The device node over the in-memory transport: artifacts, training, outbox."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cloud_coordinator.rollout import prepare
+from device_agent.data import LocalData
+from device_agent.node import DeviceNode
+from device_agent.state import DeviceState
+from device_agent.trainers import make_trainer
+from fedtier import messages, topics
+from fedtier.artifact_cache import ArtifactCache
+from fedtier.messages import ArtifactBlob, ArtifactRequest, DeviceTask, DeviceUpdate
+from fedtier.node import REJECTED
+from fedtier.transport.memory import MemoryBroker
+
+
+@pytest.fixture
+def setup(small_rollout, tmp_path: Path):
+    prepared = prepare(small_rollout())
+    broker = MemoryBroker()
+    received: list = []
+    edge = broker.connect("edge", received.append)
+    cell = next(iter(prepared.cells))
+    device_id = prepared.cells[cell][0]
+    edge.subscribe(topics.cell_up_filter(cell))
+    x, y = prepared.data.train[device_id]
+    node = DeviceNode(device_id=device_id, cell=cell, transport=broker.connect(device_id),
+                      data=LocalData(x=x, y=y), trainer_provider=lambda b: make_trainer("ort", b),
+                      state=DeviceState(tmp_path / "agent.db"), cache=ArtifactCache(tmp_path / "cache"),
+                      bundles_dir=tmp_path / "bundles")
+    node.tx.set_handler(lambda inbound: node.handle(inbound, broker.now))
+    return prepared, broker, edge, received, node, cell
+
+
+def task_for(prepared, cell: str, round: int = 0) -> DeviceTask:
+    cfg = prepared.config.algorithm_config().to_dict()
+    return DeviceTask(rollout=prepared.config.rollout, round=round, sender=cell, params=prepared.initial_params,
+                      config=cfg, members=prepared.cells[cell])
+
+
+def uplinks(received: list, kind: type) -> list:
+    out = []
+    for inbound in received:
+        msg = messages.decode_message(inbound.payload)
+        if isinstance(msg, kind):
+            out.append(msg)
+    return out
+
+
+def test_device_fetches_artifacts_then_runs_the_waiting_task(setup) -> None:
+    prepared, broker, edge, received, node, cell = setup
+    rollout = prepared.config.rollout
+    node.start(0.0)
+    # Prepare: the edge relays the manifest and broadcasts the task before the device has artifacts.
+    edge.publish(topics.cell_manifest(rollout, cell), prepared.manifest.encode(), retain=True)
+    edge.publish(topics.cell_down(rollout, cell, DeviceTask.KIND), task_for(prepared, cell).encode())
+    broker.run_until_idle()
+    [request] = uplinks(received, ArtifactRequest)
+    assert set(request.digests) == set(prepared.manifest.artifact_digests.values())
+    assert uplinks(received, DeviceUpdate) == []  # the task waits for the trainer
+    # Execute: the edge serves the files.
+    for entry in prepared.bundle.files.values():
+        data = (prepared.bundle.directory / entry.filename).read_bytes()
+        blob = ArtifactBlob(rollout=rollout, round=0, sender=cell, sha256=entry.sha256, name=entry.filename, data=data)
+        edge.publish(topics.cell_down(rollout, cell, blob.KIND), blob.encode())
+    broker.run_until_idle()
+    # Assert: one update for round 0, with the model's layout, acknowledged (outbox empty).
+    [update] = uplinks(received, DeviceUpdate)
+    assert update.round == 0 and update.sender == node.device_id
+    assert set(update.delta) == set(prepared.bundle.layout.names)
+    assert any(np.abs(d).max() > 0 for d in update.delta.values())
+    assert update.num_samples == len(node.data)
+    assert node.state.pending() == [] and node.state.last_round(rollout) == 0
+
+
+def test_a_tampered_artifact_is_rejected_and_not_cached(setup) -> None:
+    prepared, broker, edge, received, node, cell = setup
+    rollout = prepared.config.rollout
+    node.start(0.0)
+    edge.publish(topics.cell_manifest(rollout, cell), prepared.manifest.encode(), retain=True)
+    entry = prepared.bundle.files["checkpoint"]
+    data = bytearray((prepared.bundle.directory / entry.filename).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob = ArtifactBlob(rollout=rollout, round=0, sender=cell, sha256=entry.sha256, name=entry.filename,
+                        data=bytes(data))
+    edge.publish(topics.cell_down(rollout, cell, blob.KIND), blob.encode())
+    broker.run_until_idle()
+    assert node.metrics.get(REJECTED, reason="sha_mismatch") == 1
+    assert not node.cache.has(entry.sha256) and rollout not in node.trainers
+
+
+def test_unacknowledged_updates_are_resent_at_start(setup) -> None:
+    prepared, broker, edge, received, node, cell = setup
+    update = DeviceUpdate(rollout="t", round=4, sender=node.device_id,
+                          delta={"w": np.zeros(2, np.float32)}, num_samples=3, train_loss=0.1, steps=1)
+    topic = topics.cell_up("t", cell, node.device_id, update.KIND)
+    node.state.put_update(update.key, topic, update.encode(), "t", 4, 0.0)
+    node.start(0.0)
+    broker.run_until_idle()
+    assert [m.round for m in uplinks(received, DeviceUpdate)] == [4]
+    assert node.state.pending() == []
+
+
+def test_another_devices_catch_up_task_is_ignored(setup) -> None:
+    prepared, broker, edge, received, node, cell = setup
+    node.start(0.0)
+    other = prepared.cells[cell][1]
+    edge.publish(topics.cell_down(prepared.config.rollout, cell, DeviceTask.KIND, other),
+                 task_for(prepared, cell).encode())
+    broker.run_until_idle()
+    assert node._pending_task == {} and node.metrics.total(REJECTED) == 0

@@ -1,0 +1,139 @@
+"""The edge node over the in-memory transport: relaying, artifacts, presence, replay after restart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from edge_broker.service import EdgeNode
+from edge_broker.store import EdgeStore
+from fedtier import messages, topics
+from fedtier.algorithms.fedavg import FedAvgConfig
+from fedtier.artifact_cache import ArtifactCache, sha256_hex
+from fedtier.manifest import Manifest
+from fedtier.messages import ArtifactBlob, ArtifactRequest, CellTask, CellUpdate, DeviceTask, DeviceUpdate
+from fedtier.node import REJECTED
+from fedtier.transport.memory import MemoryBroker
+
+CELL, ROLLOUT = "cell-a", "r"
+MEMBERS = ("dev-0", "dev-1", "dev-2")
+PARAMS = {"w": np.zeros((2, 2), np.float32)}
+FILE = b"pretend this is an onnx model"
+SHA = sha256_hex(FILE)
+MANIFEST = Manifest(rollout=ROLLOUT, version=1, algorithm="fedavg",
+                    bundle={"files": {"training_model": {"filename": "t.onnx", "sha256": SHA, "size": len(FILE)}}},
+                    cells={CELL: MEMBERS}, rounds=2, created=1.0)
+
+
+class Rig:
+    def __init__(self, tmp: Path, store_path: Path | None = None) -> None:
+        self.broker = MemoryBroker()
+        self.at_cloud: list = []
+        self.at_cell: list = []
+        self.cloud = self.broker.connect("cloud", self.at_cloud.append)
+        self.cloud.subscribe(topics.edge_up_filter())
+        self.devices = self.broker.connect("devices", self.at_cell.append)
+        self.devices.subscribe(topics.cell_down_filter(CELL))
+        self.edge = self.new_edge(tmp, store_path)
+
+    def new_edge(self, tmp: Path, store_path: Path | None) -> EdgeNode:
+        edge = EdgeNode(cell=CELL, cell_transport=self.broker.connect("edge-cell"),
+                        cloud_transport=self.broker.connect("edge-cloud"),
+                        store=EdgeStore(store_path or ":memory:"), cache=ArtifactCache(tmp / "cache"))
+        for tx in (edge.cell_tx, edge.cloud_tx):
+            tx.set_handler(lambda inbound, e=edge: e.handle(inbound, self.broker.now))
+        edge.start(self.broker.now)
+        self.broker.run_until_idle()
+        return edge
+
+    def task(self) -> None:
+        task = CellTask(rollout=ROLLOUT, round=0, sender="cloud", params=PARAMS, members=MEMBERS,
+                        config=FedAvgConfig().to_dict())
+        self.cloud.publish(topics.cloud_down(ROLLOUT, CELL, task.KIND), task.encode())
+        self.broker.run_until_idle()
+
+    def update(self, device: str, value: float) -> None:
+        upd = DeviceUpdate(rollout=ROLLOUT, round=0, sender=device, delta={"w": np.full((2, 2), value, np.float32)},
+                           num_samples=1, train_loss=0.0, steps=1)
+        self.devices.publish(topics.cell_up(ROLLOUT, CELL, device, upd.KIND), upd.encode())
+        self.broker.run_until_idle()
+
+
+def decoded(received: list) -> list:
+    return [(i.topic, messages.decode_message(i.payload)) for i in received if i.payload.startswith(b"FTEN")]
+
+
+def test_manifest_is_relayed_to_the_cell_and_its_artifacts_prefetched(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.broker.run_until_idle()
+    relayed = [i for i in rig.at_cell if i.topic == topics.cell_manifest(ROLLOUT, CELL)]
+    assert [Manifest.decode(i.payload).version for i in relayed] == [1]
+    [(_, request)] = decoded(rig.at_cloud)
+    assert isinstance(request, ArtifactRequest) and request.digests == (SHA,)
+
+
+def test_artifact_requests_are_served_from_the_cache_or_forwarded(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.broker.run_until_idle()
+    rig.at_cell.clear()
+    blob = ArtifactBlob(rollout=ROLLOUT, round=0, sender="cloud", sha256=SHA, name="t.onnx", data=FILE)
+    rig.cloud.publish(topics.cloud_down(ROLLOUT, CELL, blob.KIND), blob.encode())
+    rig.broker.run_until_idle()
+    assert rig.edge.cache.get(SHA) == FILE
+    rig.at_cell.clear()
+    req = ArtifactRequest(rollout=ROLLOUT, round=0, sender="dev-1", digests=(SHA,))
+    rig.devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-1", req.KIND), req.encode())
+    rig.broker.run_until_idle()
+    served = [m for _, m in decoded(rig.at_cell) if isinstance(m, ArtifactBlob)]
+    assert [b.data for b in served] == [FILE]
+    # A digest the manifest does not list is refused.
+    bad = ArtifactRequest(rollout=ROLLOUT, round=0, sender="dev-1", digests=("0" * 64,))
+    rig.devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-1", bad.KIND), bad.encode())
+    rig.broker.run_until_idle()
+    assert rig.edge.metrics.get(REJECTED, reason="unexpected_message") == 1
+
+
+def test_a_member_coming_online_gets_the_open_task_on_its_own_topic(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.task()
+    rig.at_cell.clear()
+    rig.devices.publish(topics.status("dev-2"), json.dumps({"state": "online", "since": 5.0}).encode(), retain=True)
+    rig.broker.run_until_idle()
+    [(topic, task)] = decoded(rig.at_cell)
+    assert topic == topics.cell_down(ROLLOUT, CELL, DeviceTask.KIND, "dev-2") and task.round == 0
+    # The same online event seen again (a retained redelivery) does not resend.
+    rig.devices.publish(topics.status("dev-2"), json.dumps({"state": "online", "since": 5.0}).encode(), retain=True)
+    rig.broker.run_until_idle()
+    assert len(decoded(rig.at_cell)) == 1
+
+
+def test_a_restarted_edge_replays_its_accepted_inputs(tmp_path: Path) -> None:
+    db = tmp_path / "edge.db"
+    rig = Rig(tmp_path, db)
+    rig.task()
+    rig.update("dev-0", 1.0)
+    rig.update("dev-1", 2.0)
+    rig.edge.store.close()
+    rig.edge.cell_tx.close()
+    rig.edge.cloud_tx.close()
+    # "Restart": a new edge node over the same database.
+    rig.edge = rig.new_edge(tmp_path, db)
+    assert rig.edge.roles[ROLLOUT].reported == ("dev-0", "dev-1")
+    rig.update("dev-2", 6.0)
+    [(_, cell_update)] = [(t, m) for t, m in decoded(rig.at_cloud) if isinstance(m, CellUpdate)]
+    assert cell_update.reported == MEMBERS
+    np.testing.assert_allclose(cell_update.delta["w"], np.full((2, 2), 3.0), rtol=0, atol=1e-7)
+
+
+def test_foreign_topics_and_other_rollouts_are_rejected(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.task()
+    upd = DeviceUpdate(rollout="other", round=0, sender="dev-0", delta=PARAMS, num_samples=1, train_loss=0.0,
+                       steps=1)
+    rig.devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-0", upd.KIND), upd.encode())
+    rig.broker.run_until_idle()
+    assert rig.edge.metrics.get(REJECTED, reason="unexpected_message") == 1

@@ -1,0 +1,130 @@
+"""An in-memory hierarchy of sans-I/O roles for tests (h11's ConnectionPair, one tier up).
+
+Wires one cloud role, its edge roles and their device roles together; messages go
+through real ``encode``/``decode`` so the wire format is exercised too; local training is
+replaced by a deterministic function of (params, device, round) that tests can check by
+hand. Every message each role receives is recorded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from fedtier import messages
+from fedtier.algorithms.base import (
+    Broadcast,
+    Dropped,
+    Finished,
+    LocalResult,
+    LocalTrain,
+    RoundClosed,
+    SendToChild,
+    SendToParent,
+)
+
+FakeTrain = Callable[[Mapping[str, np.ndarray], str, int], dict[str, np.ndarray]]
+
+
+def default_train(params: Mapping[str, np.ndarray], device: str, round: int) -> dict[str, np.ndarray]:
+    """Device ``dev-i`` moves every parameter by ``(i + 1) * 0.01`` (a known, distinct delta)."""
+    k = int(device.split("-")[-1]) + 1
+    return {n: np.full_like(p, 0.01 * k) for n, p in params.items()}
+
+
+@dataclass
+class Hierarchy:
+    algo: ModuleType
+    cells: dict[str, tuple[str, ...]]
+    params: dict[str, np.ndarray]
+    config: Any
+    rounds: int = 3
+    train: FakeTrain = default_train
+    samples: Mapping[str, int] = field(default_factory=dict)
+    now: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.cloud = self.algo.Cloud(rollout="r", cells=self.cells, initial_params=self.params, config=self.config,
+                                     rounds=self.rounds)
+        self.edges = {c: self.algo.Edge(cell=c, rollout="r") for c in self.cells}
+        self.devices = {d: self.algo.Device(device_id=d, cell=c, rollout="r")
+                        for c, ds in self.cells.items() for d in ds}
+        self.received: dict[str, list[messages.Message]] = defaultdict(list)
+        self.closed: list[RoundClosed] = []
+        self.finished = False
+        self.dropped: list[Dropped] = []
+        self.offline: set[str] = set()
+
+    def _wire(self, msg: messages.Message) -> messages.Message:
+        return messages.decode_message(msg.encode())
+
+    def start(self) -> None:
+        self._run_cloud(self.cloud.start(self.now))
+
+    def _run_cloud(self, actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, SendToChild):
+                self.deliver_to_edge(a.child, self._wire(a.message))
+            elif isinstance(a, RoundClosed):
+                self.closed.append(a)
+            elif isinstance(a, Finished):
+                self.finished = True
+            elif isinstance(a, Dropped):
+                self.dropped.append(a)
+
+    def deliver_to_edge(self, cell: str, msg: messages.Message) -> None:
+        self.received[cell].append(msg)
+        self._run_edge(cell, self.edges[cell].receive(msg, self.now))
+
+    def _run_edge(self, cell: str, actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, Broadcast):
+                for d in self.cells[cell]:
+                    if d not in self.offline:
+                        self.deliver_to_device(d, self._wire(a.message))
+            elif isinstance(a, SendToChild):
+                self.deliver_to_device(a.child, self._wire(a.message))
+            elif isinstance(a, SendToParent):
+                self.deliver_to_cloud(self._wire(a.message))
+            elif isinstance(a, Dropped):
+                self.dropped.append(a)
+
+    def deliver_to_cloud(self, msg: messages.Message) -> None:
+        self.received["cloud"].append(msg)
+        self._run_cloud(self.cloud.receive(msg, self.now))
+
+    def deliver_to_device(self, device: str, msg: messages.Message) -> None:
+        self.received[device].append(msg)
+        self._run_device(device, self.devices[device].receive(msg, self.now))
+
+    def _run_device(self, device: str, actions: list[Any]) -> None:
+        cell = next(c for c, ds in self.cells.items() if device in ds)
+        for a in actions:
+            if isinstance(a, LocalTrain):
+                delta = self.train(a.params, device, a.round)
+                result = LocalResult(delta=delta, num_samples=self.samples.get(device, 10), mean_loss=1.0,
+                                     steps=a.steps)
+                self._run_device(device, self.devices[device].trained(a.round, result))
+            elif isinstance(a, SendToParent):
+                self.deliver_to_edge(cell, self._wire(a.message))
+            elif isinstance(a, Dropped):
+                self.dropped.append(a)
+
+    def tick(self, now: float) -> None:
+        self.now = now
+        for cell, edge in self.edges.items():
+            self._run_edge(cell, edge.tick(now))
+        self._run_cloud(self.cloud.tick(now))
+
+    def reconnect(self, device: str) -> None:
+        """``device`` comes online again: its edge resends the open task if it owes an update."""
+        self.offline.discard(device)
+        cell = next(c for c, ds in self.cells.items() if device in ds)
+        self._run_edge(cell, self.edges[cell].resend(device, self.now))
+
+    def run(self) -> None:
+        self.start()
