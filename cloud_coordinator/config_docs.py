@@ -41,8 +41,8 @@ def _type_name(tp: Any) -> str:
 def _default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
-    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
         if isinstance(value, Section):
             return "(table)"
     else:

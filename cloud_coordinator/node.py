@@ -170,7 +170,7 @@ class CloudNode(NodeBase):
             doc = json.loads(inbound.payload.decode()) if inbound.payload else {}
         except (UnicodeDecodeError, json.JSONDecodeError):
             return
-        if not isinstance(doc, dict) or doc.get("state") != "online" or node not in self.prepared.cells:
+        if not isinstance(doc, dict) or doc.get("state") != "online" or node is None or node not in self.prepared.cells:
             return
         since = doc.get("since")
         since = float(since) if isinstance(since, (int, float)) and math.isfinite(since) else 0.0

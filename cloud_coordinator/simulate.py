@@ -97,23 +97,25 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         for cell, members in prepared.cells.items():
             for device in members:
                 x, y = prepared.data.train[device]
-                node = DeviceNode(device_id=device, cell=cell, transport=broker.connect(device),
+                tx = broker.connect(device)
+                node = DeviceNode(device_id=device, cell=cell, transport=tx,
                                   data=LocalData(x=x.reshape((len(x), *prepared.arch.input_shape)), y=y),
                                   trainer_provider=trainers, state=DeviceState(":memory:"), cache=cache,
                                   bundles_dir=root / "bundles")
-                node.tx.set_handler(_bind(node, broker))
+                tx.set_handler(_bind(node, broker))
                 nodes.append(node)
-            edge = EdgeNode(cell=cell, cell_transport=broker.connect(f"{cell}/cell"),
-                            cloud_transport=broker.connect(f"{cell}/cloud"), store=EdgeStore(":memory:"),
+            cell_tx, up_tx = broker.connect(f"{cell}/cell"), broker.connect(f"{cell}/cloud")
+            edge = EdgeNode(cell=cell, cell_transport=cell_tx, cloud_transport=up_tx, store=EdgeStore(":memory:"),
                             cache=ArtifactCache(root / "edges" / cell), parent=cfg.cloud_id)
-            edge.cell_tx.set_handler(_bind(edge, broker))
-            edge.cloud_tx.set_handler(_bind(edge, broker))
+            cell_tx.set_handler(_bind(edge, broker))
+            up_tx.set_handler(_bind(edge, broker))
             nodes.append(edge)
         # With a workdir the coordinator's state persists there, and a second call resumes it.
         store = CoordinatorStore(root / "coordinator.db" if workdir is not None else ":memory:")
-        cloud = CloudNode(prepared=prepared, transport=broker.connect("cloud"), store=store,
+        cloud_tx = broker.connect("cloud")
+        cloud = CloudNode(prepared=prepared, transport=cloud_tx, store=store,
                           evaluator=OrtEvaluator(prepared, cfg.simulation.threads), on_round=on_round)
-        cloud.tx.set_handler(_bind(cloud, broker))
+        cloud_tx.set_handler(_bind(cloud, broker))
 
         try:
             result = _run(cfg, broker, nodes, cloud, prepared, t0)

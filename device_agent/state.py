@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 class DeviceState:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | str) -> None:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")

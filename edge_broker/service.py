@@ -30,7 +30,7 @@ from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, Sen
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
 from fedtier.manifest import Manifest
-from fedtier.messages import ArtifactBlob, ArtifactRequest, CellTask, DeviceUpdate, Message
+from fedtier.messages import ArtifactBlob, ArtifactRequest, CellTask, CellUpdate, DeviceUpdate, Message
 from fedtier.metrics import Metrics
 from fedtier.node import ACCEPTED, NodeBase
 from fedtier.transport.base import Inbound, Transport
@@ -166,7 +166,7 @@ class EdgeNode(NodeBase):
             elif isinstance(action, SendToParent):
                 msg = action.message
                 stats = dict(self._round_bytes.pop((rollout, msg.round), {}))
-                if hasattr(msg, "stats"):
+                if isinstance(msg, CellUpdate):
                     msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
                 self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), msg.encode())
                 log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,

@@ -40,7 +40,7 @@ class ArtifactCache:
         if sha256_hex(data) != sha:
             raise ShaMismatchError(f"artifact bytes do not match digest {sha[:12]}…")
         final = self.path(sha)
-        if final.is_file():
+        if final.is_file() and self.get(sha) is not None:  # get() deletes a corrupted copy
             return final
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".incoming-")
         try:

@@ -1,7 +1,9 @@
 """Minibatch sampling shared by every backend: the same stream gives the same batches.
 
 Batches are drawn epoch by epoch without replacement (a fresh permutation per epoch), the
-usual way SGD is run; the generator comes from ``fedtier.rng.stream`` so the simulator
+usual way SGD is run. Every batch has the same size; an epoch's tail shorter than a batch is
+skipped (like ``drop_last=True``), and the next epoch reshuffles everything. The generator
+comes from ``fedtier.rng.stream`` so the simulator
 and a real device draw identical batches for the same (seed, device, round).
 """
 

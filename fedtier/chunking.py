@@ -106,7 +106,9 @@ class ChunkStore(Protocol):
     def parts(self, whole_key: str) -> list[tuple[str, ChunkInfo]]: ...
     def delete(self, whole_key: str) -> None: ...
     def pending_bytes(self) -> int: ...
-    def keys_older_than(self, cutoff: float) -> list[str]: ...
+    def keys_older_than(self, cutoff: float) -> list[str]:
+        """Keys of *partial* messages first received before ``cutoff``."""
+        ...
     def complete_keys(self) -> list[str]: ...
 
 
@@ -129,7 +131,10 @@ class MemoryChunkStore:
         return sum(len(i.data) for parts in self._parts.values() for _, i, _ in parts.values())
 
     def keys_older_than(self, cutoff: float) -> list[str]:
-        return [k for k, parts in self._parts.items() if min(t for _, _, t in parts.values()) < cutoff]
+        """Partial messages (not complete ones) whose first chunk arrived before ``cutoff``."""
+        return [k for k, parts in self._parts.items()
+                if len(parts) < next(iter(parts.values()))[1].count
+                and min(t for _, _, t in parts.values()) < cutoff]
 
     def complete_keys(self) -> list[str]:
         return [k for k, parts in self._parts.items()
@@ -172,7 +177,8 @@ class SqliteChunkStore:
     def keys_older_than(self, cutoff: float) -> list[str]:
         with self._lock:
             return [r[0] for r in self._db.execute(
-                "SELECT wk FROM chunks GROUP BY wk HAVING MIN(received) < ?", (cutoff,))]
+                "SELECT wk FROM chunks GROUP BY wk HAVING COUNT(*) < MAX(cnt) AND MIN(received) < ?",
+                (cutoff,))]
 
     def complete_keys(self) -> list[str]:
         with self._lock:

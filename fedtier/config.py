@@ -20,7 +20,9 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import math
 import os
+import re
 import sys
 import types
 import typing
@@ -164,10 +166,10 @@ def _convert(value: Any, tp: Any, path: str, source: str | None, base_dir: Path 
             p = Path(os.path.normpath(base_dir / p))
         return p
     if origin is tuple:
-        args = get_args(tp)
+        item_args = get_args(tp)
         if not isinstance(value, list):
             raise ConfigError(f"expected a list, got {value!r}", key=path, source=source)
-        item_tp = args[0]
+        item_tp = item_args[0]
         return tuple(_convert(v, item_tp, f"{path}[{i}]", source, base_dir) for i, v in enumerate(value))
     if origin in (dict, collections.abc.Mapping):
         key_tp, val_tp = get_args(tp)
@@ -214,12 +216,16 @@ def load(cls: type[T], path: str | Path) -> T:
 
 
 def dumps_toml(data: Mapping[str, Any]) -> str:
-    """Write plain data as TOML (enough for the configs fedtier generates: no arrays of tables)."""
+    """Write plain data as TOML (enough for the configs fedtier generates: no arrays of tables).
+
+    Strings and keys are escaped per TOML 1.0 (control characters as ``\\uXXXX``); keys that
+    are not bare ASCII are quoted; table names are dotted paths of such keys.
+    """
     lines: list[str] = []
     tables: list[tuple[str, Mapping[str, Any]]] = []
     for key, value in data.items():
         if isinstance(value, Mapping):
-            tables.append((key, value))
+            tables.append((_toml_key(key), value))
         else:
             lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
     for name, table in tables:
@@ -228,28 +234,49 @@ def dumps_toml(data: Mapping[str, Any]) -> str:
 
 
 def _dump_table(name: str, table: Mapping[str, Any], lines: list[str]) -> None:
-    scalars = {k: v for k, v in table.items() if not isinstance(v, Mapping)}
-    subtables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
     lines.append("")
     lines.append(f"[{name}]")
-    for key, value in scalars.items():
-        lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
-    for key, value in subtables.items():
-        _dump_table(f"{name}.{_toml_key(key)}", value, lines)
+    for key, value in table.items():
+        if not isinstance(value, Mapping):
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            _dump_table(f"{name}.{_toml_key(key)}", value, lines)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r", '"': '\\"', "\\": "\\\\"}
+
+
+def _toml_string(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def _toml_key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else '"' + key.replace('"', '\\"') + '"'
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
 
 
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
         return repr(value)
     if isinstance(value, (str, Path)):
-        s = str(value).replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{s}"'
+        return _toml_string(str(value))
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")

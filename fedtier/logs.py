@@ -22,8 +22,8 @@ class _NodeFilter(logging.Filter):
 def setup(level: str = "info", *, node: str = "-", file: Path | None = None) -> None:
     """Configure the root logger for a service process (idempotent)."""
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
+    for old in list(root.handlers):
+        root.removeHandler(old)
     handler: logging.Handler = logging.FileHandler(file) if file else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(_NodeFilter(node))

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from fedtier.errors import ManifestError
+from fedtier.errors import LocalProtocolError, ManifestError
 from fedtier.layout import canonical_json
 from fedtier.topics import check_id
 
@@ -60,8 +60,8 @@ class Manifest:
         """Parse and validate manifest bytes; ``ManifestError`` names what is wrong."""
         try:
             obj = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ManifestError(f"manifest is not JSON: {exc}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ManifestError(f"manifest is not JSON: {type(exc).__name__}: {exc}") from None
         if not isinstance(obj, dict):
             raise ManifestError("manifest is not a JSON object")
         if obj.get("schema") != MANIFEST_SCHEMA:
@@ -74,11 +74,13 @@ class Manifest:
             return value
 
         rollout = need("rollout", str)
+        raw_cells = need("cells", dict)
+        if not all(isinstance(m, list) and all(isinstance(d, str) for d in m) for m in raw_cells.values()):
+            raise ManifestError("manifest field 'cells' must map cell ids to lists of device ids")
         try:
             check_id(rollout, "rollout")
-            cells = {check_id(c, "cell"): tuple(check_id(d, "device") for d in m)
-                     for c, m in need("cells", dict).items()}
-        except Exception as exc:
+            cells = {check_id(c, "cell"): tuple(check_id(d, "device") for d in m) for c, m in raw_cells.items()}
+        except LocalProtocolError as exc:
             raise ManifestError(f"manifest ids invalid: {exc}") from None
         bundle = need("bundle", dict)
         files = bundle.get("files")
@@ -86,13 +88,29 @@ class Manifest:
                 isinstance(f, dict) and isinstance(f.get("sha256"), str) and isinstance(f.get("filename"), str)
                 and isinstance(f.get("size"), int) for f in files.values()):
             raise ManifestError("manifest bundle lists no valid files")
-        created = float(need("created", (int, float)))
+        created = _finite(need("created", (int, float)), "created")
         expires = obj.get("expires")
-        if expires is not None and not isinstance(expires, (int, float)):
-            raise ManifestError("manifest field 'expires' must be a number or null")
+        if expires is not None:
+            if isinstance(expires, bool) or not isinstance(expires, (int, float)):
+                raise ManifestError("manifest field 'expires' must be a number or null")
+            expires = _finite(expires, "expires")
+        extra = obj.get("extra", {})
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ManifestError("manifest field 'extra' must be an object")
         version, rounds = need("version", int), need("rounds", int)
-        if version < 0 or rounds <= 0 or not math.isfinite(created):
-            raise ManifestError("manifest version/rounds/created out of range")
+        if version < 0 or rounds <= 0:
+            raise ManifestError("manifest version/rounds out of range")
         return cls(rollout=rollout, version=version, algorithm=need("algorithm", str), bundle=bundle,
-                   cells=cells, rounds=rounds, created=created,
-                   expires=None if expires is None else float(expires), extra=obj.get("extra") or {})
+                   cells=cells, rounds=rounds, created=created, expires=expires, extra=extra)
+
+
+def _finite(value: int | float, key: str) -> float:
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ManifestError(f"manifest field {key!r} is out of range") from None
+    if not math.isfinite(number):
+        raise ManifestError(f"manifest field {key!r} is not finite")
+    return number

@@ -293,6 +293,8 @@ def from_envelope(env: Envelope) -> Message:
     if cls is None:
         raise UnknownMessageTypeError(f"unknown message type {env.type!r}")
     msg = cls.from_envelope(env)
+    if msg.step != env.step:
+        raise MalformedHeaderError(f"{env.type} carries step {env.step}; this message type has step {msg.step}")
     if msg.key != env.key:
         raise MalformedHeaderError(f"idempotency key {env.key!r} does not match the message ({msg.key!r})")
     return msg

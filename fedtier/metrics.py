@@ -61,7 +61,8 @@ class Metrics:
                 for key, value in sorted(self._values[name].items()):
                     labels = {**self.const_labels, **dict(key)}
                     label_str = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-                    lines.append(f"{name}{{{label_str}}} {value:g}" if label_str else f"{name} {value:g}")
+                    text = _number(value)
+                    lines.append(f"{name}{{{label_str}}} {text}" if label_str else f"{name} {text}")
         return "\n".join(lines) + "\n"
 
     def serve(self, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
@@ -86,6 +87,13 @@ class Metrics:
         server = ThreadingHTTPServer((host, port), _Handler)
         threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         return server
+
+
+def _number(value: float) -> str:
+    """Full precision: integral values as integers (counters), others as repr (shortest exact)."""
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
 
 
 def _escape(value: str) -> str:

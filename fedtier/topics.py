@@ -23,14 +23,27 @@ from dataclasses import dataclass
 from fedtier.errors import LocalProtocolError
 
 PREFIX = "ft/v1"
-_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def is_id(value: object) -> bool:
+    """Whether ``value`` is a valid id: fullmatch (a trailing newline is not allowed), not . or .."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None and value not in (".", "..")
 
 
 def check_id(value: str, what: str = "id") -> str:
     """Return ``value`` if it is a valid node/cell/rollout id, else raise ``LocalProtocolError``."""
-    if not isinstance(value, str) or not _ID.match(value) or value in (".", ".."):
+    if not is_id(value):
         raise LocalProtocolError(f"invalid {what} {value!r}: use 1-64 of A-Z a-z 0-9 _ . -")
     return value
+
+
+def check_kind(kind: str) -> str:
+    """A message kind used as a topic level: lowercase identifier; ``manifest`` is reserved."""
+    if not isinstance(kind, str) or _KIND.fullmatch(kind) is None or kind == "manifest":
+        raise LocalProtocolError(f"invalid topic kind {kind!r}")
+    return kind
 
 
 def manifest(rollout: str) -> str:
@@ -38,11 +51,13 @@ def manifest(rollout: str) -> str:
 
 
 def cloud_down(rollout: str, cell: str, kind: str) -> str:
-    return f"{PREFIX}/{check_id(rollout, 'rollout')}/cloud/down/{check_id(cell, 'cell')}/{kind}"
+    return f"{PREFIX}/{check_id(rollout, 'rollout')}/cloud/down/{check_id(cell, 'cell')}/{check_kind(kind)}"
 
 
 def edge_up(rollout: str, cell: str, kind: str) -> str:
-    return f"{PREFIX}/{check_id(rollout, 'rollout')}/edge/{check_id(cell, 'cell')}/up/{kind}"
+    if kind == "#":  # a subscription filter for every kind
+        return f"{PREFIX}/{check_id(rollout, 'rollout')}/edge/{check_id(cell, 'cell')}/up/#"
+    return f"{PREFIX}/{check_id(rollout, 'rollout')}/edge/{check_id(cell, 'cell')}/up/{check_kind(kind)}"
 
 
 def cell_manifest(rollout: str, cell: str) -> str:
@@ -50,13 +65,13 @@ def cell_manifest(rollout: str, cell: str) -> str:
 
 
 def cell_down(rollout: str, cell: str, kind: str, device: str | None = None) -> str:
-    base = f"{PREFIX}/{check_id(rollout, 'rollout')}/cell/{check_id(cell, 'cell')}/down/{kind}"
+    base = f"{PREFIX}/{check_id(rollout, 'rollout')}/cell/{check_id(cell, 'cell')}/down/{check_kind(kind)}"
     return base if device is None else f"{base}/{check_id(device, 'device')}"
 
 
 def cell_up(rollout: str, cell: str, device: str, kind: str) -> str:
     return (f"{PREFIX}/{check_id(rollout, 'rollout')}/cell/{check_id(cell, 'cell')}/up/"
-            f"{check_id(device, 'device')}/{kind}")
+            f"{check_id(device, 'device')}/{check_kind(kind)}")
 
 
 def status(node: str) -> str:
@@ -114,28 +129,28 @@ def parse(topic: str) -> Topic | None:
     if len(parts) < 3 or parts[0] != "ft" or parts[1] != "v1":
         return None
     rest = parts[2:]
-    if rest[0] == "status" and len(rest) == 2 and _ID.match(rest[1]):
+    if rest[0] == "status" and len(rest) == 2 and is_id(rest[1]):
         return Topic("status", None, None, None, device=rest[1])
-    if not _ID.match(rest[0]):
+    if not is_id(rest[0]):
         return None
     rollout = rest[0]
     tail = rest[1:]
     if tail == ["manifest"]:
         return Topic("manifest", rollout, None, "manifest")
-    if len(tail) == 4 and tail[0] == "cloud" and tail[1] == "down" and _ID.match(tail[2]):
+    if len(tail) == 4 and tail[0] == "cloud" and tail[1] == "down" and is_id(tail[2]):
         return Topic("cloud_down", rollout, tail[2], tail[3])
-    if len(tail) == 4 and tail[0] == "edge" and tail[2] == "up" and _ID.match(tail[1]):
+    if len(tail) == 4 and tail[0] == "edge" and tail[2] == "up" and is_id(tail[1]):
         return Topic("edge_up", rollout, tail[1], tail[3])
-    if len(tail) >= 4 and tail[0] == "cell" and _ID.match(tail[1]):
+    if len(tail) >= 4 and tail[0] == "cell" and is_id(tail[1]):
         cell = tail[1]
         if tail[2] == "down":
             if tail[3:] == ["manifest"]:
                 return Topic("cell_manifest", rollout, cell, "manifest")
             if len(tail) == 4:
                 return Topic("cell_down", rollout, cell, tail[3])
-            if len(tail) == 5 and _ID.match(tail[4]):
+            if len(tail) == 5 and is_id(tail[4]):
                 return Topic("cell_down", rollout, cell, tail[3], device=tail[4])
-        if tail[2] == "up" and len(tail) == 5 and _ID.match(tail[3]):
+        if tail[2] == "up" and len(tail) == 5 and is_id(tail[3]):
             return Topic("cell_up", rollout, cell, tail[4], device=tail[3])
     return None
 

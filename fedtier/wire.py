@@ -58,6 +58,8 @@ PREFIX_SIZE = _PREFIX.size  # 9
 
 MAX_TENSORS = 4096
 MAX_NDIM = 8
+MAX_DIM = 1 << 31
+"""Largest extent of one axis; numpy refuses far smaller products, even for empty arrays."""
 MAX_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 
@@ -107,7 +109,11 @@ def _raw_float(dtype: str, itemsize: int) -> Encoding:
     np_dtype = np.dtype(dtype).newbyteorder("<")
 
     def encode(arr: np.ndarray, params: Mapping[str, Any]) -> EncodedTensor:
-        a = np.ascontiguousarray(arr, dtype=np_dtype)
+        with np.errstate(over="ignore"):
+            a = np.ascontiguousarray(arr, dtype=np_dtype)
+        if a.size and not np.isfinite(a).all():
+            # e.g. 70000.0 as f16 becomes inf: every receiver would reject it, so refuse here.
+            raise LocalProtocolError(f"values overflow {dtype} (largest finite: {np.finfo(np_dtype).max})")
         return EncodedTensor(spec={}, data=a.tobytes())
 
     def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: bytes) -> np.ndarray:
@@ -296,7 +302,8 @@ def _require(header: Mapping[str, Any], key: str, typ: type | tuple[type, ...]) 
 def _check_header(header: Any) -> None:
     if not isinstance(header, dict):
         raise MalformedHeaderError("header is not a map")
-    _require(header, "t", str)
+    if not _require(header, "t", str):
+        raise MalformedHeaderError("header key 't' (message type) is empty")
     _require(header, "ro", str)
     _require(header, "s", str)
     _require(header, "k", str)
@@ -308,6 +315,8 @@ def _check_header(header: Any) -> None:
         raise MalformedHeaderError("header sha is not 32 bytes")
     _require(header, "m", dict)
     specs = _require(header, "ts", list)
+    if len(specs) > MAX_TENSORS:
+        raise TensorSpecError(f"{len(specs)} tensors exceed the limit of {MAX_TENSORS}")
     for spec in specs:
         if not isinstance(spec, dict):
             raise MalformedHeaderError("tensor spec is not a map")
@@ -331,7 +340,8 @@ def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> dict[str, np
         if not isinstance(enc_name, str) or enc_name not in ENCODINGS:
             raise TensorSpecError(f"tensor {name!r}: unknown encoding {enc_name!r}")
         if (not isinstance(shape_list, list) or len(shape_list) > MAX_NDIM
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape_list)):
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM
+                           for d in shape_list)):
             raise TensorSpecError(f"tensor {name!r}: bad shape {shape_list!r}")
         if not isinstance(nb, int) or isinstance(nb, bool) or nb < 0:
             raise TensorSpecError(f"tensor {name!r}: bad byte length {nb!r}")

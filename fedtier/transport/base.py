@@ -122,5 +122,8 @@ class ChunkingMixin:
 
     def pending_complete(self) -> list[Inbound]:
         """Whole messages left in a durable chunk store by a crash, for redelivery at start."""
-        return [Inbound(self.name, topic, data, (lambda k=key: self.reassembler.done(k)))
+        return [Inbound(self.name, topic, data, self._done_callback(key))
                 for topic, key, data in self.reassembler.complete()]
+
+    def _done_callback(self, key: str) -> Callable[[], None]:
+        return lambda: self.reassembler.done(key)

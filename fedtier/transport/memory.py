@@ -12,6 +12,7 @@ from collections import deque
 from typing import Callable
 
 from fedtier import chunking, topics
+from fedtier.errors import TransportError
 from fedtier.transport.base import ChunkingMixin, DoneCallback, Inbound, Traffic
 
 Handler = Callable[[Inbound], None]
@@ -91,7 +92,11 @@ class MemoryTransport(ChunkingMixin):
     def publish(self, topic: str, payload: bytes, *, retain: bool = False,
                 on_done: DoneCallback | None = None) -> int:
         total = 0
-        for part in self._split(payload, self.broker.max_payload):
+        parts = self._split(payload, self.broker.max_payload)
+        if retain and len(parts) > 1:
+            raise TransportError(f"retained message on {topic} is {len(payload)} bytes, over the limit "
+                                 f"{self.broker.max_payload} (retained messages are not chunked)")
+        for part in parts:
             self.broker._publish(topic, part, retain)
             self._traffic.count("out", topic, len(part))
             total += len(part)
