@@ -117,6 +117,10 @@ class Broker:
     def retained_count(self) -> int:
         return len(self._retained)
 
+    def online_clients(self) -> list[str]:
+        """Client ids whose session currently has a live connection, sorted."""
+        return sorted(cid for cid, s in self._sessions.items() if s.link is not None)
+
     # --- entry points ----------------------------------------------------------------------
 
     def handle_packet(self, link: ServerLink, packet: Packet) -> None:

@@ -14,6 +14,7 @@ packets is logged and costs only that connection.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -245,6 +246,7 @@ class EmbeddedBroker:
         self._startup_error: BaseException | None = None
         self._stopped = False
         self._lock = threading.Lock()
+        self._core: Broker | None = None
 
     @property
     def port(self) -> int:
@@ -289,6 +291,19 @@ class EmbeddedBroker:
             if thread.is_alive():
                 logger.warning("embedded broker thread did not stop within 10 s")
 
+    def online_clients(self, timeout: float = 5.0) -> list[str]:
+        """Ids of the clients connected right now, read on the broker's own thread.
+
+        Raises:
+            LocalProtocolError: the broker is not running.
+        """
+        loop, core = self._loop, self._core
+        if loop is None or core is None or self._stopped or loop.is_closed():
+            raise LocalProtocolError("the broker is not running")
+        done: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
+        loop.call_soon_threadsafe(lambda: done.set_result(core.online_clients()))
+        return done.result(timeout)
+
     def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
@@ -322,6 +337,7 @@ class EmbeddedBroker:
         asyncio.set_event_loop(loop)
         connections: set[_Connection] = set()
         broker = Broker(self._config, call_later=loop.call_later)
+        self._core = broker
         try:
             server = loop.run_until_complete(self._listen(
                 lambda: _Connection(broker, connections, loop)))

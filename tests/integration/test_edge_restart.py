@@ -92,6 +92,8 @@ def test_edge_killed_mid_round_resumes_with_every_accepted_update(mosquitto, tmp
         task = CellTask(rollout=ROLLOUT, round=0, sender="cloud", params=PARAMS, members=MEMBERS,
                         config=FedAvgConfig(deadline_s=600).to_dict())
         cloud.publish(topics.cloud_down(ROLLOUT, CELL, CellTask.KIND), task.encode())
+        # Devices only ever answer a task they received, so wait for the edge to hold it.
+        wait_metric(metrics_port, 'fedtier_accepted_total{kind="cell_task",node="cell-a",role="edge"} 1', edge, log)
         for d in ("dev-0", "dev-1", "dev-2"):
             devices.publish(topics.cell_up(ROLLOUT, CELL, d, DeviceUpdate.KIND), update(d).encode())
         wait_metric(metrics_port, 'fedtier_accepted_total{kind="device_update",node="cell-a",role="edge"} 3',

@@ -505,11 +505,20 @@ def test_persistent_session_queues_while_offline(broker: EmbeddedBroker, protoco
     assert first.session_present is False
     assert first.subscribe("jobs/#", 1) == [1]
     first.close()
+    # Wait until the broker has processed the DISCONNECT: until then the session is online,
+    # and a QoS 0 message may legitimately wait in it (MQTT 5 §3.1.2.4).
+    deadline = time.monotonic() + WAIT
+    while "durable" in broker.online_clients() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "durable" not in broker.online_clients()
 
     pub = Peer(broker.port).connect()
     pub.publish("jobs/1", b"offline-1", qos=1)
     pub.publish("jobs/2", b"offline-2", qos=1)
     pub.publish("jobs/3", b"offline-qos0", qos=0)  # QoS 0 is not queued for offline clients
+    # Barrier: a QoS 1 publish on the same connection is processed after the QoS 0 one, so
+    # once it is acknowledged the QoS 0 message was routed while "durable" was offline.
+    pub.publish("barrier/none", b"", qos=1)
 
     second = durable().connect()
     assert second.session_present is True
@@ -893,3 +902,13 @@ def test_codec_round_trip(packet: Packet) -> None:
         frame = framer.next_frame()
         assert frame is not None and framer.buffered == 0
         assert decode_packet(frame, level) == packet
+
+
+def test_online_clients_lists_live_connections(broker: EmbeddedBroker) -> None:
+    peer = Peer(broker.port, "listed").connect()
+    assert "listed" in broker.online_clients()
+    peer.close()
+    deadline = time.monotonic() + WAIT
+    while "listed" in broker.online_clients() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "listed" not in broker.online_clients()
