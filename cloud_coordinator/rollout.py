@@ -54,7 +54,7 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     bundle = build_artifacts(arch, cfg.artifacts_path, seed=cfg.model.init_seed)
     params = initial_parameters(arch, cfg.model.init_seed)
     manifest = Manifest(rollout=cfg.rollout, version=manifest_version, algorithm=cfg.algorithm,
-                        bundle=bundle.to_json(), cells=cells, rounds=cfg.rounds, created=time.time(),
+                        bundle=bundle.to_json(), cells=tuple(cells), rounds=cfg.rounds, created=time.time(),
                         extra={"layout_sha256": bundle.layout.sha256})
     return PreparedRollout(config=cfg, arch=arch, bundle=bundle, initial_params=params, cells=cells, data=data,
                            manifest=manifest)

@@ -121,8 +121,8 @@ class DeviceNode(NodeBase):
         except RemoteProtocolError as exc:
             self.reject(inbound, exc)
             return
-        if self.device_id not in manifest.cells.get(self.cell, ()):
-            log.info("manifest of rollout %s does not include %s; ignoring", manifest.rollout, self.device_id)
+        if self.cell not in manifest.cells:
+            log.info("manifest of rollout %s does not include cell %s; ignoring", manifest.rollout, self.cell)
             return
         known = self.manifests.get(manifest.rollout)
         if known is not None and manifest.version <= known.version:
@@ -141,8 +141,9 @@ class DeviceNode(NodeBase):
 
     def _on_artifact(self, blob: ArtifactBlob, now: float) -> None:
         manifest = self.manifests.get(blob.rollout)
-        if manifest is None or blob.sha256 not in manifest.artifact_digests.values():
-            return  # not something we asked for (another device's download on the shared downlink)
+        if (manifest is None or blob.rollout in self.trainers
+                or blob.sha256 not in manifest.artifact_digests.values()):
+            return  # not something we need (another device's download on the shared downlink)
         if not self.cache.has(blob.sha256):
             self.cache.put(blob.sha256, blob.data)  # ShaMismatchError if the bytes are wrong
         self._ensure_ready(blob.rollout, now)
@@ -195,7 +196,12 @@ class DeviceNode(NodeBase):
                 except OSError:
                     shutil.copyfile(source, target)
         bundle = ArtifactBundle.from_json(manifest.bundle, directory=directory)
-        bundle.save()
+        try:
+            current = ArtifactBundle.load(directory, verify=False).bundle_id
+        except ArtifactError:
+            current = None
+        if current != bundle.bundle_id:
+            bundle.save()
         return ArtifactBundle.load(directory, verify=True)
 
     # --- the round ------------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ from edge_broker.store import EdgeStore
 log = logging.getLogger("fedtier.edge")
 
 ARTIFACT_REREQUEST_S = 5.0
+ARTIFACT_RESERVE_S = 2.0
+"""The cell downlink is a broadcast: one copy reaches every device, so a file asked for by
+many devices at once is published once per this many seconds, not once per request."""
 
 
 class EdgeNode(NodeBase):
@@ -59,6 +62,8 @@ class EdgeNode(NodeBase):
         self.manifests: dict[str, Manifest] = {}
         self._presence: dict[str, float] = {}
         self._requested: dict[str, float] = {}
+        self._wanted: set[str] = set()  # digests devices asked for that were not cached yet
+        self._served: dict[str, float] = {}
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -109,7 +114,7 @@ class EdgeNode(NodeBase):
     def _on_message(self, inbound: Inbound, msg: Message, now: float) -> None:
         try:
             if isinstance(msg, ArtifactBlob):
-                self._on_artifact(msg)
+                self._on_artifact(msg, now)
             elif isinstance(msg, ArtifactRequest):
                 self._on_artifact_request(msg, now)
             elif isinstance(msg, (CellTask, DeviceUpdate)):
@@ -190,9 +195,6 @@ class EdgeNode(NodeBase):
         self._presence[node] = since
         for rollout, role in list(self.roles.items()):
             self._execute(rollout, role.resend(node, now))
-        for rollout, manifest in self.manifests.items():
-            if node in manifest.cells.get(self.cell, ()):
-                log.debug("device %s online for rollout %s", node, rollout)
 
     # --- manifests and artifacts ------------------------------------------------------------------
 
@@ -244,18 +246,26 @@ class EdgeNode(NodeBase):
         names = {sha: name for name, sha in manifest.artifact_digests.items()}
         missing = []
         for sha in req.digests:
+            if now - self._served.get(sha, -math.inf) < ARTIFACT_RESERVE_S:
+                continue  # just broadcast to the cell; the requester receives that copy
             data = self.cache.get(sha)
             if data is None:
                 missing.append(sha)
                 continue
-            blob = ArtifactBlob(rollout=req.rollout, round=0, sender=self.cell, sha256=sha, name=names[sha], data=data)
-            self.cell_tx.publish(topics.cell_down(req.rollout, self.cell, blob.KIND), blob.encode())
+            self._serve(req.rollout, sha, names[sha], data, now)
         if missing:
+            self._wanted.update(missing)
             self._request_from_cloud(req.rollout, missing, now)
 
-    def _on_artifact(self, blob: ArtifactBlob) -> None:
+    def _serve(self, rollout: str, sha: str, name: str, data: bytes, now: float) -> None:
+        blob = ArtifactBlob(rollout=rollout, round=0, sender=self.cell, sha256=sha, name=name, data=data)
+        self.cell_tx.publish(topics.cell_down(rollout, self.cell, blob.KIND), blob.encode())
+        self._served[sha] = now
+
+    def _on_artifact(self, blob: ArtifactBlob, now: float) -> None:
         if blob.sha256 not in self._allowed_digests(blob.rollout):
             raise UnexpectedMessageError(f"artifact {blob.sha256[:12]} is not in the manifest")
         self.cache.put(blob.sha256, blob.data)  # ShaMismatchError (a DecodeError) if the bytes are wrong
-        relay = dataclasses.replace(blob, sender=self.cell)
-        self.cell_tx.publish(topics.cell_down(blob.rollout, self.cell, relay.KIND), relay.encode())
+        if blob.sha256 in self._wanted:  # a device is waiting for it (not just our prefetch)
+            self._wanted.discard(blob.sha256)
+            self._serve(blob.rollout, blob.sha256, blob.name, blob.data, now)

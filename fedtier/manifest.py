@@ -23,13 +23,18 @@ MANIFEST_SCHEMA = 1
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """One rollout's manifest. ``version`` increases with every manifest the coordinator issues."""
+    """One rollout's manifest. ``version`` increases with every manifest the coordinator issues.
+
+    ``cells`` lists the cells taking part, not their devices: which devices train in a round
+    travels with that round's task (``members``). So the manifest — retained, relayed to every
+    cell and decoded by every device — stays the same small size however large the fleet.
+    """
 
     rollout: str
     version: int
     algorithm: str
     bundle: Mapping[str, Any]
-    cells: Mapping[str, tuple[str, ...]]
+    cells: tuple[str, ...]
     rounds: int
     created: float
     expires: float | None = None
@@ -38,7 +43,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         return {"schema": MANIFEST_SCHEMA, "rollout": self.rollout, "version": self.version,
                 "algorithm": self.algorithm, "bundle": dict(self.bundle),
-                "cells": {c: list(m) for c, m in self.cells.items()}, "rounds": self.rounds,
+                "cells": sorted(self.cells), "rounds": self.rounds,
                 "created": self.created, "expires": self.expires, "extra": dict(self.extra)}
 
     def encode(self) -> bytes:
@@ -48,12 +53,6 @@ class Manifest:
     def artifact_digests(self) -> dict[str, str]:
         """File name -> sha256 of every artifact the rollout needs."""
         return {f["filename"]: f["sha256"] for f in self.bundle.get("files", {}).values()}
-
-    def cell_of(self, device: str) -> str | None:
-        for cell, members in self.cells.items():
-            if device in members:
-                return cell
-        return None
 
     @classmethod
     def decode(cls, data: bytes) -> "Manifest":
@@ -74,12 +73,12 @@ class Manifest:
             return value
 
         rollout = need("rollout", str)
-        raw_cells = need("cells", dict)
-        if not all(isinstance(m, list) and all(isinstance(d, str) for d in m) for m in raw_cells.values()):
-            raise ManifestError("manifest field 'cells' must map cell ids to lists of device ids")
+        raw_cells = need("cells", list)
+        if not raw_cells or not all(isinstance(c, str) for c in raw_cells) or len(set(raw_cells)) != len(raw_cells):
+            raise ManifestError("manifest field 'cells' must be a non-empty list of distinct cell ids")
         try:
             check_id(rollout, "rollout")
-            cells = {check_id(c, "cell"): tuple(check_id(d, "device") for d in m) for c, m in raw_cells.items()}
+            cells = tuple(check_id(c, "cell") for c in raw_cells)
         except LocalProtocolError as exc:
             raise ManifestError(f"manifest ids invalid: {exc}") from None
         bundle = need("bundle", dict)

@@ -153,19 +153,3 @@ def parse(topic: str) -> Topic | None:
         if tail[2] == "up" and len(tail) == 5 and is_id(tail[3]):
             return Topic("cell_up", rollout, cell, tail[4], device=tail[3])
     return None
-
-
-def matches(topic_filter: str, topic: str) -> bool:
-    """MQTT topic-filter matching (``+`` one level, ``#`` the rest; ``$`` topics excluded)."""
-    f_parts = topic_filter.split("/")
-    t_parts = topic.split("/")
-    if t_parts[0].startswith("$") and f_parts[0] in ("+", "#"):
-        return False
-    for i, fp in enumerate(f_parts):
-        if fp == "#":
-            return True
-        if i >= len(t_parts):
-            return False
-        if fp != "+" and fp != t_parts[i]:
-            return False
-    return len(f_parts) == len(t_parts)

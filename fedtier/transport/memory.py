@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from fedtier import chunking, topics
+from fedtier import chunking
 from fedtier.errors import TransportError
+from fedtier.mqtt_topics import SubscriptionTree, topic_matches
 from fedtier.transport.base import ChunkingMixin, DoneCallback, Inbound, Traffic
 
 Handler = Callable[[Inbound], None]
@@ -26,6 +27,10 @@ class MemoryBroker:
         self._transports: list[MemoryTransport] = []
         self._queue: deque[tuple[MemoryTransport, str, bytes]] = deque()
         self._retained: dict[str, bytes] = {}
+        # topic -> subscribed transports. Topics repeat every round, so routing is a dict
+        # lookup instead of matching every filter of every node (quadratic in fleet size).
+        self._routes: dict[str, list[MemoryTransport]] = {}
+        self._tree: SubscriptionTree[MemoryTransport] = SubscriptionTree()
         self.now: float = 0.0
 
     def connect(self, name: str, handler: Handler | None = None) -> "MemoryTransport":
@@ -39,13 +44,19 @@ class MemoryBroker:
                 self._retained[topic] = payload
             else:
                 self._retained.pop(topic, None)
-        for t in self._transports:
-            if any(topics.matches(f, topic) for f in t.filters):
-                self._queue.append((t, topic, payload))
+        routes = self._routes.get(topic)
+        if routes is None:
+            matched = {id(t): t for _, t in self._tree.match(topic)}  # once per transport
+            routes = [t for t in self._transports if id(t) in matched]  # connection order: deterministic
+            self._routes[topic] = routes
+        for t in routes:
+            self._queue.append((t, topic, payload))
 
     def _subscribed(self, transport: "MemoryTransport", topic_filter: str) -> None:
+        self._tree.add(topic_filter, str(id(transport)), transport)
+        self._routes.clear()
         for topic, payload in sorted(self._retained.items()):
-            if topics.matches(topic_filter, topic):
+            if topic_matches(topic_filter, topic):
                 self._queue.append((transport, topic, payload))
 
     def run_until_idle(self, max_deliveries: int = 10_000_000) -> int:
@@ -82,6 +93,9 @@ class MemoryTransport(ChunkingMixin):
         """Disconnect: no more deliveries (messages already queued for us are dropped)."""
         if self in self.broker._transports:
             self.broker._transports.remove(self)
+        for topic_filter in self.filters:
+            self.broker._tree.remove(topic_filter, str(id(self)))
+        self.broker._routes.clear()
         self.broker._queue = type(self.broker._queue)(q for q in self.broker._queue if q[0] is not self)
 
     def subscribe(self, topic_filter: str) -> None:

@@ -24,7 +24,7 @@ FILE = b"pretend this is an onnx model"
 SHA = sha256_hex(FILE)
 MANIFEST = Manifest(rollout=ROLLOUT, version=1, algorithm="fedavg",
                     bundle={"files": {"training_model": {"filename": "t.onnx", "sha256": SHA, "size": len(FILE)}}},
-                    cells={CELL: MEMBERS}, rounds=2, created=1.0)
+                    cells=(CELL,), rounds=2, created=1.0)
 
 
 class Rig:
@@ -137,3 +137,39 @@ def test_foreign_topics_and_other_rollouts_are_rejected(tmp_path: Path) -> None:
     rig.devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-0", upd.KIND), upd.encode())
     rig.broker.run_until_idle()
     assert rig.edge.metrics.get(REJECTED, reason="unexpected_message") == 1
+
+
+def test_a_prefetched_artifact_is_relayed_only_when_a_device_waits_for_it(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.broker.run_until_idle()
+    # A device asks before the edge has the file: the edge asks the cloud and remembers.
+    req = ArtifactRequest(rollout=ROLLOUT, round=0, sender="dev-0", digests=(SHA,))
+    rig.devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-0", req.KIND), req.encode())
+    rig.broker.run_until_idle()
+    assert [m for _, m in decoded(rig.at_cell) if isinstance(m, ArtifactBlob)] == []
+    blob = ArtifactBlob(rollout=ROLLOUT, round=0, sender="cloud", sha256=SHA, name="t.onnx", data=FILE)
+    rig.cloud.publish(topics.cloud_down(ROLLOUT, CELL, blob.KIND), blob.encode())
+    rig.broker.run_until_idle()
+    assert [m.data for _, m in decoded(rig.at_cell) if isinstance(m, ArtifactBlob)] == [FILE]
+    # The same file arriving again (nobody waiting) is cached, not broadcast again.
+    rig.cloud.publish(topics.cloud_down(ROLLOUT, CELL, blob.KIND), blob.encode())
+    rig.broker.run_until_idle()
+    assert len([m for _, m in decoded(rig.at_cell) if isinstance(m, ArtifactBlob)]) == 1
+
+
+def test_many_requests_at_once_cost_one_broadcast(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.edge.cache.put(SHA, FILE)
+    rig.broker.run_until_idle()
+    for device in MEMBERS:
+        req = ArtifactRequest(rollout=ROLLOUT, round=0, sender=device, digests=(SHA,))
+        rig.devices.publish(topics.cell_up(ROLLOUT, CELL, device, req.KIND), req.encode())
+    rig.broker.run_until_idle()
+    assert len([m for _, m in decoded(rig.at_cell) if isinstance(m, ArtifactBlob)]) == 1
+    rig.broker.now += 10  # later, a device that missed it asks again and is served again
+    again = ArtifactRequest(rollout=ROLLOUT, round=0, sender="dev-1", digests=(SHA,))
+    rig.devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-1", again.KIND), again.encode())
+    rig.broker.run_until_idle()
+    assert len([m for _, m in decoded(rig.at_cell) if isinstance(m, ArtifactBlob)]) == 2

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from fedtier import topics
 from fedtier.errors import LocalProtocolError
+from fedtier.mqtt_topics import SubscriptionTree, topic_matches
 from fedtier.topics import Topic
 
 SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
@@ -242,7 +243,7 @@ def reference_matches(topic_filter: str, topic: str) -> bool:
     ("ft/v1/+/manifest", "ft/v1/r1/cell/c1/down/manifest", False),
 ])
 def test_matches_mqtt_spec_examples(topic_filter: str, topic: str, expected: bool) -> None:
-    assert topics.matches(topic_filter, topic) is expected
+    assert topic_matches(topic_filter, topic) is expected
     assert reference_matches(topic_filter, topic) is expected
 
 
@@ -256,15 +257,26 @@ _filters = st.tuples(_filter_levels, st.booleans()).map(
 @SETTINGS
 @given(topic_filter=_filters, topic=_topic_levels.map("/".join))
 def test_matches_agrees_with_the_reference(topic_filter: str, topic: str) -> None:
-    assert topics.matches(topic_filter, topic) is reference_matches(topic_filter, topic)
+    assert topic_matches(topic_filter, topic) is reference_matches(topic_filter, topic)
+
+
+@SETTINGS
+@given(filters=st.lists(_filters, min_size=1, max_size=6, unique=True), topic=_topic_levels.map("/".join))
+def test_subscription_tree_matches_exactly_the_filters_that_match(filters: list[str], topic: str) -> None:
+    # Prepare: one subscriber per filter.
+    tree: SubscriptionTree[str] = SubscriptionTree()
+    for i, f in enumerate(filters):
+        tree.add(f, f"c{i}", f)
+    # Execute / Assert: the trie agrees with the flat reference, filter by filter.
+    assert sorted(v for _, v in tree.match(topic)) == sorted(f for f in filters if reference_matches(f, topic))
 
 
 @SETTINGS
 @given(levels=_topic_levels)
 def test_a_topic_matches_itself_and_hash(levels: list[str]) -> None:
     topic = "/".join(levels)
-    assert topics.matches(topic, topic)
-    assert topics.matches("#", topic) is (not topic.startswith("$"))
+    assert topic_matches(topic, topic)
+    assert topic_matches("#", topic) is (not topic.startswith("$"))
 
 
 @SETTINGS
@@ -272,7 +284,7 @@ def test_a_topic_matches_itself_and_hash(levels: list[str]) -> None:
 def test_subscription_filters_select_their_channel(rollout: str, cell: str, other: str, device: str,
                                                    kind: str) -> None:
     # Prepare
-    m = topics.matches
+    m = topic_matches
 
     # Assert: each filter takes its own channel for its own cell and nothing else.
     assert m(topics.ALL_MANIFESTS, topics.manifest(rollout))
