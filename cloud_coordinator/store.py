@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fedtier import wire
+from fedtier.sqlite import Database
 
 
 def encode_params(params: Mapping[str, np.ndarray], *, rollout: str, round: int) -> bytes:
@@ -41,111 +40,103 @@ class ModelVersion:
     params: dict[str, np.ndarray]
 
 
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout TEXT PRIMARY KEY, config TEXT NOT NULL, manifest BLOB NOT NULL,
+    status TEXT NOT NULL, created REAL NOT NULL, finished REAL);
+CREATE TABLE IF NOT EXISTS models (
+    rollout TEXT NOT NULL, version INTEGER NOT NULL, round INTEGER NOT NULL,
+    sha256 TEXT NOT NULL, params BLOB NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (rollout, version));
+CREATE TABLE IF NOT EXISTS rounds (
+    rollout TEXT NOT NULL, round INTEGER NOT NULL, closed REAL NOT NULL,
+    accuracy REAL, loss REAL, metrics TEXT NOT NULL, PRIMARY KEY (rollout, round));
+CREATE TABLE IF NOT EXISTS inputs (
+    rollout TEXT NOT NULL, round INTEGER NOT NULL, msg_key TEXT NOT NULL,
+    payload BLOB NOT NULL, PRIMARY KEY (rollout, msg_key));
+"""
+
+
 class CoordinatorStore:
     def __init__(self, path: Path | str) -> None:
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(
-            """
-            CREATE TABLE IF NOT EXISTS rollouts (
-                rollout TEXT PRIMARY KEY, config TEXT NOT NULL, manifest BLOB NOT NULL,
-                status TEXT NOT NULL, created REAL NOT NULL, finished REAL);
-            CREATE TABLE IF NOT EXISTS models (
-                rollout TEXT NOT NULL, version INTEGER NOT NULL, round INTEGER NOT NULL,
-                sha256 TEXT NOT NULL, params BLOB NOT NULL, created REAL NOT NULL,
-                PRIMARY KEY (rollout, version));
-            CREATE TABLE IF NOT EXISTS rounds (
-                rollout TEXT NOT NULL, round INTEGER NOT NULL, closed REAL NOT NULL,
-                accuracy REAL, loss REAL, metrics TEXT NOT NULL, PRIMARY KEY (rollout, round));
-            CREATE TABLE IF NOT EXISTS inputs (
-                rollout TEXT NOT NULL, round INTEGER NOT NULL, msg_key TEXT NOT NULL,
-                payload BLOB NOT NULL, PRIMARY KEY (rollout, msg_key));
-            """)
+        self.db = Database(path, SCHEMA)
 
     # --- rollouts ---------------------------------------------------------------------------------
 
     def ensure_rollout(self, rollout: str, config: Mapping[str, Any], manifest: bytes) -> None:
         """Create the rollout row if it does not exist (a restart keeps the original)."""
-        with self._lock:
-            self._db.execute("INSERT OR IGNORE INTO rollouts VALUES (?,?,?,?,?,NULL)",
+        with self.db.locked() as db:
+            db.execute("INSERT OR IGNORE INTO rollouts VALUES (?,?,?,?,?,NULL)",
                              (rollout, json.dumps(config, sort_keys=True, default=str), manifest, "running",
                               time.time()))
 
     def manifest(self, rollout: str) -> bytes | None:
-        with self._lock:
-            row = self._db.execute("SELECT manifest FROM rollouts WHERE rollout=?", (rollout,)).fetchone()
+        with self.db.locked() as db:
+            row = db.execute("SELECT manifest FROM rollouts WHERE rollout=?", (rollout,)).fetchone()
         return bytes(row[0]) if row else None
 
     def set_status(self, rollout: str, status: str) -> None:
-        with self._lock:
-            self._db.execute("UPDATE rollouts SET status=?, finished=CASE WHEN ?='finished' THEN ? ELSE finished END"
+        with self.db.locked() as db:
+            db.execute("UPDATE rollouts SET status=?, finished=CASE WHEN ?='finished' THEN ? ELSE finished END"
                              " WHERE rollout=?", (status, status, time.time(), rollout))
 
     def status(self, rollout: str) -> str | None:
-        with self._lock:
-            row = self._db.execute("SELECT status FROM rollouts WHERE rollout=?", (rollout,)).fetchone()
+        with self.db.locked() as db:
+            row = db.execute("SELECT status FROM rollouts WHERE rollout=?", (rollout,)).fetchone()
         return row[0] if row else None
 
     # --- models and rounds ----------------------------------------------------------------------
 
     def save_initial_model(self, rollout: str, params: Mapping[str, np.ndarray]) -> None:
         blob = encode_params(params, rollout=rollout, round=0)
-        with self._lock:
-            self._db.execute("INSERT OR IGNORE INTO models VALUES (?,?,?,?,?,?)",
+        with self.db.locked() as db:
+            db.execute("INSERT OR IGNORE INTO models VALUES (?,?,?,?,?,?)",
                              (rollout, 0, -1, hashlib.sha256(blob).hexdigest(), blob, time.time()))
 
     def commit_round(self, rollout: str, round: int, version: int, params: Mapping[str, np.ndarray],
                      accuracy: float | None, loss: float | None, metrics: Mapping[str, Any]) -> None:
         """Store a closed round and its model version atomically; drop the round's inputs."""
         blob = encode_params(params, rollout=rollout, round=round)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute("INSERT OR REPLACE INTO models VALUES (?,?,?,?,?,?)",
-                                 (rollout, version, round, hashlib.sha256(blob).hexdigest(), blob, time.time()))
-                self._db.execute("INSERT OR REPLACE INTO rounds VALUES (?,?,?,?,?,?)",
-                                 (rollout, round, time.time(), accuracy, loss, json.dumps(metrics, default=float)))
-                self._db.execute("DELETE FROM inputs WHERE rollout=? AND round<=?", (rollout, round))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self.db.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO models VALUES (?,?,?,?,?,?)",
+                       (rollout, version, round, hashlib.sha256(blob).hexdigest(), blob, time.time()))
+            db.execute("INSERT OR REPLACE INTO rounds VALUES (?,?,?,?,?,?)",
+                       (rollout, round, time.time(), accuracy, loss, json.dumps(metrics, default=float)))
+            db.execute("DELETE FROM inputs WHERE rollout=? AND round<=?", (rollout, round))
 
     def latest_model(self, rollout: str) -> ModelVersion | None:
-        with self._lock:
-            row = self._db.execute("SELECT version, round, sha256, params FROM models WHERE rollout=?"
+        with self.db.locked() as db:
+            row = db.execute("SELECT version, round, sha256, params FROM models WHERE rollout=?"
                                    " ORDER BY version DESC LIMIT 1", (rollout,)).fetchone()
         if row is None:
             return None
         return ModelVersion(version=row[0], round=row[1], sha256=row[2], params=decode_params(bytes(row[3])))
 
     def model(self, rollout: str, version: int) -> ModelVersion | None:
-        with self._lock:
-            row = self._db.execute("SELECT version, round, sha256, params FROM models WHERE rollout=? AND version=?",
+        with self.db.locked() as db:
+            row = db.execute("SELECT version, round, sha256, params FROM models WHERE rollout=? AND version=?",
                                    (rollout, version)).fetchone()
         if row is None:
             return None
         return ModelVersion(version=row[0], round=row[1], sha256=row[2], params=decode_params(bytes(row[3])))
 
     def rounds(self, rollout: str) -> list[dict[str, Any]]:
-        with self._lock:
-            rows = self._db.execute("SELECT round, closed, accuracy, loss, metrics FROM rounds WHERE rollout=?"
+        with self.db.locked() as db:
+            rows = db.execute("SELECT round, closed, accuracy, loss, metrics FROM rounds WHERE rollout=?"
                                     " ORDER BY round", (rollout,)).fetchall()
         return [{"round": r, "closed": c, "accuracy": a, "loss": lo, **json.loads(m)} for r, c, a, lo, m in rows]
 
     # --- open-round inputs ----------------------------------------------------------------------
 
     def record_input(self, rollout: str, round: int, key: str, payload: bytes) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR IGNORE INTO inputs VALUES (?,?,?,?)", (rollout, round, key, payload))
+        with self.db.locked() as db:
+            db.execute("INSERT OR IGNORE INTO inputs VALUES (?,?,?,?)", (rollout, round, key, payload))
 
     def inputs(self, rollout: str) -> list[bytes]:
-        with self._lock:
-            return [bytes(p) for (p,) in self._db.execute(
+        with self.db.locked() as db:
+            return [bytes(p) for (p,) in db.execute(
                 "SELECT payload FROM inputs WHERE rollout=? ORDER BY round, rowid", (rollout,))]
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        with self.db.locked() as db:
+            db.close()

@@ -9,53 +9,42 @@ restarted agent neither loses an update nor trains a round twice.
 
 from __future__ import annotations
 
-import sqlite3
-import threading
 from pathlib import Path
+
+from fedtier.sqlite import Database
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS outbox (
+    msg_key TEXT PRIMARY KEY, topic TEXT NOT NULL, payload BLOB NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS progress (rollout TEXT PRIMARY KEY, last_round INTEGER NOT NULL);
+"""
 
 
 class DeviceState:
     def __init__(self, path: Path | str) -> None:
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(
-            """
-            CREATE TABLE IF NOT EXISTS outbox (
-                msg_key TEXT PRIMARY KEY, topic TEXT NOT NULL, payload BLOB NOT NULL,
-                created REAL NOT NULL);
-            CREATE TABLE IF NOT EXISTS progress (rollout TEXT PRIMARY KEY, last_round INTEGER NOT NULL);
-            """)
+        self.db = Database(path, SCHEMA)
 
     def put_update(self, key: str, topic: str, payload: bytes, rollout: str, round: int, now: float) -> None:
         """Queue an update for sending and record its round as done, atomically."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute("INSERT OR REPLACE INTO outbox VALUES (?,?,?,?)", (key, topic, payload, now))
-                self._db.execute("INSERT INTO progress VALUES (?,?) ON CONFLICT(rollout) DO UPDATE SET "
-                                 "last_round=MAX(last_round, excluded.last_round)", (rollout, round))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self.db.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO outbox VALUES (?,?,?,?)", (key, topic, payload, now))
+            db.execute("INSERT INTO progress VALUES (?,?) ON CONFLICT(rollout) DO UPDATE SET "
+                       "last_round=MAX(last_round, excluded.last_round)", (rollout, round))
 
     def delete(self, key: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM outbox WHERE msg_key=?", (key,))
+        with self.db.locked() as db:
+            db.execute("DELETE FROM outbox WHERE msg_key=?", (key,))
 
     def pending(self) -> list[tuple[str, str, bytes]]:
         """Unacknowledged messages as ``(key, topic, payload)``, oldest first."""
-        with self._lock:
+        with self.db.locked() as db:
             return [(k, t, bytes(p)) for k, t, p in
-                    self._db.execute("SELECT msg_key, topic, payload FROM outbox ORDER BY created")]
+                    db.execute("SELECT msg_key, topic, payload FROM outbox ORDER BY created")]
 
     def last_round(self, rollout: str) -> int:
-        with self._lock:
-            row = self._db.execute("SELECT last_round FROM progress WHERE rollout=?", (rollout,)).fetchone()
+        with self.db.locked() as db:
+            row = db.execute("SELECT last_round FROM progress WHERE rollout=?", (rollout,)).fetchone()
         return int(row[0]) if row else -1
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()

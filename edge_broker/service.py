@@ -97,9 +97,8 @@ class EdgeNode(NodeBase):
     # --- inbound ---------------------------------------------------------------------------------
 
     def handle(self, inbound: Inbound, now: float) -> None:
-        parsed = topics.parse(inbound.topic)
+        parsed = self.parse_topic(inbound)
         if parsed is None:
-            self.reject(inbound, UnexpectedMessageError(f"topic {inbound.topic!r} is not in the fedtier tree"))
             return
         if parsed.channel == "status":
             self._on_status(inbound, parsed, now)

@@ -9,55 +9,50 @@ Re-published outputs are harmless: receivers drop them by idempotency key.
 
 from __future__ import annotations
 
-import sqlite3
-import threading
 from pathlib import Path
+
+from fedtier.sqlite import Database
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS inputs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, rollout TEXT NOT NULL, round INTEGER NOT NULL,
+    kind TEXT NOT NULL, msg_key TEXT NOT NULL UNIQUE, payload BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS manifests (rollout TEXT PRIMARY KEY, version INTEGER NOT NULL, payload BLOB NOT NULL);
+"""
 
 
 class EdgeStore:
     def __init__(self, path: Path | str) -> None:
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(
-            """
-            CREATE TABLE IF NOT EXISTS inputs (
-                id INTEGER PRIMARY KEY AUTOINCREMENT, rollout TEXT NOT NULL, round INTEGER NOT NULL,
-                kind TEXT NOT NULL, msg_key TEXT NOT NULL UNIQUE, payload BLOB NOT NULL);
-            CREATE TABLE IF NOT EXISTS manifests (
-                rollout TEXT PRIMARY KEY, version INTEGER NOT NULL, payload BLOB NOT NULL);
-            """)
+        self.db = Database(path, SCHEMA)
 
     def record(self, rollout: str, round: int, kind: str, key: str, payload: bytes) -> None:
         """Append an accepted input (idempotent by key)."""
-        with self._lock:
-            self._db.execute("INSERT OR IGNORE INTO inputs (rollout, round, kind, msg_key, payload)"
+        with self.db.locked() as db:
+            db.execute("INSERT OR IGNORE INTO inputs (rollout, round, kind, msg_key, payload)"
                              " VALUES (?,?,?,?,?)", (rollout, round, kind, key, payload))
 
     def prune(self, rollout: str, before_round: int) -> None:
         """Forget inputs of rounds that can no longer change (a newer task arrived)."""
-        with self._lock:
-            self._db.execute("DELETE FROM inputs WHERE rollout=? AND round<?", (rollout, before_round))
+        with self.db.locked() as db:
+            db.execute("DELETE FROM inputs WHERE rollout=? AND round<?", (rollout, before_round))
 
     def inputs(self) -> list[tuple[str, bytes]]:
         """Every recorded input as ``(rollout, payload)``, in acceptance order."""
-        with self._lock:
-            return [(r, bytes(p)) for r, p in self._db.execute("SELECT rollout, payload FROM inputs ORDER BY id")]
+        with self.db.locked() as db:
+            return [(r, bytes(p)) for r, p in db.execute("SELECT rollout, payload FROM inputs ORDER BY id")]
 
     def count(self, rollout: str, kind: str) -> int:
-        with self._lock:
-            return int(self._db.execute("SELECT COUNT(*) FROM inputs WHERE rollout=? AND kind=?",
+        with self.db.locked() as db:
+            return int(db.execute("SELECT COUNT(*) FROM inputs WHERE rollout=? AND kind=?",
                                         (rollout, kind)).fetchone()[0])
 
     def save_manifest(self, rollout: str, version: int, payload: bytes) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO manifests VALUES (?,?,?)", (rollout, version, payload))
+        with self.db.locked() as db:
+            db.execute("INSERT OR REPLACE INTO manifests VALUES (?,?,?)", (rollout, version, payload))
 
     def manifests(self) -> dict[str, tuple[int, bytes]]:
-        with self._lock:
-            return {r: (v, bytes(p)) for r, v, p in self._db.execute("SELECT rollout, version, payload FROM manifests")}
+        with self.db.locked() as db:
+            return {r: (v, bytes(p)) for r, v, p in db.execute("SELECT rollout, version, payload FROM manifests")}
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()

@@ -14,14 +14,13 @@ verifies the reassembled bytes against the sha256, and hands the whole message o
 from __future__ import annotations
 
 import hashlib
-import sqlite3
-import threading
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from fedtier import wire
+from fedtier.sqlite import Database
 from fedtier.errors import ChunkError, LocalProtocolError, OversizeError, ShaMismatchError
 from fedtier.wire import Envelope, TensorEncoding
 
@@ -145,49 +144,46 @@ class SqliteChunkStore:
     """Chunks in SQLite: a restarted edge or coordinator finds what it had received (and acked)."""
 
     def __init__(self, path: str) -> None:
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS chunks (wk TEXT NOT NULL, idx INTEGER NOT NULL, cnt INTEGER NOT NULL,"
-            " tlen INTEGER NOT NULL, tsha TEXT NOT NULL, topic TEXT NOT NULL, data BLOB NOT NULL,"
-            " received REAL NOT NULL, PRIMARY KEY (wk, idx))")
+        # FULL: a chunk is acknowledged to the broker as soon as it is stored.
+        self.db = Database(path, "CREATE TABLE IF NOT EXISTS chunks (wk TEXT NOT NULL, idx INTEGER NOT NULL,"
+                                 " cnt INTEGER NOT NULL, tlen INTEGER NOT NULL, tsha TEXT NOT NULL,"
+                                 " topic TEXT NOT NULL, data BLOB NOT NULL, received REAL NOT NULL,"
+                                 " PRIMARY KEY (wk, idx));")
 
     def put(self, topic: str, info: ChunkInfo, now: float) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?,?,?,?,?)",
+        with self.db.locked() as db:
+            db.execute("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?,?,?,?,?)",
                              (info.whole_key, info.index, info.count, info.total_len, info.total_sha,
                               topic, info.data, now))
 
     def parts(self, whole_key: str) -> list[tuple[str, ChunkInfo]]:
-        with self._lock:
-            rows = self._db.execute("SELECT topic, wk, idx, cnt, tlen, tsha, data FROM chunks WHERE wk=?"
+        with self.db.locked() as db:
+            rows = db.execute("SELECT topic, wk, idx, cnt, tlen, tsha, data FROM chunks WHERE wk=?"
                                     " ORDER BY idx", (whole_key,)).fetchall()
         return [(r[0], ChunkInfo(r[1], r[2], r[3], r[4], r[5], bytes(r[6]))) for r in rows]
 
     def delete(self, whole_key: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM chunks WHERE wk=?", (whole_key,))
+        with self.db.locked() as db:
+            db.execute("DELETE FROM chunks WHERE wk=?", (whole_key,))
 
     def pending_bytes(self) -> int:
-        with self._lock:
-            return int(self._db.execute("SELECT COALESCE(SUM(LENGTH(data)),0) FROM chunks").fetchone()[0])
+        with self.db.locked() as db:
+            return int(db.execute("SELECT COALESCE(SUM(LENGTH(data)),0) FROM chunks").fetchone()[0])
 
     def keys_older_than(self, cutoff: float) -> list[str]:
-        with self._lock:
-            return [r[0] for r in self._db.execute(
+        with self.db.locked() as db:
+            return [r[0] for r in db.execute(
                 "SELECT wk FROM chunks GROUP BY wk HAVING COUNT(*) < MAX(cnt) AND MIN(received) < ?",
                 (cutoff,))]
 
     def complete_keys(self) -> list[str]:
-        with self._lock:
-            return [r[0] for r in self._db.execute(
+        with self.db.locked() as db:
+            return [r[0] for r in db.execute(
                 "SELECT wk FROM chunks GROUP BY wk HAVING COUNT(*) = MAX(cnt)")]
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        with self.db.locked() as db:
+            db.close()
 
 
 class Reassembler:

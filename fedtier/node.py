@@ -46,6 +46,13 @@ class NodeBase:
         self.metrics.inc(REJECTED, reason=exc.reason)
         self.log.warning("rejected message on %s: %s: %s", inbound.topic, exc.reason, exc)
 
+    def parse_topic(self, inbound: Inbound) -> topics.Topic | None:
+        """The parsed topic, or ``None`` after rejecting a topic outside the fedtier tree."""
+        parsed = topics.parse(inbound.topic)
+        if parsed is None:
+            self.reject(inbound, UnexpectedMessageError(f"topic {inbound.topic!r} is not in the fedtier tree"))
+        return parsed
+
     def decode_inbound(self, inbound: Inbound, parsed: topics.Topic) -> Message | None:
         """Decode an envelope-carrying message and check it against the topic it came on.
 
