@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import tempfile
 import time
@@ -88,7 +87,6 @@ class CloudNode(NodeBase):
         self.manifest: Manifest = prepared.manifest
         self.history: list[dict[str, Any]] = []
         self.finished = False
-        self._presence: dict[str, float] = {}
         self._round_bytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._started_at = wall_clock()
         self._last_close = self._started_at
@@ -164,18 +162,9 @@ class CloudNode(NodeBase):
         self._execute(actions, now)
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
-        node = parsed.device
-        try:
-            doc = json.loads(inbound.payload.decode()) if inbound.payload else {}
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        node = self.came_online(inbound, parsed)
+        if node is None or node not in self.prepared.cells:
             return
-        if not isinstance(doc, dict) or doc.get("state") != "online" or node is None or node not in self.prepared.cells:
-            return
-        since = doc.get("since")
-        since = float(since) if isinstance(since, (int, float)) and math.isfinite(since) else 0.0
-        if self._presence.get(node) == since:
-            return
-        self._presence[node] = since
         if self.role is not None and not self.finished:
             self._execute(self.role.resend(node, now), now)
 

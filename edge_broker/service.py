@@ -19,7 +19,6 @@ Every rejection is logged with its typed reason and counted (``fedtier_rejected_
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from collections import defaultdict
@@ -60,7 +59,6 @@ class EdgeNode(NodeBase):
         self.cache = cache
         self.roles: dict[str, Any] = {}
         self.manifests: dict[str, Manifest] = {}
-        self._presence: dict[str, float] = {}
         self._requested: dict[str, float] = {}
         self._wanted: set[str] = set()  # digests devices asked for that were not cached yet
         self._served: dict[str, float] = {}
@@ -179,19 +177,9 @@ class EdgeNode(NodeBase):
     # --- presence ---------------------------------------------------------------------------------
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
-        node = parsed.device
-        try:
-            doc = json.loads(inbound.payload.decode()) if inbound.payload else {}
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            self.reject(inbound, UnexpectedMessageError(f"status of {node} is not JSON"))
+        node = self.came_online(inbound, parsed)
+        if node is None:
             return
-        if not isinstance(doc, dict) or doc.get("state") != "online" or node is None:
-            return
-        since = doc.get("since")
-        since = float(since) if isinstance(since, (int, float)) and math.isfinite(since) else 0.0
-        if self._presence.get(node) == since:
-            return  # the same online event again (retained redelivery)
-        self._presence[node] = since
         for rollout, role in list(self.roles.items()):
             self._execute(rollout, role.resend(node, now))
 

@@ -8,7 +8,9 @@ logs it and counts it. Any other exception is a bug and crashes loudly.").
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -40,6 +42,7 @@ class NodeBase:
         self.metrics = metrics
         self.log = logger
         self.max_message_bytes = max_message_bytes
+        self._presence: dict[str, float] = {}
 
     def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
         """Log and count a rejected message, by its typed reason."""
@@ -52,6 +55,28 @@ class NodeBase:
         if parsed is None:
             self.reject(inbound, UnexpectedMessageError(f"topic {inbound.topic!r} is not in the fedtier tree"))
         return parsed
+
+    def came_online(self, inbound: Inbound, parsed: topics.Topic) -> str | None:
+        """The node id if this presence message is a *new* online event, else ``None``.
+
+        Retained presence is redelivered on every (re)subscription; the ``since`` stamp a node
+        sets at each connect tells a reconnection from a repeat, so a parent resends the open
+        task once per reconnection, not once per redelivery.
+        """
+        node = parsed.device
+        try:
+            doc = json.loads(inbound.payload.decode()) if inbound.payload else {}
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            self.reject(inbound, UnexpectedMessageError(f"status of {node} is not JSON"))
+            return None
+        if node is None or not isinstance(doc, dict) or doc.get("state") != "online":
+            return None
+        since = doc.get("since")
+        stamp = float(since) if isinstance(since, (int, float)) and math.isfinite(since) else 0.0
+        if self._presence.get(node) == stamp:
+            return None
+        self._presence[node] = stamp
+        return node
 
     def decode_inbound(self, inbound: Inbound, parsed: topics.Topic) -> Message | None:
         """Decode an envelope-carrying message and check it against the topic it came on.
