@@ -35,12 +35,6 @@ class PreparedRollout:
     def devices(self) -> list[str]:
         return [d for members in self.cells.values() for d in members]
 
-    def cell_of(self, device: str) -> str:
-        for cell, members in self.cells.items():
-            if device in members:
-                return cell
-        raise KeyError(device)
-
 
 def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout:
     """Build artifacts, data, initial parameters and the manifest of a rollout."""

@@ -29,7 +29,8 @@ from fedtier.algorithms.base import Action, LocalResult, LocalTrain, SendToParen
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.batching import minibatch_indices
 from fedtier.bundle import ArtifactBundle
-from fedtier.errors import ArtifactError, RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import ArtifactError, ConfigError, RemoteProtocolError, UnexpectedMessageError
+from fedtier.layout import ArchSpec
 from fedtier.manifest import Manifest
 from fedtier.messages import ArtifactBlob, ArtifactRequest, DeviceTask
 from fedtier.metrics import Metrics
@@ -163,24 +164,39 @@ class DeviceNode(NodeBase):
             return
         try:
             bundle = self._assemble(manifest)
-            self._shape_data(bundle.arch.input_shape)
-            self.trainers[rollout] = self.trainer_provider(bundle)
         except ArtifactError as exc:
             log.error("cannot load artifacts of rollout %s: %s", rollout, exc)
             return
+        try:
+            self._fit_data(bundle.arch)
+        except ConfigError as exc:
+            # Retrying cannot help: the device stays out of this rollout (its edge sees it
+            # missing in every round) instead of failing in the middle of each one.
+            log.error("local data does not fit the model of rollout %s, not taking part: %s", rollout, exc)
+            self.manifests.pop(rollout, None)
+            return
+        self.trainers[rollout] = self.trainer_provider(bundle)
         log.info("artifacts of rollout %s ready; trainer loaded", rollout)
         task = self._pending_task.pop(rollout, None)
         if task is not None:
             self._run_task(task, now)
 
-    def _shape_data(self, input_shape: tuple[int, ...]) -> None:
-        """Lay flat feature rows out as the model's example shape (e.g. channels x length)."""
-        x = self.data.x
-        if x.shape[1:] == input_shape:
-            return
-        if int(np.prod(x.shape[1:])) != int(np.prod(input_shape)):
-            raise ArtifactError(f"local examples have shape {x.shape[1:]}, the model takes {input_shape}")
-        self.data = LocalData(x=np.ascontiguousarray(x.reshape((len(x), *input_shape))), y=self.data.y)
+    def _fit_data(self, arch: ArchSpec) -> None:
+        """Check local data against the model, and lay flat feature rows out as its example shape.
+
+        Raises:
+            ConfigError: no samples, examples of the wrong size, or labels outside the classes.
+        """
+        x, y, shape = self.data.x, self.data.y, arch.input_shape
+        if len(y) == 0:
+            raise ConfigError("no local samples")
+        if int(np.prod(x.shape[1:])) != int(np.prod(shape)):
+            raise ConfigError(f"local examples have shape {x.shape[1:]}, the model takes {shape}")
+        if int(y.min()) < 0 or int(y.max()) >= arch.num_classes:
+            raise ConfigError(f"local labels span [{int(y.min())}, {int(y.max())}]; the model has "
+                              f"{arch.num_classes} classes")
+        if x.shape[1:] != shape:
+            self.data = LocalData(x=np.ascontiguousarray(x.reshape((len(x), *shape))), y=y)
 
     def _assemble(self, manifest: Manifest) -> ArtifactBundle:
         """Lay the cached files out as a bundle directory and verify it as a whole."""

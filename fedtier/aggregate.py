@@ -7,7 +7,7 @@ sort by sender get bit-identical results however messages happened to arrive.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -79,7 +79,3 @@ def sorted_items(contributions: Mapping[str, tuple[Tensors, float]]) -> list[tup
 def copy_tensors(tensors: Tensors) -> dict[str, np.ndarray]:
     return {n: np.array(t, dtype=np.float32, copy=True) for n, t in tensors.items()}
 
-
-def iter_arrays(tensors: Iterable[Tensors]) -> Iterable[np.ndarray]:
-    for t in tensors:
-        yield from t.values()

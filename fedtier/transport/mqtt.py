@@ -100,9 +100,7 @@ class MqttTransport(ChunkingMixin):
         self._early_acks: dict[int, bool] = {}
         self._pending: list[tuple[str, bytes, bool, DoneCallback | None]] = []
         self._connected = threading.Event()
-        self._ever_connected = threading.Event()
         self._closing = False
-        self.last_error: str | None = None
         self.denials: list[tuple[str, int]] = []
 
         proto = mqtt.MQTTv5 if protocol == 5 else mqtt.MQTTv311
@@ -224,7 +222,6 @@ class MqttTransport(ChunkingMixin):
 
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         if reason.is_failure:
-            self.last_error = str(reason)
             log.warning("%s: connection to %s:%s refused: %s", self.name, self.host, self.port, reason)
             return
         if props is not None and hasattr(props, "MaximumPacketSize"):
@@ -243,7 +240,6 @@ class MqttTransport(ChunkingMixin):
         with self._lock:
             self._connected.set()
             pending, self._pending = self._pending, []
-        self._ever_connected.set()
         for topic, payload, retain, on_done in pending:
             self._publish_raw(topic, payload, retain, on_done)
 

@@ -158,3 +158,40 @@ def test_a_message_not_confirmed_before_a_crash_is_delivered_again(mosquitto) ->
         sender.close()
     # Assert
     assert again.payload == b"important"
+
+
+def test_reconnects_and_resubscribes_after_the_broker_restarts(tmp_path: Path) -> None:
+    # Prepare: a subscriber connected to a broker that then dies (no persistence: sessions lost).
+    first = start_mosquitto(tmp_path / "b1")
+    inbox: queue.Queue = queue.Queue()
+    rx = MqttTransport(name="rx", client_id="resilient", host=first.host, port=first.port, inbox=inbox,
+                       reconnect_max_s=1)
+    rx.subscribe(TOPIC)
+    rx.start()
+    assert rx.wait_connected(10)
+    first.stop()
+    deadline = time.monotonic() + 10
+    while rx.connected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not rx.connected
+    # Execute: a new broker on the same port.
+    second = start_mosquitto(tmp_path / "b2", port=first.port)
+    sender = None
+    try:
+        assert rx.wait_connected(15)
+        sender = RawClient(second.host, second.port, "sender2")
+        deadline = time.monotonic() + 10
+        got = None
+        while got is None and time.monotonic() < deadline:  # until the resubscription is in place
+            sender.publish(TOPIC, b"after restart")
+            try:
+                got = receive(inbox, 0.5)
+            except queue.Empty:
+                pass
+    finally:
+        rx.stop()
+        if sender:
+            sender.close()
+        second.stop()
+    # Assert
+    assert got is not None and got.payload == b"after restart"

@@ -114,3 +114,18 @@ def test_another_devices_catch_up_task_is_ignored(setup) -> None:
                  task_for(prepared, cell).encode())
     broker.run_until_idle()
     assert node._pending_task == {} and node.metrics.total(REJECTED) == 0
+
+
+def test_data_that_does_not_fit_the_model_keeps_the_device_out_without_crashing(setup, caplog) -> None:
+    prepared, broker, edge, received, node, cell = setup
+    rollout = prepared.config.rollout
+    node.data = LocalData(x=node.data.x, y=node.data.y + 10)  # labels beyond the 10 classes
+    node.cache = ArtifactCache(node.cache.directory)
+    for entry in prepared.bundle.files.values():
+        node.cache.put(entry.sha256, (prepared.bundle.directory / entry.filename).read_bytes())
+    node.start(0.0)
+    edge.publish(topics.cell_manifest(rollout, cell), prepared.manifest.encode(), retain=True)
+    edge.publish(topics.cell_down(rollout, cell, DeviceTask.KIND), task_for(prepared, cell).encode())
+    broker.run_until_idle()
+    assert rollout not in node.trainers and uplinks(received, DeviceUpdate) == []
+    assert "local data does not fit the model" in caplog.text and "10 classes" in caplog.text
