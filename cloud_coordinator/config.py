@@ -9,13 +9,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from fedtier.algorithms.fedavg import FedAvgConfig
+from fedtier.algorithms.hier_qsgd import HierConfig
+from fedtier.algorithms.qhetfed import QHetFedConfig
 from fedtier.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
 from fedtier.layout import ArchSpec
 from fedtier.topics import check_id
 
 DATASETS = ("digits", "breast_cancer", "synthetic")
+ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed")
+
+
+def _bits(value: int) -> None:
+    """0 (float32) or a QSGD width 2..8 (1 bit leaves no level: s = 2^0 - 1 = 0)."""
+    if value == 1:
+        raise ValueError("1 bit leaves QSGD no level (s = 2^(b-1) - 1 = 0); use 0 (float32) or 2..8")
 PARTITIONS = ("iid", "shards", "dirichlet")
 
 
@@ -121,6 +131,65 @@ class FedAvgSection(Section):
 
 
 @dataclass(frozen=True)
+class HierQsgdSection(Section):
+    """Hier-Local-QSGD (the QHetFed paper's baseline): tau edge rounds of gamma local steps."""
+
+    local_steps: int = opt(3, min=1, help="gamma: SGD steps per device per edge round.")
+    edge_rounds: int = opt(12, min=1, help="tau: edge aggregations per global round.")
+    batch_size: int = opt(32, min=1, help="Minibatch size.")
+    lr: float = opt(0.05, min=0, help="SGD learning rate.")
+    weighting: str = opt("uniform", choices=("uniform", "samples"), help="Edge weights per device.")
+    quorum: float = opt(1.0, gt=0, max=1, help="Share of members (and cells) enough after the deadline.")
+    deadline_s: float = opt(60.0, gt=0, help="Seconds before a step may close with a quorum.")
+    bits_device: int = opt(4, min=0, max=8, check=_bits, help="Q1: QSGD bits of device uploads (0 = float32).")
+    bits_edge: int = opt(8, min=0, max=8, check=_bits, help="Q2: QSGD bits of the edge's upload (0 = float32).")
+
+    def algorithm_config(self, seed: int) -> HierConfig:
+        return HierConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, batch_size=self.batch_size,
+                          lr=self.lr, weighting=self.weighting, quorum=self.quorum, deadline_s=self.deadline_s,
+                          seed=seed, bits_device=self.bits_device, bits_edge=self.bits_edge)
+
+
+@dataclass(frozen=True)
+class PlanSection(Section):
+    """Choose QHetFed's (tau, gamma) from a per-round time budget (seed 003 Sec. IV).
+
+    Rollouts use the robust integer planner; the paper's closed form (``fedtier plan qhetfed
+    --mode paper``) can answer gamma < 1 and is for reproduction only.
+    """
+
+    t_cp: float = opt(help="Seconds for one local gradient step on a device.", gt=0)
+    t_de: float = opt(help="Seconds for one device -> edge upload.", gt=0)
+    t_ec: float = opt(help="Seconds for one edge -> cloud upload.", gt=0)
+    round_budget_s: float = opt(help="Time budget of one global round, seconds.", gt=0)
+    uploads: str = opt("tau", choices=("tau", "tau+1"), help="Device uploads charged per round (the paper: tau).")
+    q1: float = opt(0.0, min=0, help="q1 for the first round; later rounds use the q1 devices measured.")
+    replan: bool = opt(True, help="Re-plan every round from the measured q1.")
+
+
+@dataclass(frozen=True)
+class QHetFedSection(Section):
+    """QHetFed: tau gradient aggregations in each set, then gamma local steps (seed 003)."""
+
+    tau: int = opt(12, min=0, help="Intra-set gradient-aggregation iterations per global round.")
+    gamma: int = opt(3, min=1, help="Local SGD steps before the model aggregation.")
+    batch_size: int = opt(32, min=1, help="Minibatch size.")
+    lr: float = opt(0.05, min=0, help="The learning rate of both kinds of step (mu).")
+    weighting: str = opt("uniform", choices=("uniform", "samples"), help="Edge weights per device.")
+    quorum: float = opt(1.0, gt=0, max=1, help="Share of members (and cells) enough after the deadline.")
+    deadline_s: float = opt(60.0, gt=0, help="Seconds before a step may close with a quorum.")
+    bits_device: int = opt(4, min=0, max=8, check=_bits, help="Q1: QSGD bits of device uploads (0 = float32).")
+    bits_edge: int = opt(8, min=0, max=8, check=_bits, help="Q2: QSGD bits of the edge's upload (0 = float32).")
+    plan: PlanSection | None = opt(None, help="If set, (tau, gamma) come from the deadline planner.")
+
+    def algorithm_config(self, seed: int, tau: int | None = None, gamma: int | None = None) -> QHetFedConfig:
+        return QHetFedConfig(tau=self.tau if tau is None else tau, gamma=self.gamma if gamma is None else gamma,
+                             batch_size=self.batch_size, lr=self.lr, weighting=self.weighting, quorum=self.quorum,
+                             deadline_s=self.deadline_s, seed=seed, bits_device=self.bits_device,
+                             bits_edge=self.bits_edge)
+
+
+@dataclass(frozen=True)
 class SimulationConfig(Section):
     """In-process simulation knobs."""
 
@@ -139,7 +208,7 @@ class RolloutConfig(Section):
     """A training campaign (``fedtier coordinator run``, ``fedtier simulate``)."""
 
     rollout: str = opt("default", check=node_id, help="Rollout id (appears in every topic).")
-    algorithm: str = opt("fedavg", choices=("fedavg",), help="Algorithm.")
+    algorithm: str = opt("fedavg", choices=ALGORITHMS, help="Algorithm: fedavg, hier_qsgd or qhetfed.")
     rounds: int = opt(20, min=1, help="Global rounds.")
     seed: int = opt(0, help="Rollout seed: names every RNG stream (minibatches, ...).")
     state_dir: Path = opt(Path("fedtier-state"), help="Coordinator state: SQLite database and artifact store.")
@@ -152,6 +221,8 @@ class RolloutConfig(Section):
     data: DataConfig = opt(default_factory=DataConfig, help="Data.")
     topology: TopologyConfig = opt(default_factory=TopologyConfig, help="Cells and devices.")
     fedavg: FedAvgSection = opt(default_factory=FedAvgSection, help="FedAvg settings.")
+    hier_qsgd: HierQsgdSection = opt(default_factory=HierQsgdSection, help="Hier-Local-QSGD settings.")
+    qhetfed: QHetFedSection = opt(default_factory=QHetFedSection, help="QHetFed settings.")
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="Cloud broker (coordinator run).")
     simulation: SimulationConfig = opt(default_factory=SimulationConfig, help="Simulator knobs.")
 
@@ -163,5 +234,45 @@ class RolloutConfig(Section):
     def artifacts_path(self) -> Path:
         return self.artifact_store if self.artifact_store is not None else self.state_dir / "artifacts"
 
-    def algorithm_config(self) -> FedAvgConfig:
-        return self.fedavg.algorithm_config(self.seed)
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
+            from cloud_coordinator.planner import InfeasiblePlanError
+
+            try:
+                self.replanner()(None)
+            except InfeasiblePlanError as exc:
+                raise self.error(str(exc), "qhetfed.plan.round_budget_s", prefix=prefix, source=source) from None
+
+    def algorithm_config(self) -> Any:
+        """The configured algorithm's settings object (what every task carries)."""
+        if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
+            return self.replanner()(None)
+        section = getattr(self, self.algorithm)
+        return section.algorithm_config(self.seed)
+
+    def replanner(self) -> Callable[[float | None], Any]:
+        """QHetFed's per-round planner: q1 estimate -> config with the planned (tau, gamma).
+
+        A pure function (the cloud role calls it when it opens a round). Before any device has
+        reported, or with ``replan = false``, it uses the configured ``plan.q1``.
+        """
+        from cloud_coordinator.planner import PlanInputs, plan
+
+        section, p = self.qhetfed, self.qhetfed.plan
+        if p is None:
+            return lambda q1: section.algorithm_config(self.seed)
+        cells = self.topology.layout()
+        n_devices = sum(len(m) for m in cells.values())
+
+        def replan(q1: float | None) -> QHetFedConfig:
+            measured = q1 if (q1 is not None and p.replan) else p.q1
+            inputs = PlanInputs(C=len(cells), N=n_devices, q1=measured, t_cp=p.t_cp, t_de=p.t_de, t_ec=p.t_ec,
+                                round_budget_s=p.round_budget_s, uploads=p.uploads)
+            chosen = plan(inputs, mode="robust")
+            return section.algorithm_config(self.seed, tau=int(chosen.tau), gamma=int(chosen.gamma))
+
+        return replan
+
+    @property
+    def deadline_s(self) -> float:
+        return float(getattr(self, self.algorithm).deadline_s)

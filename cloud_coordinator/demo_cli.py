@@ -17,12 +17,18 @@ import click
 @click.option("--rounds", type=click.IntRange(1), default=30, show_default=True, help="Global rounds.")
 @click.option("--broker", type=click.Choice(["auto", "mosquitto", "embedded"]), default="auto", show_default=True,
               help="auto = Mosquitto when it is on PATH, otherwise the embedded pure-Python broker.")
-@click.option("--algorithm", type=click.Choice(["fedavg"]), default="fedavg", show_default=True,
-              help="Training algorithm.")
-@click.option("--local-steps", type=click.IntRange(1), default=20, show_default=True,
-              help="SGD steps per device per round.")
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.1, show_default=True,
-              help="Learning rate.")
+@click.option("--algorithm", type=click.Choice(["fedavg", "hier_qsgd", "qhetfed"]), default="fedavg",
+              show_default=True,
+              help="fedavg: hierarchical FedAvg; hier_qsgd: Hier-Local-QSGD (quantized, 2 edge rounds per round); "
+                   "qhetfed: QHetFed (4 quantized gradient aggregations in each cell, then local steps).")
+@click.option("--local-steps", type=click.IntRange(1), default=None,
+              help="Local SGD steps (QHetFed: gamma) [default: 20 fedavg, 10 hier_qsgd and qhetfed].")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Learning rate [default: 0.1; 0.2 for qhetfed].")
+@click.option("--bits-device", type=click.IntRange(2, 8), default=4, show_default=True,
+              help="QSGD bits of device uploads (hier_qsgd, qhetfed).")
+@click.option("--bits-edge", type=click.IntRange(2, 8), default=8, show_default=True,
+              help="QSGD bits of edge uploads to the cloud (hier_qsgd, qhetfed).")
 @click.option("--alpha", type=click.FloatRange(min=0, min_open=True), default=0.5, show_default=True,
               help="Dirichlet concentration of the non-iid split (smaller = more skewed devices).")
 @click.option("--max-packet-size", type=click.IntRange(0), default=0, show_default=True,
@@ -34,9 +40,9 @@ import click
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Give up after this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
-def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int, lr: float,
-         alpha: float, max_packet_size: int, seed: int, workdir: Path | None, timeout_s: float,
-         as_json: bool) -> None:
+def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
+         lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, seed: int,
+         workdir: Path | None, timeout_s: float, as_json: bool) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
@@ -60,8 +66,8 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
             click.echo("\r\033[K" + line, nl=False, err=True)
 
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
-                       local_steps=local_steps, lr=lr, alpha=alpha, max_packet_size=max_packet_size, seed=seed,
-                       workdir=workdir, timeout_s=timeout_s)
+                       local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
+                       max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s)
     runner = Demo(opts, say, progress)
     try:
         result = runner.run()
@@ -74,11 +80,12 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     if tty:
         click.echo("\r\033[K", nl=False, err=True)
     if as_json:
-        json.dump({"rounds": result.rounds, "bytes": totals(result.rounds), "wall_s": result.wall_s,
+        json.dump({"algorithm": algorithm, "rounds": result.rounds, "bytes": totals(result.rounds),
+                   "wall_s": result.wall_s,
                    "broker": result.broker, "processes": result.processes,
                    "final_accuracy": result.rounds[-1]["accuracy"] if result.rounds else None},
                   sys.stdout, indent=1, default=float)
         click.echo()
         return
     click.echo(summary_table(result.rounds, result.wall_s,
-                             f"fedtier demo: {devices} devices, {cells} cells, {result.broker} broker"))
+                             f"fedtier demo: {algorithm}, {devices} devices, {cells} cells, {result.broker} broker"))

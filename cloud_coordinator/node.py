@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from cloud_coordinator.rollout import PreparedRollout
 from cloud_coordinator.store import CoordinatorStore
-from fedtier import algorithms, messages, topics
+from fedtier import algorithms, messages, topics, wire
 from fedtier.algorithms.base import Action, Dropped, Finished, RoundClosed, SendToChild
 from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
 from fedtier.manifest import Manifest
@@ -111,9 +111,11 @@ class CloudNode(NodeBase):
             params, start_round, version = latest.params, latest.round + 1, latest.version
             log.info("resuming rollout %s at round %d from model version %d", self.rollout, start_round, version)
         module = algorithms.load(self.cfg.algorithm)
+        replan = self.cfg.replanner() if self.cfg.algorithm == "qhetfed" and self.cfg.qhetfed.plan else None
         self.role = module.Cloud(rollout=self.rollout, cells=self.prepared.cells, initial_params=params,
                                  config=self.cfg.algorithm_config(), rounds=self.cfg.rounds,
-                                 cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version)
+                                 cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version,
+                                 replan=replan)
         self._execute(self.role.start(now), now)
         for payload in self.store.inputs(self.rollout):
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
@@ -158,7 +160,9 @@ class CloudNode(NodeBase):
             if not replay:
                 self.store.record_input(self.rollout, msg.round, msg.key, payload)
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
-            self._round_bytes[msg.round]["edge_up_bytes"] += len(payload) if wire_bytes is None else wire_bytes
+            size = len(payload) if wire_bytes is None else wire_bytes
+            self._round_bytes[msg.round]["edge_up_bytes"] += size
+            self._round_bytes[msg.round]["edge_up_f32_bytes"] += size - len(payload) + wire.float32_equivalent(payload)
         self._execute(actions, now)
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
@@ -217,7 +221,13 @@ class CloudNode(NodeBase):
                 "device_down": sum(int(c.get("device_down_bytes", 0)) for c in cells.values()),
                 "edge_up": int(traffic.get("edge_up_bytes", 0)),
                 "cloud_down": int(traffic.get("cloud_down_bytes", 0)),
+                # What the uplinks would have cost in float32 (equal to the above when unquantized).
+                "device_up_f32": sum(int(c.get("device_up_f32_bytes", 0)) for c in cells.values()),
+                "edge_up_f32": int(traffic.get("edge_up_f32_bytes", 0)),
             },
+            "q1": closed.metrics.get("q1"),
+            "q2": closed.metrics.get("q2"),
+            "config": closed.metrics.get("config"),
             "round_s": wall - self._last_close,
             "elapsed_s": wall - self._started_at,
         }

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 TIERS = (("device_up", "device -> edge"), ("device_down", "edge -> device"),
          ("edge_up", "edge -> cloud"), ("cloud_down", "cloud -> edge"))
+UPLINKS = (("device_up", "device_up_f32", "device -> edge"), ("edge_up", "edge_up_f32", "edge -> cloud"))
 
 
 def human_bytes(n: float) -> str:
@@ -32,9 +33,10 @@ def progress_bar(done: int, total: int, width: int = 30) -> str:
 
 
 def totals(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
-    out = {key: 0 for key, _ in TIERS}
+    keys = [k for k, _ in TIERS] + [f32 for _, f32, _ in UPLINKS]
+    out = {key: 0 for key in keys}
     for row in rows:
-        for key, _ in TIERS:
+        for key in keys:
             out[key] += int(row.get("bytes", {}).get(key, 0))
     return out
 
@@ -55,6 +57,11 @@ def summary_table(rows: Sequence[dict[str, Any]], wall_s: float, title: str) -> 
     lines += ["", "bytes per tier (all rounds):"]
     for key, label in TIERS:
         lines.append(f"  {label:<16} {human_bytes(t[key]):>12}  ({t[key]:,} B)")
+    for key, f32_key, label in UPLINKS:
+        if t[f32_key] > t[key]:
+            saved = t[f32_key] - t[key]
+            lines.append(f"uplink {label}: {human_bytes(t[key])} quantized vs {human_bytes(t[f32_key])} in float32: "
+                         f"saved {human_bytes(saved)} ({100 * saved / t[f32_key]:.0f} %)")
     if rows and rows[-1].get("accuracy") is not None:
         lines.append(f"final accuracy:    {rows[-1]['accuracy']:.4f} after {len(rows)} rounds")
     lines.append(f"wall time:         {wall_s:.1f} s")

@@ -139,7 +139,7 @@ def _run(cfg: RolloutConfig, broker: MemoryBroker, nodes: list[Any], cloud: Clou
         for node in [*nodes, cloud]:
             node.tick(broker.now)
         stalled_ticks = 0 if delivered else stalled_ticks + 1
-        if stalled_ticks > 10 * cfg.fedavg.deadline_s + 100:
+        if stalled_ticks > 10 * cfg.deadline_s + 100:
             raise RuntimeError(f"simulation stalled in round {cloud.role.round}: nothing moves")
     broker.run_until_idle()
     return SimulationResult(rounds=list(cloud.history), params=cloud.params, prepared=prepared,

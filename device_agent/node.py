@@ -25,14 +25,21 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from fedtier import aggregate, algorithms, rng, topics
-from fedtier.algorithms.base import Action, LocalResult, LocalTrain, SendToParent
+from fedtier.algorithms.base import (
+    Action,
+    ComputeGradient,
+    GradientResult,
+    LocalResult,
+    LocalTrain,
+    SendToParent,
+)
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.batching import minibatch_indices
 from fedtier.bundle import ArtifactBundle
 from fedtier.errors import ArtifactError, ConfigError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.layout import ArchSpec
 from fedtier.manifest import Manifest
-from fedtier.messages import ArtifactBlob, ArtifactRequest, DeviceTask
+from fedtier.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask
 from fedtier.metrics import Metrics
 from fedtier.node import NodeBase
 from fedtier.trainer import Trainer
@@ -83,8 +90,8 @@ class DeviceNode(NodeBase):
         for rollout in list(self.manifests):
             if rollout not in self.trainers:
                 self._ensure_ready(rollout, now)
-        for role in self.roles.values():
-            self._execute(role.tick(now), now)
+        for rollout, role in self.roles.items():
+            self._execute(role.tick(now), now, rollout)
 
     # --- inbound -------------------------------------------------------------------------------------
 
@@ -103,6 +110,11 @@ class DeviceNode(NodeBase):
         try:
             if isinstance(msg, DeviceTask):
                 self._on_task(msg, now)
+            elif isinstance(msg, CellStep):
+                role = self.roles.get(msg.rollout)
+                if role is None:
+                    raise UnexpectedMessageError(f"cell step of rollout {msg.rollout!r}, which this device is not in")
+                self._execute(role.receive(msg, now), now, msg.rollout)
             elif isinstance(msg, ArtifactBlob):
                 self._on_artifact(msg, now)
             elif isinstance(msg, ArtifactRequest):
@@ -235,22 +247,27 @@ class DeviceNode(NodeBase):
         role = self._role(task)
         self._execute(role.receive(task, now), now, rollout=task.rollout)
 
-    def _execute(self, actions: Sequence[Action], now: float, rollout: str | None = None) -> None:
+    def _execute(self, actions: Sequence[Action], now: float, rollout: str) -> None:
         self.diagnostics(actions)
+        role = self.roles[rollout]
         for action in actions:
             if isinstance(action, LocalTrain):
-                assert rollout is not None
                 result = self.train(self.trainers[rollout], action)
-                self._execute(self.roles[rollout].trained(action.round, result), now, rollout)
+                self._execute(role.trained(action.round, result), now, rollout)
+            elif isinstance(action, ComputeGradient):
+                gradient = self.gradient(self.trainers[rollout], action)
+                self._execute(role.gradient_done(action.round, action.step, gradient), now, rollout)
             elif isinstance(action, SendToParent):
                 msg = action.message
                 topic = topics.cell_up(msg.rollout, self.cell, self.device_id, msg.KIND)
-                payload = msg.encode()
-                self.state.put_update(msg.key, topic, payload, msg.rollout, msg.round, now)
+                payload = msg.encode(action.encodings)
+                # Written (with the round progress the role reached) before it is published.
+                self.state.put_update(msg.key, topic, payload, msg.rollout, role.last_round, now)
                 self._publish_update(msg.key, topic, payload)
-                self.rounds_done += 1
-                log.info("round %d of %s: update sent (%d bytes, loss %.4f)", msg.round, msg.rollout, len(payload),
-                         getattr(msg, "train_loss", float("nan")))
+                if role.last_round == msg.round:
+                    self.rounds_done += 1
+                log.info("round %d step %d of %s: %s sent (%d bytes)", msg.round, msg.step, msg.rollout, msg.KIND,
+                         len(payload))
 
     def train(self, trainer: Trainer, request: LocalTrain) -> LocalResult:
         """Execute a ``LocalTrain`` request: set params, run the steps, return the change."""
@@ -261,6 +278,13 @@ class DeviceNode(NodeBase):
         stats = trainer.train_steps(batches, request.lr)
         delta = aggregate.subtract(trainer.get_parameters(), request.params)
         return LocalResult(delta=delta, num_samples=len(self.data), mean_loss=stats.mean_loss, steps=stats.steps)
+
+    def gradient(self, trainer: Trainer, request: ComputeGradient) -> GradientResult:
+        """Execute a ``ComputeGradient`` request: one minibatch, parameters left as they were."""
+        trainer.set_parameters(request.params)
+        [idx] = minibatch_indices(len(self.data), request.batch_size, 1, rng.stream(*request.stream))
+        grad, loss = trainer.compute_gradient(self.data.x[idx], self.data.y[idx])
+        return GradientResult(grad=grad, loss=loss, num_samples=len(self.data))
 
     def _publish_update(self, key: str, topic: str, payload: bytes) -> None:
         def done(ok: bool) -> None:

@@ -25,7 +25,11 @@ class DeviceState:
         self.db = Database(path, SCHEMA)
 
     def put_update(self, key: str, topic: str, payload: bytes, rollout: str, round: int, now: float) -> None:
-        """Queue an update for sending and record its round as done, atomically."""
+        """Queue an upload for sending and record ``round`` as the last one finished, atomically.
+
+        Pass the role's ``last_round``: an upload in the middle of a round (a QHetFed gradient)
+        leaves it where it was.
+        """
         with self.db.transaction() as db:
             db.execute("INSERT OR REPLACE INTO outbox VALUES (?,?,?,?)", (key, topic, payload, now))
             db.execute("INSERT INTO progress VALUES (?,?) ON CONFLICT(rollout) DO UPDATE SET "

@@ -24,12 +24,20 @@ import math
 from collections import defaultdict
 from typing import Any, Sequence
 
-from fedtier import algorithms, messages, topics
+from fedtier import algorithms, messages, topics, wire
 from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, SendToParent
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
 from fedtier.manifest import Manifest
-from fedtier.messages import ArtifactBlob, ArtifactRequest, CellTask, CellUpdate, DeviceUpdate, Message
+from fedtier.messages import (
+    ArtifactBlob,
+    ArtifactRequest,
+    CellTask,
+    CellUpdate,
+    DeviceGradient,
+    DeviceUpdate,
+    Message,
+)
 from fedtier.metrics import Metrics
 from fedtier.node import ACCEPTED, NodeBase
 from fedtier.transport.base import Inbound, Transport
@@ -80,7 +88,7 @@ class EdgeNode(NodeBase):
         replayed = 0
         for _rollout, payload in self.store.inputs():
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
-            assert isinstance(msg, (CellTask, DeviceUpdate))
+            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient))
             self._on_round_message(payload, msg, now, replay=True)
             replayed += 1
         if replayed:
@@ -114,7 +122,7 @@ class EdgeNode(NodeBase):
                 self._on_artifact(msg, now)
             elif isinstance(msg, ArtifactRequest):
                 self._on_artifact_request(msg, now)
-            elif isinstance(msg, (CellTask, DeviceUpdate)):
+            elif isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient)):
                 self._on_round_message(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             else:
                 raise UnexpectedMessageError(f"edge does not accept {msg.KIND}")
@@ -131,7 +139,7 @@ class EdgeNode(NodeBase):
             self.roles[msg.rollout] = role
         return role
 
-    def _on_round_message(self, payload: bytes, msg: CellTask | DeviceUpdate, now: float,
+    def _on_round_message(self, payload: bytes, msg: CellTask | DeviceUpdate | DeviceGradient, now: float,
                           replay: bool = False, wire_bytes: int | None = None) -> None:
         if isinstance(msg, CellTask) and msg.sender != self.parent:
             raise UnexpectedMessageError(f"cell task from {msg.sender!r}, not from parent {self.parent!r}")
@@ -146,22 +154,24 @@ class EdgeNode(NodeBase):
                 if isinstance(msg, CellTask):
                     self.store.prune(msg.rollout, msg.round)
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
-            if isinstance(msg, DeviceUpdate):
-                self._round_bytes[(msg.rollout, msg.round)]["device_up_bytes"] += (
-                    len(payload) if wire_bytes is None else wire_bytes)
+            if not isinstance(msg, CellTask):
+                counts = self._round_bytes[(msg.rollout, msg.round)]
+                size = len(payload) if wire_bytes is None else wire_bytes
+                counts["device_up_bytes"] += size
+                counts["device_up_f32_bytes"] += size - len(payload) + wire.float32_equivalent(payload)
         self._execute(msg.rollout, actions)
 
     def _execute(self, rollout: str, actions: Sequence[Action]) -> None:
         self.diagnostics(actions)
         for action in actions:
             if isinstance(action, Broadcast):
-                payload = action.message.encode()
+                payload = action.message.encode(action.encodings)
                 sent = self.cell_tx.publish(topics.cell_down(rollout, self.cell, action.message.KIND), payload)
-                fanout = len(getattr(action.message, "members", ())) or 1
+                fanout = len(self.roles[rollout].members) or 1  # a broadcast reaches every member
                 self._round_bytes[(rollout, action.message.round)]["device_down_bytes"] += \
                     (sent or len(payload)) * fanout
             elif isinstance(action, SendToChild):
-                payload = action.message.encode()
+                payload = action.message.encode(action.encodings)
                 sent = self.cell_tx.publish(
                     topics.cell_down(rollout, self.cell, action.message.KIND, action.child), payload)
                 self._round_bytes[(rollout, action.message.round)]["device_down_bytes"] += sent or len(payload)
@@ -170,7 +180,7 @@ class EdgeNode(NodeBase):
                 stats = dict(self._round_bytes.pop((rollout, msg.round), {}))
                 if isinstance(msg, CellUpdate):
                     msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
-                self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), msg.encode())
+                self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), msg.encode(action.encodings))
                 log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,
                          len(getattr(msg, "reported", ())))
 

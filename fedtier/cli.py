@@ -23,6 +23,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("cloud_coordinator.cli", "simulate"),
     "demo": ("cloud_coordinator.demo_cli", "demo"),
     "broker": ("fedtier.broker_cli", "broker"),
+    "plan": ("cloud_coordinator.plan_cli", "plan"),
 }
 
 SHORT_HELP = {
@@ -32,6 +33,7 @@ SHORT_HELP = {
     "simulate": "Run a rollout in one process over the in-memory transport.",
     "demo": "Run a whole hierarchy on this machine over a real MQTT broker.",
     "broker": "Run the embedded pure-Python MQTT broker.",
+    "plan": "Plan an algorithm's parameters under a time budget (QHetFed's tau, gamma).",
 }
 
 

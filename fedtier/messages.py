@@ -49,6 +49,20 @@ def _get(meta: Mapping[str, Any], key: str, typ: type | tuple[type, ...], *, def
     return value
 
 
+def _count(meta: Mapping[str, Any], key: str) -> int:
+    value = _get(meta, key, int)
+    if value < 0:
+        raise MalformedHeaderError(f"field {key!r} is negative")
+    return int(value)
+
+
+def _nonneg(meta: Mapping[str, Any], key: str) -> float:
+    value = _get(meta, key, float)
+    if value < 0:
+        raise MalformedHeaderError(f"field {key!r} is negative")
+    return float(value)
+
+
 def _str_list(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
     value = _get(meta, key, list)
     if not all(isinstance(v, str) for v in value):
@@ -77,10 +91,9 @@ class Message:
     rollout: str
     round: int
     sender: str
-
-    @property
-    def step(self) -> int:
-        return 0
+    step: int = 0
+    """Position within the round, for algorithms that exchange several messages per round
+    (QHetFed's intra-set iterations, Hier-Local-QSGD's edge rounds). Part of the key."""
 
     @property
     def key(self) -> str:
@@ -137,7 +150,11 @@ class CellTask(Message):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class DeviceTask(Message):
-    """Edge -> devices of its cell: train from ``params`` with ``config`` for ``round``."""
+    """Edge -> devices of its cell: train from ``params`` with ``config`` for ``round``.
+
+    ``step`` > 0 is a catch-up task: a device that (re)joins mid-round gets the set model at
+    the cell's current step and starts there.
+    """
 
     KIND: ClassVar[str] = "device_task"
     TENSOR_FIELD: ClassVar[str | None] = "params"
@@ -151,7 +168,7 @@ class DeviceTask(Message):
 
     @classmethod
     def from_envelope(cls, env: Envelope) -> "DeviceTask":
-        return cls(rollout=env.rollout, round=env.round, sender=env.sender, params=env.tensors,
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, params=env.tensors,
                    config=_get(env.meta, "config", dict), members=_str_list(env.meta, "members"))
 
 
@@ -166,19 +183,18 @@ class DeviceUpdate(Message):
     num_samples: int = 0
     train_loss: float = 0.0
     steps: int = 0
+    q: float = 0.0
+    """Measured relative variance of the quantization applied to ``delta`` (0 when exact)."""
 
     def _meta(self) -> dict[str, Any]:
         return {"num_samples": self.num_samples, "train_loss": float(self.train_loss),
-                "steps": self.steps}
+                "steps": self.steps, "q": float(self.q)}
 
     @classmethod
     def from_envelope(cls, env: Envelope) -> "DeviceUpdate":
-        n = _get(env.meta, "num_samples", int)
-        if n < 0:
-            raise MalformedHeaderError("num_samples is negative")
-        return cls(rollout=env.rollout, round=env.round, sender=env.sender, delta=env.tensors,
-                   num_samples=n, train_loss=_get(env.meta, "train_loss", float),
-                   steps=_get(env.meta, "steps", int))
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, delta=env.tensors,
+                   num_samples=_count(env.meta, "num_samples"), train_loss=_get(env.meta, "train_loss", float),
+                   steps=_get(env.meta, "steps", int), q=_nonneg(env.meta, "q"))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -198,10 +214,12 @@ class CellUpdate(Message):
     reported: tuple[str, ...] = ()
     mean_loss: float = 0.0
     stats: Mapping[str, Any] = field(default_factory=dict)
+    q: float = 0.0
+    """Measured relative variance of the edge's own quantization of ``delta`` (Q2)."""
 
     def _meta(self) -> dict[str, Any]:
         return {"weight": float(self.weight), "reported": list(self.reported),
-                "mean_loss": float(self.mean_loss), "stats": _plain(self.stats)}
+                "mean_loss": float(self.mean_loss), "stats": _plain(self.stats), "q": float(self.q)}
 
     @classmethod
     def from_envelope(cls, env: Envelope) -> "CellUpdate":
@@ -210,7 +228,65 @@ class CellUpdate(Message):
             raise MalformedHeaderError("cell weight must be positive")
         return cls(rollout=env.rollout, round=env.round, sender=env.sender, delta=env.tensors,
                    weight=weight, reported=_str_list(env.meta, "reported"),
-                   mean_loss=_get(env.meta, "mean_loss", float), stats=_get(env.meta, "stats", dict))
+                   mean_loss=_get(env.meta, "mean_loss", float), stats=_get(env.meta, "stats", dict),
+                   q=_nonneg(env.meta, "q"))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DeviceGradient(Message):
+    """Device -> edge: one minibatch gradient at the set model (QHetFed's intra-set step ``step``).
+
+    ``model_sha`` is the digest of the parameters the gradient was computed at, so the edge
+    can check the device holds the set model (all devices of a set must stay identical).
+    """
+
+    KIND: ClassVar[str] = "device_gradient"
+    TENSOR_FIELD: ClassVar[str | None] = "grad"
+
+    grad: Tensors = field(default_factory=dict)
+    model_sha: str = ""
+    loss: float = 0.0
+    num_samples: int = 0
+    q: float = 0.0
+
+    def _meta(self) -> dict[str, Any]:
+        return {"model_sha": self.model_sha, "loss": float(self.loss), "num_samples": self.num_samples,
+                "q": float(self.q)}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "DeviceGradient":
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, grad=env.tensors,
+                   model_sha=_get(env.meta, "model_sha", str), loss=_get(env.meta, "loss", float),
+                   num_samples=_count(env.meta, "num_samples"), q=_nonneg(env.meta, "q"))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CellStep(Message):
+    """Edge -> devices: the cell's aggregate of intra-round step ``step``, to apply to the set model.
+
+    ``kind`` says how: ``"gradient"`` (QHetFed, ``w <- w - lr * tensors``) or ``"delta"``
+    (Hier-Local-QSGD, ``w <- w + tensors``). ``model_sha`` is the digest of the set model
+    after applying it, which every device verifies against its own.
+    """
+
+    KIND: ClassVar[str] = "cell_step"
+    TENSOR_FIELD: ClassVar[str | None] = "tensors_"
+
+    tensors_: Tensors = field(default_factory=dict)
+    kind: str = "gradient"
+    model_sha: str = ""
+    reported: tuple[str, ...] = ()
+
+    def _meta(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model_sha": self.model_sha, "reported": list(self.reported)}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "CellStep":
+        kind = _get(env.meta, "kind", str)
+        if kind not in ("gradient", "delta"):
+            raise MalformedHeaderError(f"cell step kind {kind!r} is neither 'gradient' nor 'delta'")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, tensors_=env.tensors,
+                   kind=kind, model_sha=_get(env.meta, "model_sha", str), reported=_str_list(env.meta, "reported"))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -273,7 +349,8 @@ class ArtifactBlob(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (CellTask, DeviceTask, DeviceUpdate, CellUpdate, ArtifactRequest, ArtifactBlob)
+    for cls in (CellTask, DeviceTask, DeviceUpdate, CellUpdate, DeviceGradient, CellStep, ArtifactRequest,
+                ArtifactBlob)
 }
 
 M = TypeVar("M", bound=Message)

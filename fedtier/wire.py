@@ -19,8 +19,8 @@ Header keys (short, because small devices pay for every byte):
     ci, cn  chunk index / count (only on ``chunk`` envelopes, see ``fedtier.chunking``)
 
 Tensor encodings are a registry (``ENCODINGS``): ``f32`` and ``f16`` (little-endian IEEE),
-``u8`` (opaque bytes, e.g. an artifact file). Quantized encodings (``qsgd``) register here
-too; the header map of a spec carries their parameters (bits, norm).
+``u8`` (opaque bytes, e.g. an artifact file), ``qsgd`` (a float32 norm and ``b``-bit QSGD
+codes, see ``fedtier.quant``; the spec map carries ``b``).
 
 ``decode`` is the only way in from the wire. It validates everything and raises a subclass
 of ``DecodeError``: never pickle, never trust a length. Decoded arrays are read-only.
@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping
 import msgpack
 import numpy as np
 
+from fedtier import quant
 from fedtier.errors import (
     BadMagicError,
     LocalProtocolError,
@@ -149,7 +150,45 @@ def register_encoding(encoding: Encoding) -> None:
     ENCODINGS[encoding.name] = encoding
 
 
-for _enc in (_raw_float("float32", 4), _raw_float("float16", 2), _u8()):
+def _qsgd() -> Encoding:
+    """QSGD levels (``fedtier.quant``): float32 norm, then ``b``-bit codes; spec ``{"b": bits}``.
+
+    Encoding is lossless: the tensor must already be ``Q(x)`` (``quant.qsgd``), and the
+    encoding params carry its ``bits`` and ``norm``. Decoding rejects bit widths out of range,
+    code lengths that do not match, negative or non-finite norms and unused codes.
+    """
+
+    def bits_of(spec: Mapping[str, Any]) -> int:
+        bits = spec.get("b")
+        if not isinstance(bits, int) or isinstance(bits, bool) or not quant.MIN_BITS <= bits <= quant.MAX_BITS:
+            raise TensorSpecError(f"qsgd bits {bits!r} outside [{quant.MIN_BITS}, {quant.MAX_BITS}]")
+        return bits
+
+    def encode(arr: np.ndarray, params: Mapping[str, Any]) -> EncodedTensor:
+        bits, norm = params["bits"], np.float32(params["norm"])
+        signed = quant.to_levels(arr, norm, bits)
+        return EncodedTensor(spec={"b": bits}, data=struct.pack("<f", norm) + quant.pack(signed, bits))
+
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: bytes) -> np.ndarray:
+        bits = bits_of(spec)
+        (norm,) = struct.unpack_from("<f", data, 0)
+        if not np.isfinite(norm):
+            raise NonFiniteTensorError(f"qsgd norm is {norm}")
+        if norm < 0:
+            raise TensorSpecError(f"qsgd norm is negative ({norm})")
+        try:
+            signed = quant.unpack(data[4:], bits, _numel(shape))
+        except ValueError as exc:
+            raise TensorSpecError(f"qsgd codes: {exc}") from None
+        return quant.dequantize(np.float32(norm), signed, quant.levels(bits)).reshape(shape)
+
+    def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
+        return quant.encoded_size(_numel(shape), bits_of(spec))
+
+    return Encoding(name="qsgd", encode=encode, decode=decode, expected_nbytes=nbytes)
+
+
+for _enc in (_raw_float("float32", 4), _raw_float("float16", 2), _u8(), _qsgd()):
     register_encoding(_enc)
 # Short wire names for the float encodings.
 ENCODINGS["f32"] = ENCODINGS.pop("float32")
@@ -397,6 +436,20 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelo
         chunk_count=chunk_count,
         tensor_specs=tuple(header["ts"]),
     )
+
+
+def float32_equivalent(data: bytes) -> int:
+    """What an envelope would weigh with every tensor in float32: the baseline for savings.
+
+    Reads only the header: ``len(data) + sum(4 * numel - nb)`` over its tensors.
+    """
+    header = peek_header(data)
+    extra = 0
+    for spec in header["ts"]:
+        shape, nb = spec.get("sh", []), spec.get("nb", 0)
+        if isinstance(shape, list) and isinstance(nb, int) and spec.get("e") != "u8":
+            extra += 4 * _numel(tuple(int(d) for d in shape)) - nb
+    return len(data) + extra
 
 
 def envelopes_equal(a: Envelope, b: Envelope) -> bool:

@@ -13,6 +13,8 @@ from fedtier.errors import UnexpectedMessageError
 
 ALGORITHMS: dict[str, str] = {
     "fedavg": "fedtier.algorithms.fedavg",
+    "hier_qsgd": "fedtier.algorithms.hier_qsgd",
+    "qhetfed": "fedtier.algorithms.qhetfed",
 }
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from fedtier.errors import LocalProtocolError
 from fedtier.messages import Message
+from fedtier.wire import TensorEncoding
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -47,6 +48,7 @@ class RoleState(enum.Enum):
 
     IDLE = "idle"  # waiting for a task (device/edge) or for start() (cloud)
     TRAINING = "training"  # device: local work requested, result not yet back
+    WAITING = "waiting"  # device: uploaded this step's result, waiting for the cell's aggregate
     COLLECTING = "collecting"  # edge/cloud: round open, gathering children's updates
     FORWARDED = "forwarded"  # edge: cell update sent upward; waiting for the next task
     FINISHED = "finished"  # cloud: all rounds done
@@ -58,9 +60,15 @@ class RoleState(enum.Enum):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SendToParent:
-    """Publish ``message`` on this node's uplink."""
+    """Publish ``message`` on this node's uplink.
+
+    ``encodings`` maps tensor names to wire encodings (default f32). A role that quantized a
+    tensor (``fedtier.quant.qsgd``, with its own RNG stream) says ``qsgd`` here; the wire then
+    carries the quantized values losslessly.
+    """
 
     message: Message
+    encodings: Mapping[str, TensorEncoding] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -68,6 +76,7 @@ class Broadcast:
     """Publish ``message`` once on this node's downlink, for all children."""
 
     message: Message
+    encodings: Mapping[str, TensorEncoding] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -76,6 +85,7 @@ class SendToChild:
 
     child: str
     message: Message
+    encodings: Mapping[str, TensorEncoding] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -93,6 +103,29 @@ class LocalTrain:
     batch_size: int
     lr: float
     stream: tuple[Any, ...]
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ComputeGradient:
+    """Device: the gradient of the mean loss on one minibatch at ``params``, without applying it.
+
+    The batch is the first of ``minibatch_indices(n, batch_size, 1, stream(*stream))``. The shell
+    reports back with ``role.gradient_done(round, step, result)``.
+    """
+
+    round: int
+    step: int
+    params: Tensors
+    batch_size: int
+    stream: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GradientResult:
+    grad: Tensors
+    loss: float
+    num_samples: int
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -140,7 +173,8 @@ class Note:
     fields: Mapping[str, Any] = field(default_factory=dict)
 
 
-Action = SendToParent | Broadcast | SendToChild | LocalTrain | RoundClosed | Finished | Dropped | Note
+Action = (SendToParent | Broadcast | SendToChild | LocalTrain | ComputeGradient | RoundClosed | Finished | Dropped
+          | Note)
 
 
 # --- role protocols -----------------------------------------------------------------------
@@ -164,6 +198,10 @@ class Role(Protocol):
 class DeviceRole(Role, Protocol):
     def trained(self, round: int, result: LocalResult) -> list[Action]:
         """The shell finished the ``LocalTrain`` of ``round``."""
+        ...
+
+    def gradient_done(self, round: int, step: int, result: GradientResult) -> list[Action]:
+        """The shell finished a ``ComputeGradient`` (only algorithms that request them)."""
         ...
 
 

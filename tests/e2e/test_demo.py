@@ -45,6 +45,17 @@ def test_demo_over_the_embedded_broker_with_chunked_messages() -> None:
     assert all(r["devices_reported"] == 4 for r in result["rounds"])
 
 
+def test_demo_runs_qhetfed_and_reports_uplink_savings() -> None:
+    require(mosquitto_binary() is not None, "Mosquitto")
+    proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--algorithm", "qhetfed", "--devices", "4",
+                           "--cells", "2", "--rounds", "4"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fedtier demo: qhetfed" in proc.stdout
+    assert "uplink device -> edge:" in proc.stdout and "in float32: saved" in proc.stdout
+    saved = int(proc.stdout.split("uplink device -> edge:")[1].split("(")[1].split("%")[0])
+    assert saved >= 80  # 4-bit codes instead of 32-bit floats
+
+
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
     require(mosquitto_binary() is not None, "Mosquitto")
     workdir = tmp_path / "demo"

@@ -23,12 +23,20 @@ def _rollout(small_rollout, tmp_path: Path, **overrides: object):
     return cfg, plain
 
 
-def test_rounds_over_mosquitto_match_the_simulator(mosquitto, small_rollout, tmp_path: Path) -> None:
+ALGORITHMS = {
+    "fedavg": {"fedavg": {"local_steps": 20, "lr": 0.2}},
+    "hier_qsgd": {"hier_qsgd": {"edge_rounds": 2, "local_steps": 10, "lr": 0.2, "bits_device": 4, "bits_edge": 6}},
+    "qhetfed": {"qhetfed": {"tau": 3, "gamma": 8, "lr": 0.2, "bits_device": 4, "bits_edge": 6}},
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_rounds_over_mosquitto_match_the_simulator(mosquitto, small_rollout, tmp_path: Path, algorithm: str) -> None:
     from cloud_coordinator.config import RolloutConfig
     from cloud_coordinator.fleet import write_fleet
 
     # Prepare: a 2x2 fleet on disk (configs + device data), nodes as threads over Mosquitto.
-    _, plain = _rollout(small_rollout, tmp_path, rounds=3, fedavg={"local_steps": 20, "lr": 0.2})
+    _, plain = _rollout(small_rollout, tmp_path, rounds=3, algorithm=algorithm, **ALGORITHMS[algorithm])
     paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
     fleet = ThreadFleet(paths)
     # Execute
@@ -43,6 +51,9 @@ def test_rounds_over_mosquitto_match_the_simulator(mosquitto, small_rollout, tmp
     assert all(r["devices_reported"] == 4 and r["missing"] == [] for r in history)
     assert history[-1]["accuracy"] > 0.6 and history[-1]["accuracy"] > history[0]["accuracy"]
     assert all(r["bytes"]["device_up"] > 0 and r["bytes"]["edge_up"] > 0 for r in history)
+    if algorithm != "fedavg":  # quantized uplinks: 4 bits per coordinate instead of 32, plus headers
+        assert all(r["bytes"]["device_up"] < 0.3 * r["bytes"]["device_up_f32"] for r in history)
+        assert all(r["q1"] > 0 and r["q2"] > 0 for r in history)
 
     # The final model, as committed by the coordinator, equals the in-memory simulation's.
     cfg = load(RolloutConfig, paths.coordinator)

@@ -17,7 +17,9 @@ from fedtier.messages import (
     ArtifactBlob,
     ArtifactRequest,
     CellTask,
+    CellStep,
     CellUpdate,
+    DeviceGradient,
     DeviceTask,
     DeviceUpdate,
     Message,
@@ -48,6 +50,10 @@ def examples() -> list[Message]:
                    mean_loss=0.5, stats={"bytes_in": 1024, "dropped": 1}),
         ArtifactRequest(rollout="r1", round=0, sender="d1", digests=(BLOB_SHA, "0" * 64)),
         ArtifactBlob(rollout="r1", round=0, sender="edge-1", sha256=BLOB_SHA, name="model.onnx", data=BLOB),
+        DeviceGradient(rollout="r1", round=2, sender="d1", step=3, grad=PARAMS, model_sha="ab" * 32, loss=0.4,
+                       num_samples=12, q=1.5),
+        CellStep(rollout="r1", round=2, sender="edge-1", step=3, tensors_=PARAMS, kind="delta",
+                 model_sha="cd" * 32, reported=("d1", "d2")),
     ]
 
 
@@ -65,7 +71,7 @@ def reencode(msg: Message, **meta_changes: Any) -> bytes:
 
 def test_every_message_type_is_registered_under_its_kind() -> None:
     assert set(messages.MESSAGE_TYPES) == {"cell_task", "device_task", "device_update", "cell_update",
-                                           "artifact_request", "artifact"}
+                                           "artifact_request", "artifact", "device_gradient", "cell_step"}
     for kind, cls in messages.MESSAGE_TYPES.items():
         assert cls.KIND == kind
 
@@ -123,7 +129,7 @@ def test_messages_equal_notices_each_field() -> None:
 # --- idempotency keys -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("index", range(6), ids=ids(examples()))
+@pytest.mark.parametrize("index", range(len(examples())), ids=ids(examples()))
 def test_keys_are_deterministic(index: int) -> None:
     a, b = examples()[index], examples()[index]
 
@@ -181,11 +187,18 @@ def test_a_replayed_update_with_a_rewritten_round_is_rejected() -> None:
 
 
 def test_these_types_have_no_steps_so_a_step_1_key_is_rejected() -> None:
-    env = examples()[2].to_envelope()
-    stepped = dataclasses.replace(env, step=1, key=make_key("device_update", "r1", 2, 1, "d1"))
+    env = examples()[0].to_envelope()
+    stepped = dataclasses.replace(env, step=1, key=make_key("cell_task", "r1", 2, 1, "cloud"))
 
     with pytest.raises(MalformedHeaderError):
         decode_message(wire.encode(stepped))
+
+
+def test_stepped_types_carry_their_step_into_the_key() -> None:
+    for msg in (DeviceUpdate(rollout="r1", round=2, sender="d1", step=4, delta=PARAMS, num_samples=1),
+                examples()[6], examples()[7]):
+        out = decode_message(msg.encode())
+        assert out.step == msg.step and out.key == make_key(msg.KIND, "r1", 2, msg.step, msg.sender)
 
 
 # --- field validation -------------------------------------------------------------------------
@@ -197,6 +210,8 @@ REQUIRED = {
     "CellUpdate": ["weight", "reported", "mean_loss", "stats"],
     "ArtifactRequest": ["digests"],
     "ArtifactBlob": ["sha256", "name"],
+    "DeviceGradient": ["model_sha", "loss", "num_samples", "q"],
+    "CellStep": ["kind", "model_sha", "reported"],
 }
 
 

@@ -16,18 +16,23 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fedtier import messages
+from fedtier.algorithms.common import digest
 from fedtier.algorithms.base import (
     Broadcast,
+    ComputeGradient,
     Dropped,
     Finished,
+    GradientResult,
     LocalResult,
     LocalTrain,
+    Note,
     RoundClosed,
     SendToChild,
     SendToParent,
 )
 
 FakeTrain = Callable[[Mapping[str, np.ndarray], str, int], dict[str, np.ndarray]]
+"""(params, device, round) -> delta, for algorithms that ask for ``LocalTrain`` only."""
 
 
 def default_train(params: Mapping[str, np.ndarray], device: str, round: int) -> dict[str, np.ndarray]:
@@ -46,10 +51,13 @@ class Hierarchy:
     train: FakeTrain = default_train
     samples: Mapping[str, int] = field(default_factory=dict)
     now: float = 0.0
+    compute: Any = None
+    """A ``NumpyCompute``: when set, local work uses it (real gradients, the roles' streams)."""
+    replan: Any = None
 
     def __post_init__(self) -> None:
         self.cloud = self.algo.Cloud(rollout="r", cells=self.cells, initial_params=self.params, config=self.config,
-                                     rounds=self.rounds)
+                                     rounds=self.rounds, replan=self.replan)
         self.edges = {c: self.algo.Edge(cell=c, rollout="r") for c in self.cells}
         self.devices = {d: self.algo.Device(device_id=d, cell=c, rollout="r")
                         for c, ds in self.cells.items() for d in ds}
@@ -57,10 +65,17 @@ class Hierarchy:
         self.closed: list[RoundClosed] = []
         self.finished = False
         self.dropped: list[Dropped] = []
+        self.notes: list[Note] = []
         self.offline: set[str] = set()
+        self.wire_bytes: dict[str, int] = defaultdict(int)
+        self.on_step: Callable[[str, messages.CellStep], None] | None = None
+        self.device_digests: dict[tuple[str, int, int], str] = {}
 
-    def _wire(self, msg: messages.Message) -> messages.Message:
-        return messages.decode_message(msg.encode())
+    def _wire(self, msg: messages.Message, encodings: Mapping[str, Any] | None = None) -> messages.Message:
+        """Through the real codec, with the role's encodings (QSGD included)."""
+        data = msg.encode(encodings)
+        self.wire_bytes[msg.KIND] += len(data)
+        return messages.decode_message(data)
 
     def start(self) -> None:
         self._run_cloud(self.cloud.start(self.now))
@@ -68,7 +83,7 @@ class Hierarchy:
     def _run_cloud(self, actions: list[Any]) -> None:
         for a in actions:
             if isinstance(a, SendToChild):
-                self.deliver_to_edge(a.child, self._wire(a.message))
+                self.deliver_to_edge(a.child, self._wire(a.message, a.encodings))
             elif isinstance(a, RoundClosed):
                 self.closed.append(a)
             elif isinstance(a, Finished):
@@ -83,15 +98,20 @@ class Hierarchy:
     def _run_edge(self, cell: str, actions: list[Any]) -> None:
         for a in actions:
             if isinstance(a, Broadcast):
+                msg = self._wire(a.message, a.encodings)
+                if isinstance(msg, messages.CellStep) and self.on_step is not None:
+                    self.on_step(cell, msg)  # before any device reacts: the edge is at this step
                 for d in self.cells[cell]:
                     if d not in self.offline:
-                        self.deliver_to_device(d, self._wire(a.message))
+                        self.deliver_to_device(d, msg)
             elif isinstance(a, SendToChild):
-                self.deliver_to_device(a.child, self._wire(a.message))
+                self.deliver_to_device(a.child, self._wire(a.message, a.encodings))
             elif isinstance(a, SendToParent):
-                self.deliver_to_cloud(self._wire(a.message))
+                self.deliver_to_cloud(self._wire(a.message, a.encodings))
             elif isinstance(a, Dropped):
                 self.dropped.append(a)
+            elif isinstance(a, Note):
+                self.notes.append(a)
 
     def deliver_to_cloud(self, msg: messages.Message) -> None:
         self.received["cloud"].append(msg)
@@ -99,18 +119,29 @@ class Hierarchy:
 
     def deliver_to_device(self, device: str, msg: messages.Message) -> None:
         self.received[device].append(msg)
-        self._run_device(device, self.devices[device].receive(msg, self.now))
+        actions = self.devices[device].receive(msg, self.now)
+        if isinstance(msg, messages.CellStep):
+            # The set model this device holds right after applying the step (before it trains on).
+            self.device_digests[(device, msg.round, msg.step)] = digest(self.devices[device]._params)
+        self._run_device(device, actions)
 
     def _run_device(self, device: str, actions: list[Any]) -> None:
         cell = next(c for c, ds in self.cells.items() if device in ds)
         for a in actions:
             if isinstance(a, LocalTrain):
-                delta = self.train(a.params, device, a.round)
-                result = LocalResult(delta=delta, num_samples=self.samples.get(device, 10), mean_loss=1.0,
+                if self.compute is not None:
+                    delta, mean_loss = self.compute.local_sgd(a.params, device, a.steps, a.batch_size, a.lr, a.stream)
+                else:
+                    delta, mean_loss = self.train(a.params, device, a.round), 1.0
+                result = LocalResult(delta=delta, num_samples=self.samples.get(device, 10), mean_loss=mean_loss,
                                      steps=a.steps)
                 self._run_device(device, self.devices[device].trained(a.round, result))
+            elif isinstance(a, ComputeGradient):
+                grad, loss = self.compute.grad(a.params, device, a.batch_size, a.stream)
+                result_g = GradientResult(grad=grad, loss=loss, num_samples=self.samples.get(device, 10))
+                self._run_device(device, self.devices[device].gradient_done(a.round, a.step, result_g))
             elif isinstance(a, SendToParent):
-                self.deliver_to_edge(cell, self._wire(a.message))
+                self.deliver_to_edge(cell, self._wire(a.message, a.encodings))
             elif isinstance(a, Dropped):
                 self.dropped.append(a)
 

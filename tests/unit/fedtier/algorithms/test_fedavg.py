@@ -81,7 +81,7 @@ def test_device_requests_local_training_with_its_own_batch_stream() -> None:
     [action] = device.receive(task, 0.0)
     assert isinstance(action, LocalTrain)
     assert (action.steps, action.batch_size, action.lr) == (7, 3, 0.2)
-    assert action.stream == (11, "batches", "dev-1", 4)
+    assert action.stream == (11, "batches", "r", "dev-1", 4, 0)  # (seed, purpose, rollout, device, round, step)
 
 
 def test_device_ignores_a_round_it_is_not_selected_for() -> None:

@@ -1,0 +1,178 @@
+"""The cloud role shared by the hierarchical algorithms (FedAvg, Hier-Local-QSGD, QHetFed).
+
+Every one of them ends a global round the same way (QHetFed eq. (10); Hier-Local-QSGD
+Algorithm 2 with its 1/N typo corrected): each cell sends the change of its set model since
+the global model, ``delta_c`` (possibly quantized by ``Q2``), with a weight ``W_c`` (its
+device count, or its sample count), and the cloud sets
+
+    w_{t+1} = w_t + sum_c W_c delta_c / sum_c W_c
+
+summing in cell-id order so the result does not depend on arrival order. What differs
+between the algorithms happens below the cloud, in the tasks' ``config``.
+
+Transition table: IDLE --start--> COLLECTING --CellUpdate (last cell) | tick (deadline &
+quorum of cells)--> COLLECTING (next round) | FINISHED.
+
+``replan`` (optional, pure): given the running estimate of the devices' quantizer variance
+``q1`` (from the cells' reports), return the config of the next round — QHetFed's planner
+chooses (tau, gamma) this way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from fedtier import aggregate
+from fedtier.algorithms.base import (
+    Action,
+    Dropped,
+    Finished,
+    Note,
+    RoleState,
+    RoundClosed,
+    SendToChild,
+    StateGuard,
+    Tensors,
+)
+from fedtier.algorithms.common import check_like, quorum_count
+from fedtier.errors import (
+    LateMessageError,
+    LocalProtocolError,
+    UnexpectedMessageError,
+    UnknownSenderError,
+    WrongRoundError,
+)
+from fedtier.messages import CellTask, CellUpdate, Message
+
+
+class RoundConfig(Protocol):
+    """What the cloud needs from an algorithm's config."""
+
+    quorum: float
+    deadline_s: float
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class Cloud(StateGuard):
+    """Drives rounds: tasks to cells, weighted average of their changes, next round."""
+
+    def __init__(self, *, rollout: str, cells: Mapping[str, Sequence[str]], initial_params: Tensors,
+                 config: RoundConfig, rounds: int, cloud_id: str = "cloud", start_round: int = 0,
+                 model_version: int = 0, replan: Callable[[float | None], RoundConfig] | None = None) -> None:
+        """
+        Args:
+            rollout: rollout id.
+            cells: cell id -> member device ids (every round uses all members).
+            initial_params: global parameters at ``start_round``.
+            config: the algorithm's settings, sent to every cell in its task.
+            rounds: total rounds; the rollout finishes after round ``rounds - 1``.
+            cloud_id: sender id of the cloud's messages.
+            start_round: first round to run (> 0 when resuming from saved state).
+            model_version: version number of ``initial_params``; incremented every round.
+            replan: optional pure function of the q1 estimate giving the next round's config.
+        """
+        if not cells or any(not members for members in cells.values()):
+            raise LocalProtocolError("every cell needs at least one member device")
+        if rounds <= 0 or not (0 <= start_round <= rounds):
+            raise LocalProtocolError(f"invalid rounds={rounds} start_round={start_round}")
+        self.rollout = rollout
+        self.cells = {c: tuple(sorted(m)) for c, m in cells.items()}
+        self.config = config
+        self.rounds = rounds
+        self.cloud_id = cloud_id
+        self.params = aggregate.copy_tensors(initial_params)
+        self.model_version = model_version
+        self.round = start_round
+        self.replan = replan
+        self.q1_estimate: float | None = None
+        self._state = RoleState.IDLE
+        self._updates: dict[str, CellUpdate] = {}
+        self._deadline = math.inf
+
+    def _cell_task(self, cell: str) -> CellTask:
+        return CellTask(rollout=self.rollout, round=self.round, sender=self.cloud_id, params=self.params,
+                        members=self.cells[cell], config=self.config.to_dict(), model_version=self.model_version)
+
+    def _open(self, now: float) -> list[Action]:
+        notes: list[Action] = []
+        if self.replan is not None:
+            new = self.replan(self.q1_estimate)
+            if new.to_dict() != self.config.to_dict():
+                notes.append(Note("replanned", {"round": self.round, "q1": self.q1_estimate, **new.to_dict()}))
+            self.config = new
+        self._updates = {}
+        self._deadline = now + self.config.deadline_s
+        self._state = RoleState.COLLECTING
+        return [*notes, *(SendToChild(cell, self._cell_task(cell)) for cell in sorted(self.cells))]
+
+    def start(self, now: float) -> list[Action]:
+        self._guard()
+        if self._state is not RoleState.IDLE:
+            raise self._misuse("start() called twice")
+        if self.round >= self.rounds:
+            self._state = RoleState.FINISHED
+            return [Finished(self.rounds)]
+        return self._open(now)
+
+    def receive(self, message: Message, now: float) -> list[Action]:
+        self._guard()
+        if not isinstance(message, CellUpdate):
+            raise UnexpectedMessageError(f"cloud does not accept {message.KIND}")
+        if message.sender not in self.cells:
+            raise UnknownSenderError(f"cell update from unknown cell {message.sender!r}")
+        if message.round < self.round or self._state is RoleState.FINISHED:
+            raise LateMessageError(f"update for round {message.round}; cloud is at round {self.round}")
+        if message.round > self.round or self._state is not RoleState.COLLECTING:
+            raise WrongRoundError(f"update for round {message.round}; cloud is at round {self.round}")
+        if message.sender in self._updates:
+            return [Dropped("duplicate", message.key)]
+        unknown = set(message.reported) - set(self.cells[message.sender])
+        if unknown:
+            raise UnknownSenderError(f"cell {message.sender!r} reports non-members {sorted(unknown)}")
+        check_like(self.params, message.delta, f"update from {message.sender}")
+        self._updates[message.sender] = message
+        if len(self._updates) == len(self.cells):
+            return self._close(now)
+        return []
+
+    def tick(self, now: float) -> list[Action]:
+        self._guard()
+        if self._state is not RoleState.COLLECTING or now < self._deadline:
+            return []
+        if len(self._updates) >= quorum_count(self.config.quorum, len(self.cells)):
+            return self._close(now)
+        return []
+
+    def resend(self, child: str, now: float) -> list[Action]:
+        self._guard()
+        if self._state is RoleState.COLLECTING and child in self.cells and child not in self._updates:
+            return [SendToChild(child, self._cell_task(child))]
+        return []
+
+    def _close(self, now: float) -> list[Action]:
+        cells = sorted(self._updates)
+        updates = [self._updates[c] for c in cells]
+        delta = aggregate.weighted_mean([(u.delta, u.weight) for u in updates])
+        self.params = aggregate.add(self.params, delta)
+        self.model_version += 1
+        reported = {c: self._updates[c].reported for c in cells}
+        all_members = {d for m in self.cells.values() for d in m}
+        missing = tuple(sorted(all_members - {d for r in reported.values() for d in r}))
+        total_weight = sum(u.weight for u in updates)
+        mean_loss = sum(u.mean_loss * u.weight for u in updates) / total_weight
+        q1 = [float(u.stats["device_q"]) for u in updates if isinstance(u.stats.get("device_q"), (int, float))]
+        if q1:
+            self.q1_estimate = sum(q1) / len(q1)
+        q2 = sum(u.q for u in updates) / len(updates)
+        closed = RoundClosed(round=self.round, params=self.params, reported=reported, missing=missing,
+                             metrics={"train_loss": mean_loss, "model_version": self.model_version,
+                                      "q1": self.q1_estimate, "q2": q2,
+                                      "config": self.config.to_dict(),
+                                      "cells": {c: dict(self._updates[c].stats) for c in cells}})
+        self.round += 1
+        if self.round >= self.rounds:
+            self._state = RoleState.FINISHED
+            return [closed, Finished(self.rounds)]
+        return [closed, *self._open(now)]

@@ -1,0 +1,432 @@
+"""Hier-Local-QSGD: hierarchical local SGD with quantized model deltas (Liu et al., ICC 2020).
+
+The baseline of QHetFed (seed 003, Sec. III, Algorithm 2, digest §2.3); with identity
+quantizers and one edge round it is plain hierarchical FedAvg (``fedavg`` uses these roles).
+
+Theory of operation
+-------------------
+Global round ``t`` from global parameters ``w_t``; set ``l`` starts from ``w_t``:
+
+    for i = 0 .. tau-1                                   (edge rounds, ``edge_rounds``)
+        device n: gamma local SGD steps from the set model   (``local_steps``)
+                  upload Q1(w_n - w_set)                    DeviceUpdate(step=i), q1 stream
+        edge:     avg = sum_n a_n Q1(...) / sum_n a_n        a_n = 1, or samples
+                  w_set <- w_set + avg;  acc <- acc + avg
+                  i < tau-1: broadcast CellStep(step=i, "delta", avg, sha(w_set))
+    edge -> cloud: Q2(acc)  (acc = w_set - w_t, summed exactly as applied)   CellUpdate
+    cloud: w_{t+1} = w_t + sum_l W_l Q2(.)_l / sum_l W_l      (fedtier.algorithms.cloud)
+
+Devices apply each broadcast ``avg`` with the same float32 operation as the edge, so every
+device of a set holds the bit-identical set model; ``sha`` lets each check it.
+Minibatches of device ``n`` in edge round ``i`` come from stream
+``(seed, "batches", rollout, n, t, i)``; its quantizer from ``(seed, "q1", rollout, n, t, i, tensor)``,
+the edge's from ``(seed, "q2", rollout, cell, t, tensor)``: no two senders share a stream.
+
+Transition tables (anything else raises):
+
+    device: IDLE --DeviceTask--> TRAINING --trained (i < tau-1)--> WAITING --CellStep--> TRAINING
+                                          --trained (i = tau-1)--> IDLE
+    edge:   IDLE|FORWARDED --CellTask--> COLLECTING --last update of step i < tau-1--> COLLECTING (i+1)
+                                         --last update of step tau-1 | tick (deadline, quorum)--> FORWARDED
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from fedtier import aggregate, quant
+from fedtier.algorithms.base import (
+    Action,
+    Broadcast,
+    Dropped,
+    LocalResult,
+    LocalTrain,
+    Note,
+    RoleState,
+    SendToChild,
+    SendToParent,
+    StateGuard,
+)
+from fedtier.algorithms.cloud import Cloud
+from fedtier.algorithms.common import check_like, device_weights, digest, quantize, quorum_count
+from fedtier.errors import (
+    LateMessageError,
+    LocalProtocolError,
+    UnexpectedMessageError,
+    UnknownSenderError,
+    WrongRoundError,
+)
+from fedtier.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, Message
+
+NAME = "hier_qsgd"
+WEIGHTINGS = ("uniform", "samples")
+
+__all__ = ["HierConfig", "Device", "Edge", "Cloud", "NAME", "check_bits"]
+
+
+def check_bits(value: Any, name: str) -> None:
+    """0 (float32, no quantization) or a QSGD width ``quant.MIN_BITS..quant.MAX_BITS``."""
+    if not (isinstance(value, int) and not isinstance(value, bool)
+            and (value == 0 or quant.MIN_BITS <= value <= quant.MAX_BITS)):
+        raise LocalProtocolError(f"{name} must be 0 (float32) or {quant.MIN_BITS}..{quant.MAX_BITS}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class HierConfig:
+    """Per-rollout settings, sent to every edge and device inside the tasks.
+
+    Attributes:
+        local_steps: gamma, SGD steps per device per edge round (> 0).
+        edge_rounds: tau, edge aggregations per global round (> 0).
+        batch_size: minibatch size (> 0).
+        lr: SGD learning rate (>= 0).
+        weighting: "uniform" (every device counts 1, paper-faithful) or "samples".
+        quorum: share of members (and of cells) enough once the deadline passed, in (0, 1].
+        deadline_s: seconds before a step may close with a quorum.
+        seed: rollout seed; names every RNG stream.
+        bits_device: Q1 bit width of device uploads (0 = float32).
+        bits_edge: Q2 bit width of the edge's upload to the cloud (0 = float32).
+    """
+
+    ALGORITHM: ClassVar[str] = NAME
+
+    local_steps: int = 10
+    edge_rounds: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    weighting: str = "uniform"
+    quorum: float = 1.0
+    deadline_s: float = 60.0
+    seed: int = 0
+    bits_device: int = 0
+    bits_edge: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("local_steps", "edge_rounds", "batch_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise LocalProtocolError(f"{name} must be a positive int, got {value!r}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise LocalProtocolError(f"lr must be finite and >= 0, got {self.lr!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise LocalProtocolError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if not (0 < self.quorum <= 1):
+            raise LocalProtocolError(f"quorum must be in (0, 1], got {self.quorum!r}")
+        if not (self.deadline_s > 0):
+            raise LocalProtocolError(f"deadline_s must be > 0, got {self.deadline_s!r}")
+        check_bits(self.bits_device, "bits_device")
+        check_bits(self.bits_edge, "bits_edge")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.ALGORITHM, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> "HierConfig":
+        """Parse the ``config`` map of a task. Raises ``UnexpectedMessageError`` if invalid."""
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in config.items() if k in known})
+        except (LocalProtocolError, TypeError) as exc:
+            raise UnexpectedMessageError(f"invalid {cls.ALGORITHM} config in task: {exc}") from None
+
+
+class _DeviceBase(StateGuard):
+    """Round bookkeeping shared by the device roles: which task to accept, catch-up, desync."""
+
+    CONFIG: ClassVar[type[Any]] = HierConfig
+
+    def __init__(self, *, device_id: str, cell: str, rollout: str, last_round: int = -1) -> None:
+        """
+        Args:
+            device_id: this device's node id.
+            cell: the cell (edge node id) whose messages are accepted.
+            rollout: the rollout this role serves.
+            last_round: the last round this device finished (after a restart), so a
+                redelivered task of that round is a duplicate, not new work.
+        """
+        self.device_id = device_id
+        self.cell = cell
+        self.rollout = rollout
+        self.last_round = last_round
+        self._round = last_round
+        self._step = 0
+        self._state = RoleState.IDLE
+        self._config: Any = None
+        self._params: dict[str, np.ndarray] = {}
+
+    def _accept_task(self, task: DeviceTask) -> list[Action] | None:
+        """Validate a task; ``None`` means start it, a list is the answer (a drop)."""
+        if task.sender != self.cell:
+            raise UnknownSenderError(f"task from {task.sender!r}, expected cell {self.cell!r}")
+        if task.round < self._round:
+            raise WrongRoundError(f"task for round {task.round}, device is at round {self._round}")
+        if task.round == self._round and (self._state is not RoleState.IDLE or self.last_round >= task.round):
+            return [Dropped("duplicate", task.key)]
+        # (same round while idle and unfinished: a catch-up task after this device dropped out)
+        if self.device_id not in task.members:
+            return [Dropped("not_selected", task.key, f"{self.device_id} not in round {task.round}")]
+        config = self.CONFIG.from_dict(task.config)
+        if task.step < 0 or task.step > self._max_start_step(config):
+            raise UnexpectedMessageError(f"task starts at step {task.step}, beyond the round's steps")
+        self._config = config
+        self._round, self._step = task.round, task.step
+        self._params = aggregate.copy_tensors(task.params)
+        return None
+
+    def _max_start_step(self, config: Any) -> int:
+        raise NotImplementedError
+
+    def _check_step(self, msg: CellStep, kind: str) -> None:
+        if msg.sender != self.cell:
+            raise UnknownSenderError(f"cell step from {msg.sender!r}, expected {self.cell!r}")
+        if msg.round < self._round or (msg.round == self._round and msg.step < self._step):
+            raise LateMessageError(f"step {msg.step} of round {msg.round}; device is at {self._step} of {self._round}")
+        if msg.round != self._round or msg.step != self._step or self._state is not RoleState.WAITING:
+            raise WrongRoundError(f"step {msg.step} of round {msg.round}; device is at {self._step} of "
+                                  f"round {self._round} ({self._state.value})")
+        if msg.kind != kind:
+            raise UnexpectedMessageError(f"cell step of kind {msg.kind!r}, expected {kind!r}")
+        check_like(self._params, msg.tensors_, "cell step")
+
+    def _desync(self, msg: CellStep) -> list[Action]:
+        """Our set model differs from the edge's: leave the round; a catch-up task brings us back."""
+        self._state = RoleState.IDLE
+        return [Dropped("desync", msg.key, f"set model after step {msg.step} differs from the edge's")]
+
+    def _finish_round(self) -> None:
+        self._state = RoleState.IDLE
+        self.last_round = self._round
+
+    def tick(self, now: float) -> list[Action]:
+        self._guard()
+        return []
+
+
+class Device(_DeviceBase):
+    """Runs gamma local steps per edge round; uploads Q1(local change); applies the cell's average."""
+
+    def _max_start_step(self, config: Any) -> int:
+        return int(config.edge_rounds) - 1
+
+    def receive(self, message: Message, now: float) -> list[Action]:
+        self._guard()
+        if isinstance(message, DeviceTask):
+            answer = self._accept_task(message)
+            if answer is not None:
+                return answer
+            self._state = RoleState.TRAINING
+            return [self._local_train()]
+        if isinstance(message, CellStep):
+            self._check_step(message, "delta")
+            self._params = aggregate.add(self._params, message.tensors_)
+            if digest(self._params) != message.model_sha:
+                return self._desync(message)
+            self._step += 1
+            self._state = RoleState.TRAINING
+            return [self._local_train()]
+        raise UnexpectedMessageError(f"device does not accept {message.KIND}")
+
+    def _local_train(self) -> LocalTrain:
+        c = self._config
+        return LocalTrain(round=self._round, step=self._step, params=self._params, steps=c.local_steps,
+                          batch_size=c.batch_size, lr=c.lr,
+                          stream=(c.seed, "batches", self.rollout, self.device_id, self._round, self._step))
+
+    def trained(self, round: int, result: LocalResult) -> list[Action]:
+        self._guard()
+        if self._state is not RoleState.TRAINING:
+            raise self._misuse("trained() called while no local training was requested")
+        if round != self._round:
+            return [Dropped("superseded", f"local/{round}", f"now at round {self._round}")]
+        check_like(self._params, result.delta, "local result")
+        c = self._config
+        values, encodings, q = quantize(result.delta, c.bits_device, c.seed, "q1", self.rollout, self.device_id,
+                                        self._round, self._step)
+        update = DeviceUpdate(rollout=self.rollout, round=self._round, sender=self.device_id, step=self._step,
+                              delta=values, num_samples=result.num_samples, train_loss=result.mean_loss,
+                              steps=result.steps, q=q)
+        if self._step + 1 < c.edge_rounds:
+            self._state = RoleState.WAITING
+        else:
+            self._finish_round()
+        return [SendToParent(update, encodings)]
+
+
+class _EdgeBase(StateGuard):
+    """Round, step and membership bookkeeping shared by the edge roles."""
+
+    CONFIG: ClassVar[type[Any]] = HierConfig
+
+    def __init__(self, *, cell: str, rollout: str, parent: str = "cloud") -> None:
+        self.cell = cell
+        self.rollout = rollout
+        self.parent = parent
+        self._state = RoleState.IDLE
+        self._task: CellTask | None = None
+        self._config: Any = None
+        self._params: dict[str, np.ndarray] = {}
+        self._step = 0
+        self._deadline = math.inf
+        self._updates: dict[str, Any] = {}
+        self._seen: set[str] = set()
+
+    @property
+    def round(self) -> int:
+        return self._task.round if self._task is not None else -1
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._task.members if self._task is not None else ()
+
+    @property
+    def reported(self) -> tuple[str, ...]:
+        """Devices that reported in the current step."""
+        return tuple(sorted(self._updates))
+
+    def _device_task(self) -> DeviceTask:
+        assert self._task is not None
+        return DeviceTask(rollout=self.rollout, round=self._task.round, sender=self.cell, step=self._step,
+                          params=self._params, config=self._task.config, members=self._task.members)
+
+    def _on_task(self, task: CellTask, now: float) -> list[Action]:
+        if task.sender != self.parent:
+            raise UnknownSenderError(f"cell task from {task.sender!r}, expected {self.parent!r}")
+        if task.round == self.round:
+            return [Dropped("duplicate", task.key)]
+        if task.round < self.round:
+            raise WrongRoundError(f"task for round {task.round}, cell is at round {self.round}")
+        config = self.CONFIG.from_dict(task.config)
+        notes: list[Action] = []
+        if self._state is RoleState.COLLECTING:
+            notes.append(Note("round_abandoned", {"round": self.round, "step": self._step}))
+        self._task, self._config = task, config
+        self._params = aggregate.copy_tensors(task.params)
+        self._step = 0
+        self._seen = set()
+        self._begin_step(now)
+        self._start(config)
+        return [*notes, Broadcast(self._device_task())]
+
+    def _start(self, config: Any) -> None:
+        """Algorithm-specific state at the start of a round."""
+
+    def _begin_step(self, now: float) -> None:
+        self._updates = {}
+        self._deadline = now + self._config.deadline_s
+        self._state = RoleState.COLLECTING
+
+    def _admit(self, msg: Message, expected_step: int) -> list[Action] | None:
+        """Common checks for a device upload; ``None`` means accept it, a list is the drop."""
+        if self._task is None:
+            raise WrongRoundError(f"{msg.KIND} for round {msg.round} but no round is open")
+        if msg.key in self._seen:
+            return [Dropped("duplicate", msg.key)]
+        if msg.round < self._task.round:
+            raise LateMessageError(f"{msg.KIND} for round {msg.round}; cell is at round {self._task.round}")
+        if msg.round > self._task.round:
+            raise WrongRoundError(f"{msg.KIND} for future round {msg.round}; cell is at {self._task.round}")
+        if msg.sender not in self._task.members:
+            raise UnknownSenderError(f"{msg.sender!r} is not a member of round {msg.round}")
+        if self._state is not RoleState.COLLECTING or msg.step < expected_step:
+            raise LateMessageError(f"{msg.KIND} for step {msg.step}; cell is at step {self._step} "
+                                   f"({self._state.value})")
+        if msg.step > expected_step:
+            raise WrongRoundError(f"{msg.KIND} for step {msg.step}; cell is at step {expected_step}")
+        return None
+
+    def _accept(self, msg: Any, tensors: Mapping[str, np.ndarray]) -> bool:
+        """Store an admitted upload; True when every member of the step has reported."""
+        assert self._task is not None
+        check_like(self._params, tensors, f"{msg.KIND} from {msg.sender}")
+        self._updates[msg.sender] = msg
+        self._seen.add(msg.key)
+        return len(self._updates) == len(self._task.members)
+
+    def _average(self, tensor_field: str) -> tuple[dict[str, np.ndarray], list[str], list[float]]:
+        ids = sorted(self._updates)
+        weights = device_weights(self._config.weighting, {d: self._updates[d].num_samples for d in ids}, ids)
+        mean = aggregate.weighted_mean([(getattr(self._updates[d], tensor_field), w)
+                                        for d, w in zip(ids, weights, strict=True)])
+        return mean, ids, weights
+
+    def _forward(self, delta: Mapping[str, np.ndarray], ids: list[str], weights: list[float],
+                 mean_loss: float, device_q: float) -> list[Action]:
+        """Quantize the cell's change with Q2 and send it to the cloud; the round is done here."""
+        assert self._task is not None
+        c = self._config
+        values, encodings, q2 = quantize(delta, c.bits_edge, c.seed, "q2", self.rollout, self.cell,
+                                         self._task.round)
+        update = CellUpdate(rollout=self.rollout, round=self._task.round, sender=self.cell, delta=values,
+                            weight=float(sum(weights)), reported=tuple(ids), mean_loss=mean_loss, q=q2,
+                            stats={"device_q": device_q})
+        self._state = RoleState.FORWARDED
+        actions: list[Action] = [SendToParent(update, encodings)]
+        missing = sorted(set(self._task.members) - set(ids))
+        if missing:
+            actions.insert(0, Note("cell_closed_with_stragglers", {"round": self._task.round, "missing": missing}))
+        return actions
+
+    def _next_step(self, now: float) -> None:
+        self._step += 1
+        self._begin_step(now)
+
+    def tick(self, now: float) -> list[Action]:
+        self._guard()
+        if self._state is not RoleState.COLLECTING or self._task is None or now < self._deadline:
+            return []
+        if self._updates and len(self._updates) >= quorum_count(self._config.quorum, len(self._task.members)):
+            return self._close(now)
+        return []
+
+    def _close(self, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    def resend(self, child: str, now: float) -> list[Action]:
+        """A member came online owing the current step: give it the set model at this step."""
+        self._guard()
+        if (self._state is RoleState.COLLECTING and self._task is not None and child in self._task.members
+                and child not in self._updates):
+            return [SendToChild(child, self._device_task())]
+        return []
+
+
+class Edge(_EdgeBase):
+    """Averages its cell's local changes tau times per round, then sends the cell's change up."""
+
+    def _start(self, config: Any) -> None:
+        self._acc = {n: np.zeros_like(p) for n, p in self._params.items()}
+
+    def receive(self, message: Message, now: float) -> list[Action]:
+        self._guard()
+        if isinstance(message, CellTask):
+            return self._on_task(message, now)
+        if isinstance(message, DeviceUpdate):
+            dropped = self._admit(message, self._step)
+            if dropped is not None:
+                return dropped
+            return self._close(now) if self._accept(message, message.delta) else []
+        raise UnexpectedMessageError(f"edge does not accept {message.KIND}")
+
+    def _close(self, now: float) -> list[Action]:
+        assert self._task is not None
+        avg, ids, weights = self._average("delta")
+        # Devices apply ``avg`` with this same operation, so the set model stays bit-identical.
+        self._params = aggregate.add(self._params, avg)
+        self._acc = aggregate.add(self._acc, avg)
+        step = self._step
+        if step + 1 < self._config.edge_rounds:
+            msg = CellStep(rollout=self.rollout, round=self._task.round, sender=self.cell, step=step, tensors_=avg,
+                           kind="delta", model_sha=digest(self._params), reported=tuple(ids))
+            self._next_step(now)
+            return [Broadcast(msg)]
+        mean_loss = sum(self._updates[d].train_loss for d in ids) / len(ids)
+        device_q = sum(self._updates[d].q for d in ids) / len(ids)
+        return self._forward(self._acc, ids, weights, mean_loss, device_q)

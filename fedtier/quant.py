@@ -1,0 +1,161 @@
+"""QSGD quantization with ``b`` bits per coordinate (Alistarh et al., NeurIPS 2017; seed 003 §3).
+
+``qsgd(x, bits, rng)`` returns ``Q(x) = sign(x) · ‖x‖ · k/s`` with ``s = 2^(b−1) − 1`` levels and
+``k`` stochastically rounded so that ``E[Q(x)] = x`` (eqs. (13)–(14)), plus the exact relative
+variance ``q_exact = E‖Q(x)−x‖²/‖x‖² = Σ v_i(1−v_i)/s²`` of that vector, which senders put
+in their message so the coordinator can estimate q1 for the planner.
+
+Quantization happens where the algorithm says (inside the sans-I/O roles, with the sender's
+own RNG stream); the wire then carries the result losslessly: each coordinate's signed level
+``k ∈ {−s..s}`` as the code ``k + s`` in ``b`` bits, bit-packed, after a float32 norm — so a
+``d``-vector costs ``4 + ceil(d·b/8)`` bytes. Both ends compute values with ``dequantize``, so
+what the receiver decodes is bit-identical to what the sender computed.
+
+``b = 1`` has no level (``s = 0``); the smallest encoding is ternary ``b = 2`` (``s = 1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedtier.errors import LocalProtocolError
+
+MIN_BITS = 2
+MAX_BITS = 8
+
+
+def levels(bits: int) -> int:
+    """``s = 2^(bits−1) − 1``: 1 sign bit plus ``bits − 1`` bits of magnitude (digest §3.3)."""
+    if not isinstance(bits, int) or isinstance(bits, bool) or not MIN_BITS <= bits <= MAX_BITS:
+        raise LocalProtocolError(f"QSGD bits must be an integer in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
+    return 2 ** (bits - 1) - 1
+
+
+def dequantize(norm: np.float32, signed_levels: np.ndarray, s: int) -> np.ndarray:
+    """Values ``norm · k / s`` in float32, computed the same way by sender and receiver."""
+    return (np.float32(norm) * signed_levels.astype(np.float32)) / np.float32(s)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Quantized:
+    """``Q(x)`` as float32 values on the grid, with what it takes to encode and judge it."""
+
+    values: np.ndarray
+    norm: np.float32
+    bits: int
+    q_exact: float
+
+
+def qsgd(x: np.ndarray, bits: int, rng: np.random.Generator) -> Quantized:
+    """Quantize ``x`` with QSGD at ``bits`` bits per coordinate.
+
+    Args:
+        x: any float array (treated as one vector).
+        bits: 2..8.
+        rng: the sender's own stream (never shared between senders: the analysis needs the
+            quantization errors of different devices to be independent, digest §3.1).
+
+    Returns:
+        ``Quantized`` with ``values`` of ``x``'s shape; ``Q(0) = 0``.
+    """
+    s = levels(bits)
+    flat = np.asarray(x, dtype=np.float64).ravel()
+    norm = float(np.sqrt(np.dot(flat, flat)))
+    norm32 = np.float32(norm)
+    if norm32 == 0 or not np.isfinite(norm32):
+        if not np.isfinite(norm):
+            raise LocalProtocolError("cannot quantize a vector with NaN or infinite entries")
+        return Quantized(np.zeros(np.shape(x), np.float32), np.float32(0.0), bits, 0.0)
+    scaled = np.abs(flat) / norm * s
+    lower = np.floor(scaled)
+    frac = scaled - lower
+    k = np.minimum(lower + (rng.random(flat.shape) < frac), s)  # |x_i| <= ‖x‖: the cap only guards rounding
+    signed = (np.sign(flat) * k).astype(np.int16)
+    q = float(np.dot(frac, 1.0 - frac) / s**2)
+    return Quantized(dequantize(norm32, signed, s).reshape(np.shape(x)), norm32, bits, q)
+
+
+def q_exact(x: np.ndarray, bits: int) -> float:
+    """``E‖Q(x)−x‖²/‖x‖²`` for QSGD at ``bits`` bits (0 for the zero vector)."""
+    s = levels(bits)
+    flat = np.asarray(x, dtype=np.float64).ravel()
+    norm = float(np.linalg.norm(flat))
+    if norm == 0:
+        return 0.0
+    scaled = np.abs(flat) / norm * s
+    frac = scaled - np.floor(scaled)
+    return float(np.dot(frac, 1.0 - frac) / s**2)
+
+
+def variance_bound(d: int, bits: int) -> float:
+    """Lemma 3.1 of Alistarh et al.: ``q <= min(d/s², √d/s)``."""
+    s = levels(bits)
+    return min(d / s**2, np.sqrt(d) / s)
+
+
+def combined_q(parts: list[Quantized]) -> float:
+    """Relative variance of several independently quantized tensors taken as one vector:
+    ``Σ q_t ‖x_t‖² / Σ ‖x_t‖²`` (each tensor is quantized with its own norm)."""
+    weights = [float(p.norm) ** 2 for p in parts]
+    total = sum(weights)
+    if total == 0:
+        return 0.0
+    return sum(p.q_exact * w for p, w in zip(parts, weights, strict=True)) / total
+
+
+# --- codes and bit packing -------------------------------------------------------------------
+
+
+def encoded_size(numel: int, bits: int) -> int:
+    """Body bytes of a ``numel``-element tensor: float32 norm plus packed codes."""
+    return 4 + (numel * bits + 7) // 8
+
+
+def to_levels(values: np.ndarray, norm: np.float32, bits: int) -> np.ndarray:
+    """Recover the signed levels of ``values`` (which must lie exactly on the grid).
+
+    Raises:
+        LocalProtocolError: ``values`` are not ``dequantize(norm, k, s)`` for integer ``k``
+            (the caller forgot to quantize, or quantized with another norm or bit width).
+    """
+    s = levels(bits)
+    flat = np.asarray(values, dtype=np.float32).ravel()
+    if norm == 0:
+        if np.any(flat != 0):
+            raise LocalProtocolError("non-zero values with a zero QSGD norm")
+        return np.zeros(flat.shape, np.int16)
+    k = np.rint(flat.astype(np.float64) * s / float(norm)).astype(np.int64)
+    if np.any(np.abs(k) > s) or not np.array_equal(dequantize(norm, k, s), flat):
+        raise LocalProtocolError("tensor is not on the QSGD grid of its norm and bit width; quantize it first")
+    return k.astype(np.int16)
+
+
+def pack(signed_levels: np.ndarray, bits: int) -> bytes:
+    """Codes ``k + s`` in ``bits`` bits each, most significant bit first, zero-padded."""
+    s = levels(bits)
+    codes = (signed_levels.astype(np.int16) + s).astype(np.uint8)
+    shifts = np.arange(bits - 1, -1, -1, dtype=np.uint8)
+    bit_matrix = (codes[:, None] >> shifts) & 1
+    return np.packbits(bit_matrix.astype(np.uint8).ravel()).tobytes()
+
+
+def unpack(data: bytes, bits: int, numel: int) -> np.ndarray:
+    """Signed levels from packed codes.
+
+    Raises:
+        ValueError: wrong length, a code above ``2s`` (unused), or non-zero padding bits.
+    """
+    s = levels(bits)
+    expected = (numel * bits + 7) // 8
+    if len(data) != expected:
+        raise ValueError(f"{len(data)} code bytes for {numel} values at {bits} bits (need {expected})")
+    all_bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    if np.any(all_bits[numel * bits:]):
+        raise ValueError("non-zero padding bits after the last code")
+    bit_matrix = all_bits[: numel * bits].reshape(numel, bits).astype(np.int16)
+    codes = bit_matrix @ (1 << np.arange(bits - 1, -1, -1)).astype(np.int16)
+    if np.any(codes > 2 * s):
+        raise ValueError(f"code above {2 * s} (the largest level) at {bits} bits")
+    return (codes - s).astype(np.int16)
