@@ -69,7 +69,9 @@ class DataConfig(Section):
     samples: int = opt(2000, min=10, help="synthetic: number of samples.")
     features: int = opt(20, min=1, help="synthetic: number of features.")
     classes: int = opt(4, min=2, help="synthetic: number of classes.")
-    separation: float = opt(2.0, gt=0, help="synthetic: distance between class means (larger = easier).")
+    separation: float = opt(2.0, gt=0, help="synthetic: norm of every class mean (larger = easier).")
+    mean_std: float = opt(0.0, min=0, help="synthetic: if > 0, class means ~ N(0, mean_std^2 I) instead of "
+                                           "fixed-norm means (the QHetFed pilot uses 0.25).")
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,8 @@ class SimulationConfig(Section):
     threads: int = opt(1, min=1, help="onnxruntime intra-op threads of the shared session.")
     max_payload: int = opt(0, min=0, help="Chunk messages above this many bytes (0 = no limit), "
                                           "to exercise chunking as a broker limit would.")
+    train_objective: bool = opt(False, help="Also report the device-uniform training objective (1/N) sum_n F_n(w) "
+                                            "every round (the simulator holds every device's data).")
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         if self.max_payload and self.max_payload < 4096:

@@ -53,7 +53,10 @@ def load_dataset(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     if cfg.dataset == "synthetic":
         gen = stream(cfg.seed, "synthetic-data")
         means = gen.normal(size=(cfg.classes, cfg.features))
-        means *= cfg.separation / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+        if cfg.mean_std > 0:
+            means *= cfg.mean_std
+        else:
+            means *= cfg.separation / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
         y = gen.integers(0, cfg.classes, size=cfg.samples)
         x = means[y] + gen.normal(size=(cfg.samples, cfg.features))
         return x.astype(np.float32), y.astype(np.int64)

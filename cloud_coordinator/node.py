@@ -72,7 +72,8 @@ class CloudNode(NodeBase):
     def __init__(self, *, prepared: PreparedRollout, transport: Transport, store: CoordinatorStore,
                  evaluator: Evaluator | None, metrics: Metrics | None = None,
                  on_round: Callable[[dict[str, Any]], None] | None = None,
-                 wall_clock: Callable[[], float] = time.time, max_message_bytes: int = 256 << 20) -> None:
+                 wall_clock: Callable[[], float] = time.time, max_message_bytes: int = 256 << 20,
+                 extra_metrics: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         cfg = prepared.config
         super().__init__(cfg.cloud_id, metrics or Metrics(node=cfg.cloud_id, role="cloud"), log, max_message_bytes)
         self.prepared = prepared
@@ -82,6 +83,7 @@ class CloudNode(NodeBase):
         self.store = store
         self.evaluator = evaluator
         self.on_round = on_round
+        self.extra_metrics = extra_metrics
         self.wall_clock = wall_clock
         self.role: Any = None
         self.manifest: Manifest = prepared.manifest
@@ -232,6 +234,8 @@ class CloudNode(NodeBase):
             "elapsed_s": wall - self._started_at,
         }
         self._last_close = wall
+        if self.extra_metrics is not None:
+            row.update(self.extra_metrics(dict(closed.params)))
         self.store.commit_round(self.rollout, closed.round, int(closed.metrics.get("model_version", 0)),
                                 closed.params, row["accuracy"], row["loss"], row)
         self.history.append(row)

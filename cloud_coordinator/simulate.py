@@ -67,6 +67,21 @@ class SharedTrainers:
         return trainer
 
 
+class TrainObjective:
+    """``(1/N) sum_n F_n(w)``: every device's mean training loss at the global model, averaged
+    uniformly over devices (the objective QHetFed's aggregation rules minimise, digest §1)."""
+
+    def __init__(self, prepared: PreparedRollout, trainers: SharedTrainers) -> None:
+        self.trainer = trainers(prepared.bundle)
+        shape = prepared.arch.input_shape
+        self.data = [(x.reshape((len(x), *shape)), y) for x, y in prepared.data.train.values()]
+
+    def __call__(self, params: dict[str, Any]) -> dict[str, Any]:
+        self.trainer.set_parameters(params)
+        losses = [self.trainer.evaluate(x, y).loss for x, y in self.data]
+        return {"train_objective": float(sum(losses) / len(losses))}
+
+
 def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
              on_round: Callable[[dict[str, Any]], None] | None = None,
              prepared: PreparedRollout | None = None) -> SimulationResult:
@@ -113,8 +128,10 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         # With a workdir the coordinator's state persists there, and a second call resumes it.
         store = CoordinatorStore(root / "coordinator.db" if workdir is not None else ":memory:")
         cloud_tx = broker.connect("cloud")
+        extra = TrainObjective(prepared, trainers) if cfg.simulation.train_objective else None
         cloud = CloudNode(prepared=prepared, transport=cloud_tx, store=store,
-                          evaluator=OrtEvaluator(prepared, cfg.simulation.threads), on_round=on_round)
+                          evaluator=OrtEvaluator(prepared, cfg.simulation.threads), on_round=on_round,
+                          extra_metrics=extra)
         cloud_tx.set_handler(_bind(cloud, broker))
 
         try:

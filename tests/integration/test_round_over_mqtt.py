@@ -11,6 +11,7 @@ from fleet_threads import ThreadFleet
 from cloud_coordinator.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.config import load
+from fedtier.node import DROPPED, REJECTED
 
 pytestmark = pytest.mark.broker
 
@@ -45,6 +46,10 @@ def test_rounds_over_mosquitto_match_the_simulator(mosquitto, small_rollout, tmp
         cloud = fleet.wait_finished(timeout=90)
     finally:
         fleet.stop()
+    # Every device stayed on its cell's set model: nothing was rejected (no desync) or dropped.
+    for name, running in fleet.nodes.items():
+        assert running.node.metrics.total(REJECTED) == 0, (name, running.node.metrics.snapshot())
+        assert running.node.metrics.get(DROPPED, reason="desync") == 0, name
     # Assert: every round closed with all four devices, and accuracy is far above chance (0.1).
     history = cloud.history
     assert [r["round"] for r in history] == [0, 1, 2]

@@ -17,10 +17,23 @@ def test_configuration_reference_is_up_to_date() -> None:
 
 
 def test_every_experiment_config_loads() -> None:
+    """Plain rollout configs load; experiment specs ([rollout] + splits) load for every run they make."""
+    import sys
+    import tomllib
+
     configs = sorted((ROOT / "experiments").glob("*.toml"))
     assert configs
+    sys.path.insert(0, str(ROOT / "experiments"))
     for path in configs:
-        load(RolloutConfig, path)
+        spec = tomllib.loads(path.read_text())
+        if not isinstance(spec.get("rollout"), dict):  # a plain rollout config (its "rollout" is an id)
+            load(RolloutConfig, path)
+            continue
+        runner = __import__(path.stem)
+        for split in spec["splits"]:
+            for algorithm in runner.ALGORITHMS:
+                RolloutConfig.from_mapping(runner.rollout_mapping(spec, algorithm, split, spec["seeds"][0]),
+                                           source=str(path), base_dir=path.parent)
 
 
 def test_readme_starts_with_the_two_commands() -> None:

@@ -1,0 +1,30 @@
+"""Shared by the experiment runners: write one experiment's section of docs/experiments.md."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "experiments.md"
+IMG = ROOT / "docs" / "img"
+HEADER = ("# Experiments\n\nPaper reproductions, each run by its script in `experiments/` from its config there.\n"
+          "Every number below was written by that script; rerun it to regenerate its section.\n")
+
+
+def write_section(name: str, body: str) -> Path:
+    """Replace (or append) the section between ``<!-- experiment:name -->`` markers."""
+    start, end = f"<!-- experiment:{name} -->", f"<!-- /experiment:{name} -->"
+    text = DOC.read_text() if DOC.exists() else HEADER
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+    return DOC
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
