@@ -116,40 +116,51 @@ class TopologyConfig(Section):
 
 
 @dataclass(frozen=True)
-class FedAvgSection(Section):
-    """Hierarchical FedAvg settings (see fedtier.algorithms.fedavg)."""
+class RoundSection(Section):
+    """Settings every algorithm has (see ``fedtier.algorithms.common.RoundSettings``)."""
 
-    local_steps: int = opt(10, min=1, help="SGD steps per device per round.")
     batch_size: int = opt(32, min=1, help="Minibatch size.")
     lr: float = opt(0.05, min=0, help="SGD learning rate.")
     weighting: str = opt("uniform", choices=("uniform", "samples"),
-                         help="Edge weights per device: 1 each, or by sample count.")
+                         help="Edge weights per device: 1 each (the papers' rule), or by sample count.")
     quorum: float = opt(1.0, gt=0, max=1, help="Share of members (and cells) enough after the deadline.")
-    deadline_s: float = opt(60.0, gt=0, help="Seconds before a round may close with a quorum.")
+    deadline_s: float = opt(60.0, gt=0, help="Seconds before a round (or step) may close with a quorum.")
 
-    def algorithm_config(self, seed: int) -> FedAvgConfig:
-        return FedAvgConfig(local_steps=self.local_steps, batch_size=self.batch_size, lr=self.lr,
-                            weighting=self.weighting, quorum=self.quorum, deadline_s=self.deadline_s, seed=seed)
+    def common(self, seed: int) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "lr": self.lr, "weighting": self.weighting, "quorum": self.quorum,
+                "deadline_s": self.deadline_s, "seed": seed}
 
 
 @dataclass(frozen=True)
-class HierQsgdSection(Section):
+class QuantizedSection(RoundSection):
+    """Settings of the algorithms with quantized uploads."""
+
+    bits_device: int = opt(4, min=0, max=8, check=_bits, help="Q1: QSGD bits of device uploads (0 = float32).")
+    bits_edge: int = opt(8, min=0, max=8, check=_bits, help="Q2: QSGD bits of the edge's upload (0 = float32).")
+
+    def common(self, seed: int) -> dict[str, Any]:
+        return {**RoundSection.common(self, seed), "bits_device": self.bits_device, "bits_edge": self.bits_edge}
+
+
+@dataclass(frozen=True)
+class FedAvgSection(RoundSection):
+    """Hierarchical FedAvg settings (see fedtier.algorithms.fedavg)."""
+
+    local_steps: int = opt(10, min=1, help="SGD steps per device per round.")
+
+    def algorithm_config(self, seed: int) -> FedAvgConfig:
+        return FedAvgConfig(local_steps=self.local_steps, **self.common(seed))
+
+
+@dataclass(frozen=True)
+class HierQsgdSection(QuantizedSection):
     """Hier-Local-QSGD (the QHetFed paper's baseline): tau edge rounds of gamma local steps."""
 
     local_steps: int = opt(3, min=1, help="gamma: SGD steps per device per edge round.")
     edge_rounds: int = opt(12, min=1, help="tau: edge aggregations per global round.")
-    batch_size: int = opt(32, min=1, help="Minibatch size.")
-    lr: float = opt(0.05, min=0, help="SGD learning rate.")
-    weighting: str = opt("uniform", choices=("uniform", "samples"), help="Edge weights per device.")
-    quorum: float = opt(1.0, gt=0, max=1, help="Share of members (and cells) enough after the deadline.")
-    deadline_s: float = opt(60.0, gt=0, help="Seconds before a step may close with a quorum.")
-    bits_device: int = opt(4, min=0, max=8, check=_bits, help="Q1: QSGD bits of device uploads (0 = float32).")
-    bits_edge: int = opt(8, min=0, max=8, check=_bits, help="Q2: QSGD bits of the edge's upload (0 = float32).")
 
     def algorithm_config(self, seed: int) -> HierConfig:
-        return HierConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, batch_size=self.batch_size,
-                          lr=self.lr, weighting=self.weighting, quorum=self.quorum, deadline_s=self.deadline_s,
-                          seed=seed, bits_device=self.bits_device, bits_edge=self.bits_edge)
+        return HierConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, **self.common(seed))
 
 
 @dataclass(frozen=True)
@@ -170,25 +181,16 @@ class PlanSection(Section):
 
 
 @dataclass(frozen=True)
-class QHetFedSection(Section):
+class QHetFedSection(QuantizedSection):
     """QHetFed: tau gradient aggregations in each set, then gamma local steps (seed 003)."""
 
     tau: int = opt(12, min=0, help="Intra-set gradient-aggregation iterations per global round.")
     gamma: int = opt(3, min=1, help="Local SGD steps before the model aggregation.")
-    batch_size: int = opt(32, min=1, help="Minibatch size.")
-    lr: float = opt(0.05, min=0, help="The learning rate of both kinds of step (mu).")
-    weighting: str = opt("uniform", choices=("uniform", "samples"), help="Edge weights per device.")
-    quorum: float = opt(1.0, gt=0, max=1, help="Share of members (and cells) enough after the deadline.")
-    deadline_s: float = opt(60.0, gt=0, help="Seconds before a step may close with a quorum.")
-    bits_device: int = opt(4, min=0, max=8, check=_bits, help="Q1: QSGD bits of device uploads (0 = float32).")
-    bits_edge: int = opt(8, min=0, max=8, check=_bits, help="Q2: QSGD bits of the edge's upload (0 = float32).")
     plan: PlanSection | None = opt(None, help="If set, (tau, gamma) come from the deadline planner.")
 
     def algorithm_config(self, seed: int, tau: int | None = None, gamma: int | None = None) -> QHetFedConfig:
         return QHetFedConfig(tau=self.tau if tau is None else tau, gamma=self.gamma if gamma is None else gamma,
-                             batch_size=self.batch_size, lr=self.lr, weighting=self.weighting, quorum=self.quorum,
-                             deadline_s=self.deadline_s, seed=seed, bits_device=self.bits_device,
-                             bits_edge=self.bits_edge)
+                             **self.common(seed))
 
 
 @dataclass(frozen=True)

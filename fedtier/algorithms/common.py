@@ -9,16 +9,86 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Mapping, TypeVar
 
 import numpy as np
 
 from fedtier import quant
-from fedtier.errors import LayoutMismatchError
+from fedtier.errors import LayoutMismatchError, LocalProtocolError, UnexpectedMessageError
 from fedtier.rng import stream
 from fedtier.wire import TensorEncoding
 
 Tensors = Mapping[str, np.ndarray]
+WEIGHTINGS = ("uniform", "samples")
+S = TypeVar("S", bound="RoundSettings")
+
+
+def check_bits(value: Any, name: str) -> None:
+    """0 (float32, no quantization) or a QSGD width ``quant.MIN_BITS..quant.MAX_BITS``."""
+    if not (isinstance(value, int) and not isinstance(value, bool)
+            and (value == 0 or quant.MIN_BITS <= value <= quant.MAX_BITS)):
+        raise LocalProtocolError(f"{name} must be 0 (float32) or {quant.MIN_BITS}..{quant.MAX_BITS}, got {value!r}")
+
+
+def check_int(value: Any, name: str, low: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        raise LocalProtocolError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundSettings:
+    """Settings every hierarchical algorithm has; each algorithm's config adds its own.
+
+    They travel inside every task (``to_dict``), so the cloud is the single source of truth
+    and a device parses them with ``from_dict``.
+
+    Attributes:
+        batch_size: minibatch size (> 0).
+        lr: SGD learning rate (>= 0; 0 leaves the model unchanged, useful in tests).
+        weighting: "uniform" (every device counts 1, the papers' rule) or "samples".
+        quorum: share of members (and of cells) enough once the deadline passed, in (0, 1].
+        deadline_s: seconds before a step may close with a quorum.
+        seed: rollout seed; names every RNG stream.
+        bits_device: Q1, QSGD bit width of device uploads (0 = float32).
+        bits_edge: Q2, QSGD bit width of the edge's upload (0 = float32).
+    """
+
+    ALGORITHM: ClassVar[str] = ""
+
+    batch_size: int = 32
+    lr: float = 0.05
+    weighting: str = "uniform"
+    quorum: float = 1.0
+    deadline_s: float = 60.0
+    seed: int = 0
+    bits_device: int = 0
+    bits_edge: int = 0
+
+    def __post_init__(self) -> None:
+        check_int(self.batch_size, "batch_size", 1)
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise LocalProtocolError(f"lr must be finite and >= 0, got {self.lr!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise LocalProtocolError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if not (0 < self.quorum <= 1):
+            raise LocalProtocolError(f"quorum must be in (0, 1], got {self.quorum!r}")
+        if not (self.deadline_s > 0):
+            raise LocalProtocolError(f"deadline_s must be > 0, got {self.deadline_s!r}")
+        check_bits(self.bits_device, "bits_device")
+        check_bits(self.bits_edge, "bits_edge")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.ALGORITHM, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_dict(cls: type[S], config: Mapping[str, Any]) -> S:
+        """Parse the ``config`` map of a task. Raises ``UnexpectedMessageError`` if invalid."""
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in config.items() if k in known})
+        except (LocalProtocolError, TypeError) as exc:
+            raise UnexpectedMessageError(f"invalid {cls.ALGORITHM} config in task: {exc}") from None
 
 
 def quantize(tensors: Tensors, bits: int, seed: int, *labels: Any

@@ -33,12 +33,12 @@ Transition tables (anything else raises):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from fedtier import aggregate, quant
+from fedtier import aggregate
 from fedtier.algorithms.base import (
     Action,
     Broadcast,
@@ -52,10 +52,17 @@ from fedtier.algorithms.base import (
     StateGuard,
 )
 from fedtier.algorithms.cloud import Cloud
-from fedtier.algorithms.common import check_like, device_weights, digest, quantize, quorum_count
+from fedtier.algorithms.common import (
+    RoundSettings,
+    check_int,
+    check_like,
+    device_weights,
+    digest,
+    quantize,
+    quorum_count,
+)
 from fedtier.errors import (
     LateMessageError,
-    LocalProtocolError,
     UnexpectedMessageError,
     UnknownSenderError,
     WrongRoundError,
@@ -63,75 +70,28 @@ from fedtier.errors import (
 from fedtier.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, Message
 
 NAME = "hier_qsgd"
-WEIGHTINGS = ("uniform", "samples")
 
-__all__ = ["HierConfig", "Device", "Edge", "Cloud", "NAME", "check_bits"]
-
-
-def check_bits(value: Any, name: str) -> None:
-    """0 (float32, no quantization) or a QSGD width ``quant.MIN_BITS..quant.MAX_BITS``."""
-    if not (isinstance(value, int) and not isinstance(value, bool)
-            and (value == 0 or quant.MIN_BITS <= value <= quant.MAX_BITS)):
-        raise LocalProtocolError(f"{name} must be 0 (float32) or {quant.MIN_BITS}..{quant.MAX_BITS}, got {value!r}")
+__all__ = ["HierConfig", "Device", "Edge", "Cloud", "NAME"]
 
 
 @dataclass(frozen=True, slots=True)
-class HierConfig:
-    """Per-rollout settings, sent to every edge and device inside the tasks.
+class HierConfig(RoundSettings):
+    """Per-rollout settings (``RoundSettings`` plus):
 
     Attributes:
         local_steps: gamma, SGD steps per device per edge round (> 0).
         edge_rounds: tau, edge aggregations per global round (> 0).
-        batch_size: minibatch size (> 0).
-        lr: SGD learning rate (>= 0).
-        weighting: "uniform" (every device counts 1, paper-faithful) or "samples".
-        quorum: share of members (and of cells) enough once the deadline passed, in (0, 1].
-        deadline_s: seconds before a step may close with a quorum.
-        seed: rollout seed; names every RNG stream.
-        bits_device: Q1 bit width of device uploads (0 = float32).
-        bits_edge: Q2 bit width of the edge's upload to the cloud (0 = float32).
     """
 
     ALGORITHM: ClassVar[str] = NAME
 
     local_steps: int = 10
     edge_rounds: int = 1
-    batch_size: int = 32
-    lr: float = 0.05
-    weighting: str = "uniform"
-    quorum: float = 1.0
-    deadline_s: float = 60.0
-    seed: int = 0
-    bits_device: int = 0
-    bits_edge: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("local_steps", "edge_rounds", "batch_size"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                raise LocalProtocolError(f"{name} must be a positive int, got {value!r}")
-        if not (math.isfinite(self.lr) and self.lr >= 0):
-            raise LocalProtocolError(f"lr must be finite and >= 0, got {self.lr!r}")
-        if self.weighting not in WEIGHTINGS:
-            raise LocalProtocolError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if not (0 < self.quorum <= 1):
-            raise LocalProtocolError(f"quorum must be in (0, 1], got {self.quorum!r}")
-        if not (self.deadline_s > 0):
-            raise LocalProtocolError(f"deadline_s must be > 0, got {self.deadline_s!r}")
-        check_bits(self.bits_device, "bits_device")
-        check_bits(self.bits_edge, "bits_edge")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"algorithm": self.ALGORITHM, **{f.name: getattr(self, f.name) for f in fields(self)}}
-
-    @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> "HierConfig":
-        """Parse the ``config`` map of a task. Raises ``UnexpectedMessageError`` if invalid."""
-        known = {f.name for f in fields(cls)}
-        try:
-            return cls(**{k: v for k, v in config.items() if k in known})
-        except (LocalProtocolError, TypeError) as exc:
-            raise UnexpectedMessageError(f"invalid {cls.ALGORITHM} config in task: {exc}") from None
+        RoundSettings.__post_init__(self)
+        check_int(self.local_steps, "local_steps", 1)
+        check_int(self.edge_rounds, "edge_rounds", 1)
 
 
 class _DeviceBase(StateGuard):

@@ -38,8 +38,7 @@ Transition tables:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
@@ -56,9 +55,9 @@ from fedtier.algorithms.base import (
     SendToParent,
 )
 from fedtier.algorithms.cloud import Cloud
-from fedtier.algorithms.common import digest, quantize
-from fedtier.algorithms.hier_qsgd import WEIGHTINGS, _DeviceBase, _EdgeBase, check_bits
-from fedtier.errors import LocalProtocolError, RemoteProtocolError, UnexpectedMessageError, WrongRoundError
+from fedtier.algorithms.common import RoundSettings, check_int, digest, quantize
+from fedtier.algorithms.hier_qsgd import _DeviceBase, _EdgeBase
+from fedtier.errors import RemoteProtocolError, UnexpectedMessageError, WrongRoundError
 from fedtier.messages import CellStep, CellTask, DeviceGradient, DeviceTask, DeviceUpdate, Message
 
 NAME = "qhetfed"
@@ -73,60 +72,24 @@ class DesyncError(RemoteProtocolError):
 
 
 @dataclass(frozen=True, slots=True)
-class QHetFedConfig:
-    """Per-rollout settings of QHetFed (Table I names in brackets).
+class QHetFedConfig(RoundSettings):
+    """Per-rollout settings of QHetFed: ``RoundSettings`` (Table I: ``lr`` is mu, ``batch_size``
+    is B, ``bits_device``/``bits_edge`` give s1, s2 = 2^(b-1) - 1) plus:
 
     Attributes:
-        tau: intra-set gradient-aggregation iterations per global round [tau] (>= 0).
-        gamma: local SGD steps before the model aggregation [gamma] (>= 1).
-        batch_size: minibatch size [B].
-        lr: the one learning rate of (6) and (8) [mu].
-        weighting: "uniform" (paper) or "samples".
-        quorum, deadline_s: per step, as in the other algorithms.
-        seed: rollout seed.
-        bits_device: Q1 width of device uploads (0 = float32) [s1 = 2^(b-1) - 1].
-        bits_edge: Q2 width of the edge's upload (0 = float32) [s2].
+        tau: intra-set gradient-aggregation iterations per global round (>= 0).
+        gamma: local SGD steps before the model aggregation (>= 1).
     """
 
     ALGORITHM: ClassVar[str] = NAME
 
     tau: int = 12
     gamma: int = 3
-    batch_size: int = 32
-    lr: float = 0.05
-    weighting: str = "uniform"
-    quorum: float = 1.0
-    deadline_s: float = 60.0
-    seed: int = 0
-    bits_device: int = 0
-    bits_edge: int = 0
 
     def __post_init__(self) -> None:
-        for name, low in (("tau", 0), ("gamma", 1), ("batch_size", 1)):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
-                raise LocalProtocolError(f"{name} must be an int >= {low}, got {value!r}")
-        if not (math.isfinite(self.lr) and self.lr >= 0):
-            raise LocalProtocolError(f"lr must be finite and >= 0, got {self.lr!r}")
-        if self.weighting not in WEIGHTINGS:
-            raise LocalProtocolError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if not (0 < self.quorum <= 1):
-            raise LocalProtocolError(f"quorum must be in (0, 1], got {self.quorum!r}")
-        if not (self.deadline_s > 0):
-            raise LocalProtocolError(f"deadline_s must be > 0, got {self.deadline_s!r}")
-        check_bits(self.bits_device, "bits_device")
-        check_bits(self.bits_edge, "bits_edge")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"algorithm": self.ALGORITHM, **{f.name: getattr(self, f.name) for f in fields(self)}}
-
-    @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> "QHetFedConfig":
-        known = {f.name for f in fields(cls)}
-        try:
-            return cls(**{k: v for k, v in config.items() if k in known})
-        except (LocalProtocolError, TypeError) as exc:
-            raise UnexpectedMessageError(f"invalid qhetfed config in task: {exc}") from None
+        RoundSettings.__post_init__(self)
+        check_int(self.tau, "tau", 0)
+        check_int(self.gamma, "gamma", 1)
 
 
 class Device(_DeviceBase):
