@@ -108,6 +108,8 @@ def test_edge_killed_mid_round_resumes_with_every_accepted_update(mosquitto, tmp
         edge = start_edge(config, log)
         wait_online(cloud, t1)
         topic, payload = cloud.wait_for(topics.edge_up(ROLLOUT, CELL, CellUpdate.KIND), timeout=30)
+        # dev-0's resend was queued after dev-3's update: wait until the edge has handled it too.
+        wait_metric(metrics_port, 'fedtier_dropped_total{node="cell-a",reason="duplicate",role="edge"} 1', edge, log)
         metrics_after = scrape(metrics_port)
     finally:
         if edge.poll() is None:
