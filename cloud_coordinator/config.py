@@ -13,20 +13,21 @@ from typing import Any, Callable
 
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.algorithms.hier_qsgd import HierConfig
+from fedtier.algorithms.hist import HistConfig
 from fedtier.algorithms.qhetfed import QHetFedConfig
 from fedtier.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
 from fedtier.layout import ArchSpec
 from fedtier.topics import check_id
 
 DATASETS = ("digits", "breast_cancer", "synthetic")
-ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed")
+ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist")
 
 
 def _bits(value: int) -> None:
     """0 (float32) or a QSGD width 2..8 (1 bit leaves no level: s = 2^0 - 1 = 0)."""
     if value == 1:
         raise ValueError("1 bit leaves QSGD no level (s = 2^(b-1) - 1 = 0); use 0 (float32) or 2..8")
-PARTITIONS = ("iid", "shards", "dirichlet")
+PARTITIONS = ("iid", "shards", "dirichlet", "cell_shards")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class DataConfig(Section):
 
     dataset: str = opt("digits", choices=DATASETS, help="scikit-learn bundled set, or a synthetic mixture.")
     partition: str = opt("shards", choices=PARTITIONS,
-                         help="How training data is split across devices: iid, label shards, or Dirichlet.")
+                         help="How training data is split across devices: iid, label shards, Dirichlet, or "
+                              "cell_shards (iid across cells, label shards within each cell).")
     classes_per_device: int = opt(2, min=1, help="Label classes per device for partition = shards.")
     alpha: float = opt(0.5, gt=0, help="Dirichlet concentration for partition = dirichlet (small = skewed).")
     test_fraction: float = opt(0.2, gt=0, max=0.9, help="Held-out share evaluated by the coordinator.")
@@ -72,6 +74,9 @@ class DataConfig(Section):
     separation: float = opt(2.0, gt=0, help="synthetic: norm of every class mean (larger = easier).")
     mean_std: float = opt(0.0, min=0, help="synthetic: if > 0, class means ~ N(0, mean_std^2 I) instead of "
                                            "fixed-norm means (the QHetFed pilot uses 0.25).")
+    modes: int = opt(1, min=1, help="synthetic: Gaussian blobs per class (> 1 needs a hidden layer to separate).")
+    noise: float = opt(1.0, gt=0, help="synthetic: standard deviation of the noise around each blob.")
+    standardize: bool = opt(False, help="Scale features to zero mean, unit variance (training statistics).")
 
 
 @dataclass(frozen=True)
@@ -146,10 +151,11 @@ class QuantizedSection(RoundSection):
 class FedAvgSection(RoundSection):
     """Hierarchical FedAvg settings (see fedtier.algorithms.fedavg)."""
 
-    local_steps: int = opt(10, min=1, help="SGD steps per device per round.")
+    local_steps: int = opt(10, min=1, help="SGD steps per device per edge round.")
+    edge_rounds: int = opt(1, min=1, help="Edge aggregations per global round (HIST's baseline HFedAvg uses E/H).")
 
     def algorithm_config(self, seed: int) -> FedAvgConfig:
-        return FedAvgConfig(local_steps=self.local_steps, **self.common(seed))
+        return FedAvgConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, **self.common(seed))
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,19 @@ class QHetFedSection(QuantizedSection):
 
 
 @dataclass(frozen=True)
+class HistSection(QuantizedSection):
+    """HIST (seed 002): each cell trains a disjoint submodel (its share of the hidden neurons)."""
+
+    local_steps: int = opt(40, min=1, help="H: local SGD steps between edge aggregations.")
+    edge_rounds: int = opt(5, min=1, help="E/H: edge aggregations per global round.")
+    bits_device: int = opt(0, min=0, max=8, check=_bits, help="Q1: QSGD bits of device uploads (0 = float32).")
+    bits_edge: int = opt(0, min=0, max=8, check=_bits, help="Q2: QSGD bits of the edge's upload (0 = float32).")
+
+    def algorithm_config(self, seed: int) -> HistConfig:
+        return HistConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, **self.common(seed))
+
+
+@dataclass(frozen=True)
 class SimulationConfig(Section):
     """In-process simulation knobs."""
 
@@ -229,6 +248,7 @@ class RolloutConfig(Section):
     fedavg: FedAvgSection = opt(default_factory=FedAvgSection, help="FedAvg settings.")
     hier_qsgd: HierQsgdSection = opt(default_factory=HierQsgdSection, help="Hier-Local-QSGD settings.")
     qhetfed: QHetFedSection = opt(default_factory=QHetFedSection, help="QHetFed settings.")
+    hist: HistSection = opt(default_factory=HistSection, help="HIST settings.")
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="Cloud broker (coordinator run).")
     simulation: SimulationConfig = opt(default_factory=SimulationConfig, help="Simulator knobs.")
 
@@ -241,6 +261,15 @@ class RolloutConfig(Section):
         return self.artifact_store if self.artifact_store is not None else self.state_dir / "artifacts"
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.algorithm == "hist":
+            if self.model.kind != "mlp" or not self.model.hidden:
+                raise self.error("hist partitions hidden neurons: it needs an MLP with at least one hidden layer",
+                                 "model.hidden", prefix=prefix, source=source)
+            cells = len(self.topology.layout())
+            for k in range(0, len(self.model.hidden), 2):  # hidden layers 1, 3, ... are partitioned
+                if self.model.hidden[k] < cells:
+                    raise self.error(f"hidden layer of {self.model.hidden[k]} neurons cannot be split over "
+                                     f"{cells} cells", "model.hidden", prefix=prefix, source=source)
         if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
             from cloud_coordinator.planner import InfeasiblePlanError
 

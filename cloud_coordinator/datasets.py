@@ -8,7 +8,8 @@ partitions the rest across devices:
                   dealt so each device holds about ``classes_per_device`` classes
                   (McMahan et al.'s pathological non-iid split);
 * ``dirichlet`` — each class split across devices by Dirichlet(alpha) proportions
-                  (Hsu et al., 2019); small alpha means strongly skewed devices.
+                  (Hsu et al., 2019); small alpha means strongly skewed devices;
+* ``cell_shards`` — iid across cells, label shards within each cell (HIST's "cell iid").
 
 Everything is a deterministic function of the config's seed.
 """
@@ -16,7 +17,7 @@ Everything is a deterministic function of the config's seed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -52,13 +53,14 @@ def load_dataset(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
         return x.astype(np.float32), d.target.astype(np.int64)
     if cfg.dataset == "synthetic":
         gen = stream(cfg.seed, "synthetic-data")
-        means = gen.normal(size=(cfg.classes, cfg.features))
+        means = gen.normal(size=(cfg.classes, cfg.modes, cfg.features))
         if cfg.mean_std > 0:
             means *= cfg.mean_std
         else:
-            means *= cfg.separation / np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+            means *= cfg.separation / np.maximum(np.linalg.norm(means, axis=2, keepdims=True), 1e-12)
         y = gen.integers(0, cfg.classes, size=cfg.samples)
-        x = means[y] + gen.normal(size=(cfg.samples, cfg.features))
+        mode = gen.integers(0, cfg.modes, size=cfg.samples)
+        x = means[y, mode] + cfg.noise * gen.normal(size=(cfg.samples, cfg.features))
         return x.astype(np.float32), y.astype(np.int64)
     raise ValueError(f"unknown dataset {cfg.dataset!r}")
 
@@ -78,8 +80,22 @@ def train_test_split(x: np.ndarray, y: np.ndarray, fraction: float, seed: int
     return (x[mask], y[mask]), (x[test], y[test])
 
 
-def partition(y: np.ndarray, devices: Sequence[str], cfg: DataConfig) -> dict[str, np.ndarray]:
-    """Indices of ``y`` per device, by the configured scheme. Every device gets >= 1 sample."""
+def _label_shards(indices: np.ndarray, y: np.ndarray, n_dev: int, per_device: int,
+                  gen: np.random.Generator) -> list[np.ndarray]:
+    """Sort ``indices`` by label, cut ``n_dev * per_device`` shards, deal ``per_device`` to each."""
+    order = indices[np.argsort(y[indices], kind="stable")]
+    shards = np.array_split(order, n_dev * per_device)
+    deal = gen.permutation(len(shards))
+    return [np.concatenate([shards[s] for s in deal[i::n_dev]]) for i in range(n_dev)]
+
+
+def partition(y: np.ndarray, devices: Sequence[str], cfg: DataConfig,
+              cells: Mapping[str, Sequence[str]] | None = None) -> dict[str, np.ndarray]:
+    """Indices of ``y`` per device, by the configured scheme. Every device gets >= 1 sample.
+
+    ``cell_shards`` needs ``cells`` (cell -> devices): an iid split across cells, then label
+    shards within each (HIST's "cell iid, client non-iid", digest §5).
+    """
     n_dev = len(devices)
     gen = stream(cfg.seed, "partition", cfg.partition)
     if len(y) < n_dev:
@@ -87,10 +103,17 @@ def partition(y: np.ndarray, devices: Sequence[str], cfg: DataConfig) -> dict[st
     if cfg.partition == "iid":
         parts = np.array_split(gen.permutation(len(y)), n_dev)
     elif cfg.partition == "shards":
-        order = np.argsort(y, kind="stable")
-        shards = np.array_split(order, n_dev * cfg.classes_per_device)
-        deal = gen.permutation(len(shards))
-        parts = [np.concatenate([shards[s] for s in deal[i::n_dev]]) for i in range(n_dev)]
+        parts = _label_shards(np.arange(len(y)), y, n_dev, cfg.classes_per_device, gen)
+    elif cfg.partition == "cell_shards":
+        if cells is None:
+            raise ValueError("the cell_shards partition needs the topology")
+        by_device: dict[str, np.ndarray] = {}
+        for cell_indices, members in zip(np.array_split(gen.permutation(len(y)), len(cells)),
+                                         (cells[c] for c in sorted(cells)), strict=True):
+            for d, p in zip(members, _label_shards(cell_indices, y, len(members), cfg.classes_per_device, gen),
+                            strict=True):
+                by_device[d] = p
+        parts = [by_device[d] for d in devices]
     else:
         buckets: list[list[np.ndarray]] = [[] for _ in range(n_dev)]
         for c in np.unique(y):
@@ -108,10 +131,15 @@ def partition(y: np.ndarray, devices: Sequence[str], cfg: DataConfig) -> dict[st
     return {d: np.sort(p) for d, p in zip(devices, parts, strict=True)}
 
 
-def make_federated(cfg: DataConfig, devices: Sequence[str]) -> FederatedData:
+def make_federated(cfg: DataConfig, devices: Sequence[str],
+                   cells: Mapping[str, Sequence[str]] | None = None) -> FederatedData:
     """Load, split and partition; see the module docstring."""
     x, y = load_dataset(cfg)
-    (xtr, ytr), test = train_test_split(x, y, cfg.test_fraction, cfg.seed)
-    parts = partition(ytr, devices, cfg)
+    (xtr, ytr), (xte, yte) = train_test_split(x, y, cfg.test_fraction, cfg.seed)
+    if cfg.standardize:
+        mu, sd = xtr.mean(axis=0), xtr.std(axis=0) + 1e-6
+        xtr, xte = ((xtr - mu) / sd).astype(np.float32), ((xte - mu) / sd).astype(np.float32)
+    test = (xte, yte)
+    parts = partition(ytr, devices, cfg, cells)
     train = {d: (xtr[idx], ytr[idx]) for d, idx in parts.items()}
     return FederatedData(train=train, test=test, num_features=int(x.shape[1]), num_classes=int(y.max()) + 1)

@@ -35,7 +35,10 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "fedavg": {"local_steps": 20, "lr": 0.1},
     "hier_qsgd": {"edge_rounds": 2, "local_steps": 10, "lr": 0.1},
     "qhetfed": {"tau": 4, "gamma": 10, "lr": 0.2},
+    "hist": {"local_steps": 10, "edge_rounds": 2, "lr": 0.2},
 }
+# HIST splits the hidden layer across cells: give each cell's submodel room (64 per cell for 2 cells).
+HIDDEN = {"hist": 128}
 
 
 class DemoError(RuntimeError):
@@ -82,7 +85,7 @@ class DemoOptions:
     bits_device: int = 4
     bits_edge: int = 8
     batch_size: int = 32
-    hidden: int = 64
+    hidden: int | None = None  # 64, or HIDDEN[algorithm]
     alpha: float = 0.5
     seed: int = 0
     workdir: Path | None = None
@@ -150,7 +153,7 @@ class Demo:
             "rollout": "demo", "algorithm": o.algorithm, "rounds": o.rounds, "seed": o.seed,
             "state_dir": str(self.workdir / "coordinator"), "artifact_store": str(default_artifact_store()),
             "log_level": "info",
-            "model": {"kind": "mlp", "hidden": [o.hidden]},
+            "model": {"kind": "mlp", "hidden": [o.hidden or HIDDEN.get(o.algorithm, 64)]},
             "data": {"dataset": "digits", "partition": "dirichlet", "alpha": o.alpha, "seed": o.seed},
             "topology": {"members": self.members()},
             o.algorithm: self.algorithm_section(),
@@ -163,7 +166,7 @@ class Demo:
             section["lr"] = o.lr
         if o.local_steps is not None:
             section["gamma" if o.algorithm == "qhetfed" else "local_steps"] = o.local_steps
-        if o.algorithm != "fedavg":
+        if o.algorithm in ("hier_qsgd", "qhetfed"):
             section.update(bits_device=o.bits_device, bits_edge=o.bits_edge)
         return section
 

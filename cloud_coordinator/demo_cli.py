@@ -17,16 +17,17 @@ import click
 @click.option("--rounds", type=click.IntRange(1), default=30, show_default=True, help="Global rounds.")
 @click.option("--broker", type=click.Choice(["auto", "mosquitto", "embedded"]), default="auto", show_default=True,
               help="auto = Mosquitto when it is on PATH, otherwise the embedded pure-Python broker.")
-@click.option("--algorithm", type=click.Choice(["fedavg", "hier_qsgd", "qhetfed"]), default="fedavg",
+@click.option("--algorithm", type=click.Choice(["fedavg", "hier_qsgd", "qhetfed", "hist"]), default="fedavg",
               show_default=True,
               help="fedavg: hierarchical FedAvg; hier_qsgd: Hier-Local-QSGD (quantized, 2 edge rounds per round); "
-                   "qhetfed: QHetFed (4 quantized gradient aggregations in each cell, then local steps).")
+                   "qhetfed: QHetFed (4 quantized gradient aggregations in each cell, then local steps); "
+                   "hist: HIST (each cell trains its own slice of the hidden neurons, 2 edge rounds per round).")
 @click.option("--local-steps", type=click.IntRange(1), default=None,
               help="Local SGD steps (QHetFed: gamma) [default: 20 fedavg, 10 hier_qsgd and qhetfed].")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Learning rate [default: 0.1; 0.2 for qhetfed].")
 @click.option("--bits-device", type=click.IntRange(2, 8), default=4, show_default=True,
-              help="QSGD bits of device uploads (hier_qsgd, qhetfed).")
+              help="QSGD bits of device uploads (hier_qsgd, qhetfed; hist sends float32 like the paper).")
 @click.option("--bits-edge", type=click.IntRange(2, 8), default=8, show_default=True,
               help="QSGD bits of edge uploads to the cloud (hier_qsgd, qhetfed).")
 @click.option("--alpha", type=click.FloatRange(min=0, min_open=True), default=0.5, show_default=True,

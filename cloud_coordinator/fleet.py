@@ -52,7 +52,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
     coordinator.write_text(dumps_toml(rollout))
     cfg = load(RolloutConfig, coordinator)
     cells = cfg.topology.layout()
-    data = make_federated(cfg.data, [d for ds in cells.values() for d in ds])
+    data = make_federated(cfg.data, [d for ds in cells.values() for d in ds], cells)
     edges: dict[str, Path] = {}
     devices: dict[str, Path] = {}
     for cell, members in cells.items():

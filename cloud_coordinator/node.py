@@ -117,7 +117,7 @@ class CloudNode(NodeBase):
         self.role = module.Cloud(rollout=self.rollout, cells=self.prepared.cells, initial_params=params,
                                  config=self.cfg.algorithm_config(), rounds=self.cfg.rounds,
                                  cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version,
-                                 replan=replan)
+                                 replan=replan, **self.prepared.cloud_kwargs())
         self._execute(self.role.start(now), now)
         for payload in self.store.inputs(self.rollout):
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
@@ -175,16 +175,13 @@ class CloudNode(NodeBase):
             self._execute(self.role.resend(node, now), now)
 
     def _serve_artifacts(self, req: ArtifactRequest) -> None:
-        files = {f.sha256: f for f in self.prepared.bundle.files.values()}
+        files = self.prepared.artifact_files()
         unknown = [d for d in req.digests if d not in files]
         if unknown:
             raise UnexpectedMessageError(f"request for artifacts not in the manifest: {unknown}")
         for sha in req.digests:
-            entry = files[sha]
-            role = next(r for r, f in self.prepared.bundle.files.items() if f.sha256 == sha)
-            data = self.prepared.bundle.path(role).read_bytes()
             blob = ArtifactBlob(rollout=self.rollout, round=0, sender=self.cfg.cloud_id, sha256=sha,
-                                name=entry.filename, data=data)
+                                name=files[sha].name, data=files[sha].read_bytes())
             self.tx.publish(topics.cloud_down(self.rollout, req.sender, blob.KIND), blob.encode())
         log.info("served %d artifact file(s) to %s", len(req.digests), req.sender)
 

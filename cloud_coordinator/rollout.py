@@ -9,8 +9,9 @@ they train the same model on the same data.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from cloud_coordinator.datasets import FederatedData, make_federated
 from fedtier.bundle import ArtifactBundle
 from fedtier.layout import ArchSpec
 from fedtier.manifest import Manifest
+from fedtier.submodels import fixed_sizes, plan_for, submodel_arch
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,20 @@ class PreparedRollout:
     cells: Mapping[str, tuple[str, ...]]
     data: FederatedData
     manifest: Manifest
+    cell_bundles: Mapping[str, ArtifactBundle] = field(default_factory=dict)
+    """HIST: each cell's submodel bundle (cells not listed train ``bundle``)."""
+
+    def artifact_files(self) -> dict[str, Path]:
+        """sha256 -> local path of every artifact file of the rollout (all bundles)."""
+        out = {}
+        for bundle in (self.bundle, *self.cell_bundles.values()):
+            for role, entry in bundle.files.items():
+                out[entry.sha256] = bundle.path(role)
+        return out
+
+    def cloud_kwargs(self) -> dict[str, Any]:
+        """Extra arguments the algorithm's cloud role needs (HIST partitions ``arch``)."""
+        return {"arch": self.arch} if self.config.algorithm == "hist" else {}
 
     @property
     def devices(self) -> list[str]:
@@ -43,12 +59,21 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
 
     cells = cfg.topology.layout()
     devices = [d for members in cells.values() for d in members]
-    data = make_federated(cfg.data, devices)
+    data = make_federated(cfg.data, devices, cells)
     arch = cfg.model.arch(data.num_features, data.num_classes)
     bundle = build_artifacts(arch, cfg.artifacts_path, seed=cfg.model.init_seed)
     params = initial_parameters(arch, cfg.model.init_seed)
+    cell_bundles: dict[str, ArtifactBundle] = {}
+    if cfg.algorithm == "hist":
+        # One bundle per submodel width; a cell's width is the same every round (array_split sizes
+        # by cell order, as fedtier.algorithms.hist draws them), so these are built once.
+        plan = plan_for(arch, len(cells))
+        for cell, sizes in zip(sorted(cells), fixed_sizes(plan, len(cells)), strict=True):
+            cell_bundles[cell] = build_artifacts(submodel_arch(plan, sizes), cfg.artifacts_path,
+                                                 seed=cfg.model.init_seed)
     manifest = Manifest(rollout=cfg.rollout, version=manifest_version, algorithm=cfg.algorithm,
                         bundle=bundle.to_json(), cells=tuple(cells), rounds=cfg.rounds, created=time.time(),
-                        extra={"layout_sha256": bundle.layout.sha256})
+                        extra={"layout_sha256": bundle.layout.sha256},
+                        cell_bundles={c: b.to_json() for c, b in cell_bundles.items()})
     return PreparedRollout(config=cfg, arch=arch, bundle=bundle, initial_params=params, cells=cells, data=data,
-                           manifest=manifest)
+                           manifest=manifest, cell_bundles=cell_bundles)

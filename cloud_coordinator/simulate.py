@@ -103,9 +103,8 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         broker = MemoryBroker(max_payload=cfg.simulation.max_payload or (1 << 30))
         # Devices share one artifact cache, pre-filled from the coordinator's bundle.
         cache = ArtifactCache(root / "artifact-cache")
-        for role in prepared.bundle.files:
-            data = prepared.bundle.path(role).read_bytes()
-            cache.put(prepared.bundle.files[role].sha256, data)
+        for sha, path in prepared.artifact_files().items():
+            cache.put(sha, path.read_bytes())
         trainers = SharedTrainers(cfg.simulation.threads)
 
         nodes: list[Any] = []

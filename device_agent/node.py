@@ -143,7 +143,7 @@ class DeviceNode(NodeBase):
         self.manifests[manifest.rollout] = manifest
         self.trainers.pop(manifest.rollout, None)
         log.info("manifest v%d of rollout %s (%s, bundle %s)", manifest.version, manifest.rollout,
-                 manifest.algorithm, str(manifest.bundle.get("bundle_id", ""))[:12])
+                 manifest.algorithm, str(manifest.bundle_for(self.cell).get("bundle_id", ""))[:12])
         self._ensure_ready(manifest.rollout, now)
 
     def _on_task(self, task: DeviceTask, now: float) -> None:
@@ -155,7 +155,7 @@ class DeviceNode(NodeBase):
     def _on_artifact(self, blob: ArtifactBlob, now: float) -> None:
         manifest = self.manifests.get(blob.rollout)
         if (manifest is None or blob.rollout in self.trainers
-                or blob.sha256 not in manifest.artifact_digests.values()):
+                or blob.sha256 not in manifest.digests_for(self.cell).values()):
             return  # not something we need (another device's download on the shared downlink)
         if not self.cache.has(blob.sha256):
             self.cache.put(blob.sha256, blob.data)  # ShaMismatchError if the bytes are wrong
@@ -165,7 +165,7 @@ class DeviceNode(NodeBase):
 
     def _ensure_ready(self, rollout: str, now: float) -> None:
         manifest = self.manifests[rollout]
-        missing = sorted({sha for sha in manifest.artifact_digests.values() if not self.cache.has(sha)})
+        missing = sorted({sha for sha in manifest.digests_for(self.cell).values() if not self.cache.has(sha)})
         if missing:
             asked = self._asked.get(rollout, -math.inf)
             if now - asked >= ARTIFACT_RETRY_S:
@@ -212,7 +212,7 @@ class DeviceNode(NodeBase):
 
     def _assemble(self, manifest: Manifest) -> ArtifactBundle:
         """Lay the cached files out as a bundle directory and verify it as a whole."""
-        descriptor = ArtifactBundle.from_json(manifest.bundle)
+        descriptor = ArtifactBundle.from_json(manifest.bundle_for(self.cell))
         directory = self.bundles_dir / descriptor.bundle_id
         directory.mkdir(parents=True, exist_ok=True)
         for entry in descriptor.files.values():
@@ -223,7 +223,7 @@ class DeviceNode(NodeBase):
                     os.link(source, target)
                 except OSError:
                     shutil.copyfile(source, target)
-        bundle = ArtifactBundle.from_json(manifest.bundle, directory=directory)
+        bundle = ArtifactBundle.from_json(manifest.bundle_for(self.cell), directory=directory)
         try:
             current = ArtifactBundle.load(directory, verify=False).bundle_id
         except ArtifactError:

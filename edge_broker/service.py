@@ -217,13 +217,13 @@ class EdgeNode(NodeBase):
         self.store.save_manifest(manifest.rollout, manifest.version, inbound.payload)
         self.cell_tx.publish(topics.cell_manifest(manifest.rollout, self.cell), inbound.payload, retain=True)
         log.info("manifest v%d of rollout %s relayed to cell %s", manifest.version, manifest.rollout, self.cell)
-        missing = [d for d in manifest.artifact_digests.values() if not self.cache.has(d)]
+        missing = [d for d in manifest.digests_for(self.cell).values() if not self.cache.has(d)]
         if missing:
             self._request_from_cloud(manifest.rollout, missing, now=None)
 
     def _allowed_digests(self, rollout: str) -> set[str]:
         manifest = self.manifests.get(rollout)
-        return set(manifest.artifact_digests.values()) if manifest else set()
+        return set(manifest.digests_for(self.cell).values()) if manifest else set()
 
     def _request_from_cloud(self, rollout: str, digests: list[str], now: float | None) -> None:
         fresh = [d for d in digests if now is None or now - self._requested.get(d, -math.inf) > ARTIFACT_REREQUEST_S]
@@ -240,7 +240,7 @@ class EdgeNode(NodeBase):
         if unknown:
             raise UnexpectedMessageError(f"request for artifacts not in the manifest: {unknown}")
         manifest = self.manifests[req.rollout]
-        names = {sha: name for name, sha in manifest.artifact_digests.items()}
+        names = {sha: name for name, sha in manifest.digests_for(self.cell).items()}
         missing = []
         for sha in req.digests:
             if now - self._served.get(sha, -math.inf) < ARTIFACT_RESERVE_S:

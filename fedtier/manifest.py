@@ -39,20 +39,37 @@ class Manifest:
     created: float
     expires: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    cell_bundles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Per-cell artifact bundles where cells train different networks (HIST's submodels);
+    a cell not listed trains ``bundle``."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": MANIFEST_SCHEMA, "rollout": self.rollout, "version": self.version,
-                "algorithm": self.algorithm, "bundle": dict(self.bundle),
-                "cells": sorted(self.cells), "rounds": self.rounds,
-                "created": self.created, "expires": self.expires, "extra": dict(self.extra)}
+        out = {"schema": MANIFEST_SCHEMA, "rollout": self.rollout, "version": self.version,
+               "algorithm": self.algorithm, "bundle": dict(self.bundle),
+               "cells": sorted(self.cells), "rounds": self.rounds,
+               "created": self.created, "expires": self.expires, "extra": dict(self.extra)}
+        if self.cell_bundles:
+            out["cell_bundles"] = {c: dict(b) for c, b in self.cell_bundles.items()}
+        return out
+
+    def bundle_for(self, cell: str) -> Mapping[str, Any]:
+        """The bundle the devices of ``cell`` train."""
+        return self.cell_bundles.get(cell, self.bundle)
+
+    def digests_for(self, cell: str) -> dict[str, str]:
+        """File name -> sha256 of the artifacts the devices of ``cell`` need."""
+        return _digests(self.bundle_for(cell))
 
     def encode(self) -> bytes:
         return canonical_json(self.to_json())
 
     @property
     def artifact_digests(self) -> dict[str, str]:
-        """File name -> sha256 of every artifact the rollout needs."""
-        return {f["filename"]: f["sha256"] for f in self.bundle.get("files", {}).values()}
+        """File name -> sha256 of every artifact of the rollout (all bundles)."""
+        out = _digests(self.bundle)
+        for bundle in self.cell_bundles.values():
+            out.update(_digests(bundle))
+        return out
 
     @classmethod
     def decode(cls, data: bytes) -> "Manifest":
@@ -82,11 +99,14 @@ class Manifest:
         except LocalProtocolError as exc:
             raise ManifestError(f"manifest ids invalid: {exc}") from None
         bundle = need("bundle", dict)
-        files = bundle.get("files")
-        if not isinstance(files, dict) or not all(
-                isinstance(f, dict) and isinstance(f.get("sha256"), str) and isinstance(f.get("filename"), str)
-                and isinstance(f.get("size"), int) for f in files.values()):
-            raise ManifestError("manifest bundle lists no valid files")
+        _check_bundle(bundle, "bundle")
+        cell_bundles = obj.get("cell_bundles", {})
+        if not isinstance(cell_bundles, dict):
+            raise ManifestError("manifest field 'cell_bundles' must map cells to bundles")
+        for cell, cell_bundle in cell_bundles.items():
+            if cell not in raw_cells or not isinstance(cell_bundle, dict):
+                raise ManifestError(f"manifest cell_bundles names {cell!r}, which is not one of its cells")
+            _check_bundle(cell_bundle, f"cell_bundles.{cell}")
         created = _finite(need("created", (int, float)), "created")
         expires = obj.get("expires")
         if expires is not None:
@@ -102,7 +122,20 @@ class Manifest:
         if version < 0 or rounds <= 0:
             raise ManifestError("manifest version/rounds out of range")
         return cls(rollout=rollout, version=version, algorithm=need("algorithm", str), bundle=bundle,
-                   cells=cells, rounds=rounds, created=created, expires=expires, extra=extra)
+                   cells=cells, rounds=rounds, created=created, expires=expires, extra=extra,
+                   cell_bundles=cell_bundles)
+
+
+def _digests(bundle: Mapping[str, Any]) -> dict[str, str]:
+    return {f["filename"]: f["sha256"] for f in bundle.get("files", {}).values()}
+
+
+def _check_bundle(bundle: Any, key: str) -> None:
+    files = bundle.get("files") if isinstance(bundle, dict) else None
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(f, dict) and isinstance(f.get("sha256"), str) and isinstance(f.get("filename"), str)
+            and isinstance(f.get("size"), int) and not isinstance(f.get("size"), bool) for f in files.values()):
+        raise ManifestError(f"manifest {key} lists no valid files")
 
 
 def _finite(value: int | float, key: str) -> float:

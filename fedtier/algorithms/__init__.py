@@ -15,6 +15,7 @@ ALGORITHMS: dict[str, str] = {
     "fedavg": "fedtier.algorithms.fedavg",
     "hier_qsgd": "fedtier.algorithms.hier_qsgd",
     "qhetfed": "fedtier.algorithms.qhetfed",
+    "hist": "fedtier.algorithms.hist",
 }
 
 

@@ -91,8 +91,26 @@ class Cloud(StateGuard):
         self._updates: dict[str, CellUpdate] = {}
         self._deadline = math.inf
 
+    # --- hooks for algorithms whose cells train different parameters (HIST) -------------------
+
+    def _cell_params(self, cell: str) -> Tensors:
+        """What ``cell`` trains this round: the global model (here), or its submodel (HIST)."""
+        return self.params
+
+    def _prepare_round(self) -> list[Action]:
+        """Called when a round opens, before its tasks are built (HIST draws its partition)."""
+        return []
+
+    def _aggregate(self, updates: Mapping[str, CellUpdate]) -> dict[str, Any]:
+        """The new global model from the cells' changes: their weighted average, added (eq. (10))."""
+        cells = sorted(updates)
+        delta = aggregate.weighted_mean([(updates[c].delta, updates[c].weight) for c in cells])
+        return aggregate.add(self.params, delta)
+
+    # --- rounds ---------------------------------------------------------------------------------
+
     def _cell_task(self, cell: str) -> CellTask:
-        return CellTask(rollout=self.rollout, round=self.round, sender=self.cloud_id, params=self.params,
+        return CellTask(rollout=self.rollout, round=self.round, sender=self.cloud_id, params=self._cell_params(cell),
                         members=self.cells[cell], config=self.config.to_dict(), model_version=self.model_version)
 
     def _open(self, now: float) -> list[Action]:
@@ -102,6 +120,7 @@ class Cloud(StateGuard):
             if new.to_dict() != self.config.to_dict():
                 notes.append(Note("replanned", {"round": self.round, "q1": self.q1_estimate, **new.to_dict()}))
             self.config = new
+        notes.extend(self._prepare_round())
         self._updates = {}
         self._deadline = now + self.config.deadline_s
         self._state = RoleState.COLLECTING
@@ -131,7 +150,7 @@ class Cloud(StateGuard):
         unknown = set(message.reported) - set(self.cells[message.sender])
         if unknown:
             raise UnknownSenderError(f"cell {message.sender!r} reports non-members {sorted(unknown)}")
-        check_like(self.params, message.delta, f"update from {message.sender}")
+        check_like(self._cell_params(message.sender), message.delta, f"update from {message.sender}")
         self._updates[message.sender] = message
         if len(self._updates) == len(self.cells):
             return self._close(now)
@@ -154,8 +173,7 @@ class Cloud(StateGuard):
     def _close(self, now: float) -> list[Action]:
         cells = sorted(self._updates)
         updates = [self._updates[c] for c in cells]
-        delta = aggregate.weighted_mean([(u.delta, u.weight) for u in updates])
-        self.params = aggregate.add(self.params, delta)
+        self.params = self._aggregate(self._updates)
         self.model_version += 1
         reported = {c: self._updates[c].reported for c in cells}
         all_members = {d for m in self.cells.values() for d in m}

@@ -70,3 +70,27 @@ def test_synthetic_mixture_is_learnable_and_sized() -> None:
     means = np.stack([x[y == c].mean(axis=0) for c in range(3)])
     pred = np.argmin(((x[:, None, :] - means[None]) ** 2).sum(-1), axis=1)
     assert np.mean(pred == y) > 0.9
+
+
+def test_cell_shards_are_iid_across_cells_and_sharded_within() -> None:
+    # 3 cells x 10 devices, 2 shards each: 20 shards of 50 in a cell holding ~100 per class.
+    devices = [f"dev-{i:02d}" for i in range(30)]
+    cells = {f"cell-{c}": devices[c * 10:(c + 1) * 10] for c in range(3)}
+    y = np.repeat(np.arange(10), 300)
+    parts = partition(y, devices, DataConfig(partition="cell_shards", classes_per_device=2), cells)
+    assert sorted(np.concatenate(list(parts.values())).tolist()) == list(range(len(y)))
+    for members in cells.values():
+        cell_labels = np.concatenate([y[parts[d]] for d in members])
+        assert len(np.unique(cell_labels)) >= 8  # a random third of the data: nearly every class
+        assert np.mean([len(np.unique(y[parts[d]])) for d in members]) <= 3  # devices: few classes
+    with pytest.raises(ValueError, match="topology"):
+        partition(y, devices, DataConfig(partition="cell_shards"))
+
+
+def test_synthetic_mixture_modes_and_standardization() -> None:
+    cfg = DataConfig(dataset="synthetic", samples=3000, features=16, classes=4, modes=3, noise=3.0, mean_std=1.2,
+                     standardize=True, partition="iid")
+    data = make_federated(cfg, DEVICES)
+    x = np.concatenate([x for x, _ in data.train.values()])
+    np.testing.assert_allclose(x.mean(axis=0), 0, atol=1e-5)
+    np.testing.assert_allclose(x.std(axis=0), 1, atol=1e-3)

@@ -73,3 +73,23 @@ def test_cnn1d_on_sensor_like_windows(small_rollout) -> None:
     assert result.prepared.arch.input_shape == (4, 8)
     accuracy = [r["accuracy"] for r in result.rounds]
     assert accuracy[-1] > 0.6 and accuracy[-1] > accuracy[0], accuracy
+
+
+def test_hist_with_one_cell_is_hierarchical_fedavg_through_the_whole_stack(small_rollout) -> None:
+    common = {"topology": {"cells": 1, "devices_per_cell": 3}, "model": {"hidden": [16]}, "rounds": 2}
+    steps = {"local_steps": 5, "edge_rounds": 2, "lr": 0.1, "batch_size": 16}
+    hist = simulate(small_rollout(algorithm="hist", hist=steps, **common))
+    fedavg = simulate(small_rollout(algorithm="fedavg", fedavg=steps, **common))
+    assert hist.prepared.manifest.cell_bundles  # its own (here: full-width) submodel bundle
+    for name in fedavg.params:
+        np.testing.assert_allclose(hist.params[name], fedavg.params[name], rtol=0, atol=1e-6)
+
+
+def test_hist_sends_each_device_a_submodel_and_the_cloud_about_one_model(small_rollout) -> None:
+    result = simulate(small_rollout(algorithm="hist", rounds=1, model={"hidden": [30]},
+                                    topology={"cells": 3, "devices_per_cell": 2},
+                                    hist={"local_steps": 5, "edge_rounds": 2, "lr": 0.1}))
+    sizes = {c: sum(np.prod(p["shape"]) for p in b["layout"]) for c, b in result.prepared.manifest.cell_bundles.items()}
+    full = sum(int(np.prod(p.shape)) for p in result.params.values())
+    assert set(sizes.values()) == {64 * 10 + 10 + 10 * 10 + 10}  # a third of the 30 hidden neurons
+    assert sum(sizes.values()) == full + 2 * 10

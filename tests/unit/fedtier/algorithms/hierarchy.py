@@ -54,10 +54,12 @@ class Hierarchy:
     compute: Any = None
     """A ``NumpyCompute``: when set, local work uses it (real gradients, the roles' streams)."""
     replan: Any = None
+    cloud_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra arguments of the algorithm's cloud role (HIST needs ``arch``)."""
 
     def __post_init__(self) -> None:
         self.cloud = self.algo.Cloud(rollout="r", cells=self.cells, initial_params=self.params, config=self.config,
-                                     rounds=self.rounds, replan=self.replan)
+                                     rounds=self.rounds, replan=self.replan, **self.cloud_kwargs)
         self.edges = {c: self.algo.Edge(cell=c, rollout="r") for c in self.cells}
         self.devices = {d: self.algo.Device(device_id=d, cell=c, rollout="r")
                         for c, ds in self.cells.items() for d in ds}
@@ -65,7 +67,8 @@ class Hierarchy:
         self.closed: list[RoundClosed] = []
         self.finished = False
         self.dropped: list[Dropped] = []
-        self.notes: list[Note] = []
+        self.notes: list[Note] = []  # edges' notes
+        self.cloud_notes: list[Note] = []
         self.offline: set[str] = set()
         self.wire_bytes: dict[str, int] = defaultdict(int)
         self.on_step: Callable[[str, messages.CellStep], None] | None = None
@@ -90,6 +93,8 @@ class Hierarchy:
                 self.finished = True
             elif isinstance(a, Dropped):
                 self.dropped.append(a)
+            elif isinstance(a, Note):
+                self.cloud_notes.append(a)
 
     def deliver_to_edge(self, cell: str, msg: messages.Message) -> None:
         self.received[cell].append(msg)
