@@ -242,6 +242,9 @@ class RolloutConfig(Section):
     artifact_store: Path | None = opt(None, help="Content-addressed artifact store (default <state_dir>/artifacts).")
     log_level: str = opt("info", choices=LOG_LEVELS, help="Logging level.")
     metrics_port: int = opt(0, min=0, max=65535, help="Serve Prometheus /metrics on this port; 0 = off.")
+    signing_key: Path | None = opt(None, help="Ed25519 private key (PEM) that signs every rollout manifest "
+                                              "(from fedtier provision init); unset = unsigned manifests.")
+    manifest_valid_days: float = opt(30.0, gt=0, help="Manifests expire this many days after they are issued.")
     model: ModelConfig = opt(default_factory=ModelConfig, help="Model.")
     data: DataConfig = opt(default_factory=DataConfig, help="Data.")
     topology: TopologyConfig = opt(default_factory=TopologyConfig, help="Cells and devices.")

@@ -15,6 +15,7 @@ SQLite together with its model version, and appended to the metrics file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
 from fedtier.manifest import Manifest
 from fedtier.messages import ArtifactBlob, ArtifactRequest, CellUpdate
 from fedtier.metrics import Metrics
+from fedtier.signing import key_id, load_signing_key, open_manifest, sign
 from fedtier.node import ACCEPTED, NodeBase
 from fedtier.trainer import EvalResult
 from fedtier.transport.base import Inbound, Transport
@@ -98,11 +100,8 @@ class CloudNode(NodeBase):
     def start(self, now: float) -> None:
         self.tx.subscribe(topics.edge_up_filter())
         self.tx.subscribe(topics.ALL_STATUS)
-        stored = self.store.manifest(self.rollout)
-        if stored is not None:
-            self.manifest = Manifest.decode(stored)
-        self.store.ensure_rollout(self.rollout, self.cfg.to_dict(), self.manifest.encode())
-        self.tx.publish(topics.manifest(self.rollout), self.manifest.encode(), retain=True)
+        self.manifest_bytes = self._issue_manifest()
+        self.tx.publish(topics.manifest(self.rollout), self.manifest_bytes, retain=True)
         self.history = self.store.rounds(self.rollout)
 
         latest = self.store.latest_model(self.rollout)
@@ -122,6 +121,32 @@ class CloudNode(NodeBase):
         for payload in self.store.inputs(self.rollout):
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
             self._on_update(payload, msg, now, replay=True)
+
+    def _issue_manifest(self) -> bytes:
+        """The rollout's manifest as published: the stored one after a restart (the same bytes,
+        so nodes see nothing new), or a fresh one — a new version, an expiry, signed when a key
+        is configured — for a new rollout or when the stored one has expired."""
+        stored = self.store.manifest(self.rollout)
+        if stored is not None:
+            manifest = open_manifest(stored, {})
+            if manifest.expires is None or manifest.expires > self.wall_clock() + 60:
+                self.manifest = manifest
+                return stored
+            log.info("manifest v%d of %s expired; issuing a new one", manifest.version, self.rollout)
+        now = self.wall_clock()
+        self.manifest = dataclasses.replace(self.prepared.manifest, version=self.store.next_manifest_version(),
+                                            created=now, expires=now + self.cfg.manifest_valid_days * 86400)
+        data = self.manifest.encode()
+        if self.cfg.signing_key is not None:
+            key = load_signing_key(self.cfg.signing_key)
+            data = sign(self.manifest, key)
+            log.info("manifest v%d of %s signed by key %s", self.manifest.version, self.rollout,
+                     key_id(key.public_key()))
+        if stored is None:
+            self.store.ensure_rollout(self.rollout, self.cfg.to_dict(), data)
+        else:
+            self.store.replace_manifest(self.rollout, data)
+        return data
 
     def tick(self, now: float) -> None:
         if self.role is not None and not self.finished:

@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS models (
 CREATE TABLE IF NOT EXISTS rounds (
     rollout TEXT NOT NULL, round INTEGER NOT NULL, closed REAL NOT NULL,
     accuracy REAL, loss REAL, metrics TEXT NOT NULL, PRIMARY KEY (rollout, round));
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS inputs (
     rollout TEXT NOT NULL, round INTEGER NOT NULL, msg_key TEXT NOT NULL,
     payload BLOB NOT NULL, PRIMARY KEY (rollout, msg_key));
@@ -69,6 +70,17 @@ class CoordinatorStore:
             db.execute("INSERT OR IGNORE INTO rollouts VALUES (?,?,?,?,?,NULL)",
                              (rollout, json.dumps(config, sort_keys=True, default=str), manifest, "running",
                               time.time()))
+
+    def next_manifest_version(self) -> int:
+        """A manifest version never issued before by this coordinator (devices refuse older ones)."""
+        with self.db.transaction() as db:
+            db.execute("INSERT INTO counters VALUES ('manifest_version', 1) ON CONFLICT(name) DO UPDATE SET "
+                       "value = value + 1")
+            return int(db.execute("SELECT value FROM counters WHERE name='manifest_version'").fetchone()[0])
+
+    def replace_manifest(self, rollout: str, manifest: bytes) -> None:
+        with self.db.locked() as db:
+            db.execute("UPDATE rollouts SET manifest=? WHERE rollout=?", (manifest, rollout))
 
     def manifest(self, rollout: str) -> bytes | None:
         with self.db.locked() as db:

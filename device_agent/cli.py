@@ -13,11 +13,13 @@ def agent() -> None:
 
 
 @agent.command("run")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="device.toml (see docs/configuration.md).")
+@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="An enrollment bundle from `fedtier provision device` (runs its device.toml).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None,
               help="Override the config's log level.")
-def run_cmd(config_path: Path, log_level: str | None) -> None:
+def run_cmd(config_path: Path | None, bundle_dir: Path | None, log_level: str | None) -> None:
     """Run the agent until stopped (SIGINT/SIGTERM): fetch artifacts, train each round, upload.
 
     Updates are kept in an on-disk outbox until the broker acknowledges them, so a restart
@@ -28,6 +30,26 @@ def run_cmd(config_path: Path, log_level: str | None) -> None:
     from fedtier import logs
     from fedtier.config import load
 
-    cfg = load(DeviceConfig, config_path)
+    if (config_path is None) == (bundle_dir is None):
+        raise click.UsageError("give either --config or --bundle")
+    path = config_path if config_path is not None else Path(str(bundle_dir)) / "device.toml"
+    cfg = load(DeviceConfig, path)
     logs.setup(log_level or cfg.log_level, node=cfg.device_id)
     raise SystemExit(run(cfg))
+
+
+@agent.command("enroll")
+@click.option("--name", required=True, help="This device's id (the certificate's CN; its MQTT client id).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Directory for the new private key (mode 0600) and the certificate request.")
+def enroll_cmd(name: str, out_dir: Path) -> None:
+    """Create this device's private key and a certificate signing request (CSR).
+
+    The key never leaves the device: send only the CSR to the operator, who returns a bundle
+    (`fedtier provision sign`) to unpack into the same directory; then
+    `fedtier agent run --bundle DIR`.
+    """
+    from device_agent.enroll import enroll
+
+    csr = enroll(name, out_dir)
+    click.echo(f"key: {out_dir / 'key.pem'} (keep it here)\nCSR: {csr} (send this to the operator)")

@@ -21,5 +21,7 @@ class DeviceConfig(Section):
                        help="Training backend: onnxruntime-training, or torch for boards without an ORT wheel.")
     threads: int = opt(1, min=1, max=64, help="Threads for local training.")
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="The cell broker (on the gateway).")
+    trusted_keys: tuple[Path, ...] = opt((), help="Ed25519 public keys (PEM) whose signatures on rollout manifests "
+                                                  "this device accepts; empty = manifests are not verified.")
     max_message_mb: float = opt(64.0, gt=0, help="Refuse messages (after reassembly) larger than this.")
     log_level: str = opt("info", choices=LOG_LEVELS, help="Logging level.")

@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -36,12 +36,13 @@ from fedtier.algorithms.base import (
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.batching import minibatch_indices
 from fedtier.bundle import ArtifactBundle
-from fedtier.errors import ArtifactError, ConfigError, RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import ArtifactError, ConfigError, LocalProtocolError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.layout import ArchSpec
 from fedtier.manifest import Manifest
 from fedtier.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask
 from fedtier.metrics import Metrics
-from fedtier.node import NodeBase
+from fedtier.node import REJECTED, NodeBase
+from fedtier.signing import ManifestGate
 from fedtier.trainer import Trainer
 from fedtier.transport.base import Inbound, Transport
 
@@ -59,7 +60,8 @@ class DeviceNode(NodeBase):
 
     def __init__(self, *, device_id: str, cell: str, transport: Transport, data: LocalData,
                  trainer_provider: TrainerProvider, state: DeviceState, cache: ArtifactCache, bundles_dir: Path,
-                 metrics: Metrics | None = None, max_message_bytes: int = 64 << 20) -> None:
+                 metrics: Metrics | None = None, max_message_bytes: int = 64 << 20,
+                 trusted_keys: Mapping[str, Any] | None = None) -> None:
         super().__init__(device_id, metrics or Metrics(node=device_id, role="device"), log, max_message_bytes)
         self.device_id = device_id
         self.cell = cell
@@ -69,7 +71,9 @@ class DeviceNode(NodeBase):
         self.state = state
         self.cache = cache
         self.bundles_dir = Path(bundles_dir)
-        self.manifests: dict[str, Manifest] = {}
+        self.manifests: dict[str, Manifest] = {}  # installed: their trainers are in use
+        self.incoming: dict[str, tuple[Manifest, bytes]] = {}  # accepted, artifacts not yet in
+        self.gate = ManifestGate(trusted_keys or {}, installed_version=state.manifest_version())
         self.trainers: dict[str, Trainer] = {}
         self.roles: dict[str, Any] = {}
         self._pending_task: dict[str, DeviceTask] = {}
@@ -87,9 +91,8 @@ class DeviceNode(NodeBase):
             log.info("resent %d unacknowledged update(s) from the outbox", len(pending))
 
     def tick(self, now: float) -> None:
-        for rollout in list(self.manifests):
-            if rollout not in self.trainers:
-                self._ensure_ready(rollout, now)
+        for rollout in list(self.incoming):
+            self._ensure_ready(rollout, now)
         for rollout, role in self.roles.items():
             self._execute(role.tick(now), now, rollout)
 
@@ -128,7 +131,9 @@ class DeviceNode(NodeBase):
         if not inbound.payload:
             return
         try:
-            manifest = Manifest.decode(inbound.payload)
+            manifest = self.gate.check(inbound.payload)
+            if manifest is None:
+                return  # the installed manifest again (retained redelivery)
             if manifest.rollout != parsed.rollout:
                 raise UnexpectedMessageError("manifest rollout differs from its topic")
         except RemoteProtocolError as exc:
@@ -137,13 +142,10 @@ class DeviceNode(NodeBase):
         if self.cell not in manifest.cells:
             log.info("manifest of rollout %s does not include cell %s; ignoring", manifest.rollout, self.cell)
             return
-        known = self.manifests.get(manifest.rollout)
-        if known is not None and manifest.version <= known.version:
-            return
-        self.manifests[manifest.rollout] = manifest
-        self.trainers.pop(manifest.rollout, None)
-        log.info("manifest v%d of rollout %s (%s, bundle %s)", manifest.version, manifest.rollout,
-                 manifest.algorithm, str(manifest.bundle_for(self.cell).get("bundle_id", ""))[:12])
+        self.incoming[manifest.rollout] = (manifest, inbound.payload)
+        log.info("manifest v%d of rollout %s accepted (%s, bundle %s); fetching artifacts", manifest.version,
+                 manifest.rollout, manifest.algorithm,
+                 str(manifest.bundle_for(self.cell).get("bundle_id", ""))[:12])
         self._ensure_ready(manifest.rollout, now)
 
     def _on_task(self, task: DeviceTask, now: float) -> None:
@@ -153,9 +155,8 @@ class DeviceNode(NodeBase):
         self._run_task(task, now)
 
     def _on_artifact(self, blob: ArtifactBlob, now: float) -> None:
-        manifest = self.manifests.get(blob.rollout)
-        if (manifest is None or blob.rollout in self.trainers
-                or blob.sha256 not in manifest.digests_for(self.cell).values()):
+        manifest, _ = self.incoming.get(blob.rollout, (None, b""))
+        if manifest is None or blob.sha256 not in manifest.digests_for(self.cell).values():
             return  # not something we need (another device's download on the shared downlink)
         if not self.cache.has(blob.sha256):
             self.cache.put(blob.sha256, blob.data)  # ShaMismatchError if the bytes are wrong
@@ -164,7 +165,8 @@ class DeviceNode(NodeBase):
     # --- artifacts -> trainer ---------------------------------------------------------------------------
 
     def _ensure_ready(self, rollout: str, now: float) -> None:
-        manifest = self.manifests[rollout]
+        """Fetch what an incoming manifest needs; install it once it is complete and healthy."""
+        manifest, raw = self.incoming[rollout]
         missing = sorted({sha for sha in manifest.digests_for(self.cell).values() if not self.cache.has(sha)})
         if missing:
             asked = self._asked.get(rollout, -math.inf)
@@ -174,27 +176,41 @@ class DeviceNode(NodeBase):
                 self.tx.publish(topics.cell_up(rollout, self.cell, self.device_id, req.KIND), req.encode())
                 log.info("requested %d artifact file(s) of rollout %s", len(missing), rollout)
             return
+        del self.incoming[rollout]
         try:
             bundle = self._assemble(manifest)
-        except ArtifactError as exc:
-            log.error("cannot load artifacts of rollout %s: %s", rollout, exc)
+            data = self._fitted_data(bundle.arch)
+            trainer = self.trainer_provider(bundle)
+            self._health_check(trainer, data)
+        except (ArtifactError, ConfigError) as exc:
+            # Whatever was wrong, nothing of the new bundle is in use: the device keeps its
+            # previous model (if it had one) and the edge sees it absent from this rollout.
+            self.metrics.inc(REJECTED, reason="unusable_artifacts")
+            keeping = "keeping the previous model" if rollout in self.trainers else "not taking part"
+            log.error("manifest v%d of rollout %s refused, %s: %s", manifest.version, rollout, keeping, exc)
             return
-        try:
-            self._fit_data(bundle.arch)
-        except ConfigError as exc:
-            # Retrying cannot help: the device stays out of this rollout (its edge sees it
-            # missing in every round) instead of failing in the middle of each one.
-            log.error("local data does not fit the model of rollout %s, not taking part: %s", rollout, exc)
-            self.manifests.pop(rollout, None)
-            return
-        self.trainers[rollout] = self.trainer_provider(bundle)
-        log.info("artifacts of rollout %s ready; trainer loaded", rollout)
+        self.data = data
+        self.trainers[rollout] = trainer
+        self.manifests[rollout] = manifest
+        self.gate.installed(manifest, raw)
+        self.state.set_manifest_version(self.gate.installed_version)
+        log.info("manifest v%d of rollout %s installed; trainer loaded", manifest.version, rollout)
         task = self._pending_task.pop(rollout, None)
         if task is not None:
             self._run_task(task, now)
 
-    def _fit_data(self, arch: ArchSpec) -> None:
-        """Check local data against the model, and lay flat feature rows out as its example shape.
+    def _health_check(self, trainer: Trainer, data: LocalData) -> None:
+        """The new model loads and one evaluation step on local data gives a finite loss."""
+        n = min(len(data), 32)
+        try:
+            loss = trainer.evaluate(data.x[:n], data.y[:n]).loss
+        except (LocalProtocolError, RuntimeError, ValueError) as exc:
+            raise ArtifactError(f"health check failed: {exc}") from exc
+        if not math.isfinite(loss):
+            raise ArtifactError(f"health check failed: loss {loss} on local data")
+
+    def _fitted_data(self, arch: ArchSpec) -> LocalData:
+        """Local data checked against the model, flat rows laid out as its example shape.
 
         Raises:
             ConfigError: no samples, examples of the wrong size, or labels outside the classes.
@@ -207,8 +223,9 @@ class DeviceNode(NodeBase):
         if int(y.min()) < 0 or int(y.max()) >= arch.num_classes:
             raise ConfigError(f"local labels span [{int(y.min())}, {int(y.max())}]; the model has "
                               f"{arch.num_classes} classes")
-        if x.shape[1:] != shape:
-            self.data = LocalData(x=np.ascontiguousarray(x.reshape((len(x), *shape))), y=y)
+        if x.shape[1:] == shape:
+            return self.data
+        return LocalData(x=np.ascontiguousarray(x.reshape((len(x), *shape))), y=y)
 
     def _assemble(self, manifest: Manifest) -> ArtifactBundle:
         """Lay the cached files out as a bundle directory and verify it as a whole."""

@@ -13,6 +13,7 @@ from device_agent.state import DeviceState
 from fedtier import service
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.bundle import ArtifactBundle
+from fedtier.signing import load_trusted_keys
 from fedtier.trainer import Trainer
 from fedtier.transport import mqtt
 
@@ -36,7 +37,8 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
 
     node = DeviceNode(device_id=cfg.device_id, cell=cfg.cell, transport=tx, data=data, trainer_provider=provider,
                       state=DeviceState(cfg.state_dir / "agent.db"), cache=ArtifactCache(cfg.state_dir / "artifacts"),
-                      bundles_dir=cfg.state_dir / "bundles", max_message_bytes=max_bytes)
+                      bundles_dir=cfg.state_dir / "bundles", max_message_bytes=max_bytes,
+                      trusted_keys=load_trusted_keys(cfg.trusted_keys))
     return node, tx, inbox
 
 

@@ -17,6 +17,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS outbox (
     msg_key TEXT PRIMARY KEY, topic TEXT NOT NULL, payload BLOB NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS progress (rollout TEXT PRIMARY KEY, last_round INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS settings (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 
 
@@ -49,6 +50,17 @@ class DeviceState:
         with self.db.locked() as db:
             row = db.execute("SELECT last_round FROM progress WHERE rollout=?", (rollout,)).fetchone()
         return int(row[0]) if row else -1
+
+    def manifest_version(self) -> int:
+        """The newest manifest version this device installed (no older one is accepted again)."""
+        with self.db.locked() as db:
+            row = db.execute("SELECT value FROM settings WHERE name='manifest_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    def set_manifest_version(self, version: int) -> None:
+        with self.db.locked() as db:
+            db.execute("INSERT INTO settings VALUES ('manifest_version', ?) ON CONFLICT(name) DO UPDATE SET "
+                       "value=MAX(value, excluded.value)", (version,))
 
     def close(self) -> None:
         self.db.close()

@@ -13,6 +13,7 @@ from fedtier import service
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.chunking import SqliteChunkStore
 from fedtier.metrics import Metrics
+from fedtier.signing import load_trusted_keys
 from fedtier.transport import mqtt
 
 log = logging.getLogger("fedtier.edge")
@@ -32,7 +33,8 @@ def build(cfg: EdgeConfig) -> tuple[EdgeNode, list[mqtt.MqttTransport], "queue.Q
                                 max_message_bytes=max_bytes)
     node = EdgeNode(cell=cfg.cell, cell_transport=cell_tx, cloud_transport=cloud_tx,
                     store=EdgeStore(cfg.state_dir / "edge.db"), cache=ArtifactCache(cfg.state_dir / "artifacts"),
-                    parent=cfg.parent, metrics=Metrics(node=cfg.cell, role="edge"), max_message_bytes=max_bytes)
+                    parent=cfg.parent, metrics=Metrics(node=cfg.cell, role="edge"), max_message_bytes=max_bytes,
+                    trusted_keys=load_trusted_keys(cfg.trusted_keys))
     return node, [cell_tx, cloud_tx], inbox
 
 

@@ -22,13 +22,14 @@ import dataclasses
 import logging
 import math
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from fedtier import algorithms, messages, topics, wire
 from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, SendToParent
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
 from fedtier.manifest import Manifest
+from fedtier.signing import ManifestGate, open_manifest
 from fedtier.messages import (
     ArtifactBlob,
     ArtifactRequest,
@@ -57,7 +58,7 @@ class EdgeNode(NodeBase):
 
     def __init__(self, *, cell: str, cell_transport: Transport, cloud_transport: Transport, store: EdgeStore,
                  cache: ArtifactCache, parent: str = "cloud", metrics: Metrics | None = None,
-                 max_message_bytes: int = 64 << 20) -> None:
+                 max_message_bytes: int = 64 << 20, trusted_keys: Mapping[str, Any] | None = None) -> None:
         super().__init__(cell, metrics or Metrics(node=cell, role="edge"), log, max_message_bytes)
         self.cell = cell
         self.parent = parent
@@ -67,6 +68,7 @@ class EdgeNode(NodeBase):
         self.cache = cache
         self.roles: dict[str, Any] = {}
         self.manifests: dict[str, Manifest] = {}
+        self.gate = ManifestGate(trusted_keys or {})
         self._requested: dict[str, float] = {}
         self._wanted: set[str] = set()  # digests devices asked for that were not cached yet
         self._served: dict[str, float] = {}
@@ -82,7 +84,8 @@ class EdgeNode(NodeBase):
         self.cell_tx.subscribe(topics.ALL_STATUS)
         for rollout, (_, payload) in self.store.manifests().items():
             try:
-                self.manifests[rollout] = Manifest.decode(payload)
+                self.manifests[rollout] = open_manifest(payload, {})  # verified when it was stored
+                self.gate.installed(self.manifests[rollout], payload)
             except RemoteProtocolError:
                 log.warning("ignoring unreadable stored manifest of %s", rollout)
         replayed = 0
@@ -199,7 +202,11 @@ class EdgeNode(NodeBase):
         if not inbound.payload:
             return  # a cleared retained manifest
         try:
-            manifest = Manifest.decode(inbound.payload)
+            # With trusted keys: a valid signature, a newer version, not expired — an edge never
+            # relays into its cell what its devices would refuse (or what could roll them back).
+            manifest = self.gate.check(inbound.payload)
+            if manifest is None:
+                return  # the relayed manifest again (retained redelivery)
             if manifest.rollout != parsed.rollout:
                 raise UnexpectedMessageError("manifest rollout differs from its topic")
         except RemoteProtocolError as exc:
@@ -208,12 +215,11 @@ class EdgeNode(NodeBase):
         if self.cell not in manifest.cells:
             return
         known = self.manifests.get(manifest.rollout)
-        if known is not None and manifest.version <= known.version and inbound.payload == known.encode():
-            return
         if known is not None and manifest.version < known.version:
             log.warning("ignoring manifest v%d of %s: have v%d", manifest.version, manifest.rollout, known.version)
             return
         self.manifests[manifest.rollout] = manifest
+        self.gate.installed(manifest, inbound.payload)
         self.store.save_manifest(manifest.rollout, manifest.version, inbound.payload)
         self.cell_tx.publish(topics.cell_manifest(manifest.rollout, self.cell), inbound.payload, retain=True)
         log.info("manifest v%d of rollout %s relayed to cell %s", manifest.version, manifest.rollout, self.cell)

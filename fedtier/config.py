@@ -293,10 +293,22 @@ class BrokerConfig(Section):
     session_expiry_s: int = opt(3600, min=0, help="How long the broker keeps our session while we are away.")
     max_packet_size: int = opt(0, min=0, help="Packet limit in bytes; 0 = the broker's CONNACK limit or 256 KiB. "
                                               "Larger messages are chunked.")
+    tls_ca: Path | None = opt(None, help="CA certificate (PEM) that signed the broker's certificate; enables TLS.")
+    tls_cert: Path | None = opt(None, help="This node's client certificate (PEM) for mutual TLS.")
+    tls_key: Path | None = opt(None, help="This node's private key (PEM, mode 0600) for mutual TLS.")
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         if self.max_packet_size and self.max_packet_size < 4096:
             raise self.error("must be 0 or at least 4096", "max_packet_size", prefix=prefix, source=source)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise self.error("tls_cert and tls_key go together", "tls_cert", prefix=prefix, source=source)
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise self.error("a client certificate needs tls_ca to verify the broker", "tls_ca",
+                             prefix=prefix, source=source)
+        for key in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, key)
+            if path is not None and not path.is_file():
+                raise self.error(f"file not found: {path}", key, prefix=prefix, source=source)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -112,6 +112,30 @@ class ManifestError(DecodeError):
     reason = "bad_manifest"
 
 
+class ManifestSignatureError(DecodeError):
+    """A manifest's signature does not verify (or a signed manifest was required and absent)."""
+
+    reason = "bad_signature"
+
+
+class UnknownSigningKeyError(DecodeError):
+    """A manifest is signed by a key this node does not trust."""
+
+    reason = "unknown_key"
+
+
+class StaleManifestError(RemoteProtocolError):
+    """A manifest whose version is not newer than the one installed (a replay or a rollback)."""
+
+    reason = "stale_manifest"
+
+
+class ExpiredManifestError(RemoteProtocolError):
+    """A manifest past its expiry time."""
+
+    reason = "expired_manifest"
+
+
 # --- protocol state (fedtier.algorithms) --------------------------------------------------
 
 

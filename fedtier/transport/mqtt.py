@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +47,24 @@ PACKET_OVERHEAD = 128
 """Fixed header, packet id and properties of a PUBLISH, on top of topic and payload."""
 
 
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """Mutual TLS: the CA that signed the broker's certificate, and this node's certificate and key."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """TLS 1.2+, the broker's certificate checked against the CA *and* the host name
+        (brokers get certificates with the addresses clients use, ``fedtier provision broker``)."""
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.cert_file:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
+
 @dataclass(slots=True)
 class _Group:
     remaining: int
@@ -60,7 +79,8 @@ class MqttTransport(ChunkingMixin):
                  protocol: int = 5, keepalive: int = 30, session_expiry_s: int = 3600,
                  max_packet_size: int | None = None, status: dict[str, Any] | None = None,
                  chunk_store: chunking.ChunkStore | None = None,
-                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, reconnect_max_s: int = 30) -> None:
+                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, reconnect_max_s: int = 30,
+                 tls: TlsSettings | None = None) -> None:
         """
         Args:
             name: label of this connection in traffic stats and logs ("cell", "cloud", ...).
@@ -78,6 +98,7 @@ class MqttTransport(ChunkingMixin):
             chunk_store: where partial chunked messages wait (default: memory).
             max_message_bytes: refuse reassembled messages larger than this.
             reconnect_max_s: longest back-off between reconnection attempts.
+            tls: mutual-TLS settings, or None for plain TCP.
         """
         if protocol not in (4, 5):
             raise ValueError(f"protocol must be 4 (MQTT 3.1.1) or 5, got {protocol}")
@@ -109,6 +130,8 @@ class MqttTransport(ChunkingMixin):
             kwargs["clean_session"] = False
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, **kwargs)
         self.client.max_queued_messages_set(0)
+        if tls is not None:
+            self.client.tls_set_context(tls.context())
         self.client.reconnect_delay_set(min_delay=1, max_delay=reconnect_max_s)
         if status is not None:
             offline = json.dumps({**status, "state": "offline"}).encode()
@@ -288,7 +311,11 @@ def from_config(cfg: Any, *, name: str, client_id: str, inbox: "queue.Queue[Inbo
                 status: dict[str, Any] | None = None, chunk_store: chunking.ChunkStore | None = None,
                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES) -> MqttTransport:
     """An ``MqttTransport`` from a ``fedtier.config.BrokerConfig`` section."""
+    tls = None
+    if cfg.tls_ca is not None:
+        tls = TlsSettings(ca_file=str(cfg.tls_ca), cert_file=str(cfg.tls_cert) if cfg.tls_cert else None,
+                          key_file=str(cfg.tls_key) if cfg.tls_key else None)
     return MqttTransport(name=name, client_id=client_id, host=cfg.host, port=cfg.port, inbox=inbox,
                          protocol=cfg.protocol, keepalive=cfg.keepalive_s, session_expiry_s=cfg.session_expiry_s,
                          max_packet_size=cfg.max_packet_size or None, status=status, chunk_store=chunk_store,
-                         max_message_bytes=max_message_bytes)
+                         max_message_bytes=max_message_bytes, tls=tls)

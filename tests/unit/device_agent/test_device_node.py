@@ -128,4 +128,4 @@ def test_data_that_does_not_fit_the_model_keeps_the_device_out_without_crashing(
     edge.publish(topics.cell_down(rollout, cell, DeviceTask.KIND), task_for(prepared, cell).encode())
     broker.run_until_idle()
     assert rollout not in node.trainers and uplinks(received, DeviceUpdate) == []
-    assert "local data does not fit the model" in caplog.text and "10 classes" in caplog.text
+    assert "refused, not taking part" in caplog.text and "10 classes" in caplog.text
