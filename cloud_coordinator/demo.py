@@ -8,6 +8,12 @@
 4. follow the coordinator's metrics file: a line and a progress bar per round;
 5. stop every process it started — at the end, on error, or on Ctrl-C — and print the
    summary: accuracy per round, bytes per tier, wall time.
+
+With ``--secure`` it first provisions a throwaway fleet in the work directory, exactly as an
+operator would with ``fedtier provision``: a CA and a manifest-signing key, a bundle per node
+(certificate, 0600 key, CA, trusted keys), and a Mosquitto config with a mutual-TLS listener,
+the fleet's CRL and a per-role ACL. Every node then talks TLS with its own certificate, every
+manifest is signed and verified, and each node may publish only its own topics.
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ class DemoOptions:
     workdir: Path | None = None
     timeout_s: float = 600.0
     max_packet_size: int = 0
+    secure: bool = False  # provision a fleet: mutual TLS, ACLs, signed manifests
 
 
 @dataclass
@@ -176,8 +183,35 @@ class Demo:
             section["max_packet_size"] = self.opts.max_packet_size
         return section
 
-    def write_configs(self, port: int) -> FleetPaths:
-        return write_fleet(self.rollout_config(), self.workdir, self._broker_section(port))
+    def write_configs(self, port: int, bundles: dict[str, Path] | None = None) -> FleetPaths:
+        return write_fleet(self.rollout_config(), self.workdir, self._broker_section(port), bundles)
+
+    def provision(self, port: int) -> tuple[dict[str, Path], list[str]]:
+        """A throwaway fleet under ``workdir/fleet``: bundles per node and the broker's config.
+
+        Returns:
+            node id -> bundle directory, and the command that runs the provisioned Mosquitto.
+        """
+        from provisioning.bundles import issue_coordinator, issue_device, issue_gateway
+        from provisioning.broker_config import combined_broker_config
+        from provisioning.fleet import Fleet
+
+        mosq = mosquitto_path()
+        if mosq is None:
+            raise DemoError("--secure needs Mosquitto (the embedded broker has no TLS): apt-get install mosquitto")
+        if self.opts.broker == "embedded":
+            raise DemoError("--secure needs Mosquitto; the embedded broker has no TLS or ACLs")
+        fleet = Fleet.init(self.workdir / "fleet")
+        endpoint = ("127.0.0.1", port)
+        out = self.workdir / "bundles"
+        bundles = {"cloud": issue_coordinator(fleet, endpoint, out / "cloud").path}
+        for cell, members in self.members().items():
+            bundles[cell] = issue_gateway(fleet, cell, endpoint, out / cell, cloud_broker=endpoint).path
+            for device in members:
+                bundles[device] = issue_device(fleet, device, cell, endpoint, out / device).path
+        setup = combined_broker_config(list(self.members()), "cloud", fleet=fleet, out=self.workdir / "broker",
+                                       port=port, max_packet_size=self.opts.max_packet_size or None)
+        return bundles, setup.command(mosq)
 
     # --- processes ------------------------------------------------------------------------------------
 
@@ -196,9 +230,16 @@ class Demo:
         self.procs.append(proc)
         return proc
 
-    def start_broker(self, port: int) -> None:
+    def start_broker(self, port: int, command: list[str] | None = None) -> None:
+        """Start the broker: ``command`` (a provisioned Mosquitto), or per ``--broker``."""
         kind = self.opts.broker
         mosq = mosquitto_path()
+        if command is not None:
+            self.broker_kind = "mosquitto (mutual TLS, ACL)"
+            self._spawn("broker", "broker", command)
+            if not wait_for_port(port, READY_TIMEOUT_S):
+                raise DemoError(f"the provisioned broker did not open port {port}:\n{_tail(self.procs[-1].log)}")
+            return
         if kind == "mosquitto" and mosq is None:
             raise DemoError("--broker mosquitto, but mosquitto is not installed (apt-get install mosquitto)")
         if kind == "mosquitto" or (kind == "auto" and mosq is not None):
@@ -255,8 +296,15 @@ class Demo:
         ok = False
         try:
             port = free_port()
-            self.start_broker(port)
-            paths = self.write_configs(port)
+            if o.secure:
+                bundles, command = self.provision(port)
+                self.say(f"provisioned a fleet: CA, signing key and {len(bundles)} node bundles in "
+                         f"{self.workdir / 'bundles'}")
+                self.start_broker(port, command)
+                paths = self.write_configs(port, bundles)
+            else:
+                self.start_broker(port)
+                paths = self.write_configs(port)
             self.say(f"fedtier demo: {o.devices} devices in {o.cells} cells, {o.rounds} rounds of {o.algorithm} on "
                      f"digits (non-iid, Dirichlet alpha={o.alpha}); {self.broker_kind} broker on 127.0.0.1:{port}")
             self.start_nodes(paths)

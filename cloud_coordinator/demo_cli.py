@@ -34,6 +34,9 @@ import click
               help="Dirichlet concentration of the non-iid split (smaller = more skewed devices).")
 @click.option("--max-packet-size", type=click.IntRange(0), default=0, show_default=True,
               help="Broker packet limit in bytes (0 = none); larger messages travel chunked.")
+@click.option("--secure", is_flag=True,
+              help="Provision a throwaway fleet first (CA, per-node certificates, signed manifests) and run "
+                   "over Mosquitto with mutual TLS and per-role ACLs, as a production fleet would.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of data split, init and minibatches.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep configs, data, state and logs here (default: a temporary directory, "
@@ -42,8 +45,8 @@ import click
               help="Give up after this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
-         lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, seed: int,
-         workdir: Path | None, timeout_s: float, as_json: bool) -> None:
+         lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
+         seed: int, workdir: Path | None, timeout_s: float, as_json: bool) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
@@ -68,7 +71,8 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
 
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
                        local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
-                       max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s)
+                       max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
+                       secure=secure)
     runner = Demo(opts, say, progress)
     try:
         result = runner.run()
@@ -83,7 +87,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     if as_json:
         json.dump({"algorithm": algorithm, "rounds": result.rounds, "bytes": totals(result.rounds),
                    "wall_s": result.wall_s,
-                   "broker": result.broker, "processes": result.processes,
+                   "broker": result.broker, "processes": result.processes, "secure": secure,
                    "final_accuracy": result.rounds[-1]["accuracy"] if result.rounds else None},
                   sys.stdout, indent=1, default=float)
         click.echo()

@@ -4,6 +4,10 @@
 TOML per node (validated by loading it back), each device's training split as
 ``data/<device>/train.npz``, and separate state directories — exactly what an operator
 would write by hand for ``fedtier coordinator|edge|agent run``.
+
+A provisioned fleet (``fedtier demo --secure``) passes the nodes' enrollment bundles
+(``fedtier provision ...``): each node's broker tables (mutual TLS), trusted manifest keys
+and — for the coordinator — its signing key come from its bundle.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.datasets import make_federated
 from device_agent.config import DeviceConfig
 from edge_broker.config import EdgeConfig
-from fedtier.config import dumps_toml, load
+from fedtier.config import dumps_toml, load, read_toml
+
+# Keys of a bundle's config that hold file paths, relative to the bundle.
+_PATH_KEYS = ("tls_ca", "tls_cert", "tls_key", "signing_key")
 
 
 @dataclass(frozen=True)
@@ -32,7 +39,35 @@ class FleetPaths:
         return [self.coordinator, *self.edges.values(), *self.devices.values()]
 
 
-def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, Any]) -> FleetPaths:
+def bundle_settings(bundle: Path) -> dict[str, Any]:
+    """The security settings of an enrollment bundle's config, with absolute paths.
+
+    Returns the broker tables (``broker``, ``cell_broker``, ``cloud_broker``: whichever the
+    bundle has), ``trusted_keys`` and ``signing_key``; not its ids, data or state dirs.
+    """
+    bundle = Path(bundle).resolve()
+    config = next((bundle / n for n in ("device.toml", "edge.toml", "coordinator.toml") if (bundle / n).exists()),
+                  None)
+    if config is None:
+        raise FileNotFoundError(f"{bundle} holds no device.toml, edge.toml or coordinator.toml")
+    data = read_toml(config)
+
+    def absolute(value: Any) -> Any:
+        return str((bundle / value).resolve()) if isinstance(value, str) else value
+
+    out: dict[str, Any] = {}
+    for key in ("broker", "cell_broker", "cloud_broker"):
+        if key in data:
+            out[key] = {k: absolute(v) if k in _PATH_KEYS else v for k, v in data[key].items()}
+    if "trusted_keys" in data:
+        out["trusted_keys"] = [absolute(p) for p in data["trusted_keys"]]
+    if "signing_key" in data:
+        out["signing_key"] = absolute(data["signing_key"])
+    return out
+
+
+def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, Any],
+                bundles: Mapping[str, Path] | None = None) -> FleetPaths:
     """Write every node's config and every device's data under ``workdir``.
 
     Args:
@@ -40,14 +75,22 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
             table is set to ``broker``, and ``state_dir`` defaults to ``workdir/coordinator``.
         workdir: where configs (``configs/``), data (``data/``) and state go.
         broker: the ``[broker]`` table every node uses (host, port, ...).
+        bundles: node id (the cloud id, cell ids, device ids) -> its enrollment bundle; the
+            node's broker tables, trusted keys and signing key then come from the bundle.
 
     Returns:
         Paths of the written configs.
     """
+    bundles = bundles or {}
+
+    def secured(node: str, config: dict[str, Any]) -> dict[str, Any]:
+        return {**config, **bundle_settings(bundles[node])} if node in bundles else config
+
     workdir = Path(workdir)
     cfg_dir = workdir / "configs"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     rollout = {"state_dir": str(workdir / "coordinator"), **rollout, "broker": dict(broker)}
+    rollout = secured(str(rollout.get("cloud_id", "cloud")), rollout)
     coordinator = cfg_dir / "coordinator.toml"
     coordinator.write_text(dumps_toml(rollout))
     cfg = load(RolloutConfig, coordinator)
@@ -59,7 +102,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
         edge = {"cell": cell, "state_dir": str(workdir / "edges" / cell), "parent": cfg.cloud_id,
                 "cell_broker": dict(broker), "cloud_broker": dict(broker)}
         edges[cell] = cfg_dir / f"edge-{cell}.toml"
-        edges[cell].write_text(dumps_toml(edge))
+        edges[cell].write_text(dumps_toml(secured(cell, edge)))
         load(EdgeConfig, edges[cell])
         for device in members:
             data_dir = workdir / "data" / device
@@ -69,6 +112,6 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
             dev = {"device_id": device, "cell": cell, "data_dir": str(data_dir),
                    "state_dir": str(workdir / "devices" / device), "broker": dict(broker)}
             devices[device] = cfg_dir / f"device-{device}.toml"
-            devices[device].write_text(dumps_toml(dev))
+            devices[device].write_text(dumps_toml(secured(device, dev)))
             load(DeviceConfig, devices[device])
     return FleetPaths(coordinator=coordinator, edges=edges, devices=devices, workdir=workdir)

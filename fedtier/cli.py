@@ -24,6 +24,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("cloud_coordinator.demo_cli", "demo"),
     "broker": ("fedtier.broker_cli", "broker"),
     "plan": ("cloud_coordinator.plan_cli", "plan"),
+    "provision": ("provisioning.cli", "provision"),
 }
 
 SHORT_HELP = {
@@ -34,6 +35,7 @@ SHORT_HELP = {
     "demo": "Run a whole hierarchy on this machine over a real MQTT broker.",
     "broker": "Run the embedded pure-Python MQTT broker.",
     "plan": "Plan an algorithm's parameters under a time budget (QHetFed's tau, gamma).",
+    "provision": "Provision the fleet: CA, certificates, bundles, broker ACLs, revocation.",
 }
 
 

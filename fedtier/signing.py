@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -30,14 +29,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from fedtier.errors import ConfigError, ManifestError, ManifestSignatureError, UnknownSigningKeyError
 from fedtier.layout import canonical_json
 from fedtier.manifest import Manifest
+from fedtier.pki import key_id
 
 ALGORITHM = "ed25519"
-
-
-def key_id(public_key: Ed25519PublicKey) -> str:
-    """sha256 of the raw public key, first 16 hex characters (field notes §3.5)."""
-    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).hexdigest()[:16]
 
 
 def load_trusted_keys(paths: Iterable[Path]) -> dict[str, Ed25519PublicKey]:

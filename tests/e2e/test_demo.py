@@ -92,3 +92,20 @@ def _processes_mentioning(text: str) -> list[int]:
         if text in cmdline and state != "Z":
             pids.append(int(entry))
     return pids
+
+
+def test_secure_demo_matches_the_plain_demo(tmp_path: Path) -> None:
+    """Mutual TLS, ACLs and signed manifests change who may talk, not the mathematics."""
+    require(mosquitto_binary() is not None, "Mosquitto")
+    args = ("--devices", "4", "--cells", "2", "--rounds", "3")
+    plain = run_demo(*args)
+    secure = run_demo(*args, "--secure", "--workdir", str(tmp_path))
+    assert secure["secure"] is True and "TLS" in secure["broker"]
+    assert [r["accuracy"] for r in secure["rounds"]] == [r["accuracy"] for r in plain["rounds"]]
+    conf = (tmp_path / "broker" / "mosquitto.conf").read_text()
+    assert "require_certificate true" in conf and "allow_anonymous false" in conf
+    keys = sorted((tmp_path / "bundles").glob("*/key.pem"))
+    assert len(keys) == 1 + 2 + 4  # coordinator, gateways, devices
+    assert all(k.stat().st_mode & 0o777 == 0o600 for k in keys)
+    for device in ("dev-00", "dev-03"):  # each agent verified a signed manifest before training
+        assert "manifest v1 of rollout demo installed" in (tmp_path / "logs" / f"{device}.log").read_text()
