@@ -21,6 +21,7 @@ from fedtier.topics import check_id
 
 DATASETS = ("digits", "breast_cancer", "synthetic")
 ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist")
+PRIVATE_ALGORITHMS = ("fedavg", "hier_qsgd", "hist")  # the ones whose uplinks pass the DP mechanism
 
 
 def _bits(value: int) -> None:
@@ -87,6 +88,13 @@ class TopologyConfig(Section):
     devices_per_cell: int = opt(6, min=1, help="Devices per cell (named dev-00, dev-01, ...).")
     members: dict[str, tuple[str, ...]] | None = opt(
         None, help="Explicit cell -> device ids; overrides cells/devices_per_cell.")
+    trusted: dict[str, bool] | None = opt(
+        None, help="Trust labels for differential privacy: server id -> true (its children may send it clear "
+                   "models) or false. Undeclared servers are untrusted; a server with an untrusted child is "
+                   "untrusted (closure); the cloud never is.")
+    parents: dict[str, str] | None = opt(
+        None, help="Server -> parent server, for aggregators between the cells and the cloud (deeper trees). "
+                   "`fedtier privacy plan` resolves them; rollouts run device -> cell -> cloud.")
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         if self.members is not None:
@@ -212,6 +220,39 @@ class HistSection(QuantizedSection):
         return HistConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, **self.common(seed))
 
 
+def _open_unit(value: float) -> None:
+    if not 0 < value < 1:
+        raise ValueError(f"must be in (0, 1); got {value!r}")
+
+
+@dataclass(frozen=True)
+class PrivacySection(Section):
+    """Differential privacy with trust labels (M2FDP, seed 004; see docs/privacy.md).
+
+    Every upload is clipped to ``clip``; devices under untrusted edges add Gaussian noise, trusted
+    edges add it when they forward to the cloud. ``rdp`` calibration solves the noise multiplier
+    for (epsilon, delta) over the real number of releases with an RDP accountant; ``paper`` uses
+    the paper's closed form (eq. 11) and is for reproductions only. Either way the coordinator's
+    ledger reports each device's epsilon from the RDP accountant and stops the rollout before
+    any device would exceed ``budget_epsilon``.
+    """
+
+    epsilon: float = opt(help="Target epsilon per device over the whole rollout.", gt=0)
+    clip: float = opt(help="C: L2 bound on each released model delta (the change since the last public model).",
+                      gt=0)
+    delta: float = opt(1e-5, check=_open_unit, help="Target delta, in (0, 1).")
+    calibration: str = opt("rdp", choices=("rdp", "paper"),
+                           help="rdp: noise from an RDP accountant (sound); paper: eq. (11) closed form.")
+    alpha: float = opt(1.0, gt=0, help="paper: the constant alpha of eq. (11), which the paper does not give.")
+    sampling_rate: float | None = opt(None, gt=0, max=1,
+                                      help="paper: q of eq. (11); default batch_size / smallest device's samples.")
+    budget_epsilon: float | None = opt(None, gt=0, help="Stop before any device's epsilon would exceed this "
+                                                        "(default: epsilon; inf: never stop).")
+    require_tls: bool = opt(True, help="Refuse to send clear (un-noised) updates over a connection without TLS.")
+    noise_seed: int | None = opt(None, help="Simulation only: seed the noise for reproducible experiments. Anyone "
+                                           "with the seed can remove the noise; `coordinator run` refuses it.")
+
+
 @dataclass(frozen=True)
 class SimulationConfig(Section):
     """In-process simulation knobs."""
@@ -254,6 +295,7 @@ class RolloutConfig(Section):
     hist: HistSection = opt(default_factory=HistSection, help="HIST settings.")
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="Cloud broker (coordinator run).")
     simulation: SimulationConfig = opt(default_factory=SimulationConfig, help="Simulator knobs.")
+    privacy: PrivacySection | None = opt(None, help="Differential privacy (off when absent).")
 
     @property
     def metrics_path(self) -> Path:
@@ -273,6 +315,17 @@ class RolloutConfig(Section):
                 if self.model.hidden[k] < cells:
                     raise self.error(f"hidden layer of {self.model.hidden[k]} neurons cannot be split over "
                                      f"{cells} cells", "model.hidden", prefix=prefix, source=source)
+        self._check_trust(prefix=prefix, source=source)
+        if self.privacy is not None:
+            if self.algorithm not in PRIVATE_ALGORITHMS:
+                raise self.error(f"differential privacy covers {', '.join(PRIVATE_ALGORITHMS)}; "
+                                 f"{self.algorithm}'s gradient exchange is not covered yet", "privacy",
+                                 prefix=prefix, source=source)
+            section = getattr(self, self.algorithm)
+            if section.weighting != "uniform":
+                raise self.error("privacy needs uniform weights (a device's reported sample count must not raise "
+                                 "its weight, and with it the sensitivity of its cell's mean)",
+                                 f"{self.algorithm}.weighting", prefix=prefix, source=source)
         if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
             from cloud_coordinator.planner import InfeasiblePlanError
 
@@ -280,6 +333,23 @@ class RolloutConfig(Section):
                 self.replanner()(None)
             except InfeasiblePlanError as exc:
                 raise self.error(str(exc), "qhetfed.plan.round_budget_s", prefix=prefix, source=source) from None
+
+    def _check_trust(self, *, prefix: str, source: str | None) -> None:
+        if not (self.topology.trusted or self.topology.parents):
+            return
+        from fedtier.errors import ConfigError
+
+        try:
+            self.trust_tree()
+        except ConfigError as exc:
+            raise self.error(exc.message, exc.key or "topology", prefix=prefix, source=source) from None
+
+    def trust_tree(self) -> dict[str, Any]:
+        """The resolved trust labels and noise placement (``fedtier.privacy.trust.resolve``)."""
+        from fedtier.privacy.trust import resolve
+
+        return resolve(cloud=self.cloud_id, cells=self.topology.layout(), parents=self.topology.parents,
+                       declared=self.topology.trusted)
 
     def algorithm_config(self) -> Any:
         """The configured algorithm's settings object (what every task carries)."""

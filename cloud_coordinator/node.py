@@ -91,6 +91,8 @@ class CloudNode(NodeBase):
         self.manifest: Manifest = prepared.manifest
         self.history: list[dict[str, Any]] = []
         self.finished = False
+        self.stop_reason: str | None = None
+        self.ledger: Any = None  # cloud_coordinator.privacy.ledger.PrivacyLedger under differential privacy
         self._round_bytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._started_at = wall_clock()
         self._last_close = self._started_at
@@ -113,10 +115,17 @@ class CloudNode(NodeBase):
             log.info("resuming rollout %s at round %d from model version %d", self.rollout, start_round, version)
         module = algorithms.load(self.cfg.algorithm)
         replan = self.cfg.replanner() if self.cfg.algorithm == "qhetfed" and self.cfg.qhetfed.plan else None
+        plan = self.prepared.noise_plan
+        if plan is not None:
+            from cloud_coordinator.privacy.ledger import PrivacyLedger
+
+            self.ledger = PrivacyLedger(store=self.store, rollout=self.rollout, plan=plan, cells=self.prepared.cells,
+                                        cloud_id=self.cfg.cloud_id)
         self.role = module.Cloud(rollout=self.rollout, cells=self.prepared.cells, initial_params=params,
-                                 config=self.cfg.algorithm_config(), rounds=self.cfg.rounds,
+                                 config=self.prepared.algorithm_config(), rounds=self.cfg.rounds,
                                  cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version,
-                                 replan=replan, **self.prepared.cloud_kwargs())
+                                 replan=replan, admit=self.ledger.admit if self.ledger is not None else None,
+                                 **self.prepared.cloud_kwargs())
         self._execute(self.role.start(now), now)
         for payload in self.store.inputs(self.rollout):
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
@@ -223,9 +232,14 @@ class CloudNode(NodeBase):
                 self._close(action)
             elif isinstance(action, Finished):
                 self.finished = True
-                self.store.set_status(self.rollout, "finished")
+                if action.reason != "completed":
+                    self.stop_reason = action.reason
+                    self.store.set_status(self.rollout, "stopped")
+                    log.warning("rollout %s stopped before round %d: %s", self.rollout, action.rounds, action.reason)
+                else:
+                    self.store.set_status(self.rollout, "finished")
+                    log.info("rollout %s finished after %d rounds", self.rollout, action.rounds)
                 self.write_metrics()
-                log.info("rollout %s finished after %d rounds", self.rollout, action.rounds)
 
     def _close(self, closed: RoundClosed) -> None:
         result = self.evaluator(dict(closed.params)) if self.evaluator is not None else None
@@ -258,8 +272,16 @@ class CloudNode(NodeBase):
         self._last_close = wall
         if self.extra_metrics is not None:
             row.update(self.extra_metrics(dict(closed.params)))
+        releases: list[dict[str, Any]] = []
+        clear: list[dict[str, Any]] = []
+        if self.ledger is not None:
+            releases, clear = self.ledger.rows_for_round(closed.round, closed.metrics.get("privacy", {}))
+            self.ledger.charge(releases)
+            row["train_loss"] = None  # cells do not send losses under differential privacy
+            row["privacy"] = {**self.ledger.summary(), "releases": len(releases),
+                              "unobserved": sum(1 for r in releases if not r["observed"]), "clear_hops": len(clear)}
         self.store.commit_round(self.rollout, closed.round, int(closed.metrics.get("model_version", 0)),
-                                closed.params, row["accuracy"], row["loss"], row)
+                                closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear)
         self.history.append(row)
         self.metrics.set("fedtier_round", closed.round)
         if result is not None:
@@ -272,10 +294,13 @@ class CloudNode(NodeBase):
             self.on_round(row)
 
     def write_metrics(self) -> None:
-        write_json_atomic(self.cfg.metrics_path, {
-            "rollout": self.rollout, "algorithm": self.cfg.algorithm, "rounds_planned": self.cfg.rounds,
-            "finished": self.finished, "rounds": self.history,
-        })
+        doc: dict[str, Any] = {"rollout": self.rollout, "algorithm": self.cfg.algorithm,
+                               "rounds_planned": self.cfg.rounds, "finished": self.finished, "rounds": self.history}
+        if self.stop_reason is not None:
+            doc["stopped"] = self.stop_reason
+        if self.prepared.noise_plan is not None:
+            doc["noise_plan"] = self.prepared.noise_plan.to_dict()
+        write_json_atomic(self.cfg.metrics_path, doc)
 
     @property
     def params(self) -> dict[str, Any]:

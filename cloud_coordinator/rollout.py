@@ -8,6 +8,7 @@ they train the same model on the same data.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from cloud_coordinator.datasets import FederatedData, make_federated
 from fedtier.bundle import ArtifactBundle
 from fedtier.layout import ArchSpec
 from fedtier.manifest import Manifest
+from fedtier.privacy.plan import NoisePlan
 from fedtier.submodels import fixed_sizes, plan_for, submodel_arch
 
 
@@ -34,6 +36,15 @@ class PreparedRollout:
     manifest: Manifest
     cell_bundles: Mapping[str, ArtifactBundle] = field(default_factory=dict)
     """HIST: each cell's submodel bundle (cells not listed train ``bundle``)."""
+    noise_plan: NoisePlan | None = None
+    """Differential privacy: the resolved noise plan (also in the manifest and in every task)."""
+
+    def algorithm_config(self) -> Any:
+        """The algorithm's settings for the cloud role, with the noise plan when privacy is on."""
+        config = self.config.algorithm_config()
+        if self.noise_plan is not None:
+            config = dataclasses.replace(config, privacy=self.noise_plan.to_dict())
+        return config
 
     def artifact_files(self) -> dict[str, Path]:
         """sha256 -> local path of every artifact file of the rollout (all bundles)."""
@@ -71,9 +82,15 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
         for cell, sizes in zip(sorted(cells), fixed_sizes(plan, len(cells)), strict=True):
             cell_bundles[cell] = build_artifacts(submodel_arch(plan, sizes), cfg.artifacts_path,
                                                  seed=cfg.model.init_seed)
+    noise_plan = None
+    extra: dict[str, Any] = {"layout_sha256": bundle.layout.sha256}
+    if cfg.privacy is not None:
+        from cloud_coordinator.privacy.calibrate import make_plan  # dp-accounting: coordinator only
+
+        noise_plan = make_plan(cfg, {d: len(data.train[d][1]) for d in devices})
+        extra["privacy"] = noise_plan.to_dict()  # signed with the manifest: an edge cannot weaken it
     manifest = Manifest(rollout=cfg.rollout, version=manifest_version, algorithm=cfg.algorithm,
                         bundle=bundle.to_json(), cells=tuple(cells), rounds=cfg.rounds, created=time.time(),
-                        extra={"layout_sha256": bundle.layout.sha256},
-                        cell_bundles={c: b.to_json() for c, b in cell_bundles.items()})
+                        extra=extra, cell_bundles={c: b.to_json() for c, b in cell_bundles.items()})
     return PreparedRollout(config=cfg, arch=arch, bundle=bundle, initial_params=params, cells=cells, data=data,
-                           manifest=manifest, cell_bundles=cell_bundles)
+                           manifest=manifest, cell_bundles=cell_bundles, noise_plan=noise_plan)

@@ -13,6 +13,7 @@ from cloud_coordinator.rollout import prepare
 from cloud_coordinator.store import CoordinatorStore
 from fedtier import service
 from fedtier.chunking import SqliteChunkStore
+from fedtier.errors import ConfigError
 from fedtier.transport import mqtt
 
 log = logging.getLogger("fedtier.coordinator")
@@ -20,6 +21,9 @@ log = logging.getLogger("fedtier.coordinator")
 
 def build(cfg: RolloutConfig, on_round: Callable[[dict[str, Any]], None] | None = None
           ) -> tuple[CloudNode, mqtt.MqttTransport, "queue.Queue"]:
+    if cfg.privacy is not None and cfg.privacy.noise_seed is not None:
+        raise ConfigError("a fixed noise seed lets anyone who knows it remove the noise: simulations only",
+                          key="privacy.noise_seed")
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     prepared = prepare(cfg)
     inbox: queue.Queue = queue.Queue()

@@ -16,6 +16,7 @@ tolerance); a test checks it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 import time
@@ -34,6 +35,7 @@ from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.bundle import ArtifactBundle
+from fedtier.privacy.mechanism import NoiseSource
 from fedtier.trainer import Trainer
 from fedtier.transport.memory import MemoryBroker
 
@@ -48,6 +50,14 @@ class SimulationResult:
     params: dict[str, Any]
     prepared: PreparedRollout
     wall_s: float
+
+
+def noise_source(cfg: RolloutConfig, node: str) -> NoiseSource:
+    """A node's DP noise: OS-seeded, or — for reproducible experiments — from ``[privacy] noise_seed``."""
+    seed = cfg.privacy.noise_seed if cfg.privacy is not None else None
+    if seed is None:
+        return NoiseSource()
+    return NoiseSource(int.from_bytes(hashlib.sha256(f"{seed}/{node}".encode()).digest()[:16], "little"))
 
 
 class SharedTrainers:
@@ -115,12 +125,13 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
                 node = DeviceNode(device_id=device, cell=cell, transport=tx,
                                   data=LocalData(x=x.reshape((len(x), *prepared.arch.input_shape)), y=y),
                                   trainer_provider=trainers, state=DeviceState(":memory:"), cache=cache,
-                                  bundles_dir=root / "bundles")
+                                  bundles_dir=root / "bundles", noise=noise_source(cfg, device))
                 tx.set_handler(_bind(node, broker))
                 nodes.append(node)
             cell_tx, up_tx = broker.connect(f"{cell}/cell"), broker.connect(f"{cell}/cloud")
             edge = EdgeNode(cell=cell, cell_transport=cell_tx, cloud_transport=up_tx, store=EdgeStore(":memory:"),
-                            cache=ArtifactCache(root / "edges" / cell), parent=cfg.cloud_id)
+                            cache=ArtifactCache(root / "edges" / cell), parent=cfg.cloud_id,
+                            noise=noise_source(cfg, cell))
             cell_tx.set_handler(_bind(edge, broker))
             up_tx.set_handler(_bind(edge, broker))
             nodes.append(edge)

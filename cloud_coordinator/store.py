@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -55,7 +55,26 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 CREATE TABLE IF NOT EXISTS inputs (
     rollout TEXT NOT NULL, round INTEGER NOT NULL, msg_key TEXT NOT NULL,
     payload BLOB NOT NULL, PRIMARY KEY (rollout, msg_key));
+CREATE TABLE IF NOT EXISTS privacy_releases (
+    rollout TEXT NOT NULL, round INTEGER NOT NULL, event TEXT NOT NULL, step INTEGER NOT NULL,
+    node TEXT NOT NULL, parent TEXT NOT NULL, parent_trusted INTEGER NOT NULL, protected TEXT NOT NULL,
+    sensitivity REAL NOT NULL, inputs TEXT NOT NULL, sigma REAL NOT NULL, noise_multiplier REAL NOT NULL,
+    mode TEXT NOT NULL, observed INTEGER NOT NULL, PRIMARY KEY (rollout, round, node, step));
+CREATE TABLE IF NOT EXISTS privacy_clear (
+    rollout TEXT NOT NULL, round INTEGER NOT NULL, step INTEGER NOT NULL, sender TEXT NOT NULL,
+    receiver TEXT NOT NULL, receiver_trusted INTEGER NOT NULL, PRIMARY KEY (rollout, round, step, sender));
 """
+
+RELEASE_COLUMNS = ("rollout", "round", "event", "step", "node", "parent", "parent_trusted", "protected",
+                   "sensitivity", "inputs", "sigma", "noise_multiplier", "mode", "observed")
+CLEAR_COLUMNS = ("rollout", "round", "step", "sender", "receiver", "receiver_trusted")
+
+
+def _release_values(rollout: str, r: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (rollout, int(r["round"]), str(r["event"]), int(r["step"]), str(r["node"]), str(r["parent"]),
+            int(bool(r["parent_trusted"])), json.dumps(sorted(r["protected"])), float(r["sensitivity"]),
+            json.dumps(r.get("inputs", {}), sort_keys=True), float(r["sigma"]), float(r["noise_multiplier"]),
+            str(r["mode"]), int(bool(r["observed"])))
 
 
 class CoordinatorStore:
@@ -106,10 +125,17 @@ class CoordinatorStore:
                              (rollout, 0, -1, hashlib.sha256(blob).hexdigest(), blob, time.time()))
 
     def commit_round(self, rollout: str, round: int, version: int, params: Mapping[str, np.ndarray],
-                     accuracy: float | None, loss: float | None, metrics: Mapping[str, Any]) -> None:
-        """Store a closed round and its model version atomically; drop the round's inputs."""
+                     accuracy: float | None, loss: float | None, metrics: Mapping[str, Any],
+                     releases: Sequence[Mapping[str, Any]] = (), clear: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Store a closed round, its model version and its privacy-ledger rows atomically; drop the
+        round's inputs. (A crash never leaves a model without its releases on the ledger.)"""
         blob = encode_params(params, rollout=rollout, round=round)
         with self.db.transaction() as db:
+            db.executemany(f"INSERT OR REPLACE INTO privacy_releases VALUES ({','.join('?' * len(RELEASE_COLUMNS))})",
+                           [_release_values(rollout, r) for r in releases])
+            db.executemany(f"INSERT OR REPLACE INTO privacy_clear VALUES ({','.join('?' * len(CLEAR_COLUMNS))})",
+                           [(rollout, int(c["round"]), int(c["step"]), str(c["sender"]), str(c["receiver"]),
+                             int(bool(c["receiver_trusted"]))) for c in clear])
             db.execute("INSERT OR REPLACE INTO models VALUES (?,?,?,?,?,?)",
                        (rollout, version, round, hashlib.sha256(blob).hexdigest(), blob, time.time()))
             db.execute("INSERT OR REPLACE INTO rounds VALUES (?,?,?,?,?,?)",
@@ -137,6 +163,29 @@ class CoordinatorStore:
             rows = db.execute("SELECT round, closed, accuracy, loss, metrics FROM rounds WHERE rollout=?"
                                     " ORDER BY round", (rollout,)).fetchall()
         return [{"round": r, "closed": c, "accuracy": a, "loss": lo, **json.loads(m)} for r, c, a, lo, m in rows]
+
+    # --- privacy ledger ------------------------------------------------------------------------
+
+    def privacy_releases(self, rollout: str) -> list[dict[str, Any]]:
+        """Every release row of ``rollout``, in round order (``protected`` and ``inputs`` decoded)."""
+        with self.db.locked() as db:
+            rows = db.execute(f"SELECT {','.join(RELEASE_COLUMNS)} FROM privacy_releases WHERE rollout=? "
+                              "ORDER BY round, event, node, step", (rollout,)).fetchall()
+        out = []
+        for row in rows:
+            rec = dict(zip(RELEASE_COLUMNS, row, strict=True))
+            rec["protected"] = json.loads(rec["protected"])
+            rec["inputs"] = json.loads(rec["inputs"])
+            rec["parent_trusted"] = bool(rec["parent_trusted"])
+            rec["observed"] = bool(rec["observed"])
+            out.append(rec)
+        return out
+
+    def privacy_clear(self, rollout: str) -> list[dict[str, Any]]:
+        with self.db.locked() as db:
+            rows = db.execute(f"SELECT {','.join(CLEAR_COLUMNS)} FROM privacy_clear WHERE rollout=? "
+                              "ORDER BY round, step, sender", (rollout,)).fetchall()
+        return [{**dict(zip(CLEAR_COLUMNS, r, strict=True)), "receiver_trusted": bool(r[5])} for r in rows]
 
     # --- open-round inputs ----------------------------------------------------------------------
 

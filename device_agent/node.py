@@ -36,12 +36,21 @@ from fedtier.algorithms.base import (
 from fedtier.artifact_cache import ArtifactCache
 from fedtier.batching import minibatch_indices
 from fedtier.bundle import ArtifactBundle
-from fedtier.errors import ArtifactError, ConfigError, LocalProtocolError, RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import (
+    ArtifactError,
+    ConfigError,
+    LocalProtocolError,
+    PrivacyViolationError,
+    RemoteProtocolError,
+    UnexpectedMessageError,
+)
 from fedtier.layout import ArchSpec
 from fedtier.manifest import Manifest
 from fedtier.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask
 from fedtier.metrics import Metrics
 from fedtier.node import REJECTED, NodeBase
+from fedtier.privacy.mechanism import NoiseSource
+from fedtier.privacy.plan import NoisePlan
 from fedtier.signing import ManifestGate
 from fedtier.trainer import Trainer
 from fedtier.transport.base import Inbound, Transport
@@ -61,8 +70,9 @@ class DeviceNode(NodeBase):
     def __init__(self, *, device_id: str, cell: str, transport: Transport, data: LocalData,
                  trainer_provider: TrainerProvider, state: DeviceState, cache: ArtifactCache, bundles_dir: Path,
                  metrics: Metrics | None = None, max_message_bytes: int = 64 << 20,
-                 trusted_keys: Mapping[str, Any] | None = None) -> None:
+                 trusted_keys: Mapping[str, Any] | None = None, noise: NoiseSource | None = None) -> None:
         super().__init__(device_id, metrics or Metrics(node=device_id, role="device"), log, max_message_bytes)
+        self.noise = noise if noise is not None else NoiseSource()  # OS-seeded; never stored
         self.device_id = device_id
         self.cell = cell
         self.tx = transport
@@ -256,13 +266,37 @@ class DeviceNode(NodeBase):
         if role is None:
             module = algorithms.load(str(task.config.get("algorithm", "")))
             role = module.Device(device_id=self.device_id, cell=self.cell, rollout=task.rollout,
-                                 last_round=self.state.last_round(task.rollout))
+                                 last_round=self.state.last_round(task.rollout), noise=self.noise)
             self.roles[task.rollout] = role
         return role
 
     def _run_task(self, task: DeviceTask, now: float) -> None:
+        try:
+            self._check_privacy(task)
+        except (PrivacyViolationError, RemoteProtocolError) as exc:
+            reason = getattr(exc, "reason", "privacy_violation")
+            self.metrics.inc(REJECTED, reason=reason)
+            log.error("refused the task of round %d of %s: %s", task.round, task.rollout, exc)
+            return
         role = self._role(task)
         self._execute(role.receive(task, now), now, rollout=task.rollout)
+
+    def _check_privacy(self, task: DeviceTask) -> None:
+        """The task's noise plan must be the signed manifest's (an edge cannot weaken it), and a
+        clear update (trusted edge) may only leave over TLS."""
+        manifest = self.manifests.get(task.rollout)
+        planned = manifest.extra.get("privacy") if manifest is not None else None
+        carried = task.config.get("privacy")
+        if planned != carried:
+            raise UnexpectedMessageError("the task's noise plan differs from the rollout manifest's")
+        if carried is None:
+            return
+        plan = NoisePlan.from_dict(carried)
+        cell = plan.cells.get(self.cell)
+        if cell is not None and cell.trusted and plan.require_tls and not getattr(self.tx, "secure", False):
+            raise PrivacyViolationError(f"cell {self.cell} is trusted, so updates go to it without noise, but the "
+                                        "broker connection has no TLS (configure [broker] tls_*; or set "
+                                        "[privacy] require_tls = false on the coordinator for a lab setup)")
 
     def _execute(self, actions: Sequence[Action], now: float, rollout: str) -> None:
         self.diagnostics(actions)

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 from fedtier import algorithms, messages, topics, wire
 from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, SendToParent
 from fedtier.artifact_cache import ArtifactCache
-from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import PrivacyViolationError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.manifest import Manifest
 from fedtier.signing import ManifestGate, open_manifest
 from fedtier.messages import (
@@ -40,7 +40,9 @@ from fedtier.messages import (
     Message,
 )
 from fedtier.metrics import Metrics
-from fedtier.node import ACCEPTED, NodeBase
+from fedtier.node import ACCEPTED, REJECTED, NodeBase
+from fedtier.privacy.mechanism import NoiseSource
+from fedtier.privacy.plan import NoisePlan
 from fedtier.transport.base import Inbound, Transport
 
 from edge_broker.store import EdgeStore
@@ -58,8 +60,10 @@ class EdgeNode(NodeBase):
 
     def __init__(self, *, cell: str, cell_transport: Transport, cloud_transport: Transport, store: EdgeStore,
                  cache: ArtifactCache, parent: str = "cloud", metrics: Metrics | None = None,
-                 max_message_bytes: int = 64 << 20, trusted_keys: Mapping[str, Any] | None = None) -> None:
+                 max_message_bytes: int = 64 << 20, trusted_keys: Mapping[str, Any] | None = None,
+                 noise: NoiseSource | None = None) -> None:
         super().__init__(cell, metrics or Metrics(node=cell, role="edge"), log, max_message_bytes)
+        self.noise = noise if noise is not None else NoiseSource()  # OS-seeded; never stored
         self.cell = cell
         self.parent = parent
         self.cell_tx = cell_transport
@@ -131,6 +135,9 @@ class EdgeNode(NodeBase):
                 raise UnexpectedMessageError(f"edge does not accept {msg.KIND}")
         except RemoteProtocolError as exc:
             self.reject(inbound, exc)
+        except PrivacyViolationError as exc:
+            self.metrics.inc(REJECTED, reason="privacy_violation")
+            log.error("refused %s of round %d: %s", msg.KIND, msg.round, exc)
 
     def _role_for(self, msg: Message) -> Any:
         role = self.roles.get(msg.rollout)
@@ -138,9 +145,35 @@ class EdgeNode(NodeBase):
             if not isinstance(msg, CellTask):
                 raise UnexpectedMessageError(f"no open round of rollout {msg.rollout!r}")
             module = algorithms.load(str(msg.config.get("algorithm", "")))
-            role = module.Edge(cell=self.cell, rollout=msg.rollout, parent=self.parent)
+            self._check_clear_inputs(msg)
+            role = module.Edge(cell=self.cell, rollout=msg.rollout, parent=self.parent, noise=self.noise)
             self.roles[msg.rollout] = role
         return role
+
+    def _check_clear_inputs(self, task: CellTask) -> None:
+        """A trusted cell receives clear updates: only over TLS (unless the plan allows otherwise)."""
+        privacy = task.config.get("privacy")
+        if not isinstance(privacy, Mapping):
+            return
+        plan = NoisePlan.from_dict(privacy)
+        cell = plan.cells.get(self.cell)
+        if cell is not None and cell.trusted and plan.require_tls and not getattr(self.cell_tx, "secure", False):
+            raise PrivacyViolationError(f"cell {self.cell} is trusted, so its devices send clear updates, but the "
+                                        "cell broker connection has no TLS (configure [cell_broker] tls_*)")
+
+    def _refuse_clear_aggregate(self, rollout: str, msg: CellUpdate) -> bool:
+        """Defence in depth: never publish an un-noised aggregate of a trusted cell to the (untrusted) cloud."""
+        role = self.roles.get(rollout)
+        plan = role._plan if role is not None else None
+        if plan is None or not plan.cells[self.cell].trusted:
+            return False
+        own = [r for r in (msg.privacy or {}).get("releases", ()) if r.get("node") == self.cell and r.get("z", 0) > 0]
+        if own:
+            return False
+        self.metrics.inc(REJECTED, reason="privacy_violation")
+        log.error("refused to publish round %d of %s: the trusted cell's aggregate carries no noise release",
+                  msg.round, rollout)
+        return True
 
     def _on_round_message(self, payload: bytes, msg: CellTask | DeviceUpdate | DeviceGradient, now: float,
                           replay: bool = False, wire_bytes: int | None = None) -> None:
@@ -183,6 +216,8 @@ class EdgeNode(NodeBase):
                 stats = dict(self._round_bytes.pop((rollout, msg.round), {}))
                 if isinstance(msg, CellUpdate):
                     msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
+                    if self._refuse_clear_aggregate(rollout, msg):
+                        continue
                 self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), msg.encode(action.encodings))
                 log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,
                          len(getattr(msg, "reported", ())))

@@ -13,7 +13,6 @@ Usage: ``python experiments/hist.py [--config experiments/hist.toml] [--workers 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
@@ -29,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from report import IMG, md_table, write_section  # noqa: E402
+from report import IMG, arguments, md_table, write_section  # noqa: E402
 
 ALGORITHMS = {"hist": "HIST", "fedavg": "HFedAvg"}
 
@@ -72,10 +71,7 @@ def comm_to(run: dict[str, Any], target: float) -> float | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=HERE / "hist.toml")
-    ap.add_argument("--workers", type=int, default=2)
-    args = ap.parse_args()
+    args = arguments(__doc__.splitlines()[0], HERE / "hist.toml")
     spec = tomllib.loads(args.config.read_text())
     jobs = {(split, n, seed, algorithm): (rollout_mapping(spec, algorithm, split, seed, n), str(HERE))
             for split in spec["splits"] for n in spec["cells"] for seed in spec["seeds"] for algorithm in ALGORITHMS}

@@ -10,7 +10,6 @@ Usage: ``python experiments/qhetfed.py [--config experiments/qhetfed.toml] [--wo
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
@@ -26,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from report import IMG, md_table, write_section  # noqa: E402
+from report import IMG, arguments, md_table, write_section  # noqa: E402
 
 ALGORITHMS = {"qhetfed": "QHetFed", "hier_qsgd": "Hier-Local-QSGD"}
 
@@ -94,10 +93,7 @@ def uplink_per_device_round(run: dict[str, Any], devices: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, default=HERE / "qhetfed.toml")
-    ap.add_argument("--workers", type=int, default=2)
-    args = ap.parse_args()
+    args = arguments(__doc__.splitlines()[0], HERE / "qhetfed.toml")
     spec = tomllib.loads(args.config.read_text())
     seeds, last = spec["seeds"], spec["last_rounds"]
     devices = spec["rollout"]["topology"]["cells"] * spec["rollout"]["topology"]["devices_per_cell"]

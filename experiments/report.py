@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -28,3 +29,11 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def arguments(description: str, default_config: Path) -> argparse.Namespace:
+    """The runners' command line: ``--config`` (default: the runner's TOML) and ``--workers``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--config", type=Path, default=default_config)
+    ap.add_argument("--workers", type=int, default=2, help="simulations run in parallel processes")
+    return ap.parse_args()

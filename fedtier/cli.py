@@ -25,6 +25,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("fedtier.broker_cli", "broker"),
     "plan": ("cloud_coordinator.plan_cli", "plan"),
     "provision": ("provisioning.cli", "provision"),
+    "privacy": ("cloud_coordinator.privacy_cli", "privacy"),
 }
 
 SHORT_HELP = {
@@ -36,6 +37,7 @@ SHORT_HELP = {
     "broker": "Run the embedded pure-Python MQTT broker.",
     "plan": "Plan an algorithm's parameters under a time budget (QHetFed's tau, gamma).",
     "provision": "Provision the fleet: CA, certificates, bundles, broker ACLs, revocation.",
+    "privacy": "Differential privacy: a rollout's noise plan, and its ledger's epsilon report.",
 }
 
 

@@ -132,6 +132,8 @@ def _convert(value: Any, tp: Any, path: str, source: str | None, base_dir: Path 
         args = [a for a in get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if len(args) == 1:  # Optional[X]: X's own error names the real problem
+            return _convert(value, args[0], path, source, base_dir)
         errors = []
         for arg in args:
             try:

@@ -175,6 +175,18 @@ class LayoutMismatchError(RemoteProtocolError):
     reason = "layout_mismatch"
 
 
+class MissingReleaseError(RemoteProtocolError):
+    """A payload that the noise plan says must carry differential-privacy noise has no (or a
+    too weak) release record: it may be a clear model, so it is refused (M2FDP audit)."""
+
+    reason = "missing_release"
+
+
+class PrivacyViolationError(FedtierError):
+    """This node was about to send something the noise plan forbids (a clear aggregate to an
+    untrusted parent, a clear update without TLS). Nothing is sent; the operator must look."""
+
+
 # --- configuration --------------------------------------------------------------------------
 
 
@@ -182,6 +194,7 @@ class ConfigError(FedtierError):
     """A configuration file or option is invalid. ``key`` names the offending key."""
 
     def __init__(self, message: str, *, key: str | None = None, source: str | None = None):
+        self.message = message
         self.key = key
         self.source = source
         where = ""

@@ -185,16 +185,22 @@ class DeviceUpdate(Message):
     steps: int = 0
     q: float = 0.0
     """Measured relative variance of the quantization applied to ``delta`` (0 when exact)."""
+    release: Mapping[str, Any] | None = None
+    """The differential-privacy release record when the device added noise (``fedtier.privacy.audit``)."""
 
     def _meta(self) -> dict[str, Any]:
-        return {"num_samples": self.num_samples, "train_loss": float(self.train_loss),
+        meta = {"num_samples": self.num_samples, "train_loss": float(self.train_loss),
                 "steps": self.steps, "q": float(self.q)}
+        if self.release is not None:
+            meta["release"] = _plain(self.release, "release")
+        return meta
 
     @classmethod
     def from_envelope(cls, env: Envelope) -> "DeviceUpdate":
         return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, delta=env.tensors,
                    num_samples=_count(env.meta, "num_samples"), train_loss=_get(env.meta, "train_loss", float),
-                   steps=_get(env.meta, "steps", int), q=_nonneg(env.meta, "q"))
+                   steps=_get(env.meta, "steps", int), q=_nonneg(env.meta, "q"),
+                   release=_get(env.meta, "release", dict, default=None))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -216,10 +222,15 @@ class CellUpdate(Message):
     stats: Mapping[str, Any] = field(default_factory=dict)
     q: float = 0.0
     """Measured relative variance of the edge's own quantization of ``delta`` (Q2)."""
+    privacy: Mapping[str, Any] | None = None
+    """Under differential privacy: the cell's release records and clear hops (``fedtier.privacy.audit``)."""
 
     def _meta(self) -> dict[str, Any]:
-        return {"weight": float(self.weight), "reported": list(self.reported),
+        meta = {"weight": float(self.weight), "reported": list(self.reported),
                 "mean_loss": float(self.mean_loss), "stats": _plain(self.stats), "q": float(self.q)}
+        if self.privacy is not None:
+            meta["privacy"] = _plain(self.privacy, "privacy")
+        return meta
 
     @classmethod
     def from_envelope(cls, env: Envelope) -> "CellUpdate":
@@ -229,7 +240,7 @@ class CellUpdate(Message):
         return cls(rollout=env.rollout, round=env.round, sender=env.sender, delta=env.tensors,
                    weight=weight, reported=_str_list(env.meta, "reported"),
                    mean_loss=_get(env.meta, "mean_loss", float), stats=_get(env.meta, "stats", dict),
-                   q=_nonneg(env.meta, "q"))
+                   q=_nonneg(env.meta, "q"), privacy=_get(env.meta, "privacy", dict, default=None))
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -151,9 +151,11 @@ class RoundClosed:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """Cloud: the last configured round closed; nothing more will be sent."""
+    """Cloud: the rollout is over — the last configured round closed, or ``reason`` stopped it
+    before round ``rounds`` opened (e.g. "privacy_budget"); nothing more will be sent."""
 
     rounds: int
+    reason: str = "completed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,12 @@ quorum of cells)--> COLLECTING (next round) | FINISHED.
 ``replan`` (optional, pure): given the running estimate of the devices' quantizer variance
 ``q1`` (from the cells' reports), return the config of the next round — QHetFed's planner
 chooses (tau, gamma) this way.
+
+Differential privacy: when the config carries a noise plan, every cell update is audited
+(``fedtier.privacy.audit.check_cell_update``) before it is accepted — one whose noise is
+missing or weaker than planned is refused with ``MissingReleaseError`` — and ``admit``
+(optional, supplied by the coordinator's privacy ledger) is asked before each round opens;
+when it names a reason (a device's budget would be exceeded), the rollout finishes instead.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from fedtier.errors import (
     WrongRoundError,
 )
 from fedtier.messages import CellTask, CellUpdate, Message
+from fedtier.privacy import audit
+from fedtier.privacy.plan import NoisePlan
 
 
 class RoundConfig(Protocol):
@@ -60,7 +68,8 @@ class Cloud(StateGuard):
 
     def __init__(self, *, rollout: str, cells: Mapping[str, Sequence[str]], initial_params: Tensors,
                  config: RoundConfig, rounds: int, cloud_id: str = "cloud", start_round: int = 0,
-                 model_version: int = 0, replan: Callable[[float | None], RoundConfig] | None = None) -> None:
+                 model_version: int = 0, replan: Callable[[float | None], RoundConfig] | None = None,
+                 admit: Callable[[int], str | None] | None = None) -> None:
         """
         Args:
             rollout: rollout id.
@@ -72,6 +81,8 @@ class Cloud(StateGuard):
             start_round: first round to run (> 0 when resuming from saved state).
             model_version: version number of ``initial_params``; incremented every round.
             replan: optional pure function of the q1 estimate giving the next round's config.
+            admit: optional check before a round opens: ``None`` to go ahead, or why the rollout
+                must stop instead (the privacy budget).
         """
         if not cells or any(not members for members in cells.values()):
             raise LocalProtocolError("every cell needs at least one member device")
@@ -86,6 +97,8 @@ class Cloud(StateGuard):
         self.model_version = model_version
         self.round = start_round
         self.replan = replan
+        self.admit = admit
+        self.stop_reason: str | None = None
         self.q1_estimate: float | None = None
         self._state = RoleState.IDLE
         self._updates: dict[str, CellUpdate] = {}
@@ -109,12 +122,22 @@ class Cloud(StateGuard):
 
     # --- rounds ---------------------------------------------------------------------------------
 
+    def _noise_plan(self) -> NoisePlan | None:
+        privacy = getattr(self.config, "privacy", None)
+        return None if privacy is None else NoisePlan.from_dict(privacy)
+
     def _cell_task(self, cell: str) -> CellTask:
         return CellTask(rollout=self.rollout, round=self.round, sender=self.cloud_id, params=self._cell_params(cell),
                         members=self.cells[cell], config=self.config.to_dict(), model_version=self.model_version)
 
     def _open(self, now: float) -> list[Action]:
         notes: list[Action] = []
+        if self.admit is not None:
+            reason = self.admit(self.round)
+            if reason is not None:
+                self.stop_reason = reason
+                self._state = RoleState.FINISHED
+                return [Note("rollout_stopped", {"round": self.round, "reason": reason}), Finished(self.round, reason)]
         if self.replan is not None:
             new = self.replan(self.q1_estimate)
             if new.to_dict() != self.config.to_dict():
@@ -151,6 +174,9 @@ class Cloud(StateGuard):
         if unknown:
             raise UnknownSenderError(f"cell {message.sender!r} reports non-members {sorted(unknown)}")
         check_like(self._cell_params(message.sender), message.delta, f"update from {message.sender}")
+        plan = self._noise_plan()
+        if plan is not None:
+            audit.check_cell_update(plan, message.sender, message.round, message.privacy, message.reported)
         self._updates[message.sender] = message
         if len(self._updates) == len(self.cells):
             return self._close(now)
@@ -188,7 +214,9 @@ class Cloud(StateGuard):
                              metrics={"train_loss": mean_loss, "model_version": self.model_version,
                                       "q1": self.q1_estimate, "q2": q2,
                                       "config": self.config.to_dict(),
-                                      "cells": {c: dict(self._updates[c].stats) for c in cells}})
+                                      "cells": {c: dict(self._updates[c].stats) for c in cells},
+                                      "privacy": {c: self._updates[c].privacy for c in cells
+                                                  if self._updates[c].privacy is not None}})
         self.round += 1
         if self.round >= self.rounds:
             self._state = RoleState.FINISHED

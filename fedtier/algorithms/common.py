@@ -16,6 +16,7 @@ import numpy as np
 
 from fedtier import quant
 from fedtier.errors import LayoutMismatchError, LocalProtocolError, UnexpectedMessageError
+from fedtier.privacy.plan import NoisePlan
 from fedtier.rng import stream
 from fedtier.wire import TensorEncoding
 
@@ -52,6 +53,8 @@ class RoundSettings:
         seed: rollout seed; names every RNG stream.
         bits_device: Q1, QSGD bit width of device uploads (0 = float32).
         bits_edge: Q2, QSGD bit width of the edge's upload (0 = float32).
+        privacy: the rollout's noise plan (``fedtier.privacy.plan.NoisePlan.to_dict``), or
+            ``None`` without differential privacy.
     """
 
     ALGORITHM: ClassVar[str] = ""
@@ -64,6 +67,7 @@ class RoundSettings:
     seed: int = 0
     bits_device: int = 0
     bits_edge: int = 0
+    privacy: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_int(self.batch_size, "batch_size", 1)
@@ -77,6 +81,18 @@ class RoundSettings:
             raise LocalProtocolError(f"deadline_s must be > 0, got {self.deadline_s!r}")
         check_bits(self.bits_device, "bits_device")
         check_bits(self.bits_edge, "bits_edge")
+        if self.privacy is not None:
+            if self.weighting != "uniform":
+                raise LocalProtocolError("privacy needs weighting = 'uniform' (a device's reported sample count must "
+                                         "not raise its weight, and so the sensitivity of its cell's mean)")
+            try:
+                NoisePlan.from_dict(self.privacy)
+            except UnexpectedMessageError as exc:
+                raise LocalProtocolError(str(exc)) from None
+
+    def noise_plan(self) -> NoisePlan | None:
+        """The parsed noise plan (``None`` without differential privacy)."""
+        return None if self.privacy is None else NoisePlan.from_dict(self.privacy)
 
     def to_dict(self) -> dict[str, Any]:
         return {"algorithm": self.ALGORITHM, **{f.name: getattr(self, f.name) for f in fields(self)}}

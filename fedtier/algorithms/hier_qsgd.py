@@ -22,6 +22,14 @@ Minibatches of device ``n`` in edge round ``i`` come from stream
 ``(seed, "batches", rollout, n, t, i)``; its quantizer from ``(seed, "q1", rollout, n, t, i, tensor)``,
 the edge's from ``(seed, "q2", rollout, cell, t, tensor)``: no two senders share a stream.
 
+Differential privacy (M2FDP, seed 004; ``fedtier.privacy``), when the task carries a noise
+plan: every device upload is clipped to L2 norm ``C``; a device under an untrusted edge adds
+``N(0, sigma_dev^2 I)`` before quantizing and declares the release in the update; a trusted
+edge clips each input again (quantization may have grown it), and adds fresh noise to the
+cell's change before it goes to the cloud; an untrusted edge forwards the exact mean of
+noised inputs and refuses an input whose release record is missing. Training losses are not
+sent to untrusted nodes (they are data-dependent releases the plan does not cover).
+
 Transition tables (anything else raises):
 
     device: IDLE --DeviceTask--> TRAINING --trained (i < tau-1)--> WAITING --CellStep--> TRAINING
@@ -32,6 +40,7 @@ Transition tables (anything else raises):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
@@ -68,6 +77,9 @@ from fedtier.errors import (
     WrongRoundError,
 )
 from fedtier.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, Message
+from fedtier.privacy import audit
+from fedtier.privacy.mechanism import NoiseSource, clip
+from fedtier.privacy.plan import NoisePlan
 
 NAME = "hier_qsgd"
 
@@ -98,8 +110,10 @@ class _DeviceBase(StateGuard):
     """Round bookkeeping shared by the device roles: which task to accept, catch-up, desync."""
 
     CONFIG: ClassVar[type[Any]] = HierConfig
+    SUPPORTS_PRIVACY: ClassVar[bool] = True
 
-    def __init__(self, *, device_id: str, cell: str, rollout: str, last_round: int = -1) -> None:
+    def __init__(self, *, device_id: str, cell: str, rollout: str, last_round: int = -1,
+                 noise: NoiseSource | None = None) -> None:
         """
         Args:
             device_id: this device's node id.
@@ -107,7 +121,10 @@ class _DeviceBase(StateGuard):
             rollout: the rollout this role serves.
             last_round: the last round this device finished (after a restart), so a
                 redelivered task of that round is a duplicate, not new work.
+            noise: where differential-privacy noise comes from (default: a fresh OS-seeded source).
         """
+        self.noise = noise if noise is not None else NoiseSource()
+        self._plan: NoisePlan | None = None
         self.device_id = device_id
         self.cell = cell
         self.rollout = rollout
@@ -132,7 +149,11 @@ class _DeviceBase(StateGuard):
         config = self.CONFIG.from_dict(task.config)
         if task.step < 0 or task.step > self._max_start_step(config):
             raise UnexpectedMessageError(f"task starts at step {task.step}, beyond the round's steps")
-        self._config = config
+        plan = config.noise_plan()
+        if plan is not None and (not self.SUPPORTS_PRIVACY or self.cell not in plan.cells):
+            raise UnexpectedMessageError(f"task's noise plan does not cover cell {self.cell!r}" if self.SUPPORTS_PRIVACY
+                                         else f"{config.ALGORITHM} does not support differential privacy")
+        self._config, self._plan = config, plan
         self._round, self._step = task.round, task.step
         self._params = aggregate.copy_tensors(task.params)
         return None
@@ -204,11 +225,12 @@ class Device(_DeviceBase):
             return [Dropped("superseded", f"local/{round}", f"now at round {self._round}")]
         check_like(self._params, result.delta, "local result")
         c = self._config
-        values, encodings, q = quantize(result.delta, c.bits_device, c.seed, "q1", self.rollout, self.device_id,
+        delta, release, train_loss = self._privatize(result)
+        values, encodings, q = quantize(delta, c.bits_device, c.seed, "q1", self.rollout, self.device_id,
                                         self._round, self._step)
         update = DeviceUpdate(rollout=self.rollout, round=self._round, sender=self.device_id, step=self._step,
-                              delta=values, num_samples=result.num_samples, train_loss=result.mean_loss,
-                              steps=result.steps, q=q)
+                              delta=values, num_samples=result.num_samples, train_loss=train_loss,
+                              steps=result.steps, q=q, release=release)
         if self._step + 1 < c.edge_rounds:
             self._state = RoleState.WAITING
         else:
@@ -216,12 +238,33 @@ class Device(_DeviceBase):
         return [SendToParent(update, encodings)]
 
 
+    def _privatize(self, result: LocalResult) -> tuple[Mapping[str, np.ndarray], dict[str, Any] | None, float]:
+        """Clip, then noise where the plan says (before quantization): (delta, release record, loss to send)."""
+        plan = self._plan
+        if plan is None:
+            return result.delta, None, result.mean_loss
+        delta, _ = clip(result.delta, plan.clip)
+        if plan.cells[self.cell].trusted:
+            return delta, None, result.mean_loss  # clear, to a trusted edge (over TLS)
+        sigma = plan.device_sigma(self.cell)
+        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.device_id, self._round, self._step)
+        release = audit.release_record(plan=plan, node=self.device_id, event="device", round=self._round,
+                                       step=self._step, sigma=sigma, sensitivity=plan.device_sensitivity,
+                                       protected=[self.device_id])
+        return noised, release, 0.0
+
+
 class _EdgeBase(StateGuard):
     """Round, step and membership bookkeeping shared by the edge roles."""
 
     CONFIG: ClassVar[type[Any]] = HierConfig
+    SUPPORTS_PRIVACY: ClassVar[bool] = True
 
-    def __init__(self, *, cell: str, rollout: str, parent: str = "cloud") -> None:
+    def __init__(self, *, cell: str, rollout: str, parent: str = "cloud", noise: NoiseSource | None = None) -> None:
+        self.noise = noise if noise is not None else NoiseSource()
+        self._plan: NoisePlan | None = None
+        self._step_reporters: list[list[str]] = []
+        self._releases: list[dict[str, Any]] = []
         self.cell = cell
         self.rollout = rollout
         self.parent = parent
@@ -264,10 +307,15 @@ class _EdgeBase(StateGuard):
         if task.round < self.round:
             raise WrongRoundError(f"task for round {task.round}, cell is at round {self.round}")
         config = self.CONFIG.from_dict(task.config)
+        plan = config.noise_plan()
+        if plan is not None and (not self.SUPPORTS_PRIVACY or self.cell not in plan.cells):
+            raise UnexpectedMessageError(f"task's noise plan does not cover cell {self.cell!r}" if self.SUPPORTS_PRIVACY
+                                         else f"{config.ALGORITHM} does not support differential privacy")
         notes: list[Action] = []
         if self._state is RoleState.COLLECTING:
             notes.append(Note("round_abandoned", {"round": self.round, "step": self._step}))
-        self._task, self._config = task, config
+        self._task, self._config, self._plan = task, config, plan
+        self._step_reporters, self._releases = [], []
         self._params = aggregate.copy_tensors(task.params)
         self._step = 0
         self._seen = set()
@@ -306,6 +354,13 @@ class _EdgeBase(StateGuard):
         """Store an admitted upload; True when every member of the step has reported."""
         assert self._task is not None
         check_like(self._params, tensors, f"{msg.KIND} from {msg.sender}")
+        plan = self._plan
+        if plan is not None and isinstance(msg, DeviceUpdate):
+            if plan.cells[self.cell].trusted:
+                # Enforce the bound the edge's sensitivity rests on (quantization may have grown the norm).
+                msg = dataclasses.replace(msg, delta=clip(msg.delta, plan.clip)[0])
+            else:
+                audit.check_device_release(plan, self.cell, msg.sender, msg.round, msg.step, msg.release)
         self._updates[msg.sender] = msg
         self._seen.add(msg.key)
         return len(self._updates) == len(self._task.members)
@@ -322,17 +377,49 @@ class _EdgeBase(StateGuard):
         """Quantize the cell's change with Q2 and send it to the cloud; the round is done here."""
         assert self._task is not None
         c = self._config
+        delta, privacy = self._privatize(delta)
+        if privacy is not None:
+            mean_loss = 0.0  # a data-dependent number the plan does not cover; the cloud is untrusted
         values, encodings, q2 = quantize(delta, c.bits_edge, c.seed, "q2", self.rollout, self.cell,
                                          self._task.round)
         update = CellUpdate(rollout=self.rollout, round=self._task.round, sender=self.cell, delta=values,
                             weight=float(sum(weights)), reported=tuple(ids), mean_loss=mean_loss, q=q2,
-                            stats={"device_q": device_q})
+                            stats={"device_q": device_q}, privacy=privacy)
         self._state = RoleState.FORWARDED
         actions: list[Action] = [SendToParent(update, encodings)]
         missing = sorted(set(self._task.members) - set(ids))
         if missing:
             actions.insert(0, Note("cell_closed_with_stragglers", {"round": self._task.round, "missing": missing}))
         return actions
+
+    def _record_step(self, ids: list[str]) -> None:
+        """Privacy bookkeeping of a closed edge round: who reported, and their release records."""
+        if self._plan is None:
+            return
+        self._step_reporters.append(list(ids))
+        if not self._plan.cells[self.cell].trusted:
+            self._releases.extend(dict(self._updates[d].release) for d in ids)
+
+    def _privatize(self, delta: Mapping[str, np.ndarray]) -> tuple[Mapping[str, np.ndarray], dict[str, Any] | None]:
+        """A trusted edge adds fresh noise to the cell's change; an untrusted one passes its devices' records."""
+        plan = self._plan
+        if plan is None:
+            return delta, None
+        assert self._task is not None
+        steps = self._step_reporters
+        report: dict[str, Any] = {"trusted": plan.cells[self.cell].trusted, "steps": steps, "releases": self._releases,
+                                  "clear": []}
+        if not plan.cells[self.cell].trusted:
+            return delta, report
+        reporters = min(len(s) for s in steps)
+        sigma = plan.edge_sigma(self.cell, reporters)
+        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.cell, self._task.round)
+        protected = sorted({d for s in steps for d in s})
+        report["releases"] = [audit.release_record(plan=plan, node=self.cell, event="edge", round=self._task.round,
+                                                   step=0, sigma=sigma, sensitivity=plan.edge_sensitivity(reporters),
+                                                   protected=protected, reporters=reporters)]
+        report["clear"] = [{"sender": d, "receiver": self.cell, "step": i} for i, s in enumerate(steps) for d in s]
+        return noised, report
 
     def _next_step(self, now: float) -> None:
         self._step += 1
@@ -378,6 +465,7 @@ class Edge(_EdgeBase):
     def _close(self, now: float) -> list[Action]:
         assert self._task is not None
         avg, ids, weights = self._average("delta")
+        self._record_step(ids)
         # Devices apply ``avg`` with this same operation, so the set model stays bit-identical.
         self._params = aggregate.add(self._params, avg)
         self._acc = aggregate.add(self._acc, avg)

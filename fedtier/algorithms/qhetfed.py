@@ -96,6 +96,7 @@ class Device(_DeviceBase):
     """Uploads quantized gradients at the set model, applies the set's average, then gamma local steps."""
 
     CONFIG: ClassVar[type[Any]] = QHetFedConfig
+    SUPPORTS_PRIVACY: ClassVar[bool] = False  # its gradient exchange is not covered by the mechanism yet
 
     def _max_start_step(self, config: Any) -> int:
         return int(config.tau)  # step tau = the local phase (a catch-up may start there)
@@ -177,6 +178,7 @@ class Edge(_EdgeBase):
     """Averages its set's quantized gradients tau times, then their local changes once, and reports."""
 
     CONFIG: ClassVar[type[Any]] = QHetFedConfig
+    SUPPORTS_PRIVACY: ClassVar[bool] = False
 
     def _start(self, config: Any) -> None:
         self._w_t = self._params

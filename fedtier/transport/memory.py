@@ -77,6 +77,7 @@ class MemoryTransport(ChunkingMixin):
     def __init__(self, broker: MemoryBroker, name: str, handler: Handler | None) -> None:
         self.broker = broker
         self.name = name
+        self.secure = True  # in-process: nothing travels over a network
         self.handler = handler
         self.filters: list[str] = []
         self.reassembler = chunking.Reassembler()

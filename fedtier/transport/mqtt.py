@@ -123,6 +123,8 @@ class MqttTransport(ChunkingMixin):
         self._connected = threading.Event()
         self._closing = False
         self.denials: list[tuple[str, int]] = []
+        self.secure = tls is not None
+        """Whether payloads travel encrypted (clear DP payloads may only travel where this holds)."""
 
         proto = mqtt.MQTTv5 if protocol == 5 else mqtt.MQTTv311
         kwargs: dict[str, Any] = {"client_id": client_id, "protocol": proto, "manual_ack": True}

@@ -30,6 +30,10 @@ def test_every_experiment_config_loads() -> None:
             load(RolloutConfig, path)
             continue
         runner = __import__(path.stem)
+        if hasattr(runner, "all_mappings"):  # runners whose runs are not (split x algorithm)
+            for mapping in runner.all_mappings(spec):
+                RolloutConfig.from_mapping(mapping, source=str(path), base_dir=path.parent)
+            continue
         for split in spec["splits"]:
             for algorithm in runner.ALGORITHMS:
                 RolloutConfig.from_mapping(runner.rollout_mapping(spec, algorithm, split, spec["seeds"][0]),

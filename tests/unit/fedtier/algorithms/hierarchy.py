@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fedtier import messages
+from fedtier.privacy.mechanism import NoiseSource
 from fedtier.algorithms.common import digest
 from fedtier.algorithms.base import (
     Broadcast,
@@ -56,12 +57,19 @@ class Hierarchy:
     replan: Any = None
     cloud_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra arguments of the algorithm's cloud role (HIST needs ``arch``)."""
+    noise_seed: int | None = None
+    """Seed every node's differential-privacy noise (reproducible tests); None: OS-seeded."""
+
+    def _noise(self, node: str) -> dict[str, Any]:
+        if self.noise_seed is None:
+            return {}
+        return {"noise": NoiseSource(self.noise_seed * 1_000_003 + sum(map(ord, node)) * 7919 + len(node))}
 
     def __post_init__(self) -> None:
         self.cloud = self.algo.Cloud(rollout="r", cells=self.cells, initial_params=self.params, config=self.config,
                                      rounds=self.rounds, replan=self.replan, **self.cloud_kwargs)
-        self.edges = {c: self.algo.Edge(cell=c, rollout="r") for c in self.cells}
-        self.devices = {d: self.algo.Device(device_id=d, cell=c, rollout="r")
+        self.edges = {c: self.algo.Edge(cell=c, rollout="r", **self._noise(c)) for c in self.cells}
+        self.devices = {d: self.algo.Device(device_id=d, cell=c, rollout="r", **self._noise(d))
                         for c, ds in self.cells.items() for d in ds}
         self.received: dict[str, list[messages.Message]] = defaultdict(list)
         self.closed: list[RoundClosed] = []

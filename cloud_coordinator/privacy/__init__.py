@@ -1,0 +1,1 @@
+"""Differential privacy on the coordinator: calibration, accounting, ledger, budget (seed 004)."""

@@ -1,0 +1,157 @@
+"""Noise calibration: from a rollout config to its noise plan (digest §3.4, §3.5, §7).
+
+``rdp`` (default): each tier's noise multiplier ``z`` is the smallest one for which the RDP
+accountant (``accountant.noise_multiplier_for``) keeps its releases within the target
+(epsilon, delta) — a device under an untrusted edge releases ``tau`` times per round,
+``tau * T`` in all; a trusted edge once per round, ``T`` in all. No subsampling amplification
+is claimed (ORT's minibatches are not Poisson samples).
+
+``paper``: the paper's closed form (eq. 11 with Lemma 1's sensitivities), the same multiplier
+for every tier, ``z = alpha * q * sqrt(K T ln(1/delta)) / epsilon`` with ``K`` the local steps
+per round. It composes as if noise were added at every step and misapplies amplification
+(digest §3.5), so it is a reproduction aid, not a guarantee: the ledger reports the RDP
+epsilon of what was actually released either way.
+
+``plan_rows`` describes every node of a tree of any depth (intermediate servers included)
+for ``fedtier privacy plan``; ``make_plan`` is the two-tier plan a rollout runs with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from cloud_coordinator.config import RolloutConfig
+from cloud_coordinator.privacy import accountant
+from fedtier.errors import ConfigError
+from fedtier.privacy.plan import CellPlan, NoisePlan
+from fedtier.privacy.trust import CLOUD, DEVICE, TrustNode
+
+
+@dataclass(frozen=True)
+class Multipliers:
+    """Per-tier noise multipliers and the inputs they came from."""
+
+    device_z: float
+    edge_z: float
+    details: dict[str, Any]
+
+
+def schedule(cfg: RolloutConfig) -> tuple[int, int]:
+    """(local steps per edge round, edge rounds per global round) of the configured algorithm."""
+    section = getattr(cfg, cfg.algorithm)
+    return int(section.local_steps), int(getattr(section, "edge_rounds", 1))
+
+
+def sampling_rate(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> float:
+    """Paper mode's q: as configured, else batch_size / the smallest device's sample count."""
+    assert cfg.privacy is not None
+    if cfg.privacy.sampling_rate is not None:
+        return float(cfg.privacy.sampling_rate)
+    smallest = min(device_samples.values()) if device_samples else 0
+    batch = int(getattr(cfg, cfg.algorithm).batch_size)
+    return min(1.0, batch / smallest) if smallest > 0 else 1.0
+
+
+def multipliers(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> Multipliers:
+    """Solve (rdp) or compute (paper) the device and edge noise multipliers."""
+    p = cfg.privacy
+    if p is None:
+        raise ConfigError("no [privacy] section", key="privacy")
+    local_steps, tau = schedule(cfg)
+    rounds = cfg.rounds
+    details: dict[str, Any] = {"device_releases": tau * rounds, "edge_releases": rounds,
+                               "local_steps": local_steps, "edge_rounds": tau}
+    if p.calibration == "rdp":
+        device_z = accountant.noise_multiplier_for(p.epsilon, p.delta, tau * rounds)
+        edge_z = accountant.noise_multiplier_for(p.epsilon, p.delta, rounds)
+    else:
+        q = sampling_rate(cfg, device_samples)
+        device_z = edge_z = accountant.paper_noise_multiplier(
+            alpha=p.alpha, sampling_rate=q, steps_per_round=local_steps * tau, rounds=rounds,
+            epsilon=p.epsilon, delta=p.delta)
+        details.update(alpha=p.alpha, sampling_rate=q, steps_per_round=local_steps * tau)
+    details["epsilon_device_tier"] = accountant.epsilon([(device_z, tau * rounds)], p.delta)
+    details["epsilon_edge_tier"] = accountant.epsilon([(edge_z, rounds)], p.delta)
+    return Multipliers(device_z, edge_z, details)
+
+
+def make_plan(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> NoisePlan:
+    """The two-tier noise plan a rollout runs with (published in its manifest and tasks).
+
+    Raises:
+        ConfigError: no ``[privacy]`` section, or a topology with intermediate servers
+            (rollouts run device -> cell -> cloud; ``fedtier privacy plan`` shows deeper trees).
+    """
+    p = cfg.privacy
+    if p is None:
+        raise ConfigError("no [privacy] section", key="privacy")
+    tree = cfg.trust_tree()
+    cells = cfg.topology.layout()
+    deeper = sorted(n for n, e in tree.items() if e.kind == "server" and n not in cells)
+    if deeper:
+        raise ConfigError(f"intermediate servers {deeper} are for `fedtier privacy plan` only; rollouts run "
+                          "device -> cell -> cloud", key="topology.parents")
+    m = multipliers(cfg, device_samples)
+    _, tau = schedule(cfg)
+    plans = {cell: CellPlan(trusted=tree[cell].trusted, members=len(members),
+                            device_z=0.0 if tree[cell].trusted else m.device_z,
+                            edge_z=m.edge_z if tree[cell].trusted else 0.0)
+             for cell, members in cells.items()}
+    budget = p.budget_epsilon if p.budget_epsilon is not None else p.epsilon
+    return NoisePlan(mode=p.calibration, epsilon=p.epsilon, delta=p.delta, budget_epsilon=budget, clip=p.clip,
+                     edge_rounds=tau, rounds=cfg.rounds, require_tls=p.require_tls, cells=plans, details=m.details)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One node of ``fedtier privacy plan``'s table."""
+
+    node: str
+    kind: str
+    layer: int
+    parent: str | None
+    declared: bool | None
+    trusted: bool
+    why: str
+    injects: bool
+    releases: int  # per rollout
+    sensitivity: float
+    z: float
+    sigma: float
+    protects: int  # devices whose data its noise covers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in self.__dict__.items()}
+
+
+def plan_rows(cfg: RolloutConfig, device_samples: Mapping[str, int],
+              tree: Mapping[str, TrustNode] | None = None) -> list[PlanRow]:
+    """Every node of the (possibly deeper) tree: label, whether and how much noise it adds.
+
+    A trusted server at any depth that forwards to an untrusted parent protects its whole
+    subtree with ``sensitivity = 2C / fan_in`` (paper) or ``2C (1/fan_in + tau - 1)`` (rdp),
+    where ``fan_in`` is the smallest product of child counts down to one of its devices.
+    """
+    p = cfg.privacy
+    if p is None:
+        raise ConfigError("no [privacy] section", key="privacy")
+    tree = tree if tree is not None else cfg.trust_tree()
+    m = multipliers(cfg, device_samples)
+    _, tau = schedule(cfg)
+    rows = []
+    for node in sorted(tree.values(), key=lambda e: (e.layer, e.kind != CLOUD, e.node)):
+        if node.injects and node.kind == DEVICE:
+            releases, sens, z = tau * cfg.rounds, 2 * p.clip, m.device_z
+        elif node.injects:
+            releases, z = cfg.rounds, m.edge_z
+            sens = 2 * p.clip / node.fan_in if p.calibration == "paper" else \
+                2 * p.clip * (1 / node.fan_in + tau - 1)
+        else:
+            releases, sens, z = 0, 0.0, 0.0
+        rows.append(PlanRow(node=node.node, kind=node.kind, layer=node.layer, parent=node.parent,
+                            declared=node.declared, trusted=node.trusted, why=node.why, injects=node.injects,
+                            releases=releases, sensitivity=sens, z=z, sigma=z * sens,
+                            protects=node.devices if node.injects else 0))
+    return rows

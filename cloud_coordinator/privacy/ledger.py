@@ -1,0 +1,165 @@
+"""The privacy ledger: one row per noisy release, one per clear hop, per-device epsilon, the budget stop.
+
+Rows are written with the round that produced them, in the same SQLite transaction as the
+model (``CoordinatorStore.commit_round``): there is never a model whose releases are not on
+the ledger. A release row says who added noise (node, its parent and the parent's trust),
+for whom (the protected devices), against which sensitivity and its inputs, with which sigma
+and noise multiplier, under which calibration mode — and whether the cloud saw it.
+
+Unseen releases are charged too. Once a round's tasks are out, a device under an untrusted
+edge may release at every edge round even if its update never reaches the cloud (it was late,
+the cell closed on a quorum — the untrusted edge saw it all the same), and a trusted edge
+that missed the deadline may still send its noised aggregate. So at every close the ledger
+charges each planned release of the round that has no record, at its planned multiplier,
+with ``observed = 0``. A device's epsilon therefore never depends on which messages arrived.
+
+Per-device epsilon comes from the RDP accountant (``accountant.Accountant``) over the
+multipliers of the releases that protect it; later forwarding of noised data (untrusted
+edges, the cloud's broadcast) is post-processing and is not charged again. Before a round
+opens, ``admit`` adds that round's planned releases to every device's account and refuses
+the round if any device would exceed the budget: the rollout stops *before* the offending
+release. ``recompute`` rebuilds every epsilon from the rows alone, for audits.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+from cloud_coordinator.privacy.accountant import Accountant
+from cloud_coordinator.store import CoordinatorStore
+from fedtier.privacy.plan import NoisePlan
+
+log = logging.getLogger("fedtier.coordinator.privacy")
+
+# Relative slack for the budget comparison: the calibration solves z to 1e-6 and composes the
+# same releases, so an exactly-on-budget plan must not trip on float rounding.
+BUDGET_SLACK = 1e-9
+
+
+class PrivacyLedger:
+    """Live ledger of one rollout; rebuilt from the store after a restart."""
+
+    def __init__(self, *, store: CoordinatorStore, rollout: str, plan: NoisePlan,
+                 cells: Mapping[str, Iterable[str]], cloud_id: str) -> None:
+        self.store = store
+        self.rollout = rollout
+        self.plan = plan
+        self.cells = {c: tuple(sorted(m)) for c, m in cells.items()}
+        self.cloud_id = cloud_id
+        self.accountant = Accountant(plan.delta)
+        for device in (d for members in self.cells.values() for d in members):
+            self.accountant.add([device], 0.0, 0)  # every device listed, even before its first release
+        self.last_charged = -1  # the last round whose rows are on the ledger
+        for row in store.privacy_releases(rollout):
+            self.accountant.add(row["protected"], row["noise_multiplier"], 1)
+            self.last_charged = max(self.last_charged, int(row["round"]))
+
+    # --- before a round ---------------------------------------------------------------------------
+
+    def planned(self, device: str, rounds: int = 1) -> list[tuple[float, int]]:
+        """The releases ``rounds`` global rounds make that protect ``device``."""
+        cell = next(c for c, m in self.cells.items() if device in m)
+        p = self.plan.cells[cell]
+        return [(p.edge_z, rounds)] if p.trusted else [(p.device_z, self.plan.edge_rounds * rounds)]
+
+    def admit(self, round: int) -> str | None:
+        """``None`` if opening round ``round`` keeps every device within budget, else why not.
+
+        Counts every round up to ``round`` whose rows are not on the ledger yet: the cloud opens
+        the next round before the node has committed the previous one.
+        """
+        budget = self.plan.budget_epsilon
+        pending = max(1, round - self.last_charged)
+        worst, worst_eps = "", 0.0
+        for members in self.cells.values():
+            for device in members:
+                eps = self.accountant.epsilon_with(device, self.planned(device, pending))
+                if eps > worst_eps:
+                    worst, worst_eps = device, eps
+        if worst_eps > budget * (1 + BUDGET_SLACK):
+            reason = (f"privacy budget: round {round} would take {worst} to epsilon {worst_eps:.4g} "
+                      f"> budget {budget:.4g} (delta {self.plan.delta:g})")
+            log.warning("rollout %s stops before round %d: %s", self.rollout, round, reason)
+            return reason
+        return None
+
+    # --- when a round closes ----------------------------------------------------------------------
+
+    def rows_for_round(self, round: int, reports: Mapping[str, Mapping[str, Any]]
+                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Release rows (observed and charged) and clear-hop rows of a closed round.
+
+        Args:
+            round: the round.
+            reports: cell -> its update's privacy report (cells that did not report are absent).
+        """
+        releases: list[dict[str, Any]] = []
+        clear: list[dict[str, Any]] = []
+        for cell, members in sorted(self.cells.items()):
+            p = self.plan.cells[cell]
+            report = reports.get(cell) or {}
+            seen = {(r["node"], int(r["step"])): r for r in report.get("releases", ())}
+            if p.trusted:
+                record = seen.get((cell, 0))
+                if record is not None:
+                    releases.append(self._row(record, round, cell, self.cloud_id, observed=True))
+                else:
+                    sens = self.plan.edge_sensitivity(len(members))
+                    releases.append(self._row({"node": cell, "event": "edge", "step": 0, "sigma": p.edge_z * sens,
+                                               "sensitivity": sens, "z": p.edge_z, "protected": list(members),
+                                               "inputs": {"clip": self.plan.clip, "reporters": len(members),
+                                                          "edge_rounds": self.plan.edge_rounds,
+                                                          "mode": self.plan.mode}},
+                                              round, cell, self.cloud_id, observed=False))
+                clear.extend({"round": round, "step": int(c["step"]), "sender": c["sender"],
+                              "receiver": c["receiver"], "receiver_trusted": True}
+                             for c in report.get("clear", ()))
+                continue
+            sens = self.plan.device_sensitivity
+            for device in members:
+                for step in range(self.plan.edge_rounds):
+                    record = seen.get((device, step))
+                    if record is None:
+                        record = {"node": device, "event": "device", "step": step, "sigma": p.device_z * sens,
+                                  "sensitivity": sens, "z": p.device_z, "protected": [device],
+                                  "inputs": {"clip": self.plan.clip, "reporters": 1,
+                                             "edge_rounds": self.plan.edge_rounds, "mode": self.plan.mode}}
+                        releases.append(self._row(record, round, device, cell, observed=False))
+                    else:
+                        releases.append(self._row(record, round, device, cell, observed=True))
+        return releases, clear
+
+    def _row(self, record: Mapping[str, Any], round: int, node: str, parent: str, *, observed: bool
+             ) -> dict[str, Any]:
+        parent_trusted = parent in self.plan.cells and self.plan.cells[parent].trusted
+        return {"round": round, "event": record.get("event", "device"), "step": int(record.get("step", 0)),
+                "node": node, "parent": parent, "parent_trusted": parent_trusted,
+                "protected": sorted(record.get("protected") or [node]),
+                "sensitivity": float(record["sensitivity"]), "inputs": dict(record.get("inputs") or {}),
+                "sigma": float(record["sigma"]), "noise_multiplier": float(record["z"]), "mode": self.plan.mode,
+                "observed": observed}
+
+    def charge(self, releases: Iterable[Mapping[str, Any]]) -> None:
+        """Add committed rows to the live accounts."""
+        for row in releases:
+            self.accountant.add(row["protected"], row["noise_multiplier"], 1)
+            self.last_charged = max(self.last_charged, int(row["round"]))
+
+    def epsilons(self) -> dict[str, float]:
+        return self.accountant.epsilons()
+
+    def summary(self) -> dict[str, Any]:
+        """Per-round metrics: the live per-device epsilon and its spread."""
+        eps = self.epsilons()
+        values = list(eps.values()) or [0.0]
+        return {"epsilon_max": max(values), "epsilon_min": min(values), "delta": self.plan.delta,
+                "budget_epsilon": self.plan.budget_epsilon, "mode": self.plan.mode, "epsilon": eps}
+
+
+def recompute(store: CoordinatorStore, rollout: str, delta: float) -> dict[str, float]:
+    """Per-device epsilon from the ledger rows alone (offline audit of the live numbers)."""
+    acc = Accountant(delta)
+    for row in store.privacy_releases(rollout):
+        acc.add(row["protected"], row["noise_multiplier"], 1)
+    return acc.epsilons()

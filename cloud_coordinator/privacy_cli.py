@@ -1,0 +1,415 @@
+"""``fedtier privacy``: a rollout's noise plan before it runs, and its privacy ledger after.
+
+Thin commands over :mod:`cloud_coordinator.privacy` (``calibrate`` for the plan, ``ledger`` and
+``report`` for the audit).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+from typing import Any, Sequence
+
+import click
+
+from fedtier.errors import ConfigError
+
+CONFIG_HELP = "Rollout config (the same file `fedtier simulate` and `fedtier coordinator run` take)."
+DEVICE_TIER = "devices under untrusted cells"
+EDGE_TIER = "trusted servers, towards an untrusted parent"
+
+
+@click.group()
+def privacy() -> None:
+    """Differential privacy (M2FDP): the noise plan before a rollout, the ledger's report after it.
+
+    Devices under untrusted cells add Gaussian noise to every update they release; trusted
+    cells (topology.trusted) receive clear updates over TLS and add the noise themselves
+    when they forward to the cloud. Every epsilon shown is the RDP accountant's.
+    """
+
+
+# --- plan -----------------------------------------------------------------------------------------
+
+
+@privacy.command("plan")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help=CONFIG_HELP + " It needs a [privacy] section.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the plan as JSON: the header, both tiers, and one entry per node of the tree.")
+def plan(config_path: Path, as_json: bool) -> None:
+    """Show the resolved noise plan of a rollout before it runs.
+
+    For every node of the aggregation tree: its declared trust label, the effective one (a
+    server with an untrusted child is untrusted; undeclared servers are untrusted), whether it
+    adds noise, how many releases it makes, their sensitivity, noise multiplier z and sigma.
+    The header gives each tier's epsilon from the RDP accountant and warns when it exceeds the
+    budget, i.e. when the rollout would stop early. Deeper trees (topology.parents) are shown
+    too, although rollouts run device -> cell -> cloud.
+
+    \b
+        fedtier privacy plan --config experiments/digits_fedavg.toml
+    """
+    try:
+        cfg = _load(config_path)
+        if cfg.privacy is None:
+            raise click.UsageError(f"{config_path}: no [privacy] section: add one with at least `epsilon` and `clip` "
+                                   "(see docs/configuration.md) to plan differential privacy")
+        doc = plan_document(cfg, config_path)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        from cloud_coordinator.privacy.report import jsonable
+
+        click.echo(json.dumps(jsonable(doc), indent=1))
+    else:
+        click.echo(render_plan(doc))
+
+
+def _load(config_path: Path) -> Any:
+    from cloud_coordinator.config import RolloutConfig
+    from fedtier.config import load
+
+    return load(RolloutConfig, config_path)
+
+
+def device_samples(cfg: Any) -> dict[str, int]:
+    """Each device's training-sample count, as the coordinator computes it (no torch needed)."""
+    from cloud_coordinator.datasets import make_federated
+
+    cells = cfg.topology.layout()
+    devices = [d for members in cells.values() for d in members]
+    data = make_federated(cfg.data, devices, cells)
+    return {d: len(data.train[d][1]) for d in devices}
+
+
+def rounds_within_budget(z: float, per_round: int, rounds: int, delta: float, budget: float) -> int:
+    """How many rounds of ``per_round`` releases at multiplier ``z`` the ledger admits before the budget stops
+    the rollout (it refuses a round that would take a device above ``budget``)."""
+    from cloud_coordinator.privacy.accountant import epsilon
+    from cloud_coordinator.privacy.ledger import BUDGET_SLACK
+
+    if math.isinf(budget):
+        return rounds
+    limit = budget * (1 + BUDGET_SLACK)
+
+    def fits(k: int) -> bool:
+        return epsilon([(z, per_round * k)], delta) <= limit
+
+    if fits(rounds):
+        return rounds
+    lo, hi = 0, rounds  # fits(lo), not fits(hi): epsilon grows with the count
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
+    """The plan as plain data (what ``--json`` prints; ``render_plan`` formats it)."""
+    from cloud_coordinator.privacy import calibrate
+    from fedtier.privacy.trust import DEVICE
+
+    p = cfg.privacy
+    samples = device_samples(cfg)
+    tree = cfg.trust_tree()
+    rows = calibrate.plan_rows(cfg, samples, tree)
+    m = calibrate.multipliers(cfg, samples)
+    local_steps, tau = calibrate.schedule(cfg)
+    budget = float(p.budget_epsilon if p.budget_epsilon is not None else p.epsilon)
+    try:
+        noise_plan: dict[str, Any] | None = calibrate.make_plan(cfg, samples).to_dict()
+    except ConfigError:
+        noise_plan = None  # intermediate servers: the per-node rows are the plan
+    devices_in = [r for r in rows if r.kind == DEVICE and r.injects]
+    servers_in = [r for r in rows if r.kind != DEVICE and r.injects]
+    tiers: dict[str, dict[str, Any]] = {}
+    for name, who, injecting, z, per_round, eps in (
+            ("device", DEVICE_TIER, devices_in, m.device_z, tau, m.details["epsilon_device_tier"]),
+            ("edge", EDGE_TIER, servers_in, m.edge_z, 1, m.details["epsilon_edge_tier"])):
+        sens = [r.sensitivity for r in injecting]
+        sigmas = [r.sigma for r in injecting]
+        within = rounds_within_budget(z, per_round, cfg.rounds, p.delta, budget)
+        tiers[name] = {
+            "who": who, "injectors": [r.node for r in injecting],
+            "devices": sum(r.protects for r in injecting),
+            "releases_per_round": per_round, "releases_per_device": per_round * cfg.rounds,
+            "z": z, "sensitivity_min": min(sens, default=None), "sensitivity_max": max(sens, default=None),
+            "sigma_min": min(sigmas, default=None), "sigma_max": max(sigmas, default=None),
+            "epsilon": eps, "rounds_within_budget": within,
+        }
+    warnings = []
+    for name, t in tiers.items():
+        if not t["injectors"] or t["rounds_within_budget"] >= cfg.rounds:
+            continue
+        k = t["rounds_within_budget"]
+        stop = ("will not run a single round" if k == 0
+                else f"will stop before round {k + 1} ({k} of {cfg.rounds} rounds run)")
+        warnings.append(f"the {name} tier's releases reach epsilon {t['epsilon']:.4g} (RDP, delta {p.delta:g}) > "
+                        f"budget {budget:g}: the rollout {stop}")
+    if not p.require_tls and any(r.kind == DEVICE and not r.injects for r in rows):
+        warnings.append("require_tls = false: devices under trusted cells may send clear updates without TLS")
+    header = {
+        "config": str(config_path), "rollout": cfg.rollout, "algorithm": cfg.algorithm,
+        "mode": p.calibration, "epsilon": p.epsilon, "delta": p.delta, "budget_epsilon": budget, "clip": p.clip,
+        "rounds": cfg.rounds, "edge_rounds": tau, "local_steps": local_steps, "require_tls": p.require_tls,
+        "cells": len(cfg.topology.layout()), "devices": len(samples),
+    }
+    if p.calibration == "paper":
+        header.update(alpha=m.details["alpha"], sampling_rate=m.details["sampling_rate"],
+                      steps_per_round=m.details["steps_per_round"])
+    return {**header, "tiers": tiers, "warnings": warnings, "details": dict(m.details),
+            "nodes": [r.to_dict() for r in rows], "noise_plan": noise_plan}
+
+
+def render_plan(doc: dict[str, Any]) -> str:
+    """The human-readable plan (no trailing newline)."""
+    from cloud_coordinator.privacy.report import fmt, table
+
+    budget = doc["budget_epsilon"]
+    budget_text = ("none: privacy never stops the rollout" if math.isinf(budget)
+                   else f"{budget:g} (the rollout stops before any device would exceed it)")
+    lines = [f"privacy plan of rollout {doc['rollout']} ({doc['config']}): {doc['algorithm']}, {doc['cells']} cells, "
+             f"{doc['devices']} devices"]
+    if doc["mode"] == "rdp":
+        calib = "rdp: each tier's noise multiplier z solved with the RDP accountant for its real release count"
+    else:
+        calib = (f"paper: z = alpha q sqrt(K T ln(1/delta)) / epsilon (eq. 11; alpha {doc['alpha']:g}, "
+                 f"q {doc['sampling_rate']:.4g}, K {doc['steps_per_round']}) -- a HEURISTIC closed form, not a "
+                 "guarantee; the ledger charges the RDP epsilon shown per tier")
+    rows = [("calibration", calib),
+            ("target", f"epsilon {doc['epsilon']:g} per device at delta {doc['delta']:g}"),
+            ("budget", budget_text),
+            ("accountant", "epsilon over the whole rollout (RDP, what the ledger charges): "
+                           + ", ".join(f"{name} tier {fmt(t['epsilon'], '.4g')}"
+                                       + ("" if t["injectors"] else " (no node)")
+                                       for name, t in doc["tiers"].items())
+                           + ("" if doc["mode"] == "rdp" else f" -- the paper's target was {doc['epsilon']:g}")),
+            ("clip", f"C = {doc['clip']:g} (L2 bound on each released model delta)"),
+            ("schedule", f"{doc['rounds']} rounds x {doc['edge_rounds']} edge rounds x {doc['local_steps']} "
+                         "local steps"),
+            ("require_tls", "yes" if doc["require_tls"] else "no")]
+    width = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+
+    lines += ["", "tiers (every device is protected by exactly one injection point):"]
+    tier_rows = []
+    for name, t in doc["tiers"].items():
+        present = bool(t["injectors"])
+        tier_rows.append([
+            name, t["who"], str(t["devices"]) if present else "0",
+            f"{t['releases_per_device']} ({t['releases_per_round']}/round)", fmt(t["z"]),
+            _span(t["sensitivity_min"], t["sensitivity_max"]), _span(t["sigma_min"], t["sigma_max"]),
+            fmt(t["epsilon"]) + ("" if present else " (no node in this tier)"),
+            f"{t['rounds_within_budget']} of {doc['rounds']}"])
+    lines += table(["tier", "who adds noise", "devices", "releases/device", "z", "sensitivity", "sigma",
+                    "epsilon (RDP)", "rounds within budget"], tier_rows)
+
+    lines += ["", "nodes:"]
+    nodes = doc["nodes"]
+    cloud = [n for n in nodes if n["kind"] == "cloud"]
+    servers = sorted((n for n in nodes if n["kind"] == "server"), key=lambda n: (n["layer"], n["node"]))
+    devices = sorted((n for n in nodes if n["kind"] == "device"), key=lambda n: (n["parent"], n["node"]))
+    body: list[list[str]] = []
+    for section, members in (("cloud", cloud), ("servers", servers), ("devices", devices)):
+        if not members:
+            continue
+        body.append([f"[{section}]", "", "", "", "", "", "", "", "", "", ""])
+        for label, n in (_collapse(members) if section == "devices" else [(n["node"], n) for n in members]):
+            body.append(_node_cells(label, n, doc["require_tls"]))
+    lines += table(["node", "layer", "parent", "declared", "effective", "injects", "releases", "sensitivity", "z",
+                    "sigma", "why"], body)
+    if doc["noise_plan"] is None:
+        lines += ["", "note: intermediate servers (topology.parents) are planned here, but rollouts run "
+                      "device -> cell -> cloud"]
+    if doc["warnings"]:
+        lines += ["", "warnings:"]
+        lines += [f"  - WARNING: {w}" for w in doc["warnings"]]
+    return "\n".join(lines)
+
+
+def _span(lo: float | None, hi: float | None) -> str:
+    from cloud_coordinator.privacy.report import fmt
+
+    if lo is None or hi is None:
+        return "-"
+    return fmt(lo) if math.isclose(lo, hi, rel_tol=1e-12) else f"{fmt(lo)}..{fmt(hi)}"
+
+
+_SAME = ("parent", "layer", "declared", "trusted", "injects", "releases", "sensitivity", "z", "sigma", "why")
+
+
+def _collapse(devices: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Runs of devices of one cell with identical rows become one line: ``dev-00..dev-05 (6 devices)``."""
+    from cloud_coordinator.privacy.report import device_range
+
+    out: list[tuple[str, dict[str, Any]]] = []
+    run: list[dict[str, Any]] = []
+    for n in [*devices, None]:
+        if run and (n is None or any(n[k] != run[0][k] for k in _SAME)):
+            out.append((device_range([r["node"] for r in run]), run[0]))
+            run = []
+        if n is not None:
+            run.append(n)
+    return out
+
+
+def _node_cells(label: str, n: dict[str, Any], require_tls: bool) -> list[str]:
+    from cloud_coordinator.privacy.report import fmt
+
+    declared = {None: "-", True: "trusted", False: "untrusted"}[n["declared"]]
+    if n["kind"] == "device":
+        effective = "-"
+        tls = "(TLS required)" if require_tls else "(TLS NOT required)"
+        why = (f"adds noise: its cell {n['parent']} is untrusted" if n["injects"]
+               else f"sends clear to trusted {n['parent']} {tls}")
+    else:
+        effective = "trusted" if n["trusted"] else "untrusted"
+        why = n["why"]
+        if n["kind"] == "server" and not n["injects"]:
+            why += "; adds no noise (" + ("its parent is trusted" if n["trusted"] else "forwards noised inputs") + ")"
+    injects = "yes" if n["injects"] else "no"
+    if not n["injects"]:
+        return [label, str(n["layer"]), n["parent"] or "-", declared, effective, injects, "0", "-", "-", "-", why]
+    return [label, str(n["layer"]), n["parent"] or "-", declared, effective, injects, str(n["releases"]),
+            fmt(n["sensitivity"]), fmt(n["z"]), fmt(n["sigma"]), why]
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+@privacy.command("report")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help=CONFIG_HELP + " Its state_dir holds the coordinator's database (coordinator.db).")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A coordinator.db to read instead of <state_dir>/coordinator.db (then --rollout names the "
+                   "rollout unless --config does).")
+@click.option("--rollout", "rollout_id", default=None,
+              help="Rollout id inside the database (default: the config's `rollout`).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the epsilon-vs-round PNG (default: privacy_epsilon.png next to the database).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as JSON (per device, per tier, per round; infinite values as null).")
+def report(config_path: Path | None, db_path: Path | None, rollout_id: str | None, out_path: Path | None,
+           as_json: bool) -> None:
+    """Audit a rollout's privacy ledger, from the coordinator's database.
+
+    Recomputes every device's epsilon offline from the ledger rows (one row per noisy release,
+    charged even when the cloud never saw it) and compares it with the live value the
+    coordinator reported in the last round's metrics; summarises the device tier (devices under
+    untrusted cells) and the edge tier (trusted cells); checks that every clear hop went to a
+    trusted cell; says whether the rollout finished or the budget stopped it; and writes a plot
+    of epsilon after each round (max and min over devices, and the budget).
+
+    \b
+        fedtier privacy report --config experiments/digits_fedavg.toml
+        fedtier privacy report --db runs/x/coordinator.db --rollout digits-fedavg --out eps.png
+    """
+    from cloud_coordinator.privacy import report as rep
+    from cloud_coordinator.privacy.ledger import recompute
+
+    try:
+        cfg = _load(config_path) if config_path is not None else None
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    if db_path is not None:
+        db = db_path
+    elif cfg is not None:
+        db = cfg.state_dir / "coordinator.db"
+    else:
+        raise click.UsageError("say which rollout: --config ROLLOUT.toml, or --db PATH with --rollout ID")
+    rollout = rollout_id or (cfg.rollout if cfg is not None else None)
+    if rollout is None:
+        raise click.UsageError(f"--db {db} needs --rollout ID (or --config naming the rollout)")
+    if not db.is_file():
+        where = f" (state_dir of {config_path})" if db_path is None else ""
+        raise click.UsageError(f"no coordinator database at {db}{where}: has the rollout run?")
+    metrics_path = cfg.metrics_path if cfg is not None else db.parent / "metrics.json"
+    metrics = _read_metrics(metrics_path, rollout)
+    p = cfg.privacy if cfg is not None else None
+    plan = metrics.get("noise_plan") or {}
+    store = _open_store(db)
+    try:
+        status = store.status(rollout)
+        if status is None:
+            raise click.UsageError(f"no rollout {rollout!r} in {db}")
+        releases = store.privacy_releases(rollout)
+        if not releases:
+            raise click.UsageError(f"rollout {rollout!r} in {db} has no privacy-ledger rows: it ran without "
+                                   "[privacy], or no round has closed yet")
+        clear, rounds = store.privacy_clear(rollout), store.rounds(rollout)
+        # The rollout's own delta and budget (its round metrics, else its metrics file), else the config's.
+        live = next((r["privacy"] for r in reversed(rounds) if r.get("privacy")), None) or {}
+        delta = live.get("delta", plan.get("delta", p.delta if p is not None else None))
+        if delta is None:
+            raise click.UsageError(f"{db}: rollout {rollout!r} records no delta (no round metrics); give --config")
+        delta = float(delta)
+        recomputed = recompute(store, rollout, delta)
+    finally:
+        store.close()
+    if "budget_epsilon" in live:
+        budget = math.inf if live["budget_epsilon"] is None else float(live["budget_epsilon"])
+    elif plan:
+        budget = math.inf if plan.get("budget_epsilon") is None else float(plan["budget_epsilon"])
+    elif p is not None:
+        budget = float(p.budget_epsilon if p.budget_epsilon is not None else p.epsilon)
+    else:
+        budget = math.inf
+    modes = sorted({str(r["mode"]) for r in releases})
+    rounds_planned = metrics.get("rounds_planned", cfg.rounds if cfg is not None else None)
+    doc = rep.build(rollout=rollout, db=db, releases=releases, clear=clear, rounds=rounds, recomputed=recomputed,
+                    delta=delta, budget=budget, mode=",".join(modes), status=status, rounds_planned=rounds_planned,
+                    stopped=metrics.get("stopped"))
+    if p is not None:
+        if not rep.agrees(p.delta, float(delta), 1e-12):
+            doc["warnings"].append(f"{config_path} now says delta {p.delta:g}; the rollout ran with {delta:g} "
+                                   "(this report uses the rollout's)")
+        config_budget = float(p.budget_epsilon if p.budget_epsilon is not None else p.epsilon)
+        if not (config_budget == budget or rep.agrees(config_budget, budget, 1e-12)):
+            doc["warnings"].append(f"{config_path} now says budget {config_budget:g}; the rollout ran with "
+                                   f"{budget:g} (this report uses the rollout's)")
+    if metrics.get("_error"):
+        doc["warnings"].append(metrics["_error"])
+    out = out_path if out_path is not None else (cfg.state_dir if cfg is not None and db_path is None
+                                                 else db.parent) / "privacy_epsilon.png"
+    rep.plot_epsilon(doc["rounds"], out, budget=budget, delta=delta, mode=doc["mode"], rollout=rollout)
+    doc["plot"] = str(out)
+    doc["metrics_file"] = str(metrics_path) if metrics.get("_found") else None
+    if as_json:
+        click.echo(json.dumps(rep.jsonable(doc), indent=1))
+    else:
+        click.echo(rep.render(doc))
+        click.echo(f"\nplot: {out}")
+
+
+def _open_store(db: Path) -> Any:
+    """The coordinator's store at ``db``, after checking (read-only) that it is one: opening a store
+    creates its tables, which must not happen to some other SQLite file given by mistake."""
+    from cloud_coordinator.store import CoordinatorStore
+
+    try:
+        with closing(sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True)) as conn:
+            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as exc:
+        raise click.UsageError(f"{db} is not a coordinator database: {exc}") from None
+    missing = {"rollouts", "rounds", "privacy_releases", "privacy_clear"} - tables
+    if missing:
+        raise click.UsageError(f"{db} is not a coordinator database with a privacy ledger "
+                               f"(no table {', '.join(sorted(missing))})")
+    return CoordinatorStore(db)
+
+
+def _read_metrics(path: Path, rollout: str) -> dict[str, Any]:
+    """The coordinator's metrics JSON of ``rollout`` (``{}`` if absent or of another rollout)."""
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return {"_error": f"metrics file {path} unreadable ({exc}); stop reason unknown"}
+    if not isinstance(doc, dict) or doc.get("rollout") != rollout:
+        return {}
+    return {**doc, "_found": True}

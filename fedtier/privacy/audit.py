@@ -1,0 +1,108 @@
+"""Release records and the checks that no clear payload reaches an untrusted node.
+
+Every noisy release travels with a record (plain data, inside the message header) saying who
+added how much noise, for whom, against which sensitivity. Edges pass their devices' records
+up; the cloud refuses any cell update whose noise the plan requires but whose records are
+missing or weaker than planned — it may be a clear model. The coordinator writes the records
+to its privacy ledger (``cloud_coordinator.privacy.ledger``).
+
+Cell-level privacy report (``CellUpdate.privacy``)::
+
+    {"trusted": bool,
+     "steps": [[device ids that reported in edge round 0], ...],
+     "releases": [record, ...],        # devices' (untrusted cell) or the edge's own (trusted)
+     "clear": [{"sender": d, "receiver": cell, "step": i}, ...]}   # clear hops inside a trusted cell
+
+Release record::
+
+    {"node", "event": "device" | "edge", "round", "step", "sigma", "sensitivity", "z",
+     "protected": [device ids], "inputs": {"clip", "reporters", "edge_rounds", "mode"}}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+from fedtier.errors import MissingReleaseError
+from fedtier.privacy.plan import NoisePlan
+
+# A release may be stronger than planned, never weaker (beyond float rounding).
+Z_TOLERANCE = 1e-9
+
+
+def release_record(*, plan: NoisePlan, node: str, event: str, round: int, step: int, sigma: float,
+                   sensitivity: float, protected: Iterable[str], reporters: int = 1) -> dict[str, Any]:
+    return {"node": node, "event": event, "round": int(round), "step": int(step), "sigma": float(sigma),
+            "sensitivity": float(sensitivity), "z": float(sigma / sensitivity) if sensitivity > 0 else math.inf,
+            "protected": sorted(protected),
+            "inputs": {"clip": plan.clip, "reporters": int(reporters), "edge_rounds": plan.edge_rounds,
+                       "mode": plan.mode}}
+
+
+def _z(record: Mapping[str, Any]) -> float:
+    z = record.get("z")
+    if isinstance(z, bool) or not isinstance(z, (int, float)) or math.isnan(z):
+        raise MissingReleaseError(f"release record of {record.get('node')!r} has no valid noise multiplier")
+    return float(z)
+
+
+def check_device_release(plan: NoisePlan, cell: str, sender: str, round: int, step: int,
+                         record: Mapping[str, Any] | None) -> None:
+    """An untrusted edge's (and the cloud's) check of one device upload."""
+    p = plan.cells[cell]
+    if p.trusted:
+        return
+    if not isinstance(record, Mapping):
+        raise MissingReleaseError(f"update of {sender} (round {round}, step {step}) carries no noise record, but "
+                                  f"cell {cell} is untrusted: the device must add noise")
+    if record.get("node") != sender or record.get("round") != round or record.get("step") != step \
+            or record.get("event") != "device":
+        raise MissingReleaseError(f"noise record of {sender} names {record.get('node')!r} round "
+                                  f"{record.get('round')!r} step {record.get('step')!r}")
+    if _z(record) < p.device_z * (1 - Z_TOLERANCE):
+        raise MissingReleaseError(f"{sender} added noise with multiplier {_z(record):.6g}, "
+                                  f"below the planned {p.device_z:.6g}")
+
+
+def check_cell_update(plan: NoisePlan, cell: str, round: int, privacy: Mapping[str, Any] | None,
+                      reported: Iterable[str]) -> None:
+    """The cloud's audit of one cell update: every injection the plan requires is on record.
+
+    Raises:
+        MissingReleaseError: naming what is missing.
+    """
+    if cell not in plan.cells:
+        raise MissingReleaseError(f"cell {cell} is not in the noise plan")
+    p = plan.cells[cell]
+    if not isinstance(privacy, Mapping):
+        raise MissingReleaseError(f"update of cell {cell} (round {round}) carries no privacy report")
+    steps = privacy.get("steps")
+    releases = privacy.get("releases")
+    if not isinstance(steps, list) or not isinstance(releases, list) or \
+            not all(isinstance(s, list) and all(isinstance(d, str) for d in s) for s in steps):
+        raise MissingReleaseError(f"privacy report of cell {cell} is malformed")
+    if set(reported) - {d for s in steps for d in s}:
+        raise MissingReleaseError(f"cell {cell} reports devices without a step record")
+    if bool(privacy.get("trusted")) != p.trusted:
+        raise MissingReleaseError(f"cell {cell} says trusted={privacy.get('trusted')!r}, the plan {p.trusted}")
+    if p.trusted:
+        own = [r for r in releases if isinstance(r, Mapping) and r.get("node") == cell and r.get("event") == "edge"]
+        if len(own) != 1:
+            raise MissingReleaseError(f"trusted cell {cell} sent its aggregate without exactly one noise release "
+                                      f"(found {len(own)})")
+        record = own[0]
+        if record.get("round") != round:
+            raise MissingReleaseError(f"noise record of cell {cell} is for round {record.get('round')!r}")
+        covered = set(record.get("protected") or ())
+        missing = {d for s in steps for d in s} - covered
+        if missing:
+            raise MissingReleaseError(f"noise release of cell {cell} does not cover {sorted(missing)}")
+        if _z(record) < p.edge_z * (1 - Z_TOLERANCE):
+            raise MissingReleaseError(f"cell {cell} added noise with multiplier {_z(record):.6g}, below the planned "
+                                      f"{p.edge_z:.6g}")
+        return
+    by_key = {(r.get("node"), r.get("step")): r for r in releases if isinstance(r, Mapping)}
+    for i, step_reporters in enumerate(steps):
+        for device in step_reporters:
+            check_device_release(plan, cell, device, round, i, by_key.get((device, i)))

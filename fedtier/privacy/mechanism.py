@@ -1,0 +1,81 @@
+"""The Gaussian mechanism on an upload: clip -> add noise (then the caller quantizes).
+
+Order matters (digest §8 check 10): clipping bounds the sensitivity, the noise is calibrated to
+it, and quantization comes last because post-processing cannot weaken differential privacy.
+
+Clipping acts on the *model delta since the last public model* — what a device uploads — not
+on per-example gradients, which onnxruntime-training does not expose; a delta with L2 norm
+at most C moves by at most 2C when one training record is replaced, whatever the optimizer.
+
+Noise comes from ``NoiseSource``: a generator seeded from the operating system's CSPRNG
+(``secrets``) when the node starts. The seed is never written anywhere, so nobody — not an
+edge, not the coordinator, not a later reader of the node's disk — can subtract the noise.
+Each release draws from its own stream, named by what is released (rollout, node, round,
+step, tensor), so the noise of one release does not depend on the order of earlier ones.
+A fixed seed exists for reproducible *simulations* only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from typing import Any, Mapping
+
+import numpy as np
+
+Tensors = Mapping[str, np.ndarray]
+
+
+def l2_norm(tensors: Tensors) -> float:
+    """The L2 norm of all tensors together (float64)."""
+    return math.sqrt(sum(float(np.sum(np.square(np.asarray(t, dtype=np.float64)))) for t in tensors.values()))
+
+
+def clip(tensors: Tensors, bound: float) -> tuple[dict[str, np.ndarray], float]:
+    """Scale ``tensors`` so their joint L2 norm is at most ``bound``.
+
+    Returns the tensors and the factor applied (1.0: returned unchanged, bit for bit — a
+    clean update under a trusted edge is exactly what training produced).
+    """
+    if not bound > 0:
+        raise ValueError(f"clip bound must be > 0, got {bound!r}")
+    norm = l2_norm(tensors)
+    if not math.isfinite(norm):
+        raise ValueError("cannot clip a non-finite update")
+    if norm <= bound:
+        return {n: np.asarray(t, dtype=np.float32) for n, t in tensors.items()}, 1.0
+    factor = bound / norm
+    return {n: (np.asarray(t, dtype=np.float64) * factor).astype(np.float32) for n, t in tensors.items()}, factor
+
+
+class NoiseSource:
+    """Gaussian noise from a secret seed: one independent stream per labelled release."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        """
+        Args:
+            seed: ``None`` (every real node): 128 bits from the OS CSPRNG, kept in memory only.
+                An int: reproducible noise, for simulations and tests — never in deployment.
+        """
+        self._entropy = secrets.randbits(128) if seed is None else int(seed)
+        self.reproducible = seed is not None
+
+    def generator(self, *labels: Any) -> np.random.Generator:
+        digest = hashlib.sha256(repr(labels).encode()).digest()
+        key = [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
+        return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(self._entropy, spawn_key=key)))
+
+    def add(self, tensors: Tensors, sigma: float, *labels: Any) -> dict[str, np.ndarray]:
+        """``tensors + N(0, sigma^2 I)``, each tensor from stream ``(*labels, name)``; float32 out."""
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"noise sigma must be finite and >= 0, got {sigma!r}")
+        out: dict[str, np.ndarray] = {}
+        for name in sorted(tensors):
+            t = np.asarray(tensors[name], dtype=np.float64)
+            noise = self.generator(*labels, name).standard_normal(t.shape) * sigma
+            out[name] = (t + noise).astype(np.float32)
+        return out
+
+    def __repr__(self) -> str:  # never show the seed
+        return f"NoiseSource(reproducible={self.reproducible})"

@@ -1,0 +1,158 @@
+"""The noise plan of a rollout: who adds noise, with which multiplier, at which events.
+
+The coordinator computes it once at rollout start (``cloud_coordinator.privacy.calibrate``),
+publishes it inside the signed manifest and inside every task, and every role reads its own
+entry. Sigma is never shipped as a bare number: the plan carries noise *multipliers*
+``z = sigma / sensitivity`` and the clip bound, and each injector computes the sensitivity of
+what it actually releases — so an edge that closes with fewer reporters than planned adds
+proportionally more noise, and the privacy the ledger charges (``z``) stays as planned.
+
+Releases (two tiers: device -> cell edge -> cloud, ``tau = edge_rounds``):
+
+* a device under an *untrusted* edge releases its clipped delta plus ``N(0, sigma^2 I)`` at
+  every edge round: ``tau`` releases per global round, sensitivity ``2C``;
+* a device under a *trusted* edge sends its clipped delta in clear (over TLS);
+* a *trusted* edge releases its cell's change plus fresh noise once per round, towards the
+  (untrusted) cloud. Sensitivity: ``paper`` mode uses Lemma 1, ``2C / n`` (n reporters);
+  ``rdp`` mode adds what the paper leaves out (digest §3.5 caveat 4): after an intra-round
+  sync every member's trajectory depends on the changed record, so each later edge round can
+  move the cell's mean by up to ``2C`` — ``2C (1/n + tau - 1)``, exact (``2C/n``) for ``tau = 1``;
+* an *untrusted* edge forwards the exact mean of noised inputs (post-processing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from fedtier.errors import UnexpectedMessageError
+
+MODES = ("rdp", "paper")
+
+
+@dataclass(frozen=True, slots=True)
+class CellPlan:
+    """One cell's part of the plan.
+
+    Attributes:
+        trusted: the edge's effective trust label.
+        members: devices in the cell (the planned reporters).
+        device_z: noise multiplier of each device release (0 when the edge is trusted: clear).
+        edge_z: noise multiplier of the edge's release to the cloud (0 when untrusted: it adds nothing).
+    """
+
+    trusted: bool
+    members: int
+    device_z: float
+    edge_z: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"trusted": self.trusted, "members": self.members, "device_z": self.device_z, "edge_z": self.edge_z}
+
+
+@dataclass(frozen=True, slots=True)
+class NoisePlan:
+    """The resolved plan (see the module docstring).
+
+    Attributes:
+        mode: "rdp" (z solved with an RDP accountant for the real release counts) or "paper"
+            (the paper's closed form, eq. 11: reproduction only).
+        epsilon, delta: the per-device target.
+        budget_epsilon: the rollout stops before any device would exceed it.
+        clip: C, the L2 bound on each released model delta (since the last public model).
+        edge_rounds: tau, device releases per global round under an untrusted edge.
+        rounds: T, global rounds planned.
+        require_tls: clear (un-noised) updates may travel only over TLS.
+        cells: cell id -> ``CellPlan``.
+        details: calibration inputs for people and the ledger (alpha, q, releases, ...).
+    """
+
+    mode: str
+    epsilon: float
+    delta: float
+    budget_epsilon: float
+    clip: float
+    edge_rounds: int
+    rounds: int
+    require_tls: bool
+    cells: Mapping[str, CellPlan]
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"privacy mode must be one of {MODES}, got {self.mode!r}")
+        if not (self.epsilon > 0 and 0 < self.delta < 1 and self.budget_epsilon > 0):
+            raise ValueError("privacy epsilon and budget must be > 0 and delta in (0, 1)")
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            raise ValueError(f"privacy clip must be finite and > 0, got {self.clip!r}")
+        if self.edge_rounds < 1 or self.rounds < 1:
+            raise ValueError("privacy edge_rounds and rounds must be >= 1")
+        for cell, p in self.cells.items():
+            if p.members < 1 or p.device_z < 0 or p.edge_z < 0:
+                raise ValueError(f"privacy plan of cell {cell!r} is invalid: {p}")
+            if p.trusted and p.edge_z <= 0:
+                raise ValueError(f"trusted cell {cell!r} must add noise towards the cloud (edge_z > 0)")
+            if not p.trusted and p.device_z <= 0:
+                raise ValueError(f"devices of untrusted cell {cell!r} must add noise (device_z > 0)")
+
+    # --- sensitivities and sigmas ---------------------------------------------------------------
+
+    @property
+    def device_sensitivity(self) -> float:
+        """A device release: its clipped delta, replaced record -> moves by at most 2C."""
+        return 2.0 * self.clip
+
+    def edge_sensitivity(self, reporters: int) -> float:
+        """A trusted edge's release over ``reporters`` devices (uniform weights)."""
+        n = max(1, int(reporters))
+        if self.mode == "paper":
+            return 2.0 * self.clip / n
+        return 2.0 * self.clip * (1.0 / n + (self.edge_rounds - 1))
+
+    def device_sigma(self, cell: str) -> float:
+        return self.cells[cell].device_z * self.device_sensitivity
+
+    def edge_sigma(self, cell: str, reporters: int | None = None) -> float:
+        p = self.cells[cell]
+        return p.edge_z * self.edge_sensitivity(p.members if reporters is None else reporters)
+
+    # --- wire form ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        # JSON has no infinity: an unlimited budget travels as null.
+        budget = None if math.isinf(self.budget_epsilon) else self.budget_epsilon
+        return {"mode": self.mode, "epsilon": self.epsilon, "delta": self.delta, "budget_epsilon": budget,
+                "clip": self.clip, "edge_rounds": self.edge_rounds, "rounds": self.rounds,
+                "require_tls": self.require_tls, "cells": {c: p.to_dict() for c, p in sorted(self.cells.items())},
+                "details": dict(self.details)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "NoisePlan":
+        """Parse the plan from a task or manifest; ``UnexpectedMessageError`` if malformed."""
+        try:
+            cells = {str(c): CellPlan(trusted=bool(_typed(p["trusted"], bool)), members=int(_typed(p["members"], int)),
+                                      device_z=float(_typed(p["device_z"], float)),
+                                      edge_z=float(_typed(p["edge_z"], float)))
+                     for c, p in dict(data["cells"]).items()}
+            return cls(mode=str(data["mode"]), epsilon=float(_typed(data["epsilon"], float)),
+                       delta=float(_typed(data["delta"], float)),
+                       budget_epsilon=(math.inf if data["budget_epsilon"] is None
+                                       else float(_typed(data["budget_epsilon"], float))),
+                       clip=float(_typed(data["clip"], float)), edge_rounds=int(_typed(data["edge_rounds"], int)),
+                       rounds=int(_typed(data["rounds"], int)), require_tls=bool(_typed(data["require_tls"], bool)),
+                       cells=cells, details=dict(data.get("details", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UnexpectedMessageError(f"invalid privacy plan: {exc}") from None
+
+
+def _typed(value: Any, typ: type) -> Any:
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is not bool and isinstance(value, bool):
+        raise TypeError(f"expected {typ.__name__}, got bool")
+    if not isinstance(value, typ):
+        raise TypeError(f"expected {typ.__name__}, got {type(value).__name__}")
+    if isinstance(value, float) and math.isnan(value):
+        raise ValueError("NaN in privacy plan")
+    return value

@@ -1,0 +1,329 @@
+"""``fedtier privacy plan`` and ``fedtier privacy report``, invoked on the group directly.
+
+``report`` reads a real ledger: the real simulator runs the rollout once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from cloud_coordinator.config import RolloutConfig
+from cloud_coordinator.datasets import make_federated
+from cloud_coordinator.privacy import accountant, ledger
+from cloud_coordinator.privacy.calibrate import make_plan
+from cloud_coordinator.privacy_cli import privacy
+from cloud_coordinator.store import CoordinatorStore
+from fedtier.config import load
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def rollout_toml(artifacts: Path, *, state_dir: str = "state", topology: str = "trusted = { cell-a = true }",
+                 privacy_extra: str = "", privacy_section: bool = True) -> str:
+    text = f"""
+rollout = "dp"
+algorithm = "fedavg"
+rounds = 3
+seed = 0
+state_dir = "{state_dir}"
+artifact_store = "{artifacts}"
+
+[model]
+hidden = [16]
+
+[data]
+dataset = "digits"
+
+[topology]
+cells = 2
+devices_per_cell = 3
+{topology}
+
+[fedavg]
+local_steps = 2
+edge_rounds = 2
+"""
+    if privacy_section:
+        text += f"""
+[privacy]
+epsilon = 8
+clip = 1.0
+require_tls = false
+noise_seed = 1
+{privacy_extra}
+"""
+    return text
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def run(*args: str | Path) -> tuple[int, str]:
+    result = CliRunner().invoke(privacy, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+def run_json(*args: str | Path) -> Any:
+    code, out = run(*args, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+def samples(cfg: RolloutConfig) -> dict[str, int]:
+    cells = cfg.topology.layout()
+    devices = [d for m in cells.values() for d in m]
+    data = make_federated(cfg.data, devices, cells)
+    return {d: len(data.train[d][1]) for d in devices}
+
+
+def node(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(n for n in doc["nodes"] if n["node"] == name)
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory, artifact_store: Path) -> dict[str, Any]:
+    """Two real simulated rollouts: one that finishes, one the budget stops after its first round."""
+    from cloud_coordinator.simulate import simulate
+
+    root = tmp_path_factory.mktemp("privacy-report")
+    out: dict[str, Any] = {}
+    for name, extra in (("finished", ""), ("stopped", "budget_epsilon = 5")):
+        config = write(root / name / "rollout.toml", rollout_toml(artifact_store, privacy_extra=extra))
+        cfg = load(RolloutConfig, config)
+        result = simulate(cfg, workdir=cfg.state_dir)
+        out[name] = {"config": config, "cfg": cfg, "rounds": result.rounds}
+    out["root"] = root
+    return out
+
+
+# --- help -----------------------------------------------------------------------------------------
+
+
+def test_help_of_the_group_and_its_commands_explains_every_option() -> None:
+    code, out = run("--help")
+    assert code == 0 and "plan" in out and "report" in out
+    assert isinstance(privacy, click.Group)
+    for name, command in privacy.commands.items():
+        code, out = run(name, "--help")
+        assert code == 0 and "--config" in out and "--json" in out, out
+        for param in command.params:
+            if isinstance(param, click.Option) and param.name != "help":
+                assert param.help and len(param.help) > 20, (name, param.name)
+
+
+# --- plan -----------------------------------------------------------------------------------------
+
+
+def test_plan_shows_each_tiers_sigma_as_the_rollouts_noise_plan(tmp_path: Path, artifact_store: Path) -> None:
+    config = write(tmp_path / "r.toml", rollout_toml(artifact_store))
+    cfg = load(RolloutConfig, config)
+    noise = make_plan(cfg, samples(cfg))
+    doc = run_json("plan", "--config", config)
+
+    assert doc["mode"] == "rdp" and doc["delta"] == 1e-5 and doc["budget_epsilon"] == 8
+    assert doc["noise_plan"] == json.loads(json.dumps(noise.to_dict()))
+    edge, device = node(doc, "cell-a"), node(doc, "dev-03")
+    assert edge["injects"] and device["injects"]
+    assert edge["sigma"] == pytest.approx(noise.edge_sigma("cell-a"), rel=1e-12)
+    assert device["sigma"] == pytest.approx(noise.device_sigma("cell-b"), rel=1e-12)
+    assert doc["tiers"]["edge"]["sigma_max"] == pytest.approx(noise.edge_sigma("cell-a"), rel=1e-12)
+    assert doc["tiers"]["device"]["sigma_max"] == pytest.approx(noise.device_sigma("cell-b"), rel=1e-12)
+    # Devices under the trusted cell send in clear; the untrusted cell adds nothing; nobody else does.
+    assert [n["node"] for n in doc["nodes"] if n["injects"]] == ["cell-a", "dev-03", "dev-04", "dev-05"]
+    assert not node(doc, "dev-00")["injects"] and node(doc, "dev-00")["sigma"] == 0
+    # Releases per device by tier: tau * T under an untrusted cell, T from a trusted one.
+    assert (device["releases"], edge["releases"]) == (2 * 3, 3)
+    assert doc["tiers"]["device"]["epsilon"] == pytest.approx(
+        accountant.epsilon([(noise.cells["cell-b"].device_z, 6)], 1e-5))
+    assert doc["tiers"]["device"]["rounds_within_budget"] == 3 and not any("stop" in w for w in doc["warnings"])
+
+    code, out = run("plan", "--config", config)
+    assert code == 0, out
+    assert f"{noise.edge_sigma('cell-a'):.6g}" in out and f"{noise.device_sigma('cell-b'):.6g}" in out
+    assert "dev-00..dev-02 (3 devices)" in out and "dev-03..dev-05 (3 devices)" in out
+    assert "dev-04" not in out.replace("dev-03..dev-05", "")  # collapsed, not listed one by one
+    assert "not declared (untrusted by default)" in out and "require_tls = false" in out
+
+
+def test_paper_mode_edge_sigma_is_device_sigma_over_members_and_warns_of_the_heuristic(
+        tmp_path: Path, artifact_store: Path) -> None:
+    config = write(tmp_path / "r.toml", rollout_toml(artifact_store, privacy_extra='calibration = "paper"'))
+    doc = run_json("plan", "--config", config)
+
+    edge, device = node(doc, "cell-a"), node(doc, "dev-03")
+    assert edge["z"] == device["z"]  # one multiplier for every tier in paper mode
+    assert edge["sigma"] == pytest.approx(device["sigma"] / 3, rel=1e-12)  # Lemma 1: 2C/n vs 2C
+    # The heuristic z gives a much larger RDP epsilon than its target: the budget stops the rollout at once.
+    z = device["z"]
+    assert doc["tiers"]["device"]["epsilon"] == pytest.approx(accountant.epsilon([(z, 6)], 1e-5))
+    assert doc["tiers"]["device"]["epsilon"] > 8
+    assert accountant.epsilon([(z, 2)], 1e-5) > 8 and doc["tiers"]["device"]["rounds_within_budget"] == 0
+
+    code, out = run("plan", "--config", config)
+    assert code == 0 and "HEURISTIC" in out and "will not run a single round" in out
+    assert f"device tier {doc['tiers']['device']['epsilon']:.4g}" in out
+
+
+def test_a_deeper_tree_is_planned_with_trust_by_closure(tmp_path: Path, artifact_store: Path) -> None:
+    topology = ('trusted = { region = true, cell-a = true }\n'
+                'parents = { cell-a = "region", cell-b = "region" }')
+    config = write(tmp_path / "r.toml", rollout_toml(artifact_store, topology=topology))
+    doc = run_json("plan", "--config", config)
+
+    region, cell_a, cell_b = node(doc, "region"), node(doc, "cell-a"), node(doc, "cell-b")
+    assert region["declared"] is True and region["trusted"] is False and "closure" in region["why"]
+    assert not region["injects"] and region["layer"] == 1 and region["parent"] == "cloud"
+    assert cell_a["trusted"] and cell_a["injects"] and cell_a["parent"] == "region" and cell_a["layer"] == 2
+    assert cell_b["declared"] is None and not cell_b["trusted"] and not cell_b["injects"]
+    assert all(node(doc, d)["injects"] for d in ("dev-03", "dev-04", "dev-05"))
+    assert doc["noise_plan"] is None  # rollouts run two tiers; the rows are the plan
+
+    code, out = run("plan", "--config", config)
+    assert code == 0 and "untrusted by closure (child 'cell-b' is)" in out and "intermediate servers" in out
+
+
+def test_plan_predicts_the_budget_stop(ran: dict[str, Any]) -> None:
+    doc = run_json("plan", "--config", ran["stopped"]["config"])
+    assert doc["tiers"]["device"]["rounds_within_budget"] == 1 == len(ran["stopped"]["rounds"])
+    assert any("will stop before round 2 (1 of 3 rounds run)" in w for w in doc["warnings"])
+
+
+def test_plan_without_a_privacy_section_is_a_usage_error_naming_it(tmp_path: Path, artifact_store: Path) -> None:
+    config = write(tmp_path / "r.toml", rollout_toml(artifact_store, privacy_section=False))
+    code, out = run("plan", "--config", config)
+    assert code == 2 and "[privacy]" in out and str(config) in out
+
+
+def test_a_bad_config_is_a_usage_error_naming_the_key(tmp_path: Path, artifact_store: Path) -> None:
+    config = write(tmp_path / "r.toml", rollout_toml(artifact_store, topology="trusted = { cloud = true }"))
+    code, out = run("plan", "--config", config)
+    assert code == 2 and "topology.trusted.cloud" in out and "never trusted" in out
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def test_report_recomputes_every_devices_epsilon_as_the_live_ledger(ran: dict[str, Any]) -> None:
+    cfg, rounds = ran["finished"]["cfg"], ran["finished"]["rounds"]
+    doc = run_json("report", "--config", ran["finished"]["config"], "--out", ran["root"] / "a.png")
+
+    live = rounds[-1]["privacy"]["epsilon"]
+    assert {d["device"]: d["live_epsilon"] for d in doc["devices"]} == live
+    assert {d["device"]: d["epsilon"] for d in doc["devices"]} == pytest.approx(live, rel=1e-9)
+    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    try:
+        assert {d["device"]: d["epsilon"] for d in doc["devices"]} == ledger.recompute(store, "dp", 1e-5)
+    finally:
+        store.close()
+    assert all(d["agrees"] for d in doc["devices"]) and doc["warnings"] == []
+    # Round by round, from the rows alone, equal to what the coordinator reported live.
+    assert [p["round"] for p in doc["rounds"]] == [0, 1, 2]
+    assert [p["epsilon_max"] for p in doc["rounds"]] == pytest.approx(
+        [r["privacy"]["epsilon_max"] for r in rounds], rel=1e-9)
+    assert doc["rounds"][0]["epsilon_max"] < doc["rounds"][1]["epsilon_max"] < doc["rounds"][2]["epsilon_max"]
+    assert doc["rounds"][-1]["epsilon_max"] <= 8 * (1 + 1e-9)
+
+
+def test_report_tiers_clear_hops_and_status(ran: dict[str, Any]) -> None:
+    doc = run_json("report", "--config", ran["finished"]["config"], "--out", ran["root"] / "b.png")
+
+    tiers = {t["tier"]: t for t in doc["tiers"]}
+    assert tiers["device"]["cells"] == ["cell-b"] and tiers["device"]["devices"] == 3
+    assert tiers["device"]["releases"] == 3 * 2 * 3 and tiers["device"]["releases_per_device_max"] == 6
+    assert tiers["edge"]["cells"] == ["cell-a"] and tiers["edge"]["devices"] == 3 and tiers["edge"]["releases"] == 3
+    assert doc["releases"] == {"total": 21, "observed": 21, "unobserved": 0}
+    # Each device of the trusted cell sends one clear update per edge round, all to cell-a.
+    assert doc["clear_hops"]["total"] == 3 * 2 * 3 and doc["clear_hops"]["all_to_trusted"]
+    assert doc["clear_hops"]["receivers"] == ["cell-a"]
+    assert doc["status"] == "finished" and doc["rounds_closed"] == doc["rounds_planned"] == 3
+    assert doc["stopped"] is None
+
+    code, out = run("report", "--config", ran["finished"]["config"], "--out", ran["root"] / "b.png")
+    assert code == 0 and "finished: 3 of 3 rounds closed" in out and "all to trusted cells" in out
+    assert "MISMATCH" not in out and "warnings" not in out
+
+
+def test_report_writes_the_epsilon_plot(ran: dict[str, Any]) -> None:
+    cfg = ran["finished"]["cfg"]
+    default = cfg.state_dir / "privacy_epsilon.png"
+    code, out = run("report", "--config", ran["finished"]["config"])
+    assert code == 0 and f"plot: {default}" in out
+    data = default.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_report_from_the_database_alone(ran: dict[str, Any]) -> None:
+    cfg = ran["finished"]["cfg"]
+    db = cfg.state_dir / "coordinator.db"
+    by_config = run_json("report", "--config", ran["finished"]["config"], "--out", ran["root"] / "c.png")
+    by_db = run_json("report", "--db", db, "--rollout", "dp", "--out", ran["root"] / "d.png")
+    for key in ("devices", "tiers", "rounds", "releases", "clear_hops", "status", "delta", "budget_epsilon"):
+        assert by_db[key] == by_config[key], key
+
+
+def test_report_of_a_rollout_the_budget_stopped(ran: dict[str, Any]) -> None:
+    doc = run_json("report", "--config", ran["stopped"]["config"])
+    assert doc["status"] == "stopped" and doc["rounds_closed"] == 1 and doc["budget_epsilon"] == 5
+    assert doc["stopped"].startswith("privacy budget") and "> budget 5" in doc["stopped"]
+    assert doc["epsilon_max"] <= 5
+    code, out = run("report", "--config", ran["stopped"]["config"])
+    assert code == 0 and "STOPPED early after 1 of 3 rounds: privacy budget" in out
+
+
+def copy_db(src: Path, dst: Path) -> Path:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with closing(sqlite3.connect(src)) as a, closing(sqlite3.connect(dst)) as b:
+        a.backup(b)
+    return dst
+
+
+def test_a_tampered_ledger_is_flagged(ran: dict[str, Any], tmp_path: Path) -> None:
+    db = copy_db(ran["finished"]["cfg"].state_dir / "coordinator.db", tmp_path / "coordinator.db")
+    with closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute("UPDATE privacy_releases SET noise_multiplier = noise_multiplier * 2 "
+                     "WHERE node = 'dev-04' AND round = 1")
+    doc = run_json("report", "--db", db, "--rollout", "dp")
+    flagged = [d["device"] for d in doc["devices"] if not d["agrees"]]
+    assert flagged == ["dev-04"] and any("dev-04" in w for w in doc["warnings"])
+    assert (tmp_path / "privacy_epsilon.png").read_bytes().startswith(PNG_MAGIC)  # default: next to the db
+    code, out = run("report", "--db", db, "--rollout", "dp")
+    assert code == 0 and "MISMATCH" in out
+
+
+def test_report_errors_name_the_path(ran: dict[str, Any], tmp_path: Path, artifact_store: Path) -> None:
+    config = write(tmp_path / "r.toml", rollout_toml(artifact_store, state_dir="never-ran"))
+    code, out = run("report", "--config", config)
+    assert code == 2 and str(tmp_path / "never-ran" / "coordinator.db") in out
+
+    code, out = run("report", "--db", tmp_path / "missing.db", "--rollout", "dp")
+    assert code == 2 and str(tmp_path / "missing.db") in out
+
+    code, out = run("report", "--db", config, "--rollout", "dp")
+    assert code == 2 and "not a coordinator database" in out
+    assert config.read_text().startswith("\nrollout")  # untouched
+
+    db = ran["finished"]["cfg"].state_dir / "coordinator.db"
+    code, out = run("report", "--db", db, "--rollout", "other")
+    assert code == 2 and "'other'" in out and str(db) in out
+
+    code, out = run("report", "--db", db)
+    assert code == 2 and "--rollout" in out
+
+    empty = copy_db(db, tmp_path / "empty" / "coordinator.db")
+    with closing(sqlite3.connect(empty)) as conn, conn:
+        conn.execute("DELETE FROM privacy_releases")
+    code, out = run("report", "--db", empty, "--rollout", "dp")
+    assert code == 2 and "no privacy-ledger rows" in out and str(empty) in out
