@@ -98,6 +98,7 @@ class Cloud(StateGuard):
         self.round = start_round
         self.replan = replan
         self.admit = admit
+        self._plan_cache: tuple[Any, NoisePlan] | None = None
         self.stop_reason: str | None = None
         self.q1_estimate: float | None = None
         self._state = RoleState.IDLE
@@ -123,8 +124,13 @@ class Cloud(StateGuard):
     # --- rounds ---------------------------------------------------------------------------------
 
     def _noise_plan(self) -> NoisePlan | None:
+        """The config's noise plan, parsed once per config (not once per cell update)."""
         privacy = getattr(self.config, "privacy", None)
-        return None if privacy is None else NoisePlan.from_dict(privacy)
+        if privacy is None:
+            return None
+        if self._plan_cache is None or self._plan_cache[0] is not privacy:
+            self._plan_cache = (privacy, NoisePlan.from_dict(privacy))
+        return self._plan_cache[1]
 
     def _cell_task(self, cell: str) -> CellTask:
         return CellTask(rollout=self.rollout, round=self.round, sender=self.cloud_id, params=self._cell_params(cell),

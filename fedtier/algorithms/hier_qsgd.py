@@ -106,6 +106,18 @@ class HierConfig(RoundSettings):
         check_int(self.edge_rounds, "edge_rounds", 1)
 
 
+def _noise_plan(config: Any, cell: str, supported: bool) -> NoisePlan | None:
+    """The task's noise plan, if any; ``UnexpectedMessageError`` if this role cannot honour it."""
+    plan = config.noise_plan()
+    if plan is None:
+        return None
+    if not supported:
+        raise UnexpectedMessageError(f"{config.ALGORITHM} does not support differential privacy")
+    if cell not in plan.cells:
+        raise UnexpectedMessageError(f"task's noise plan does not cover cell {cell!r}")
+    return plan
+
+
 class _DeviceBase(StateGuard):
     """Round bookkeeping shared by the device roles: which task to accept, catch-up, desync."""
 
@@ -149,10 +161,7 @@ class _DeviceBase(StateGuard):
         config = self.CONFIG.from_dict(task.config)
         if task.step < 0 or task.step > self._max_start_step(config):
             raise UnexpectedMessageError(f"task starts at step {task.step}, beyond the round's steps")
-        plan = config.noise_plan()
-        if plan is not None and (not self.SUPPORTS_PRIVACY or self.cell not in plan.cells):
-            raise UnexpectedMessageError(f"task's noise plan does not cover cell {self.cell!r}" if self.SUPPORTS_PRIVACY
-                                         else f"{config.ALGORITHM} does not support differential privacy")
+        plan = _noise_plan(config, self.cell, self.SUPPORTS_PRIVACY)
         self._config, self._plan = config, plan
         self._round, self._step = task.round, task.step
         self._params = aggregate.copy_tensors(task.params)
@@ -307,10 +316,7 @@ class _EdgeBase(StateGuard):
         if task.round < self.round:
             raise WrongRoundError(f"task for round {task.round}, cell is at round {self.round}")
         config = self.CONFIG.from_dict(task.config)
-        plan = config.noise_plan()
-        if plan is not None and (not self.SUPPORTS_PRIVACY or self.cell not in plan.cells):
-            raise UnexpectedMessageError(f"task's noise plan does not cover cell {self.cell!r}" if self.SUPPORTS_PRIVACY
-                                         else f"{config.ALGORITHM} does not support differential privacy")
+        plan = _noise_plan(config, self.cell, self.SUPPORTS_PRIVACY)
         notes: list[Action] = []
         if self._state is RoleState.COLLECTING:
             notes.append(Note("round_abandoned", {"round": self.round, "step": self._step}))
