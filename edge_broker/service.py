@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 from fedtier import algorithms, messages, topics, wire
 from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, SendToParent
 from fedtier.artifact_cache import ArtifactCache
-from fedtier.errors import PrivacyViolationError, RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import MissingReleaseError, PrivacyViolationError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.manifest import Manifest
 from fedtier.signing import ManifestGate, open_manifest
 from fedtier.messages import (
@@ -41,6 +41,7 @@ from fedtier.messages import (
 )
 from fedtier.metrics import Metrics
 from fedtier.node import ACCEPTED, REJECTED, NodeBase
+from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import NoisePlan
 from fedtier.transport.base import Inbound, Transport
@@ -167,13 +168,13 @@ class EdgeNode(NodeBase):
         plan = role._plan if role is not None else None
         if plan is None or not plan.cells[self.cell].trusted:
             return False
-        own = [r for r in (msg.privacy or {}).get("releases", ()) if r.get("node") == self.cell and r.get("z", 0) > 0]
-        if own:
-            return False
-        self.metrics.inc(REJECTED, reason="privacy_violation")
-        log.error("refused to publish round %d of %s: the trusted cell's aggregate carries no noise release",
-                  msg.round, rollout)
-        return True
+        try:  # the audit the cloud will run, before anything leaves the gateway
+            audit.check_cell_update(plan, self.cell, msg.round, msg.privacy, msg.reported)
+        except MissingReleaseError as exc:
+            self.metrics.inc(REJECTED, reason="privacy_violation")
+            log.error("refused to publish round %d of %s: %s", msg.round, rollout, exc)
+            return True
+        return False
 
     def _on_round_message(self, payload: bytes, msg: CellTask | DeviceUpdate | DeviceGradient, now: float,
                           replay: bool = False, wire_bytes: int | None = None) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.privacy import accountant
 from fedtier.errors import ConfigError
-from fedtier.privacy.plan import CellPlan, NoisePlan
+from fedtier.privacy.plan import CellPlan, NoisePlan, device_sensitivity, edge_sensitivity
 from fedtier.privacy.trust import CLOUD, DEVICE, TrustNode
 
 
@@ -143,11 +143,10 @@ def plan_rows(cfg: RolloutConfig, device_samples: Mapping[str, int],
     rows = []
     for node in sorted(tree.values(), key=lambda e: (e.layer, e.kind != CLOUD, e.node)):
         if node.injects and node.kind == DEVICE:
-            releases, sens, z = tau * cfg.rounds, 2 * p.clip, m.device_z
+            releases, sens, z = tau * cfg.rounds, device_sensitivity(p.clip), m.device_z
         elif node.injects:
             releases, z = cfg.rounds, m.edge_z
-            sens = 2 * p.clip / node.fan_in if p.calibration == "paper" else \
-                2 * p.clip * (1 / node.fan_in + tau - 1)
+            sens = edge_sensitivity(p.calibration, p.clip, node.fan_in, tau)
         else:
             releases, sens, z = 0, 0.0, 0.0
         rows.append(PlanRow(node=node.node, kind=node.kind, layer=node.layer, parent=node.parent,

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping
 
 from cloud_coordinator.privacy.accountant import Accountant
 from cloud_coordinator.store import CoordinatorStore
+from fedtier.privacy import audit
 from fedtier.privacy.plan import NoisePlan
 
 log = logging.getLogger("fedtier.coordinator.privacy")
@@ -106,12 +107,10 @@ class PrivacyLedger:
                     releases.append(self._row(record, round, cell, self.cloud_id, observed=True))
                 else:
                     sens = self.plan.edge_sensitivity(len(members))
-                    releases.append(self._row({"node": cell, "event": "edge", "step": 0, "sigma": p.edge_z * sens,
-                                               "sensitivity": sens, "z": p.edge_z, "protected": list(members),
-                                               "inputs": {"clip": self.plan.clip, "reporters": len(members),
-                                                          "edge_rounds": self.plan.edge_rounds,
-                                                          "mode": self.plan.mode}},
-                                              round, cell, self.cloud_id, observed=False))
+                    planned = audit.release_record(plan=self.plan, node=cell, event="edge", round=round, step=0,
+                                                   sigma=p.edge_z * sens, sensitivity=sens, protected=members,
+                                                   reporters=len(members), z=p.edge_z)
+                    releases.append(self._row(planned, round, cell, self.cloud_id, observed=False))
                 clear.extend({"round": round, "step": int(c["step"]), "sender": c["sender"],
                               "receiver": c["receiver"], "receiver_trusted": True}
                              for c in report.get("clear", ()))
@@ -120,14 +119,12 @@ class PrivacyLedger:
             for device in members:
                 for step in range(self.plan.edge_rounds):
                     record = seen.get((device, step))
+                    observed = record is not None
                     if record is None:
-                        record = {"node": device, "event": "device", "step": step, "sigma": p.device_z * sens,
-                                  "sensitivity": sens, "z": p.device_z, "protected": [device],
-                                  "inputs": {"clip": self.plan.clip, "reporters": 1,
-                                             "edge_rounds": self.plan.edge_rounds, "mode": self.plan.mode}}
-                        releases.append(self._row(record, round, device, cell, observed=False))
-                    else:
-                        releases.append(self._row(record, round, device, cell, observed=True))
+                        record = audit.release_record(plan=self.plan, node=device, event="device", round=round,
+                                                      step=step, sigma=p.device_z * sens, sensitivity=sens,
+                                                      protected=[device], z=p.device_z)
+                    releases.append(self._row(record, round, device, cell, observed=observed))
         return releases, clear
 
     def _row(self, record: Mapping[str, Any], round: int, node: str, parent: str, *, observed: bool

@@ -32,9 +32,13 @@ Z_TOLERANCE = 1e-9
 
 
 def release_record(*, plan: NoisePlan, node: str, event: str, round: int, step: int, sigma: float,
-                   sensitivity: float, protected: Iterable[str], reporters: int = 1) -> dict[str, Any]:
+                   sensitivity: float, protected: Iterable[str], reporters: int = 1,
+                   z: float | None = None) -> dict[str, Any]:
+    """One release's record; ``z`` defaults to ``sigma / sensitivity`` (pass it to keep a planned value exact)."""
+    if z is None:
+        z = sigma / sensitivity if sensitivity > 0 else math.inf
     return {"node": node, "event": event, "round": int(round), "step": int(step), "sigma": float(sigma),
-            "sensitivity": float(sensitivity), "z": float(sigma / sensitivity) if sensitivity > 0 else math.inf,
+            "sensitivity": float(sensitivity), "z": float(z),
             "protected": sorted(protected),
             "inputs": {"clip": plan.clip, "reporters": int(reporters), "edge_rounds": plan.edge_rounds,
                        "mode": plan.mode}}

@@ -31,6 +31,19 @@ from fedtier.errors import UnexpectedMessageError
 MODES = ("rdp", "paper")
 
 
+def device_sensitivity(clip: float) -> float:
+    """A device release: its delta clipped to ``clip``; a replaced record moves it by at most 2C."""
+    return 2.0 * clip
+
+
+def edge_sensitivity(mode: str, clip: float, fan_in: int, edge_rounds: int) -> float:
+    """A trusted server's release over devices weighted at most ``1/fan_in`` (see the module docstring)."""
+    n = max(1, int(fan_in))
+    if mode == "paper":
+        return 2.0 * clip / n
+    return 2.0 * clip * (1.0 / n + (edge_rounds - 1))
+
+
 @dataclass(frozen=True, slots=True)
 class CellPlan:
     """One cell's part of the plan.
@@ -100,15 +113,11 @@ class NoisePlan:
 
     @property
     def device_sensitivity(self) -> float:
-        """A device release: its clipped delta, replaced record -> moves by at most 2C."""
-        return 2.0 * self.clip
+        return device_sensitivity(self.clip)
 
     def edge_sensitivity(self, reporters: int) -> float:
         """A trusted edge's release over ``reporters`` devices (uniform weights)."""
-        n = max(1, int(reporters))
-        if self.mode == "paper":
-            return 2.0 * self.clip / n
-        return 2.0 * self.clip * (1.0 / n + (self.edge_rounds - 1))
+        return edge_sensitivity(self.mode, self.clip, reporters, self.edge_rounds)
 
     def device_sigma(self, cell: str) -> float:
         return self.cells[cell].device_z * self.device_sensitivity

@@ -76,5 +76,6 @@ def test_a_trusted_edge_never_publishes_an_aggregate_without_its_noise() -> None
     assert node.metrics.get(REJECTED, reason="privacy_violation") == 1
     noised = CellUpdate(rollout="r", round=0, sender="cell-a", delta=delta, weight=2.0, reported=("a", "b"),
                         privacy={"trusted": True, "steps": [["a", "b"]], "clear": [],
-                                 "releases": [{"node": "cell-a", "event": "edge", "z": 3.0}]})
+                                 "releases": [{"node": "cell-a", "event": "edge", "round": 0, "step": 0,
+                                               "z": 3.0, "protected": ["a", "b"]}]})
     assert EdgeNode._refuse_clear_aggregate(node, "r", noised) is False
