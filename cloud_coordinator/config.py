@@ -274,7 +274,7 @@ class RolloutConfig(Section):
     """A training campaign (``fedtier coordinator run``, ``fedtier simulate``)."""
 
     rollout: str = opt("default", check=node_id, help="Rollout id (appears in every topic).")
-    algorithm: str = opt("fedavg", choices=ALGORITHMS, help="Algorithm: fedavg, hier_qsgd or qhetfed.")
+    algorithm: str = opt("fedavg", choices=ALGORITHMS, help="Algorithm: fedavg, hier_qsgd, qhetfed or hist.")
     rounds: int = opt(20, min=1, help="Global rounds.")
     seed: int = opt(0, help="Rollout seed: names every RNG stream (minibatches, ...).")
     state_dir: Path = opt(Path("fedtier-state"), help="Coordinator state: SQLite database and artifact store.")

@@ -266,7 +266,8 @@ class DeviceNode(NodeBase):
         if role is None:
             module = algorithms.load(str(task.config.get("algorithm", "")))
             role = module.Device(device_id=self.device_id, cell=self.cell, rollout=task.rollout,
-                                 last_round=self.state.last_round(task.rollout), noise=self.noise)
+                                 last_round=self.state.last_round(task.rollout),
+                                 last_sent=self.state.last_sent(task.rollout), noise=self.noise)
             self.roles[task.rollout] = role
         return role
 
@@ -313,7 +314,8 @@ class DeviceNode(NodeBase):
                 topic = topics.cell_up(msg.rollout, self.cell, self.device_id, msg.KIND)
                 payload = msg.encode(action.encodings)
                 # Written (with the round progress the role reached) before it is published.
-                self.state.put_update(msg.key, topic, payload, msg.rollout, role.last_round, now)
+                self.state.put_update(msg.key, topic, payload, msg.rollout, role.last_round, now,
+                                      sent=(msg.round, msg.step))
                 self._publish_update(msg.key, topic, payload)
                 if role.last_round == msg.round:
                     self.rounds_done += 1

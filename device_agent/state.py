@@ -3,8 +3,9 @@
 paho keeps unsent QoS 1 messages in memory only (field notes §2.2). The agent writes each
 update here *before* publishing it and deletes it when the broker acknowledges it; on
 start, whatever is left is published again (receivers drop duplicates by idempotency key).
-The last round reported per rollout is stored with the update in one transaction, so a
-restarted agent neither loses an update nor trains a round twice.
+The last round reported per rollout, and the (round, step) of the newest upload, are stored
+with the update in one transaction, so a restarted agent neither loses an update nor trains a
+step twice (a second upload of a step would be a second, uncharged, noisy release of it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ CREATE TABLE IF NOT EXISTS outbox (
     msg_key TEXT PRIMARY KEY, topic TEXT NOT NULL, payload BLOB NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS progress (rollout TEXT PRIMARY KEY, last_round INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS settings (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS sent (rollout TEXT PRIMARY KEY, round INTEGER NOT NULL, step INTEGER NOT NULL);
 """
 
 
@@ -25,16 +27,24 @@ class DeviceState:
     def __init__(self, path: Path | str) -> None:
         self.db = Database(path, SCHEMA)
 
-    def put_update(self, key: str, topic: str, payload: bytes, rollout: str, round: int, now: float) -> None:
-        """Queue an upload for sending and record ``round`` as the last one finished, atomically.
+    def put_update(self, key: str, topic: str, payload: bytes, rollout: str, round: int, now: float,
+                   sent: tuple[int, int] | None = None) -> None:
+        """Queue an upload for sending and record the progress it stands for, atomically.
 
-        Pass the role's ``last_round``: an upload in the middle of a round (a QHetFed gradient)
-        leaves it where it was.
+        Args:
+            round: the role's ``last_round``: an upload in the middle of a round (a step before
+                the last) leaves it where it was.
+            sent: the upload's ``(round, step)``; progress never moves backwards.
         """
         with self.db.transaction() as db:
             db.execute("INSERT OR REPLACE INTO outbox VALUES (?,?,?,?)", (key, topic, payload, now))
             db.execute("INSERT INTO progress VALUES (?,?) ON CONFLICT(rollout) DO UPDATE SET "
                        "last_round=MAX(last_round, excluded.last_round)", (rollout, round))
+            if sent is not None:
+                db.execute("INSERT INTO sent VALUES (?,?,?) ON CONFLICT(rollout) DO UPDATE SET "
+                           "round=excluded.round, step=excluded.step "
+                           "WHERE (excluded.round, excluded.step) > (sent.round, sent.step)",
+                           (rollout, sent[0], sent[1]))
 
     def delete(self, key: str) -> None:
         with self.db.locked() as db:
@@ -50,6 +60,12 @@ class DeviceState:
         with self.db.locked() as db:
             row = db.execute("SELECT last_round FROM progress WHERE rollout=?", (rollout,)).fetchone()
         return int(row[0]) if row else -1
+
+    def last_sent(self, rollout: str) -> tuple[int, int] | None:
+        """``(round, step)`` of the newest upload queued for ``rollout``, or None."""
+        with self.db.locked() as db:
+            row = db.execute("SELECT round, step FROM sent WHERE rollout=?", (rollout,)).fetchone()
+        return (int(row[0]), int(row[1])) if row else None
 
     def manifest_version(self) -> int:
         """The newest manifest version this device installed (no older one is accepted again)."""

@@ -215,11 +215,16 @@ class EdgeNode(NodeBase):
             elif isinstance(action, SendToParent):
                 msg = action.message
                 stats = dict(self._round_bytes.pop((rollout, msg.round), {}))
-                if isinstance(msg, CellUpdate):
-                    msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
-                    if self._refuse_clear_aggregate(rollout, msg):
-                        continue
-                self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), msg.encode(action.encodings))
+                stored = self.store.output(msg.key)
+                if stored is None:
+                    if isinstance(msg, CellUpdate):
+                        msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
+                        if self._refuse_clear_aggregate(rollout, msg):
+                            continue
+                    stored = msg.encode(action.encodings)
+                    self.store.save_output(rollout, msg.round, msg.key, stored)
+                # else: a replay closed the cell again; the same bytes go out, never a second noisy release
+                self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), stored)
                 log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,
                          len(getattr(msg, "reported", ())))
 

@@ -4,7 +4,11 @@ Recovery is by replay: the edge role is a pure state machine, so the state of th
 round is exactly the result of feeding it the round's ``CellTask`` and the device updates
 it accepted, in order. Each accepted message is appended here *before* the broker is
 acknowledged; a restarted edge replays them into a fresh role and is where it was.
-Re-published outputs are harmless: receivers drop them by idempotency key.
+
+Outputs to the cloud are stored too, before they are published: a replay that closes the
+cell again republishes the stored bytes (receivers drop them by idempotency key) rather than
+a fresh encoding. A trusted edge noises its aggregate with fresh OS randomness, so a second
+encoding would be a second noisy release of the same aggregate, one the ledger never charges.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ CREATE TABLE IF NOT EXISTS inputs (
     id INTEGER PRIMARY KEY AUTOINCREMENT, rollout TEXT NOT NULL, round INTEGER NOT NULL,
     kind TEXT NOT NULL, msg_key TEXT NOT NULL UNIQUE, payload BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS manifests (rollout TEXT PRIMARY KEY, version INTEGER NOT NULL, payload BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS outputs (
+    msg_key TEXT PRIMARY KEY, rollout TEXT NOT NULL, round INTEGER NOT NULL, payload BLOB NOT NULL);
 """
 
 
@@ -32,9 +38,21 @@ class EdgeStore:
                              " VALUES (?,?,?,?,?)", (rollout, round, kind, key, payload))
 
     def prune(self, rollout: str, before_round: int) -> None:
-        """Forget inputs of rounds that can no longer change (a newer task arrived)."""
-        with self.db.locked() as db:
+        """Forget inputs and outputs of rounds that can no longer change (a newer task arrived)."""
+        with self.db.transaction() as db:
             db.execute("DELETE FROM inputs WHERE rollout=? AND round<?", (rollout, before_round))
+            db.execute("DELETE FROM outputs WHERE rollout=? AND round<?", (rollout, before_round))
+
+    def output(self, key: str) -> bytes | None:
+        """The payload published earlier under idempotency key ``key``, if any."""
+        with self.db.locked() as db:
+            row = db.execute("SELECT payload FROM outputs WHERE msg_key=?", (key,)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def save_output(self, rollout: str, round: int, key: str, payload: bytes) -> None:
+        """Keep an output before it is published (the first one for a key wins)."""
+        with self.db.locked() as db:
+            db.execute("INSERT OR IGNORE INTO outputs VALUES (?,?,?,?)", (key, rollout, round, payload))
 
     def inputs(self) -> list[tuple[str, bytes]]:
         """Every recorded input as ``(rollout, payload)``, in acceptance order."""

@@ -125,7 +125,7 @@ class _DeviceBase(StateGuard):
     SUPPORTS_PRIVACY: ClassVar[bool] = True
 
     def __init__(self, *, device_id: str, cell: str, rollout: str, last_round: int = -1,
-                 noise: NoiseSource | None = None) -> None:
+                 last_sent: tuple[int, int] | None = None, noise: NoiseSource | None = None) -> None:
         """
         Args:
             device_id: this device's node id.
@@ -133,6 +133,10 @@ class _DeviceBase(StateGuard):
             rollout: the rollout this role serves.
             last_round: the last round this device finished (after a restart), so a
                 redelivered task of that round is a duplicate, not new work.
+            last_sent: ``(round, step)`` of the newest upload this device made before a restart.
+                A task for that step restores the set model and waits for the cell's average
+                instead of training the step again: a second upload of the same step would be
+                a second noisy release of the same data that the privacy ledger never charges.
             noise: where differential-privacy noise comes from (default: a fresh OS-seeded source).
         """
         self.noise = noise if noise is not None else NoiseSource()
@@ -141,6 +145,7 @@ class _DeviceBase(StateGuard):
         self.cell = cell
         self.rollout = rollout
         self.last_round = last_round
+        self._last_sent = last_sent
         self._round = last_round
         self._step = 0
         self._state = RoleState.IDLE
@@ -158,6 +163,9 @@ class _DeviceBase(StateGuard):
         # (same round while idle and unfinished: a catch-up task after this device dropped out)
         if self.device_id not in task.members:
             return [Dropped("not_selected", task.key, f"{self.device_id} not in round {task.round}")]
+        sent = self._last_sent
+        if sent is not None and sent[0] == task.round and sent[1] > task.step:
+            return [Dropped("duplicate", task.key, f"step {sent[1]} of round {task.round} was already uploaded")]
         config = self.CONFIG.from_dict(task.config)
         if task.step < 0 or task.step > self._max_start_step(config):
             raise UnexpectedMessageError(f"task starts at step {task.step}, beyond the round's steps")
@@ -165,6 +173,11 @@ class _DeviceBase(StateGuard):
         self._config, self._plan = config, plan
         self._round, self._step = task.round, task.step
         self._params = aggregate.copy_tensors(task.params)
+        if sent == (task.round, task.step):
+            # Uploaded before a restart (the upload is in the outbox or with the edge already):
+            # hold the step's set model and wait for the cell's average, as before the restart.
+            self._state = RoleState.WAITING
+            return [Note("resumed", {"round": task.round, "step": task.step, "reason": "step already uploaded"})]
         return None
 
     def _max_start_step(self, config: Any) -> int:

@@ -60,3 +60,16 @@ def test_outbox_survives_a_restart_and_tracks_the_last_round(tmp_path: Path) -> 
     assert again.last_round("r") == 2 and again.last_round("other") == -1
     again.put_update("k0", "t/0", b"old", "r", 0, 3.0)  # an older round never lowers progress
     assert again.last_round("r") == 2
+
+
+def test_the_newest_upload_step_survives_a_restart_and_never_moves_back(tmp_path: Path) -> None:
+    state = DeviceState(tmp_path / "agent.db")
+    assert state.last_sent("r") is None
+    state.put_update("k1", "t/1", b"u", "r", 0, 1.0, sent=(1, 0))  # mid-round: last_round stays at 0
+    state.put_update("k2", "t/2", b"u", "r", 0, 2.0, sent=(1, 1))
+    state.put_update("k3", "t/3", b"u", "r", 0, 3.0, sent=(0, 4))  # older: ignored
+    state.put_update("k4", "t/4", b"u", "other", 5, 4.0, sent=(5, 0))
+    state.close()
+    again = DeviceState(tmp_path / "agent.db")
+    assert again.last_sent("r") == (1, 1) and again.last_sent("other") == (5, 0)
+    assert again.last_round("r") == 0

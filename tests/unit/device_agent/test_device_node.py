@@ -14,9 +14,23 @@ from device_agent.state import DeviceState
 from device_agent.trainers import make_trainer
 from fedtier import messages, topics
 from fedtier.artifact_cache import ArtifactCache
-from fedtier.messages import ArtifactBlob, ArtifactRequest, DeviceTask, DeviceUpdate
+from fedtier.algorithms.common import digest
+from fedtier.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask, DeviceUpdate
 from fedtier.node import REJECTED
 from fedtier.transport.memory import MemoryBroker
+
+
+def make_node(prepared, broker: MemoryBroker, cell: str, directory: Path) -> DeviceNode:
+    """The first device of ``cell``, its state, cache and bundles under ``directory`` (a restart
+    builds another node on the same directory)."""
+    device_id = prepared.cells[cell][0]
+    x, y = prepared.data.train[device_id]
+    node = DeviceNode(device_id=device_id, cell=cell, transport=broker.connect(device_id),
+                      data=LocalData(x=x, y=y), trainer_provider=lambda b: make_trainer("ort", b),
+                      state=DeviceState(directory / "agent.db"), cache=ArtifactCache(directory / "cache"),
+                      bundles_dir=directory / "bundles")
+    node.tx.set_handler(lambda inbound: node.handle(inbound, broker.now))
+    return node
 
 
 @pytest.fixture
@@ -26,19 +40,13 @@ def setup(small_rollout, tmp_path: Path):
     received: list = []
     edge = broker.connect("edge", received.append)
     cell = next(iter(prepared.cells))
-    device_id = prepared.cells[cell][0]
     edge.subscribe(topics.cell_up_filter(cell))
-    x, y = prepared.data.train[device_id]
-    node = DeviceNode(device_id=device_id, cell=cell, transport=broker.connect(device_id),
-                      data=LocalData(x=x, y=y), trainer_provider=lambda b: make_trainer("ort", b),
-                      state=DeviceState(tmp_path / "agent.db"), cache=ArtifactCache(tmp_path / "cache"),
-                      bundles_dir=tmp_path / "bundles")
-    node.tx.set_handler(lambda inbound: node.handle(inbound, broker.now))
+    node = make_node(prepared, broker, cell, tmp_path)
     return prepared, broker, edge, received, node, cell
 
 
 def task_for(prepared, cell: str, round: int = 0) -> DeviceTask:
-    cfg = prepared.config.algorithm_config().to_dict()
+    cfg = prepared.algorithm_config().to_dict()
     return DeviceTask(rollout=prepared.config.rollout, round=round, sender=cell, params=prepared.initial_params,
                       config=cfg, members=prepared.cells[cell])
 
@@ -76,6 +84,7 @@ def test_device_fetches_artifacts_then_runs_the_waiting_task(setup) -> None:
     assert any(np.abs(d).max() > 0 for d in update.delta.values())
     assert update.num_samples == len(node.data)
     assert node.state.pending() == [] and node.state.last_round(rollout) == 0
+    assert node.state.last_sent(rollout) == (0, 0)
 
 
 def test_a_tampered_artifact_is_rejected_and_not_cached(setup) -> None:
@@ -129,3 +138,40 @@ def test_data_that_does_not_fit_the_model_keeps_the_device_out_without_crashing(
     broker.run_until_idle()
     assert rollout not in node.trainers and uplinks(received, DeviceUpdate) == []
     assert "refused, not taking part" in caplog.text and "10 classes" in caplog.text
+
+
+def test_a_device_restarted_mid_round_does_not_release_an_uploaded_step_again(small_rollout, tmp_path: Path) -> None:
+    # Prepare: two edge rounds per round, devices add DP noise (untrusted edges), artifacts cached.
+    prepared = prepare(small_rollout(algorithm="hier_qsgd", hier_qsgd={"edge_rounds": 2, "local_steps": 2},
+                                     privacy={"epsilon": 6.0, "clip": 1.0, "require_tls": False}))
+    rollout, cell = prepared.config.rollout, next(iter(prepared.cells))
+    broker = MemoryBroker()
+    received: list = []
+    edge = broker.connect("edge", received.append)
+    edge.subscribe(topics.cell_up_filter(cell))
+    node = make_node(prepared, broker, cell, tmp_path)
+    for entry in prepared.bundle.files.values():
+        node.cache.put(entry.sha256, (prepared.bundle.directory / entry.filename).read_bytes())
+    node.start(0.0)
+    edge.publish(topics.cell_manifest(rollout, cell), prepared.manifest.encode(), retain=True)
+    task = task_for(prepared, cell)
+    edge.publish(topics.cell_down(rollout, cell, DeviceTask.KIND), task.encode())
+    broker.run_until_idle()
+    [first] = uplinks(received, DeviceUpdate)
+    assert first.step == 0 and first.release is not None  # a noisy release, charged by the ledger
+    # Execute: the agent dies and restarts on its state; the edge, not having the update yet,
+    # resends the open task to it.
+    node.tx.close()
+    node.state.close()
+    restarted = make_node(prepared, broker, cell, tmp_path)
+    restarted.start(0.0)
+    edge.publish(topics.cell_down(rollout, cell, DeviceTask.KIND, restarted.device_id), task.encode())
+    broker.run_until_idle()
+    # Assert: no second release of step 0; the device waits for the cell's average and goes on.
+    assert len(uplinks(received, DeviceUpdate)) == 1
+    set_model = {n: p + first.delta[n] for n, p in prepared.initial_params.items()}
+    step = CellStep(rollout=rollout, round=0, sender=cell, step=0, tensors_=first.delta, kind="delta",
+                    model_sha=digest(set_model), reported=(restarted.device_id,))
+    edge.publish(topics.cell_down(rollout, cell, CellStep.KIND), step.encode())
+    broker.run_until_idle()
+    assert [(u.round, u.step) for u in uplinks(received, DeviceUpdate)] == [(0, 0), (0, 1)]

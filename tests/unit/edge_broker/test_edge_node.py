@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from fedtier.artifact_cache import ArtifactCache, sha256_hex
 from fedtier.manifest import Manifest
 from fedtier.messages import ArtifactBlob, ArtifactRequest, CellTask, CellUpdate, DeviceTask, DeviceUpdate
 from fedtier.node import REJECTED
+from fedtier.privacy.plan import CellPlan, NoisePlan
 from fedtier.transport.memory import MemoryBroker
 
 CELL, ROLLOUT = "cell-a", "r"
@@ -48,9 +50,9 @@ class Rig:
         self.broker.run_until_idle()
         return edge
 
-    def task(self) -> None:
+    def task(self, config: FedAvgConfig | None = None) -> None:
         task = CellTask(rollout=ROLLOUT, round=0, sender="cloud", params=PARAMS, members=MEMBERS,
-                        config=FedAvgConfig().to_dict())
+                        config=(config or FedAvgConfig()).to_dict())
         self.cloud.publish(topics.cloud_down(ROLLOUT, CELL, task.KIND), task.encode())
         self.broker.run_until_idle()
 
@@ -127,6 +129,27 @@ def test_a_restarted_edge_replays_its_accepted_inputs(tmp_path: Path) -> None:
     [(_, cell_update)] = [(t, m) for t, m in decoded(rig.at_cloud) if isinstance(m, CellUpdate)]
     assert cell_update.reported == MEMBERS
     np.testing.assert_allclose(cell_update.delta["w"], np.full((2, 2), 3.0), rtol=0, atol=1e-7)
+
+
+def test_a_trusted_edge_restarted_after_forwarding_republishes_the_same_noisy_aggregate(tmp_path: Path) -> None:
+    # Prepare: a trusted cell, whose edge noises the aggregate it forwards to the (untrusted) cloud.
+    plan = NoisePlan(mode="rdp", epsilon=1.0, delta=1e-5, budget_epsilon=math.inf, clip=10.0, edge_rounds=1,
+                     rounds=2, require_tls=False, cells={CELL: CellPlan(True, len(MEMBERS), 0.0, 2.0)})
+    db = tmp_path / "edge.db"
+    rig = Rig(tmp_path, db)
+    rig.task(FedAvgConfig(privacy=plan.to_dict()))
+    for i, device in enumerate(MEMBERS):
+        rig.update(device, float(i))
+    [first] = [i.payload for i in rig.at_cloud if i.topic == topics.edge_up(ROLLOUT, CELL, CellUpdate.KIND)]
+    assert messages.decode_message(first).privacy is not None  # noised, with its release record
+    # Execute: the edge dies before the next task and restarts; its replay closes the cell again.
+    rig.edge.store.close()
+    rig.edge.cell_tx.close()
+    rig.edge.cloud_tx.close()
+    rig.edge = rig.new_edge(tmp_path, db)
+    # Assert: whatever was published again is the very same bytes: one release, never two.
+    published = [i.payload for i in rig.at_cloud if i.topic == topics.edge_up(ROLLOUT, CELL, CellUpdate.KIND)]
+    assert len(published) == 2 and set(published) == {first}
 
 
 def test_foreign_topics_and_other_rollouts_are_rejected(tmp_path: Path) -> None:

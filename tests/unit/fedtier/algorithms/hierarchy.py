@@ -164,6 +164,14 @@ class Hierarchy:
             self._run_edge(cell, edge.tick(now))
         self._run_cloud(self.cloud.tick(now))
 
+    def restart_device(self, device: str, last_sent: tuple[int, int] | None) -> None:
+        """Replace ``device``'s role by a fresh one, as an agent restarted from its state would
+        build it (``last_round`` and ``last_sent`` are what its outbox transaction recorded)."""
+        old = self.devices[device]
+        self.devices[device] = self.algo.Device(device_id=device, cell=old.cell, rollout="r",
+                                                last_round=old.last_round, last_sent=last_sent,
+                                                **self._noise(device))
+
     def reconnect(self, device: str) -> None:
         """``device`` comes online again: its edge resends the open task if it owes an update."""
         self.offline.discard(device)

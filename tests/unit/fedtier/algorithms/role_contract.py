@@ -152,6 +152,34 @@ class RoleContract:
         h.reconnect(late)
         assert len(h.closed) == 1 and h.closed[0].missing == ()
 
+    def test_device_restarted_after_an_upload_does_not_upload_that_step_again(self) -> None:
+        # A second upload of a step would be a second noisy release that the ledger never charges.
+        reference = self.hierarchy(rounds=1)
+        reference.run()
+        h = self.hierarchy(rounds=1)
+        victim = sorted(h.devices)[0]
+        cell = h.devices[victim].cell
+        held: list[Message] = []
+        deliver = h.deliver_to_edge
+
+        def hold_first_upload(to: str, msg: Message) -> None:
+            if msg.sender == victim and not held:
+                held.append(msg)  # in the outbox / in flight when the agent dies
+                return
+            deliver(to, msg)
+
+        h.deliver_to_edge = hold_first_upload  # type: ignore[method-assign]
+        h.start()
+        assert len(held) == 1 and h.closed == []
+        h.restart_device(victim, last_sent=(held[0].round, held[0].step))
+        h.reconnect(victim)  # the edge resends the open task: the victim owes this step
+        deliver(cell, held[0])  # the outbox's resend arrives
+        uploads = [m for m in h.received[cell] if m.sender == victim and (m.round, m.step) == (0, held[0].step)]
+        assert len(uploads) == 1
+        assert len(h.closed) == 1 and h.closed[0].missing == ()
+        for name, value in reference.closed[0].params.items():
+            np.testing.assert_array_equal(h.closed[0].params[name], value)
+
     # --- local misuse -----------------------------------------------------------------------------
 
     def test_trained_without_request_moves_device_to_error(self) -> None:
