@@ -49,7 +49,7 @@ def main() -> None:
     import torch
 
     from device_agent.trainers import make_trainer
-    from fedtier.layout import ArchSpec
+    from fedtier.training.layout import ArchSpec
     from models.artifacts import build_artifacts
 
     torch.set_num_threads(1)

@@ -29,8 +29,8 @@ def coordinator_run(config_path: Path, log_level: str | None) -> None:
     """
     from cloud_coordinator.config import RolloutConfig
     from cloud_coordinator.run import run
-    from fedtier import logs
-    from fedtier.config import load
+    from fedtier.runtime import logs
+    from fedtier.runtime.config import load
 
     cfg = load(RolloutConfig, config_path)
     logs.setup(log_level or cfg.log_level, node=cfg.cloud_id)
@@ -56,8 +56,8 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     from cloud_coordinator.config import RolloutConfig
     from cloud_coordinator.report import round_line, summary_table
     from cloud_coordinator.simulate import simulate as run_simulation
-    from fedtier import logs
-    from fedtier.config import load
+    from fedtier.runtime import logs
+    from fedtier.runtime.config import load
 
     logs.setup(log_level)
     cfg = load(RolloutConfig, config_path)

@@ -15,9 +15,9 @@ from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.algorithms.hier_qsgd import HierConfig
 from fedtier.algorithms.hist import HistConfig
 from fedtier.algorithms.qhetfed import QHetFedConfig
-from fedtier.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
-from fedtier.layout import ArchSpec
-from fedtier.topics import check_id
+from fedtier.runtime.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
+from fedtier.training.layout import ArchSpec
+from fedtier.transport.topics import check_id
 
 DATASETS = ("digits", "breast_cancer", "synthetic")
 ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist")

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from fedtier.config import Section
+from fedtier.runtime.config import Section
 
 FILES: list[tuple[str, str, str, str]] = [
     ("device.toml", "device_agent.config", "DeviceConfig", "fedtier agent run --config device.toml"),

@@ -22,7 +22,7 @@ from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.datasets import make_federated
 from device_agent.config import DeviceConfig
 from edge_broker.config import EdgeConfig
-from fedtier.config import dumps_toml, load, read_toml
+from fedtier.runtime.config import dumps_toml, load, read_toml
 
 # Keys of a bundle's config that hold file paths, relative to the bundle.
 _PATH_KEYS = ("tls_ca", "tls_cert", "tls_key", "signing_key")

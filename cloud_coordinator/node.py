@@ -27,16 +27,18 @@ from typing import Any, Callable, Protocol, Sequence
 
 from cloud_coordinator.rollout import PreparedRollout
 from cloud_coordinator.store import CoordinatorStore
-from fedtier import algorithms, messages, topics, wire
+from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, Dropped, Finished, RoundClosed, SendToChild
 from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
-from fedtier.manifest import Manifest
-from fedtier.messages import ArtifactBlob, ArtifactRequest, CellUpdate
-from fedtier.metrics import Metrics
-from fedtier.signing import key_id, load_signing_key, open_manifest, sign
-from fedtier.node import ACCEPTED, NodeBase
-from fedtier.trainer import EvalResult
+from fedtier.runtime.metrics import Metrics
+from fedtier.runtime.node_base import ACCEPTED, NodeBase
+from fedtier.security.manifest import Manifest
+from fedtier.security.signing import key_id, load_signing_key, open_manifest, sign
+from fedtier.training.trainer import EvalResult
+from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport
+from fedtier.wire import messages
+from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellUpdate
 
 log = logging.getLogger("fedtier.coordinator")
 

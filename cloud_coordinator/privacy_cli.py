@@ -71,7 +71,7 @@ def plan(config_path: Path, as_json: bool) -> None:
 
 def _load(config_path: Path) -> Any:
     from cloud_coordinator.config import RolloutConfig
-    from fedtier.config import load
+    from fedtier.runtime.config import load
 
     return load(RolloutConfig, config_path)
 

@@ -18,11 +18,11 @@ import numpy as np
 
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.datasets import FederatedData, make_federated
-from fedtier.bundle import ArtifactBundle
-from fedtier.layout import ArchSpec
-from fedtier.manifest import Manifest
+from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.privacy.plan import NoisePlan
-from fedtier.submodels import fixed_sizes, plan_for, submodel_arch
+from fedtier.security.manifest import Manifest
+from fedtier.training.layout import ArchSpec
+from fedtier.training.submodels import fixed_sizes, plan_for, submodel_arch
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.node import CloudNode, OrtEvaluator
 from cloud_coordinator.rollout import prepare
 from cloud_coordinator.store import CoordinatorStore
-from fedtier import service
-from fedtier.chunking import SqliteChunkStore
 from fedtier.errors import ConfigError
+from fedtier.runtime import mqtt_service
 from fedtier.transport import mqtt
+from fedtier.transport.chunking import SqliteChunkStore
 
 log = logging.getLogger("fedtier.coordinator")
 
@@ -42,4 +42,4 @@ def run(cfg: RolloutConfig, stop: threading.Event | None = None,
         node.metrics.serve(cfg.metrics_port)
     log.info("rollout %s: %s, %d rounds, %d cells, %d devices; broker %s:%d", cfg.rollout, cfg.algorithm,
              cfg.rounds, len(node.prepared.cells), len(node.prepared.devices), cfg.broker.host, cfg.broker.port)
-    return service.run(node, [tx], inbox, start=node.start, stop=stop, done=lambda: node.finished)
+    return mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop, done=lambda: node.finished)

@@ -33,10 +33,10 @@ from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
 from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
-from fedtier.artifact_cache import ArtifactCache
-from fedtier.bundle import ArtifactBundle
+from fedtier.artifacts.bundle import ArtifactBundle
+from fedtier.artifacts.cache import ArtifactCache
 from fedtier.privacy.mechanism import NoiseSource
-from fedtier.trainer import Trainer
+from fedtier.training.trainer import Trainer
 from fedtier.transport.memory import MemoryBroker
 
 log = logging.getLogger("fedtier.simulate")

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedtier import wire
-from fedtier.sqlite import Database
+from fedtier.storage.sqlite import Database
 
 
 def encode_params(params: Mapping[str, np.ndarray], *, rollout: str, round: int) -> bytes:

@@ -27,8 +27,8 @@ def run_cmd(config_path: Path | None, bundle_dir: Path | None, log_level: str | 
     """
     from device_agent.config import DeviceConfig
     from device_agent.run import run
-    from fedtier import logs
-    from fedtier.config import load
+    from fedtier.runtime import logs
+    from fedtier.runtime.config import load
 
     if (config_path is None) == (bundle_dir is None):
         raise click.UsageError("give either --config or --bundle")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from fedtier import pki
 from fedtier.errors import ConfigError
-from fedtier.topics import is_id
+from fedtier.security import pki
+from fedtier.transport.topics import is_id
 
 log = logging.getLogger("fedtier.agent")
 

@@ -24,7 +24,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from fedtier import aggregate, algorithms, rng, topics
+from device_agent.data import LocalData
+from device_agent.state import DeviceState
+from fedtier import algorithms, rng
+from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import (
     Action,
     ComputeGradient,
@@ -33,9 +36,8 @@ from fedtier.algorithms.base import (
     LocalTrain,
     SendToParent,
 )
-from fedtier.artifact_cache import ArtifactCache
-from fedtier.batching import minibatch_indices
-from fedtier.bundle import ArtifactBundle
+from fedtier.artifacts.bundle import ArtifactBundle
+from fedtier.artifacts.cache import ArtifactCache
 from fedtier.errors import (
     ArtifactError,
     ConfigError,
@@ -44,19 +46,18 @@ from fedtier.errors import (
     RemoteProtocolError,
     UnexpectedMessageError,
 )
-from fedtier.layout import ArchSpec
-from fedtier.manifest import Manifest
-from fedtier.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask
-from fedtier.metrics import Metrics
-from fedtier.node import REJECTED, NodeBase
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import NoisePlan
-from fedtier.signing import ManifestGate
-from fedtier.trainer import Trainer
+from fedtier.runtime.metrics import Metrics
+from fedtier.runtime.node_base import REJECTED, NodeBase
+from fedtier.security.manifest import Manifest
+from fedtier.security.signing import ManifestGate
+from fedtier.training.batching import minibatch_indices
+from fedtier.training.layout import ArchSpec
+from fedtier.training.trainer import Trainer
+from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport
-
-from device_agent.data import LocalData
-from device_agent.state import DeviceState
+from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask
 
 log = logging.getLogger("fedtier.agent")
 

@@ -10,11 +10,11 @@ from device_agent.config import DeviceConfig
 from device_agent.data import load_data_dir
 from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
-from fedtier import service
-from fedtier.artifact_cache import ArtifactCache
-from fedtier.bundle import ArtifactBundle
-from fedtier.signing import load_trusted_keys
-from fedtier.trainer import Trainer
+from fedtier.artifacts.bundle import ArtifactBundle
+from fedtier.artifacts.cache import ArtifactCache
+from fedtier.runtime import mqtt_service
+from fedtier.security.signing import load_trusted_keys
+from fedtier.training.trainer import Trainer
 from fedtier.transport import mqtt
 
 log = logging.getLogger("fedtier.agent")
@@ -46,4 +46,4 @@ def run(cfg: DeviceConfig, stop: threading.Event | None = None) -> int:
     node, tx, inbox = build(cfg)
     log.info("device %s of cell %s: %d local samples; broker %s:%d", cfg.device_id, cfg.cell, len(node.data),
              cfg.broker.host, cfg.broker.port)
-    return service.run(node, [tx], inbox, start=node.start, stop=stop)
+    return mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop)

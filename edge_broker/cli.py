@@ -25,8 +25,8 @@ def run_cmd(config_path: Path, log_level: str | None) -> None:
     """
     from edge_broker.config import EdgeConfig
     from edge_broker.run import run
-    from fedtier import logs
-    from fedtier.config import load
+    from fedtier.runtime import logs
+    from fedtier.runtime.config import load
 
     cfg = load(EdgeConfig, config_path)
     logs.setup(log_level or cfg.log_level, node=cfg.cell)

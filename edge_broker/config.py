@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedtier.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
+from fedtier.runtime.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ import threading
 from edge_broker.config import EdgeConfig
 from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
-from fedtier import service
-from fedtier.artifact_cache import ArtifactCache
-from fedtier.chunking import SqliteChunkStore
-from fedtier.metrics import Metrics
-from fedtier.signing import load_trusted_keys
+from fedtier.artifacts.cache import ArtifactCache
+from fedtier.runtime import mqtt_service
+from fedtier.runtime.metrics import Metrics
+from fedtier.security.signing import load_trusted_keys
 from fedtier.transport import mqtt
+from fedtier.transport.chunking import SqliteChunkStore
 
 log = logging.getLogger("fedtier.edge")
 
@@ -45,4 +45,4 @@ def run(cfg: EdgeConfig, stop: threading.Event | None = None) -> int:
         log.info("metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
     log.info("edge of cell %s: cell broker %s:%d, cloud broker %s:%d", cfg.cell, cfg.cell_broker.host,
              cfg.cell_broker.port, cfg.cloud_broker.host, cfg.cloud_broker.port)
-    return service.run(node, transports, inbox, start=node.start, stop=stop)
+    return mqtt_service.run(node, transports, inbox, start=node.start, stop=stop)

@@ -1,6 +1,6 @@
 """The edge service: hosts the edge role of one cell between its cell broker and the cloud.
 
-Per inbound message (on the node's single thread, see ``fedtier.node.run_loop``):
+Per inbound message (on the node's single thread, see ``fedtier.runtime.node_base.run_loop``):
 
 * cloud ``manifest``      -> validate, keep the newest version, relay (retained) to the cell,
                              prefetch the artifacts it lists;
@@ -24,13 +24,22 @@ import math
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
-from fedtier import algorithms, messages, topics, wire
+from edge_broker.store import EdgeStore
+from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, SendToParent
-from fedtier.artifact_cache import ArtifactCache
+from fedtier.artifacts.cache import ArtifactCache
 from fedtier.errors import MissingReleaseError, PrivacyViolationError, RemoteProtocolError, UnexpectedMessageError
-from fedtier.manifest import Manifest
-from fedtier.signing import ManifestGate, open_manifest
-from fedtier.messages import (
+from fedtier.privacy import audit
+from fedtier.privacy.mechanism import NoiseSource
+from fedtier.privacy.plan import NoisePlan
+from fedtier.runtime.metrics import Metrics
+from fedtier.runtime.node_base import ACCEPTED, REJECTED, NodeBase
+from fedtier.security.manifest import Manifest
+from fedtier.security.signing import ManifestGate, open_manifest
+from fedtier.transport import topics
+from fedtier.transport.base import Inbound, Transport
+from fedtier.wire import messages
+from fedtier.wire.messages import (
     ArtifactBlob,
     ArtifactRequest,
     CellTask,
@@ -39,14 +48,6 @@ from fedtier.messages import (
     DeviceUpdate,
     Message,
 )
-from fedtier.metrics import Metrics
-from fedtier.node import ACCEPTED, REJECTED, NodeBase
-from fedtier.privacy import audit
-from fedtier.privacy.mechanism import NoiseSource
-from fedtier.privacy.plan import NoisePlan
-from fedtier.transport.base import Inbound, Transport
-
-from edge_broker.store import EdgeStore
 
 log = logging.getLogger("fedtier.edge")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedtier.sqlite import Database
+from fedtier.storage.sqlite import Database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS inputs (

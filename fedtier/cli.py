@@ -22,7 +22,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": ("cloud_coordinator.cli", "coordinator"),
     "simulate": ("cloud_coordinator.cli", "simulate"),
     "demo": ("cloud_coordinator.demo_cli", "demo"),
-    "broker": ("fedtier.broker_cli", "broker"),
+    "broker": ("fedtier.embedded_broker.command", "broker"),
     "plan": ("cloud_coordinator.plan_cli", "plan"),
     "provision": ("provisioning.cli", "provision"),
     "privacy": ("cloud_coordinator.privacy_cli", "privacy"),

@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from fedtier.bundle import (
+from fedtier.artifacts.bundle import (
     MAX_IR_VERSION,
     MAX_OPSET,
     ArtifactBundle,
@@ -49,7 +49,7 @@ from fedtier.bundle import (
     write_text_atomic,
 )
 from fedtier.errors import ArtifactError, LocalProtocolError
-from fedtier.layout import ArchSpec
+from fedtier.training.layout import ArchSpec
 from models.export import INPUT_NAME, OUTPUT_NAME, export_forward
 from models.zoo import layout_of
 

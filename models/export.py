@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedtier.errors import ArtifactError
-from fedtier.layout import ArchSpec
+from fedtier.training.layout import ArchSpec
 from models.zoo import build_model, layout_of
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

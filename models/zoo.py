@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedtier.errors import LocalProtocolError
-from fedtier.layout import ArchSpec, Layout, ParamSpec
+from fedtier.training.layout import ArchSpec, Layout, ParamSpec
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

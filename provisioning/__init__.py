@@ -10,5 +10,5 @@
   for a cell's broker or one combined broker (``combined_broker_config``).
 * :mod:`provisioning.cli` — ``fedtier provision ...``.
 
-Key and certificate primitives shared with the devices live in :mod:`fedtier.pki`.
+Key and certificate primitives shared with the devices live in :mod:`fedtier.security.pki`.
 """

@@ -16,7 +16,7 @@ every client certificate; Mosquitto 2.0.11 re-reads it on SIGHUP (verified), and
 
 Authorisation is the ACL file, keyed by username (``%u``, never ``%c``: the client id is
 chosen by the client, the CN is vouched for by the CA — the edge's cloud connection even
-uses client id ``<cell>.up``). Rules, checked against :mod:`fedtier.topics`:
+uses client id ``<cell>.up``). Rules, checked against :mod:`fedtier.transport.topics`:
 
 =============  ========================================================================
 who            may
@@ -81,8 +81,9 @@ from typing import Mapping, Sequence
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from fedtier import pki, topics
 from fedtier.errors import ConfigError
+from fedtier.security import pki
+from fedtier.transport import topics
 from provisioning import ca
 from provisioning.bundles import issue_broker
 from provisioning.errors import BundleExistsError, NameConflictError, ProvisioningError

@@ -37,9 +37,9 @@ from typing import Any, Sequence
 
 from cryptography import x509
 
-from fedtier import pki
-from fedtier.config import BrokerConfig, dumps_toml, load
 from fedtier.errors import ConfigError
+from fedtier.runtime.config import BrokerConfig, dumps_toml, load
+from fedtier.security import pki
 from provisioning import ca
 from provisioning.errors import BundleExistsError, CsrError
 from provisioning.fleet import CertRecord, Fleet, open_fleet

@@ -32,9 +32,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedtier import pki
 from fedtier.errors import LocalProtocolError
-from fedtier.topics import check_id
+from fedtier.security import pki
+from fedtier.transport.topics import check_id
 from provisioning.errors import CsrError, InvalidNameError
 
 CA_DAYS = 3650

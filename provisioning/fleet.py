@@ -42,8 +42,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from fedtier import pki
 from fedtier.errors import ConfigError
+from fedtier.security import pki
 from provisioning import ca
 from provisioning.errors import FleetExistsError, FleetNotFoundError, NameConflictError, UnknownNodeError
 

@@ -1,4 +1,4 @@
-"""Local training backends implementing ``fedtier.trainer.Trainer``.
+"""Local training backends implementing ``fedtier.training.trainer.Trainer``.
 
 * ``"ort"`` — :class:`device_agent.trainers.ort.OrtTrainer`, onnxruntime-training on the
   bundle's artifacts (default; torch-free).
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from fedtier.errors import LocalProtocolError
-from fedtier.layout import ArchSpec, Layout
+from fedtier.training.layout import ArchSpec, Layout
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from fedtier.bundle import ArtifactBundle
-    from fedtier.trainer import Trainer
+    from fedtier.artifacts.bundle import ArtifactBundle
+    from fedtier.training.trainer import Trainer
 
 TRAINER_KINDS = ("ort", "torch")
 

@@ -37,10 +37,10 @@ from device_agent.trainers import (
     check_threads,
 )
 from device_agent.trainers.ort_runtime import install_shim, training_api
-from fedtier.bundle import ArtifactBundle
+from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.errors import ArtifactError
-from fedtier.layout import Layout
-from fedtier.trainer import Batch, EvalResult, TrainStats
+from fedtier.training.layout import Layout
+from fedtier.training.trainer import Batch, EvalResult, TrainStats
 
 # Must run before anything imports onnxruntime, so that the import does not drag in torch.
 install_shim()

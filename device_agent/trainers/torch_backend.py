@@ -28,8 +28,8 @@ from device_agent.trainers import (
     check_tensors,
     check_threads,
 )
-from fedtier.layout import ArchSpec, Layout
-from fedtier.trainer import Batch, EvalResult, TrainStats
+from fedtier.training.layout import ArchSpec, Layout
+from fedtier.training.trainer import Batch, EvalResult, TrainStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

@@ -6,7 +6,7 @@ Every algorithm is three small state machines — device, edge, cloud — that n
 socket, a clock, a thread or a logger. A shell (``device_agent``, ``edge_broker``,
 ``cloud_coordinator``, or the in-process simulator) owns all of that. The shell
 
-1. decodes bytes from the wire into a typed ``Message`` (``fedtier.messages``),
+1. decodes bytes from the wire into a typed ``Message`` (``fedtier.wire.messages``),
 2. calls ``role.receive(message, now)`` (or ``role.tick(now)`` periodically, or a
    role-specific verb such as ``device.trained(...)`` when local work finishes),
 3. executes the returned ``Action`` list in order: ``Send*`` actions are encoded and
@@ -37,8 +37,8 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 
 from fedtier.errors import LocalProtocolError
-from fedtier.messages import Message
 from fedtier.wire import TensorEncoding
+from fedtier.wire.messages import Message
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -63,7 +63,7 @@ class SendToParent:
     """Publish ``message`` on this node's uplink.
 
     ``encodings`` maps tensor names to wire encodings (default f32). A role that quantized a
-    tensor (``fedtier.quant.qsgd``, with its own RNG stream) says ``qsgd`` here; the wire then
+    tensor (``fedtier.wire.quant.qsgd``, with its own RNG stream) says ``qsgd`` here; the wire then
     carries the quantized values losslessly.
     """
 

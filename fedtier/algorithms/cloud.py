@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from fedtier import aggregate
+from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import (
     Action,
     Dropped,
@@ -49,9 +49,9 @@ from fedtier.errors import (
     UnknownSenderError,
     WrongRoundError,
 )
-from fedtier.messages import CellTask, CellUpdate, Message
 from fedtier.privacy import audit
 from fedtier.privacy.plan import NoisePlan
+from fedtier.wire.messages import CellTask, CellUpdate, Message
 
 
 class RoundConfig(Protocol):

@@ -14,11 +14,10 @@ from typing import Any, ClassVar, Mapping, TypeVar
 
 import numpy as np
 
-from fedtier import quant
 from fedtier.errors import LayoutMismatchError, LocalProtocolError, UnexpectedMessageError
 from fedtier.privacy.plan import NoisePlan
 from fedtier.rng import stream
-from fedtier.wire import TensorEncoding
+from fedtier.wire import TensorEncoding, quant
 
 Tensors = Mapping[str, np.ndarray]
 WEIGHTINGS = ("uniform", "samples")

@@ -47,7 +47,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from fedtier import aggregate
+from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import (
     Action,
     Broadcast,
@@ -76,10 +76,10 @@ from fedtier.errors import (
     UnknownSenderError,
     WrongRoundError,
 )
-from fedtier.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, Message
 from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource, clip
 from fedtier.privacy.plan import NoisePlan
+from fedtier.wire.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, Message
 
 NAME = "hier_qsgd"
 

@@ -20,7 +20,7 @@ Global round ``m`` (``E`` local steps = ``edge_rounds`` x ``H``):
 Devices and edges never see the index sets; they work in submodel coordinates, so HIST uses
 ``hier_qsgd``'s device and edge roles unchanged (and its quantizers: submodel changes are
 quantized like any other). The submodel width of each cell is fixed across rounds, so its ORT
-artifacts are built once. See ``fedtier.submodels`` for the choice about shared tensors.
+artifacts are built once. See ``fedtier.training.submodels`` for the choice about shared tensors.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
-from fedtier import aggregate
+from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import Action, Note, Tensors
 from fedtier.algorithms.cloud import Cloud as _Cloud
 from fedtier.algorithms.hier_qsgd import Device, Edge, HierConfig
-from fedtier.layout import ArchSpec
-from fedtier.messages import CellUpdate
 from fedtier.rng import stream
-from fedtier.submodels import Partition, draw, extract, plan_for, reassemble
+from fedtier.training.layout import ArchSpec
+from fedtier.training.submodels import Partition, draw, extract, plan_for, reassemble
+from fedtier.wire.messages import CellUpdate
 
 NAME = "hist"
 

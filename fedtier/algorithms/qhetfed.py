@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from fedtier import aggregate
+from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import (
     Action,
     Broadcast,
@@ -58,7 +58,7 @@ from fedtier.algorithms.cloud import Cloud
 from fedtier.algorithms.common import RoundSettings, check_int, digest, quantize
 from fedtier.algorithms.hier_qsgd import _DeviceBase, _EdgeBase
 from fedtier.errors import RemoteProtocolError, UnexpectedMessageError, WrongRoundError
-from fedtier.messages import CellStep, CellTask, DeviceGradient, DeviceTask, DeviceUpdate, Message
+from fedtier.wire.messages import CellStep, CellTask, DeviceGradient, DeviceTask, DeviceUpdate, Message
 
 NAME = "qhetfed"
 

@@ -8,8 +8,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from fedtier import chunking, topics, wire
+from fedtier import wire
 from fedtier.errors import RemoteProtocolError
+from fedtier.transport import chunking, topics
 
 log = logging.getLogger("fedtier.transport")
 

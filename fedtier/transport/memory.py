@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from fedtier import chunking
 from fedtier.errors import TransportError
-from fedtier.mqtt_topics import SubscriptionTree, topic_matches
+from fedtier.transport import chunking
 from fedtier.transport.base import ChunkingMixin, DoneCallback, Inbound, Traffic
+from fedtier.transport.topic_filters import SubscriptionTree, topic_matches
 
 Handler = Callable[[Inbound], None]
 

@@ -35,8 +35,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from fedtier import chunking, topics, wire
+from fedtier import wire
 from fedtier.errors import TransportError
+from fedtier.transport import chunking, topics
 from fedtier.transport.base import ChunkingMixin, DoneCallback, Inbound, Traffic
 
 log = logging.getLogger("fedtier.transport.mqtt")
@@ -312,7 +313,7 @@ class MqttTransport(ChunkingMixin):
 def from_config(cfg: Any, *, name: str, client_id: str, inbox: "queue.Queue[Inbound]",
                 status: dict[str, Any] | None = None, chunk_store: chunking.ChunkStore | None = None,
                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES) -> MqttTransport:
-    """An ``MqttTransport`` from a ``fedtier.config.BrokerConfig`` section."""
+    """An ``MqttTransport`` from a ``fedtier.runtime.config.BrokerConfig`` section."""
     tls = None
     if cfg.tls_ca is not None:
         tls = TlsSettings(ca_file=str(cfg.tls_ca), cert_file=str(cfg.tls_cert) if cfg.tls_cert else None,

@@ -16,8 +16,8 @@ from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.fleet import FleetPaths
 from device_agent.config import DeviceConfig
 from edge_broker.config import EdgeConfig
-from fedtier import service
-from fedtier.config import load
+from fedtier.runtime import mqtt_service
+from fedtier.runtime.config import load
 
 
 @dataclass
@@ -40,7 +40,7 @@ class ThreadFleet:
 
         def target() -> None:
             try:
-                service.run(node, transports, inbox, start=node.start, stop=stop, install_signals=False,
+                mqtt_service.run(node, transports, inbox, start=node.start, stop=stop, install_signals=False,
                             done=done or (lambda: False))
             except BaseException as exc:  # surfaced by check()
                 running.errors.append(exc)

@@ -11,11 +11,12 @@ import pytest
 from mqtt_helpers import RawClient, with_flipped_byte, with_nan
 
 from edge_broker.config import EdgeConfig
-from fedtier import messages, topics
 from fedtier.algorithms.fedavg import FedAvgConfig
-from fedtier.config import dumps_toml, load
-from fedtier.messages import CellTask, CellUpdate, DeviceUpdate
-from fedtier.node import DROPPED, REJECTED
+from fedtier.runtime.config import dumps_toml, load
+from fedtier.runtime.node_base import DROPPED, REJECTED
+from fedtier.transport import topics
+from fedtier.wire import messages
+from fedtier.wire.messages import CellTask, CellUpdate, DeviceUpdate
 
 pytestmark = pytest.mark.broker
 
@@ -45,6 +46,7 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
 
 def test_bad_uplink_messages_are_rejected_and_the_round_completes(mosquitto, tmp_path: Path, caplog) -> None:
     from fleet_threads import ThreadFleet
+
     from cloud_coordinator.fleet import FleetPaths
 
     caplog.set_level(logging.INFO)

@@ -16,10 +16,11 @@ import pytest
 from conftest import free_port
 from mqtt_helpers import RawClient
 
-from fedtier import messages, topics
 from fedtier.algorithms.fedavg import FedAvgConfig
-from fedtier.config import dumps_toml
-from fedtier.messages import CellTask, CellUpdate, DeviceUpdate
+from fedtier.runtime.config import dumps_toml
+from fedtier.transport import topics
+from fedtier.wire import messages
+from fedtier.wire.messages import CellTask, CellUpdate, DeviceUpdate
 
 pytestmark = pytest.mark.broker
 

@@ -14,7 +14,8 @@ from conftest import free_port, start_mosquitto
 from mqtt_helpers import RawClient
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedtier import topics, wire
+from fedtier import wire
+from fedtier.transport import topics
 from fedtier.transport.base import Inbound
 from fedtier.transport.mqtt import MqttTransport
 

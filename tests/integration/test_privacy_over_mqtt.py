@@ -21,8 +21,8 @@ from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.fleet import write_fleet
 from cloud_coordinator.privacy.ledger import recompute
 from cloud_coordinator.store import CoordinatorStore
-from fedtier.config import load
-from fedtier.node import REJECTED
+from fedtier.runtime.config import load
+from fedtier.runtime.node_base import REJECTED
 
 pytestmark = pytest.mark.broker
 

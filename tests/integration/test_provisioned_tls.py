@@ -5,7 +5,7 @@ mutual TLS, the fleet's CRL and the generated ACL. Clients use the bundles' own 
 Checked: who gets in (a provisioned device, CSR-enrolled or not) and who does not (no
 certificate, another CA, expired, revoked — at start and after a SIGHUP —, a broker's
 server certificate, plain TCP); and that each role's ACL grants exactly the topics that
-role uses in ``fedtier.topics``, and nothing of another device or cell.
+role uses in ``fedtier.transport.topics``, and nothing of another device or cell.
 """
 
 from __future__ import annotations
@@ -28,17 +28,18 @@ from typing import Any, Iterator
 
 import paho.mqtt.client as mqtt
 import pytest
+from conftest import free_port, mosquitto_binary, require, wait_port
 from cryptography.hazmat.primitives import serialization
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 
 from device_agent.enroll import enroll
-from fedtier import pki, topics
-from fedtier.messages import MESSAGE_TYPES
+from fedtier.security import pki
+from fedtier.transport import topics
+from fedtier.wire.messages import MESSAGE_TYPES
 from provisioning import broker_config, bundles, ca
 from provisioning.broker_config import BrokerSetup, combined_broker_config, write_cell_broker_config
 from provisioning.fleet import Fleet
-from conftest import free_port, mosquitto_binary, require, wait_port
 
 pytestmark = pytest.mark.broker
 
@@ -290,7 +291,7 @@ def test_the_bundles_configs_connect_with_the_fedtier_transport(world: World) ->
     from cloud_coordinator.config import RolloutConfig
     from device_agent.config import DeviceConfig
     from edge_broker.config import EdgeConfig
-    from fedtier.config import load
+    from fedtier.runtime.config import load
     from fedtier.transport import mqtt as transport
 
     dev, csr_dev = load(DeviceConfig, world.configs["device"]), load(DeviceConfig, world.configs["csr-device"])
@@ -316,7 +317,7 @@ def test_an_agent_publishing_under_another_id_is_refused_and_logs_it(
     """Through fedtier's own transport with the device bundle's config: the broker answers
     PUBACK 135 and the agent's log says so (the operator's view of an ACL denial)."""
     from device_agent.config import DeviceConfig
-    from fedtier.config import load
+    from fedtier.runtime.config import load
     from fedtier.transport import mqtt as transport
 
     dev = load(DeviceConfig, world.configs["device"])

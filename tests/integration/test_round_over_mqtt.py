@@ -10,8 +10,8 @@ from fleet_threads import ThreadFleet
 
 from cloud_coordinator.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
-from fedtier.config import load
-from fedtier.node import DROPPED, REJECTED
+from fedtier.runtime.config import load
+from fedtier.runtime.node_base import DROPPED, REJECTED
 
 pytestmark = pytest.mark.broker
 

@@ -5,7 +5,9 @@
   the edge not even onnxruntime; the device's torch backend imports torch and ``models``
   lazily, inside functions, and only that file may;
 * only ``models`` and ``cloud_coordinator`` import torch, and lazily (never at module level);
-* ``fedtier agent ...`` starts without importing torch.
+* ``fedtier agent ...`` starts without importing torch;
+* inside ``fedtier``, each sub-package imports only the sub-packages ``CORE_RULES`` allows
+  (docs/architecture.md draws the same layers).
 """
 
 from __future__ import annotations
@@ -105,5 +107,89 @@ def test_the_edge_stack_loads_without_onnxruntime_or_torch() -> None:
 
 
 def test_the_core_loads_without_heavy_packages() -> None:
-    mods = _modules_after("import fedtier.wire, fedtier.messages, fedtier.algorithms.fedavg, fedtier.transport.mqtt")
+    mods = _modules_after("import fedtier.wire, fedtier.wire.messages, fedtier.algorithms.fedavg, "
+                          "fedtier.transport.mqtt")
     assert not HEAVY & {m.split('.')[0] for m in mods}
+
+
+# Which part of ``fedtier`` may import which, from the bottom up. Keys are the sub-packages (or
+# top-level modules) of ``fedtier``; a module may import its own part and the parts listed.
+CORE_RULES: dict[str, set[str]] = {
+    "errors": set(),
+    "rng": set(),
+    "wire": {"errors"},
+    "storage": {"errors"},
+    "training": {"errors", "rng"},
+    "privacy": {"errors", "rng"},
+    "artifacts": {"errors", "training"},
+    "transport": {"errors", "wire", "storage"},
+    "security": {"errors", "training", "transport"},  # transport.topics only: the id rules
+    "embedded_broker": {"errors", "transport"},  # transport.topic_filters only: stdlib MQTT matching
+    "algorithms": {"errors", "rng", "wire", "training", "privacy"},
+    "runtime": {"errors", "rng", "wire", "storage", "training", "privacy", "artifacts", "transport", "security",
+                "algorithms"},
+    "cli": {"errors", "__init__"},  # role commands load lazily, by name
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+
+
+def part_of(module: str) -> str:
+    """``fedtier.wire.quant`` -> ``wire``; ``fedtier.errors`` -> ``errors``; ``fedtier`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def core_imports(path: Path, root: Path) -> list[str]:
+    """Every ``fedtier...`` module that ``path`` (a file under ``root/fedtier``) imports, lazily or not."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "fedtier":
+                # ``from fedtier import wire`` names a part; ``from fedtier import __version__`` the package
+                found.extend("fedtier" if a.name.startswith("__") else f"fedtier.{a.name}" for a in node.names)
+            elif node.module.startswith("fedtier."):
+                found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found.extend(a.name for a in node.names if a.name.startswith("fedtier."))
+    return found
+
+
+def boundary_violations(root: Path, rules: dict[str, set[str]]) -> list[str]:
+    """``file imports module`` for each import in ``root/fedtier`` that crosses a boundary ``rules`` forbid."""
+    bad: list[str] = []
+    for path in sorted((root / "fedtier").rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        own = part_of(".".join(p for p in rel.parts))
+        if own not in rules:
+            bad.append(f"{rel}: part {own!r} has no rule in CORE_RULES")
+            continue
+        for module in core_imports(path, root):
+            target = part_of(module)
+            if target != own and target not in rules[own]:
+                bad.append(f"{rel} imports {module} ({own} may import only {sorted(rules[own])})")
+    return bad
+
+
+def test_core_sub_packages_import_only_what_the_rules_allow() -> None:
+    assert boundary_violations(ROOT, CORE_RULES) == []
+
+
+def test_every_core_part_has_a_rule_and_every_rule_a_part() -> None:
+    parts = {p.stem if p.is_file() else p.name for p in (ROOT / "fedtier").iterdir()
+             if (p.suffix == ".py") or (p.is_dir() and (p / "__init__.py").exists())}
+    assert parts == set(CORE_RULES)
+
+
+def test_the_rule_check_catches_a_forbidden_import(tmp_path: Path) -> None:
+    """A test of the test: a wire module that imports the runtime, and a lazy import in a function."""
+    (tmp_path / "fedtier" / "wire").mkdir(parents=True)
+    (tmp_path / "fedtier" / "runtime").mkdir()
+    (tmp_path / "fedtier" / "wire" / "codec.py").write_text("from fedtier.runtime.metrics import Metrics\n")
+    (tmp_path / "fedtier" / "wire" / "lazy.py").write_text("def f():\n    from fedtier import runtime\n")
+    (tmp_path / "fedtier" / "runtime" / "ok.py").write_text("from fedtier.wire import envelope\n")
+    found = boundary_violations(tmp_path, CORE_RULES)
+    assert len(found) == 2
+    assert any("wire/codec imports fedtier.runtime.metrics" in line for line in found)
+    assert any("wire/lazy imports fedtier.runtime" in line for line in found)

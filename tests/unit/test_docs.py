@@ -6,7 +6,7 @@ from pathlib import Path
 
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.config_docs import generate
-from fedtier.config import load
+from fedtier.runtime.config import load
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,6 +19,7 @@ def test_configuration_reference_is_up_to_date() -> None:
 def test_every_experiment_config_loads() -> None:
     """Plain rollout configs load; experiment specs ([rollout] + splits) load for every run they make."""
     import sys
+
     import tomllib
 
     configs = sorted((ROOT / "experiments").glob("*.toml"))
@@ -46,3 +47,23 @@ def test_readme_starts_with_the_two_commands() -> None:
     assert block[0].startswith("./install.sh && fedtier demo")
     assert block[1].startswith("python3 -m pytest")
     assert "python3 -m pytest" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_architecture_doc_names_only_modules_that_exist() -> None:
+    """Every path (``fedtier/wire/envelope.py``, ``edge_broker/``) and dotted module (``fedtier.wire``)
+    that docs/architecture.md names exists, except the hypothetical ones its recipes introduce."""
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    hypothetical = {"fedtier/algorithms/fedfoo.py", "tests/unit/fedtier/algorithms/test_fedfoo.py",
+                    "fedtier/transport/coap.py"}
+    roots = "fedtier|device_agent|edge_broker|cloud_coordinator|models|provisioning|tests"
+    paths = set(re.findall(rf"\b(?:{roots})/[\w/]*[\w]+(?:\.py)?/?", text))
+    dotted = set(re.findall(r"\bfedtier(?:\.[a-z_]+)+\b", text))
+    assert len(paths) > 40  # the document names modules by path; a broken regex would find none
+    missing = sorted(p for p in paths - hypothetical if not (ROOT / p).exists())
+    missing += sorted(d for d in dotted if not ((ROOT / (d.replace(".", "/") + ".py")).exists()
+                                               or (ROOT / d.replace(".", "/") / "__init__.py").exists()))
+    assert missing == [], f"docs/architecture.md names what does not exist: {missing}"
+    for name in hypothetical:
+        assert not (ROOT / name).exists(), f"{name} exists now; the recipe should pick another example"

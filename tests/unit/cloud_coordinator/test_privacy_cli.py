@@ -21,7 +21,7 @@ from cloud_coordinator.privacy import accountant, ledger
 from cloud_coordinator.privacy.calibrate import make_plan
 from cloud_coordinator.privacy_cli import privacy
 from cloud_coordinator.store import CoordinatorStore
-from fedtier.config import load
+from fedtier.runtime.config import load
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -12,12 +12,13 @@ from device_agent.data import LocalData
 from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
 from device_agent.trainers import make_trainer
-from fedtier import messages, topics
-from fedtier.artifact_cache import ArtifactCache
 from fedtier.algorithms.common import digest
-from fedtier.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask, DeviceUpdate
-from fedtier.node import REJECTED
+from fedtier.artifacts.cache import ArtifactCache
+from fedtier.runtime.node_base import REJECTED
+from fedtier.transport import topics
 from fedtier.transport.memory import MemoryBroker
+from fedtier.wire import messages
+from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask, DeviceUpdate
 
 
 def make_node(prepared, broker: MemoryBroker, cell: str, directory: Path) -> DeviceNode:

@@ -17,13 +17,14 @@ from device_agent.data import LocalData
 from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
 from device_agent.trainers import make_trainer
-from fedtier import messages, topics
-from fedtier.artifact_cache import ArtifactCache
-from fedtier.bundle import ArtifactBundle, BundleFile
-from fedtier.messages import ArtifactBlob, DeviceTask, DeviceUpdate
-from fedtier.node import REJECTED
-from fedtier.signing import key_id, sign
+from fedtier.artifacts.bundle import ArtifactBundle, BundleFile
+from fedtier.artifacts.cache import ArtifactCache
+from fedtier.runtime.node_base import REJECTED
+from fedtier.security.signing import key_id, sign
+from fedtier.transport import topics
 from fedtier.transport.memory import MemoryBroker
+from fedtier.wire import messages
+from fedtier.wire.messages import ArtifactBlob, DeviceTask, DeviceUpdate
 
 KEY, STRANGER = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
 
@@ -127,7 +128,7 @@ def _still_on_v1(rig: Rig) -> None:
 
 
 def test_a_model_failing_its_health_check_is_not_installed(rig: Rig, artifact_store: Path) -> None:
-    from fedtier.layout import ArchSpec
+    from fedtier.training.layout import ArchSpec
     from models.artifacts import build_artifacts
 
     # Validly signed, files intact — but a 3-class model for data with 10 classes.

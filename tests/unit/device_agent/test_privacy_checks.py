@@ -13,10 +13,10 @@ import pytest
 from device_agent.node import DeviceNode
 from edge_broker.service import EdgeNode
 from fedtier.errors import PrivacyViolationError, UnexpectedMessageError
-from fedtier.messages import CellTask, CellUpdate, DeviceTask
-from fedtier.metrics import Metrics
-from fedtier.node import REJECTED
 from fedtier.privacy.plan import CellPlan, NoisePlan
+from fedtier.runtime.metrics import Metrics
+from fedtier.runtime.node_base import REJECTED
+from fedtier.wire.messages import CellTask, CellUpdate, DeviceTask
 
 
 def plan(require_tls: bool = True) -> dict[str, Any]:

@@ -13,10 +13,10 @@ import pytest
 
 from device_agent.trainers import make_trainer
 from device_agent.trainers.ort import OrtTrainer
-from fedtier.bundle import ArtifactBundle
+from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.errors import LocalProtocolError
-from fedtier.layout import ArchSpec
-from fedtier.trainer import EvalResult, Trainer, TrainStats
+from fedtier.training.layout import ArchSpec
+from fedtier.training.trainer import EvalResult, Trainer, TrainStats
 from models.artifacts import build_artifacts
 from models.zoo import initial_parameters
 
@@ -404,7 +404,7 @@ def test_ort_trainer_refuses_stateful_optimizer(bundles: dict[str, ArtifactBundl
     import dataclasses
     import shutil
 
-    from fedtier.bundle import BundleFile
+    from fedtier.artifacts.bundle import BundleFile
     from fedtier.errors import ArtifactError
 
     src = bundles["mlp-64"]
@@ -425,7 +425,7 @@ def test_ort_trainer_reports_unloadable_artifacts(bundles: dict[str, ArtifactBun
     import dataclasses
     import shutil
 
-    from fedtier.bundle import BundleFile
+    from fedtier.artifacts.bundle import BundleFile
     from fedtier.errors import ArtifactError
 
     src = bundles["mlp-64"]
@@ -442,7 +442,7 @@ TORCH_FREE_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
     import device_agent.trainers.ort as ort_backend
-    from fedtier.bundle import ArtifactBundle
+    from fedtier.artifacts.bundle import ArtifactBundle
     bundle = ArtifactBundle.load(sys.argv[1])
     trainer = ort_backend.OrtTrainer(bundle)
     x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)

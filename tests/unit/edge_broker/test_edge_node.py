@@ -10,14 +10,15 @@ import numpy as np
 
 from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
-from fedtier import messages, topics
 from fedtier.algorithms.fedavg import FedAvgConfig
-from fedtier.artifact_cache import ArtifactCache, sha256_hex
-from fedtier.manifest import Manifest
-from fedtier.messages import ArtifactBlob, ArtifactRequest, CellTask, CellUpdate, DeviceTask, DeviceUpdate
-from fedtier.node import REJECTED
+from fedtier.artifacts.cache import ArtifactCache, sha256_hex
 from fedtier.privacy.plan import CellPlan, NoisePlan
+from fedtier.runtime.node_base import REJECTED
+from fedtier.security.manifest import Manifest
+from fedtier.transport import topics
 from fedtier.transport.memory import MemoryBroker
+from fedtier.wire import messages
+from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellTask, CellUpdate, DeviceTask, DeviceUpdate
 
 CELL, ROLLOUT = "cell-a", "r"
 MEMBERS = ("dev-0", "dev-1", "dev-2")

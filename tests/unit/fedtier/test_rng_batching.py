@@ -1,4 +1,4 @@
-"""fedtier.rng (named deterministic streams) and fedtier.batching (epoch-wise minibatches)."""
+"""fedtier.rng (named deterministic streams) and fedtier.training.batching (epoch-wise minibatches)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedtier.batching import minibatch_indices
 from fedtier.rng import seed_words, stream
+from fedtier.training.batching import minibatch_indices
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])

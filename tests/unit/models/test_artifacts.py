@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import models.artifacts as artifacts_mod
-from fedtier.bundle import ArtifactBundle
+from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.errors import ArtifactError
-from fedtier.layout import ArchSpec
+from fedtier.training.layout import ArchSpec
 from models.artifacts import build_artifacts
 from models.zoo import layout_of
 
@@ -180,7 +180,7 @@ IMPORT_ORDER_SCRIPT = textwrap.dedent("""
         from device_agent.trainers.ort_runtime import install_shim, training_api
         assert install_shim() is False
         training_api()
-    from fedtier.layout import ArchSpec
+    from fedtier.training.layout import ArchSpec
     from models.artifacts import build_artifacts
     from device_agent.trainers.ort import OrtTrainer
     bundle = build_artifacts(ArchSpec("mlp", {"sizes": [6, 5, 3]}), sys.argv[2])

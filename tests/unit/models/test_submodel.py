@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from device_agent.trainers import make_trainer
-from fedtier.layout import ArchSpec
 from fedtier.rng import stream
-from fedtier.submodels import draw, extract, plan_for, reassemble, submodel_arch
+from fedtier.training.layout import ArchSpec
+from fedtier.training.submodels import draw, extract, plan_for, reassemble, submodel_arch
 from models.artifacts import build_artifacts
 from models.zoo import build_model, initial_parameters
 

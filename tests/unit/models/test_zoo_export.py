@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedtier.errors import ArtifactError, LocalProtocolError
-from fedtier.layout import ArchSpec
+from fedtier.training.layout import ArchSpec
 from models.export import OPSET, _check_initializers, export_forward
 from models.zoo import build_model, initial_parameters, layout_of
 
@@ -153,7 +153,7 @@ def test_model_modules_do_not_import_torch() -> None:
         "import sys\n"
         "import models, models.zoo, models.export, models.artifacts\n"
         "import device_agent.trainers, device_agent.trainers.torch_backend\n"
-        "from fedtier.layout import ArchSpec\n"
+        "from fedtier.training.layout import ArchSpec\n"
         "models.zoo.layout_of(ArchSpec('mlp', {'sizes': [4, 2]}))\n"
         "models.zoo.initial_parameters(ArchSpec('mlp', {'sizes': [4, 2]}), 0)\n"
         "heavy = [m for m in ('torch', 'onnxruntime', 'onnx') if m in sys.modules]\n"

@@ -18,10 +18,11 @@ from cloud_coordinator.config import RolloutConfig
 from device_agent.config import DeviceConfig
 from device_agent.enroll import enroll
 from edge_broker.config import EdgeConfig
-from fedtier import pki, topics
-from fedtier.config import load
-from fedtier.messages import MESSAGE_TYPES
-from fedtier.mqtt_topics import topic_matches
+from fedtier.runtime.config import load
+from fedtier.security import pki
+from fedtier.transport import topics
+from fedtier.transport.topic_filters import topic_matches
+from fedtier.wire.messages import MESSAGE_TYPES
 from provisioning import broker_config, bundles, ca
 from provisioning.cli import provision
 from provisioning.errors import NameConflictError
@@ -468,7 +469,7 @@ def allowed(acl: str, user: str, access: str, topic: str) -> bool:
 
 @pytest.mark.parametrize("mode_", ["cell", "cell-members", "combined"])
 def test_the_acl_grants_each_role_exactly_its_topics(mode_: str) -> None:
-    """Every topic a role uses (fedtier.topics, every message kind) is granted; others' are not."""
+    """Every topic a role uses (fedtier.transport.topics, every message kind) is granted; others' are not."""
     r, kinds = "r1", sorted(MESSAGE_TYPES)
     if mode_ == "combined":
         acl = broker_config.combined_acl(["c0", "c1"], "cloud", {"d0": "c0", "d1": "c0"})

@@ -1,4 +1,4 @@
-"""fedtier.pki (key files, CSRs, key ids), provisioning.ca (certificates, CSR checks, CRLs), enroll()."""
+"""fedtier.security.pki (key files, CSRs, key ids), provisioning.ca (certificates, CSR checks, CRLs), enroll()."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from device_agent.enroll import enroll
-from fedtier import pki
 from fedtier.errors import ConfigError
+from fedtier.security import pki
 from provisioning import ca
 from provisioning.errors import CsrError, InvalidNameError
 

@@ -15,9 +15,6 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from fedtier import messages
-from fedtier.privacy.mechanism import NoiseSource
-from fedtier.algorithms.common import digest
 from fedtier.algorithms.base import (
     Broadcast,
     ComputeGradient,
@@ -31,6 +28,9 @@ from fedtier.algorithms.base import (
     SendToChild,
     SendToParent,
 )
+from fedtier.algorithms.common import digest
+from fedtier.privacy.mechanism import NoiseSource
+from fedtier.wire import messages
 
 FakeTrain = Callable[[Mapping[str, np.ndarray], str, int], dict[str, np.ndarray]]
 """(params, device, round) -> delta, for algorithms that ask for ``LocalTrain`` only."""

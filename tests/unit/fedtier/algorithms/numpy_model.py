@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from fedtier.batching import minibatch_indices
 from fedtier.rng import stream
+from fedtier.training.batching import minibatch_indices
 
 
 def make_data(devices: list[str], features: int = 6, classes: int = 3, per_device: int = 40,

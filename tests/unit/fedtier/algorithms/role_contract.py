@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hierarchy import Hierarchy
 
 from fedtier.algorithms.base import Dropped, RoleState
 from fedtier.errors import (
@@ -18,9 +19,7 @@ from fedtier.errors import (
     UnknownSenderError,
     WrongRoundError,
 )
-from fedtier.messages import CellTask, CellUpdate, DeviceUpdate, Message
-
-from hierarchy import Hierarchy
+from fedtier.wire.messages import CellTask, CellUpdate, DeviceUpdate, Message
 
 
 class RoleContract:

@@ -10,7 +10,7 @@ from role_contract import RoleContract
 from fedtier.algorithms import fedavg
 from fedtier.algorithms.base import Dropped, LocalTrain
 from fedtier.errors import LocalProtocolError, UnexpectedMessageError, UnknownSenderError
-from fedtier.messages import DeviceTask
+from fedtier.wire.messages import DeviceTask
 
 CELLS = {"cell-a": ("dev-0", "dev-1", "dev-2"), "cell-b": ("dev-3",)}
 PARAMS = {"w": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), "b": np.array([0.5, -0.5], np.float32)}
@@ -66,7 +66,7 @@ def test_aggregate_is_bit_identical_whatever_the_arrival_order() -> None:
         for d in order:
             rng = np.random.default_rng(int(d[-1]))
             delta = {n: rng.normal(size=p.shape).astype(np.float32) for n, p in PARAMS.items()}
-            from fedtier.messages import DeviceUpdate
+            from fedtier.wire.messages import DeviceUpdate
             out = edge.receive(DeviceUpdate(rollout="r", round=0, sender=d, delta=delta, num_samples=5,
                                             train_loss=0.1, steps=1), 0.0)
         results.append(out[-1].message.delta)

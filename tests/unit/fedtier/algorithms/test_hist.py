@@ -7,8 +7,8 @@ import pytest
 from hierarchy import Hierarchy
 
 from fedtier.algorithms import fedavg, hist
-from fedtier.layout import ArchSpec
-from fedtier.messages import CellTask, CellUpdate, DeviceTask, DeviceUpdate
+from fedtier.training.layout import ArchSpec
+from fedtier.wire.messages import CellTask, CellUpdate, DeviceTask, DeviceUpdate
 
 SIZES = [64, 300, 10]
 ARCH = ArchSpec("mlp", {"sizes": SIZES})

@@ -17,10 +17,10 @@ from hierarchy import Hierarchy
 from scipy import stats
 
 from cloud_coordinator.privacy.accountant import paper_noise_multiplier
-from fedtier import messages
 from fedtier.algorithms import fedavg, hier_qsgd
 from fedtier.errors import MissingReleaseError
 from fedtier.privacy.plan import CellPlan, NoisePlan
+from fedtier.wire import messages
 
 Z = paper_noise_multiplier(alpha=1.0, sampling_rate=0.05, steps_per_round=20, rounds=100, epsilon=1.0, delta=1e-5)
 CLIP = 0.2

@@ -13,7 +13,7 @@ from role_contract import RoleContract
 from fedtier.algorithms import qhetfed
 from fedtier.algorithms.common import digest, quantize
 from fedtier.errors import LocalProtocolError
-from fedtier.messages import DeviceGradient, Message
+from fedtier.wire.messages import DeviceGradient, Message
 
 CELLS = {"cell-a": ("dev-0", "dev-1", "dev-2"), "cell-b": ("dev-3", "dev-4")}
 DEVICES = [d for ds in CELLS.values() for d in ds]

@@ -1,0 +1,135 @@
+"""Plumbing shared by the three runtime shells: decode, check, reject-and-count, run loop.
+
+A shell's ``handle(inbound, now)`` calls ``decode_inbound`` which returns a typed message
+or ``None`` after logging and counting a rejection. Rejections are never fatal: one bad
+peer must not stop a round (STYLE: "On RemoteProtocolError the shell drops the message,
+logs it and counts it. Any other exception is a bug and crashes loudly.").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Callable, Protocol, Sequence
+
+from fedtier.algorithms.base import Action, Dropped, Note
+from fedtier.errors import RemoteProtocolError, SenderMismatchError, UnexpectedMessageError
+from fedtier.runtime.metrics import Metrics
+from fedtier.transport import topics
+from fedtier.transport.base import Inbound
+from fedtier.wire import messages
+from fedtier.wire.messages import Message
+
+REJECTED = "fedtier_rejected_total"
+DROPPED = "fedtier_dropped_total"
+ACCEPTED = "fedtier_accepted_total"
+
+
+class Node(Protocol):
+    def handle(self, inbound: Inbound, now: float) -> None: ...
+    def tick(self, now: float) -> None: ...
+
+
+class NodeBase:
+    """Rejection accounting and message validation for a node with id ``node_id``."""
+
+    def __init__(self, node_id: str, metrics: Metrics, logger: logging.Logger,
+                 max_message_bytes: int) -> None:
+        self.node_id = node_id
+        self.metrics = metrics
+        self.log = logger
+        self.max_message_bytes = max_message_bytes
+        self._presence: dict[str, float] = {}
+
+    def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
+        """Log and count a rejected message, by its typed reason."""
+        self.metrics.inc(REJECTED, reason=exc.reason)
+        self.log.warning("rejected message on %s: %s: %s", inbound.topic, exc.reason, exc)
+
+    def parse_topic(self, inbound: Inbound) -> topics.Topic | None:
+        """The parsed topic, or ``None`` after rejecting a topic outside the fedtier tree."""
+        parsed = topics.parse(inbound.topic)
+        if parsed is None:
+            self.reject(inbound, UnexpectedMessageError(f"topic {inbound.topic!r} is not in the fedtier tree"))
+        return parsed
+
+    def came_online(self, inbound: Inbound, parsed: topics.Topic) -> str | None:
+        """The node id if this presence message is a *new* online event, else ``None``.
+
+        Retained presence is redelivered on every (re)subscription; the ``since`` stamp a node
+        sets at each connect tells a reconnection from a repeat, so a parent resends the open
+        task once per reconnection, not once per redelivery.
+        """
+        node = parsed.device
+        try:
+            doc = json.loads(inbound.payload.decode()) if inbound.payload else {}
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            self.reject(inbound, UnexpectedMessageError(f"status of {node} is not JSON"))
+            return None
+        if node is None or not isinstance(doc, dict) or doc.get("state") != "online":
+            return None
+        since = doc.get("since")
+        stamp = float(since) if isinstance(since, (int, float)) and math.isfinite(since) else 0.0
+        if self._presence.get(node) == stamp:
+            return None
+        self._presence[node] = stamp
+        return node
+
+    def decode_inbound(self, inbound: Inbound, parsed: topics.Topic) -> Message | None:
+        """Decode an envelope-carrying message and check it against the topic it came on.
+
+        The topic's origin segment (a device id under ``cell/+/up``, a cell id under
+        ``edge/+/up``) is what the broker's ACL vouches for; a sender field that differs
+        from it is a spoofing attempt or a bug, rejected as ``sender_mismatch``.
+        """
+        if inbound.error is not None:
+            self.reject(inbound, inbound.error)
+            return None
+        try:
+            msg = messages.decode_message(inbound.payload, max_bytes=self.max_message_bytes)
+            if parsed.rollout is not None and msg.rollout != parsed.rollout:
+                raise UnexpectedMessageError(f"message for rollout {msg.rollout!r} on a topic of {parsed.rollout!r}")
+            if parsed.kind is not None and msg.KIND != parsed.kind:
+                raise UnexpectedMessageError(f"{msg.KIND} message on a {parsed.kind} topic")
+            origin = parsed.origin
+            if origin is not None and msg.sender != origin:
+                raise SenderMismatchError(f"sender {msg.sender!r} published on the topic of {origin!r}")
+        except RemoteProtocolError as exc:
+            self.reject(inbound, exc)
+            return None
+        return msg
+
+    def diagnostics(self, actions: Sequence[Action]) -> None:
+        """Log ``Dropped`` and ``Note`` actions (the role's diagnostics) and count drops."""
+        for action in actions:
+            if isinstance(action, Dropped):
+                self.metrics.inc(DROPPED, reason=action.reason)
+                self.log.info("dropped %s: %s %s", action.key, action.reason, action.detail)
+            elif isinstance(action, Note):
+                self.log.info("%s %s", action.event, " ".join(f"{k}={v}" for k, v in action.fields.items()))
+
+
+def run_loop(node: Node, inbox: "queue.Queue[Inbound]", stop: threading.Event, *, tick_s: float = 0.1,
+             clock: Callable[[], float] = time.monotonic) -> None:
+    """The one thread that touches a node: process inbound messages in order, tick deadlines.
+
+    ``confirm()`` (the MQTT acknowledgement) runs only after ``handle`` returned, so a crash
+    while handling leaves the message with the broker for redelivery.
+    """
+    next_tick = clock()
+    while not stop.is_set():
+        try:
+            inbound = inbox.get(timeout=tick_s)
+        except queue.Empty:
+            inbound = None
+        now = clock()
+        if inbound is not None:
+            node.handle(inbound, now)
+            inbound.confirm()
+        if now >= next_tick:
+            node.tick(now)
+            next_tick = now + tick_s

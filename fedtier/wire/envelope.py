@@ -1,0 +1,462 @@
+"""The wire envelope: a small msgpack header plus a body of named tensors (DESIGN §5).
+
+Layout of one envelope::
+
+    offset  size  field
+    0       4     magic  b"FTEN"
+    4       1     schema version (currently 1)
+    5       4     header length H, unsigned big-endian
+    9       H     header: a msgpack map (keys below)
+    9+H     ...   body: the tensors' bytes, concatenated in header order
+
+Header keys (short, because small devices pay for every byte):
+
+    t    message type (str)          ro   rollout id (str)
+    r    round (int >= 0)            st   step within the round (int >= 0)
+    s    sender node id (str)        k    idempotency key (str)
+    sha  sha256 of the body (32 B)   m    message fields (map of plain values)
+    ts   tensor specs: list of maps {n: name, e: encoding, sh: shape, nb: byte length, ...}
+    ci, cn  chunk index / count (only on ``chunk`` envelopes, see ``fedtier.transport.chunking``)
+
+Tensor encodings are a registry (``ENCODINGS``): ``f32`` and ``f16`` (little-endian IEEE),
+``u8`` (opaque bytes, e.g. an artifact file), ``qsgd`` (a float32 norm and ``b``-bit QSGD
+codes, see ``fedtier.wire.quant``; the spec map carries ``b``).
+
+``decode`` is the only way in from the wire. It validates everything and raises a subclass
+of ``DecodeError``: never pickle, never trust a length. Decoded arrays are read-only.
+
+Schema evolution follows dp_accounting's rule: never remove or reuse a message type or
+header key; new keys are optional; a change of meaning gets a new type and a version bump.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import msgpack
+import numpy as np
+
+from fedtier.errors import (
+    BadMagicError,
+    LocalProtocolError,
+    MalformedHeaderError,
+    NonFiniteTensorError,
+    OversizeError,
+    ShaMismatchError,
+    TensorSpecError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+from fedtier.wire import quant
+
+MAGIC = b"FTEN"
+SCHEMA_VERSION = 1
+_PREFIX = struct.Struct(">4sBI")
+PREFIX_SIZE = _PREFIX.size  # 9
+
+MAX_TENSORS = 4096
+MAX_NDIM = 8
+MAX_DIM = 1 << 31
+"""Largest extent of one axis; numpy refuses far smaller products, even for empty arrays."""
+MAX_HEADER_BYTES = 1 << 20
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+
+# Plain values allowed in the ``m`` map (msgpack types, no extension types, no bytes > limit).
+MetaValue = Any
+
+
+# --- tensor encodings ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedTensor:
+    """A tensor in wire form: the spec map that goes into the header plus its body bytes."""
+
+    spec: dict[str, Any]
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Encoding:
+    """How one tensor encoding turns arrays into bytes and back.
+
+    ``decode`` receives the validated shape, the spec map and exactly ``nb`` bytes, and
+    returns a float32 (or uint8 for ``u8``) array; it raises ``TensorSpecError`` /
+    ``NonFiniteTensorError`` on bad input.
+    """
+
+    name: str
+    encode: Callable[[np.ndarray, Mapping[str, Any]], EncodedTensor]
+    decode: Callable[[tuple[int, ...], Mapping[str, Any], bytes], np.ndarray]
+    expected_nbytes: Callable[[tuple[int, ...], Mapping[str, Any]], int]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_finite(name: str, arr: np.ndarray) -> None:
+    if arr.size and not np.isfinite(arr).all():
+        raise NonFiniteTensorError(f"tensor {name!r} contains NaN or infinity")
+
+
+def _raw_float(dtype: str, itemsize: int) -> Encoding:
+    np_dtype = np.dtype(dtype).newbyteorder("<")
+
+    def encode(arr: np.ndarray, params: Mapping[str, Any]) -> EncodedTensor:
+        with np.errstate(over="ignore"):
+            a = np.ascontiguousarray(arr, dtype=np_dtype)
+        if a.size and not np.isfinite(a).all():
+            # e.g. 70000.0 as f16 becomes inf: every receiver would reject it, so refuse here.
+            raise LocalProtocolError(f"values overflow {dtype} (largest finite: {np.finfo(np_dtype).max})")
+        return EncodedTensor(spec={}, data=a.tobytes())
+
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: bytes) -> np.ndarray:
+        arr = np.frombuffer(data, dtype=np_dtype).reshape(shape).astype(np.float32)
+        return arr
+
+    def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
+        return _numel(shape) * itemsize
+
+    return Encoding(name=dtype, encode=encode, decode=decode, expected_nbytes=nbytes)
+
+
+def _u8() -> Encoding:
+    def encode(arr: np.ndarray, params: Mapping[str, Any]) -> EncodedTensor:
+        return EncodedTensor(spec={}, data=np.ascontiguousarray(arr, dtype=np.uint8).tobytes())
+
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: bytes) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8).reshape(shape).copy()
+
+    def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
+        return _numel(shape)
+
+    return Encoding(name="u8", encode=encode, decode=decode, expected_nbytes=nbytes)
+
+
+ENCODINGS: dict[str, Encoding] = {}
+
+
+def register_encoding(encoding: Encoding) -> None:
+    """Add a tensor encoding (e.g. ``qsgd``). Names are never reused with another meaning."""
+    if encoding.name in ENCODINGS and ENCODINGS[encoding.name] is not encoding:
+        raise LocalProtocolError(f"encoding {encoding.name!r} is already registered")
+    ENCODINGS[encoding.name] = encoding
+
+
+def _qsgd() -> Encoding:
+    """QSGD levels (``fedtier.wire.quant``): float32 norm, then ``b``-bit codes; spec ``{"b": bits}``.
+
+    Encoding is lossless: the tensor must already be ``Q(x)`` (``quant.qsgd``), and the
+    encoding params carry its ``bits`` and ``norm``. Decoding rejects bit widths out of range,
+    code lengths that do not match, negative or non-finite norms and unused codes.
+    """
+
+    def bits_of(spec: Mapping[str, Any]) -> int:
+        bits = spec.get("b")
+        if not isinstance(bits, int) or isinstance(bits, bool) or not quant.MIN_BITS <= bits <= quant.MAX_BITS:
+            raise TensorSpecError(f"qsgd bits {bits!r} outside [{quant.MIN_BITS}, {quant.MAX_BITS}]")
+        return bits
+
+    def encode(arr: np.ndarray, params: Mapping[str, Any]) -> EncodedTensor:
+        bits, norm = params["bits"], np.float32(params["norm"])
+        signed = quant.to_levels(arr, norm, bits)
+        return EncodedTensor(spec={"b": bits}, data=struct.pack("<f", norm) + quant.pack(signed, bits))
+
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: bytes) -> np.ndarray:
+        bits = bits_of(spec)
+        (norm,) = struct.unpack_from("<f", data, 0)
+        if not np.isfinite(norm):
+            raise NonFiniteTensorError(f"qsgd norm is {norm}")
+        if norm < 0:
+            raise TensorSpecError(f"qsgd norm is negative ({norm})")
+        try:
+            signed = quant.unpack(data[4:], bits, _numel(shape))
+        except ValueError as exc:
+            raise TensorSpecError(f"qsgd codes: {exc}") from None
+        return quant.dequantize(np.float32(norm), signed, quant.levels(bits)).reshape(shape)
+
+    def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
+        return quant.encoded_size(_numel(shape), bits_of(spec))
+
+    return Encoding(name="qsgd", encode=encode, decode=decode, expected_nbytes=nbytes)
+
+
+for _enc in (_raw_float("float32", 4), _raw_float("float16", 2), _u8(), _qsgd()):
+    register_encoding(_enc)
+# Short wire names for the float encodings.
+ENCODINGS["f32"] = ENCODINGS.pop("float32")
+ENCODINGS["f16"] = ENCODINGS.pop("float16")
+FLOAT_ENCODINGS = ("f32", "f16")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEncoding:
+    """Which encoding to use for a tensor when sending, with its parameters (e.g. bits)."""
+
+    name: str = "f32"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name not in ENCODINGS:
+            raise LocalProtocolError(f"unknown tensor encoding {self.name!r}; known: {sorted(ENCODINGS)}")
+
+
+F32 = TensorEncoding("f32")
+
+
+# --- the envelope --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Envelope:
+    """One decoded (or to-be-encoded) wire message.
+
+    ``tensors`` maps names to arrays; encode uses ``encodings`` (name -> TensorEncoding,
+    default f32) for each. ``meta`` holds the message type's scalar fields.
+    """
+
+    type: str
+    rollout: str
+    round: int
+    sender: str
+    key: str
+    step: int = 0
+    meta: Mapping[str, MetaValue] = field(default_factory=dict)
+    tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
+    encodings: Mapping[str, TensorEncoding] = field(default_factory=dict)
+    chunk_index: int | None = None
+    chunk_count: int | None = None
+    tensor_specs: tuple[Mapping[str, Any], ...] = ()
+    """The header specs as received (decode only): carries per-tensor side data such as
+    a quantizer's measured relative variance. Empty on envelopes built for sending."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.type, str) or not self.type:
+            raise LocalProtocolError("envelope type must be a non-empty string")
+        if not isinstance(self.round, int) or self.round < 0:
+            raise LocalProtocolError(f"round must be an int >= 0, got {self.round!r}")
+        if not isinstance(self.step, int) or self.step < 0:
+            raise LocalProtocolError(f"step must be an int >= 0, got {self.step!r}")
+        if len(self.tensors) > MAX_TENSORS:
+            raise LocalProtocolError(f"too many tensors ({len(self.tensors)} > {MAX_TENSORS})")
+
+
+def encode(env: Envelope) -> bytes:
+    """Serialize an envelope. Raises ``LocalProtocolError`` for values that cannot be sent."""
+    specs: list[dict[str, Any]] = []
+    parts: list[bytes] = []
+    for name, arr in env.tensors.items():
+        enc = env.encodings.get(name, F32)
+        arr = np.asarray(arr)
+        if enc.name in FLOAT_ENCODINGS and arr.size and not np.isfinite(arr).all():
+            raise LocalProtocolError(f"refusing to send non-finite tensor {name!r}")
+        if arr.ndim > MAX_NDIM:
+            raise LocalProtocolError(f"tensor {name!r} has {arr.ndim} dims (max {MAX_NDIM})")
+        encoded = ENCODINGS[enc.name].encode(arr, enc.params)
+        spec = {"n": name, "e": enc.name, "sh": [int(d) for d in arr.shape], "nb": len(encoded.data)}
+        spec.update(encoded.spec)
+        specs.append(spec)
+        parts.append(encoded.data)
+    body = b"".join(parts)
+    header: dict[str, Any] = {
+        "t": env.type,
+        "ro": env.rollout,
+        "r": env.round,
+        "st": env.step,
+        "s": env.sender,
+        "k": env.key,
+        "sha": hashlib.sha256(body).digest(),
+        "m": dict(env.meta),
+        "ts": specs,
+    }
+    if env.chunk_index is not None:
+        header["ci"] = env.chunk_index
+        header["cn"] = env.chunk_count
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(f"header not serializable: {exc}") from exc
+    return _PREFIX.pack(MAGIC, SCHEMA_VERSION, len(packed)) + packed + body
+
+
+def peek_header(data: bytes) -> dict[str, Any]:
+    """Parse and type-check only the prefix and header (no body checks)."""
+    header, _ = _split(data, DEFAULT_MAX_MESSAGE_BYTES)
+    return header
+
+
+def _split(data: bytes, max_bytes: int) -> tuple[dict[str, Any], memoryview]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedHeaderError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise OversizeError(f"message of {len(data)} bytes exceeds limit {max_bytes}")
+    if len(data) < PREFIX_SIZE:
+        raise TruncatedError(f"{len(data)} bytes is shorter than the {PREFIX_SIZE}-byte prefix")
+    magic, version, hlen = _PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise BadMagicError(f"bad magic {bytes(magic)!r}")
+    if version != SCHEMA_VERSION:
+        raise UnsupportedVersionError(f"schema version {version}; this build reads {SCHEMA_VERSION}")
+    if hlen > MAX_HEADER_BYTES:
+        raise MalformedHeaderError(f"header length {hlen} exceeds {MAX_HEADER_BYTES}")
+    if PREFIX_SIZE + hlen > len(data):
+        raise TruncatedError(f"header claims {hlen} bytes, only {len(data) - PREFIX_SIZE} present")
+    view = memoryview(data)
+    try:
+        header = msgpack.unpackb(
+            view[PREFIX_SIZE:PREFIX_SIZE + hlen],
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=64,
+            max_str_len=1 << 16,
+            max_array_len=MAX_TENSORS * 4,
+            max_map_len=1 << 12,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+        raise MalformedHeaderError(f"header is not valid msgpack: {exc}") from exc
+    _check_header(header)
+    return header, view[PREFIX_SIZE + hlen:]
+
+
+def _require(header: Mapping[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
+    if key not in header:
+        raise MalformedHeaderError(f"header lacks required key {key!r}")
+    value = header[key]
+    if isinstance(value, bool) and typ is int:
+        raise MalformedHeaderError(f"header key {key!r} must be int, got bool")
+    if not isinstance(value, typ):
+        raise MalformedHeaderError(f"header key {key!r} has type {type(value).__name__}")
+    return value
+
+
+def _check_header(header: Any) -> None:
+    if not isinstance(header, dict):
+        raise MalformedHeaderError("header is not a map")
+    if not _require(header, "t", str):
+        raise MalformedHeaderError("header key 't' (message type) is empty")
+    _require(header, "ro", str)
+    _require(header, "s", str)
+    _require(header, "k", str)
+    for key in ("r", "st"):
+        if _require(header, key, int) < 0:
+            raise MalformedHeaderError(f"header key {key!r} is negative")
+    sha = _require(header, "sha", bytes)
+    if len(sha) != 32:
+        raise MalformedHeaderError("header sha is not 32 bytes")
+    _require(header, "m", dict)
+    specs = _require(header, "ts", list)
+    if len(specs) > MAX_TENSORS:
+        raise TensorSpecError(f"{len(specs)} tensors exceed the limit of {MAX_TENSORS}")
+    for spec in specs:
+        if not isinstance(spec, dict):
+            raise MalformedHeaderError("tensor spec is not a map")
+    if ("ci" in header) != ("cn" in header):
+        raise MalformedHeaderError("chunk index and count must come together")
+    if "ci" in header:
+        ci, cn = _require(header, "ci", int), _require(header, "cn", int)
+        if not (0 <= ci < cn):
+            raise MalformedHeaderError(f"chunk index {ci} outside [0, {cn})")
+
+
+def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    offset = 0
+    for spec in specs:
+        name, enc_name, shape_list, nb = spec.get("n"), spec.get("e"), spec.get("sh"), spec.get("nb")
+        if not isinstance(name, str) or not name:
+            raise TensorSpecError("tensor spec has no name")
+        if name in tensors:
+            raise TensorSpecError(f"tensor {name!r} appears twice")
+        if not isinstance(enc_name, str) or enc_name not in ENCODINGS:
+            raise TensorSpecError(f"tensor {name!r}: unknown encoding {enc_name!r}")
+        if (not isinstance(shape_list, list) or len(shape_list) > MAX_NDIM
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM
+                           for d in shape_list)):
+            raise TensorSpecError(f"tensor {name!r}: bad shape {shape_list!r}")
+        if not isinstance(nb, int) or isinstance(nb, bool) or nb < 0:
+            raise TensorSpecError(f"tensor {name!r}: bad byte length {nb!r}")
+        shape = tuple(shape_list)
+        encoding = ENCODINGS[enc_name]
+        expected = encoding.expected_nbytes(shape, spec)
+        if nb != expected:
+            raise TensorSpecError(f"tensor {name!r}: {nb} bytes, but shape {shape} as {enc_name} needs {expected}")
+        if offset + nb > len(body):
+            raise TruncatedError(f"body ends inside tensor {name!r}")
+        arr = encoding.decode(shape, spec, bytes(body[offset:offset + nb]))
+        if arr.dtype.kind == "f":
+            _check_finite(name, arr)
+        arr.setflags(write=False)
+        tensors[name] = arr
+        offset += nb
+    if offset != len(body):
+        raise TensorSpecError(f"body has {len(body) - offset} bytes beyond its tensors")
+    return tensors
+
+
+def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelope:
+    """Parse and validate an envelope received from the wire.
+
+    Args:
+        data: the raw bytes.
+        max_bytes: refuse anything larger (``OversizeError``).
+
+    Returns:
+        The envelope, with read-only float32 (or uint8) tensors.
+
+    Raises:
+        DecodeError: a subclass naming what is wrong (bad magic/version, truncated,
+            malformed header, sha mismatch, tensor spec, NaN/inf, oversize).
+    """
+    header, body = _split(data, max_bytes)
+    # Verify the digest before decoding any tensor: a corrupted body must never reach numpy.
+    if hashlib.sha256(body).digest() != header["sha"]:
+        raise ShaMismatchError("body sha256 does not match the header")
+    tensors = _decode_specs(header["ts"], body)
+    chunk_index = header.get("ci")
+    chunk_count = header.get("cn")
+    return Envelope(
+        type=header["t"],
+        rollout=header["ro"],
+        round=header["r"],
+        step=header["st"],
+        sender=header["s"],
+        key=header["k"],
+        meta=header["m"],
+        tensors=tensors,
+        chunk_index=chunk_index,
+        chunk_count=chunk_count,
+        tensor_specs=tuple(header["ts"]),
+    )
+
+
+def float32_equivalent(data: bytes) -> int:
+    """What an envelope would weigh with every tensor in float32: the baseline for savings.
+
+    Reads only the header: ``len(data) + sum(4 * numel - nb)`` over its tensors.
+    """
+    header = peek_header(data)
+    extra = 0
+    for spec in header["ts"]:
+        shape, nb = spec.get("sh", []), spec.get("nb", 0)
+        if isinstance(shape, list) and isinstance(nb, int) and spec.get("e") != "u8":
+            extra += 4 * _numel(tuple(int(d) for d in shape)) - nb
+    return len(data) + extra
+
+
+def envelopes_equal(a: Envelope, b: Envelope) -> bool:
+    """Value equality for envelopes (test helper): same header fields and equal tensors."""
+    same_header = (a.type, a.rollout, a.round, a.step, a.sender, a.key, dict(a.meta),
+                   a.chunk_index, a.chunk_count) == (b.type, b.rollout, b.round, b.step, b.sender,
+                                                    b.key, dict(b.meta), b.chunk_index, b.chunk_count)
+    if not same_header or set(a.tensors) != set(b.tensors):
+        return False
+    return all(np.array_equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
