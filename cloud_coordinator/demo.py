@@ -5,9 +5,22 @@
    each device's ``.npz`` into its own data directory;
 3. write one config per node (coordinator, one edge per cell, one agent per device) and
    start each with the real command: ``fedtier coordinator|edge|agent run --config ...``;
-4. follow the coordinator's metrics file: a line and a progress bar per round;
-5. stop every process it started — at the end, on error, or on Ctrl-C — and print the
+4. follow the coordinator's metrics file: a line per round (and a live bar on a terminal);
+5. stop every process it started — at the end, on error, on Ctrl-C or SIGTERM — and print the
    summary: accuracy per round, bytes per tier, wall time.
+
+Every child runs in its own session (a Ctrl-C in the terminal reaches only the demo, which
+stops them in order: agents, edges, coordinator, broker) and is started with Linux's
+``PR_SET_PDEATHSIG``: if the demo itself is killed (even with SIGKILL), the kernel sends each
+child SIGTERM. On other systems a SIGKILLed demo leaves its children running.
+
+With ``--privacy`` (``PrivacyDemo``) the rollout gets a ``[privacy]`` section and trust labels:
+by default the first half of the cells is trusted. Before the rounds the demo shows the noise
+plan (``fedtier privacy plan``'s ``plan_document``), each round line the epsilon spent so far,
+and afterwards the final epsilon recomputed from the coordinator's ledger rows (what
+``fedtier privacy report`` reads). Clear updates to a trusted cell may travel only over TLS,
+so a trusted cell implies ``--secure`` when Mosquitto is there; over the embedded broker (no
+TLS) the demo sets ``require_tls = false`` and says so.
 
 With ``--secure`` it first provisions a throwaway fleet in the work directory, exactly as an
 operator would with ``fedtier provision``: a CA and a manifest-signing key, a bundle per node
@@ -18,6 +31,8 @@ manifest is signed and verified, and each node may publish only its own topics.
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import shutil
 import signal
@@ -28,10 +43,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
+from cloud_coordinator.config import PRIVATE_ALGORITHMS
 from cloud_coordinator.fleet import FleetPaths, write_fleet
-from cloud_coordinator.report import progress_bar, round_line
 
 READY_TIMEOUT_S = 15.0
 
@@ -47,8 +62,96 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
 HIDDEN = {"hist": 128}
 
 
+# Differential privacy defaults. delta 1e-5 is far below 1/N for digits' ~1,400 training records
+# (the usual rule: delta << 1/records, so that "leak one record outright" stays unlikely) and is
+# [privacy]'s own default. C = 1 bounds each device's model delta; see PrivacyDemo.
+DEFAULT_EPSILON = 8.0
+DEFAULT_DELTA = 1e-5
+DEFAULT_CLIP = 1.0
+
+
 class DemoError(RuntimeError):
     """The demo could not run (no broker, a process died, timeout). Carries where the logs are."""
+
+
+class Terminated(BaseException):
+    """The demo got SIGTERM or SIGHUP: like ``KeyboardInterrupt``, it unwinds through every
+    ``finally`` (which stops the children) and is not caught by ``except Exception``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_on_termination() -> None:
+    """Turn SIGTERM and SIGHUP into ``Terminated`` (main thread only), so ``kill <demo>`` stops
+    every process the demo started, as Ctrl-C does. A second signal during teardown is ignored."""
+
+    def handler(signum: int, frame: Any) -> None:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to SIGTERM the child when the demo dies, or None elsewhere.
+
+    It runs between fork and exec, so it only calls prctl (libc loaded beforehand) and checks
+    that the demo did not die before the request was in place. ``subprocess`` documents
+    ``preexec_fn`` as unsafe with threads: the demo spawns before its progress bar starts one.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the demo died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+@dataclass(frozen=True)
+class PrivacyDemo:
+    """``--privacy``: differential privacy with trust labels, as docs/privacy.md describes.
+
+    Attributes:
+        epsilon: per-device target and budget over the whole rollout.
+        delta: the (epsilon, delta) guarantee's delta.
+        clip: C, the L2 bound of every released model delta.
+        trusted: the trusted cells; None: the first half of the cells (one of the default two).
+    """
+
+    epsilon: float = DEFAULT_EPSILON
+    delta: float = DEFAULT_DELTA
+    clip: float = DEFAULT_CLIP
+    trusted: tuple[str, ...] | None = None
+
+
+class DemoView(Protocol):
+    """Where the demo reports (the CLI prints; tests may collect)."""
+
+    def say(self, line: str) -> None:
+        """A line of narration (start, plan, warnings)."""
+
+    def rounds_started(self, total: int) -> None:
+        """Every process runs; rounds follow (a terminal view may start its bar now)."""
+
+    def round_closed(self, row: dict[str, Any], total: int) -> None:
+        """A round closed (its metrics row)."""
+
+    def rounds_ended(self) -> None:
+        """No more rounds (finished, failed or interrupted)."""
 
 
 def free_port() -> int:
@@ -98,6 +201,7 @@ class DemoOptions:
     timeout_s: float = 600.0
     max_packet_size: int = 0
     secure: bool = False  # provision a fleet: mutual TLS, ACLs, signed manifests
+    privacy: PrivacyDemo | None = None  # differential privacy with trust labels (--privacy)
 
 
 @dataclass
@@ -107,6 +211,9 @@ class DemoResult:
     broker: str
     workdir: Path
     processes: int
+    secure: bool = False
+    stopped: str | None = None  # why the privacy budget stopped the rollout early, if it did
+    privacy: dict[str, Any] | None = None  # privacy_summary(...) when --privacy
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -128,13 +235,19 @@ def _tail(path: Path, lines: int = 15) -> str:
 class Demo:
     """Plans, starts, follows and stops one demo run."""
 
-    def __init__(self, opts: DemoOptions, say: Callable[[str], None], progress: Callable[[str], None]) -> None:
+    def __init__(self, opts: DemoOptions, view: DemoView) -> None:
         if opts.devices < opts.cells or opts.cells < 1:
             raise ValueError(f"need at least one device per cell (devices={opts.devices}, cells={opts.cells})")
+        if opts.privacy is not None and opts.algorithm not in PRIVATE_ALGORITHMS:
+            raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm}'s in-cell "
+                             "gradient exchange is not covered by the privacy layer yet (docs/privacy.md, "
+                             "Limitations)")
         self.opts = opts
-        self.say = say
-        self.progress = progress
+        self.view = view
+        self.say = view.say
         self.procs: list[_Proc] = []
+        self.trusted = self.trusted_cells()
+        self.secure = opts.secure or self._tls_for_trusted_cells()
         self._own_workdir = opts.workdir is None
         self.workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="fedtier-demo-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -154,17 +267,50 @@ class Demo:
             start += size
         return out
 
+    def trusted_cells(self) -> tuple[str, ...]:
+        """The cells labelled trusted under ``--privacy`` (none without it).
+
+        Raises:
+            ValueError: ``--trusted`` names a cell the demo does not have.
+        """
+        p = self.opts.privacy
+        cells = list(self.members())
+        if p is None:
+            return ()
+        if p.trusted is None:
+            return tuple(cells[: len(cells) // 2])
+        unknown = sorted(set(p.trusted) - set(cells))
+        if unknown:
+            raise ValueError(f"--trusted names {', '.join(unknown)}, but the demo's cells are {', '.join(cells)}")
+        return tuple(c for c in cells if c in p.trusted)
+
+    def _tls_for_trusted_cells(self) -> bool:
+        """Whether ``--privacy`` turns ``--secure`` on: clear updates to a trusted cell need TLS,
+        which the provisioned Mosquitto has and the embedded broker has not."""
+        return bool(self.trusted) and self.opts.broker != "embedded" and mosquitto_path() is not None
+
+    @property
+    def require_tls(self) -> bool:
+        return self.secure
+
     def rollout_config(self) -> dict[str, Any]:
         o = self.opts
-        return {
+        topology: dict[str, Any] = {"members": self.members()}
+        config: dict[str, Any] = {
             "rollout": "demo", "algorithm": o.algorithm, "rounds": o.rounds, "seed": o.seed,
             "state_dir": str(self.workdir / "coordinator"), "artifact_store": str(default_artifact_store()),
             "log_level": "info",
             "model": {"kind": "mlp", "hidden": [o.hidden or HIDDEN.get(o.algorithm, 64)]},
             "data": {"dataset": "digits", "partition": "dirichlet", "alpha": o.alpha, "seed": o.seed},
-            "topology": {"members": self.members()},
+            "topology": topology,
             o.algorithm: self.algorithm_section(),
         }
+        if o.privacy is not None:
+            if self.trusted:
+                topology["trusted"] = {cell: True for cell in self.trusted}
+            config["privacy"] = {"epsilon": o.privacy.epsilon, "delta": o.privacy.delta, "clip": o.privacy.clip,
+                                 "require_tls": self.require_tls}
+        return config
 
     def algorithm_section(self) -> dict[str, Any]:
         o = self.opts
@@ -220,11 +366,11 @@ class Demo:
         log = self.logs / f"{name}.log"
         fh = open(log, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        # Own session: a Ctrl-C in the terminal reaches only the demo, which then stops
-        # every child in order (and none is left behind if the demo itself is killed hard,
-        # since the children see their broker go away and we kill the groups on exit).
+        # Own session: a Ctrl-C in the terminal reaches only the demo, which then stops every
+        # child in order; the parent-death signal covers a demo killed hard (module docstring).
         popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, env=env, cwd=self.workdir)
+                                 start_new_session=True, env=env, cwd=self.workdir,
+                                 preexec_fn=_parent_death_signal())
         fh.close()
         proc = _Proc(name, popen, log, role)
         self.procs.append(proc)
@@ -296,9 +442,10 @@ class Demo:
         ok = False
         try:
             port = free_port()
-            if o.secure:
+            if self.secure:
                 bundles, command = self.provision(port)
-                self.say(f"provisioned a fleet: CA, signing key and {len(bundles)} node bundles in "
+                why = " (clear updates to trusted cells travel only over TLS)" if not o.secure else ""
+                self.say(f"provisioned a fleet{why}: CA, signing key and {len(bundles)} node bundles in "
                          f"{self.workdir / 'bundles'}")
                 self.start_broker(port, command)
                 paths = self.write_configs(port, bundles)
@@ -307,23 +454,45 @@ class Demo:
                 paths = self.write_configs(port)
             self.say(f"fedtier demo: {o.devices} devices in {o.cells} cells, {o.rounds} rounds of {o.algorithm} on "
                      f"digits (non-iid, Dirichlet alpha={o.alpha}); {self.broker_kind} broker on 127.0.0.1:{port}")
+            plan = None
+            if o.privacy is not None:
+                plan = self.privacy_plan(paths.coordinator)
+                for line in plan_lines(plan, self.members()):
+                    self.say(line)
             self.start_nodes(paths)
             self.say(f"started {len(self.procs)} processes (logs: {self.logs})")
-            rows = self.follow(self.workdir / "coordinator" / "metrics.json", started)
+            self.view.rounds_started(o.rounds)
+            try:
+                doc = self.follow(self.workdir / "coordinator" / "metrics.json", started)
+            finally:
+                self.view.rounds_ended()
+            rows = doc["rounds"]
+            self.stop_all()
+            privacy = None
+            if plan is not None:
+                privacy = privacy_summary(plan, self.workdir / "coordinator" / "coordinator.db", "demo", rows,
+                                          self.members(), status_stopped=doc.get("stopped"))
             ok = True
             return DemoResult(rounds=rows, wall_s=time.perf_counter() - started, broker=self.broker_kind,
-                              workdir=self.workdir, processes=len(self.procs))
+                              workdir=self.workdir, processes=len(self.procs), secure=self.secure,
+                              stopped=doc.get("stopped"), privacy=privacy)
         finally:
             self.stop_all()
             if ok and self._own_workdir:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def follow(self, metrics_path: Path, started: float) -> list[dict[str, Any]]:
-        """Wait for rounds to close, reporting each; return all rows once the rollout finished."""
-        import json
+    def privacy_plan(self, coordinator_config: Path) -> dict[str, Any]:
+        """``fedtier privacy plan``'s document of the written rollout config (the same code)."""
+        from cloud_coordinator.config import RolloutConfig
+        from cloud_coordinator.privacy_cli import plan_document
+        from fedtier.runtime.config import load
 
+        return plan_document(load(RolloutConfig, coordinator_config), coordinator_config)
+
+    def follow(self, metrics_path: Path, started: float) -> dict[str, Any]:
+        """Wait for rounds to close, reporting each; return the metrics document once the rollout ended."""
         seen = 0
-        rows: list[dict[str, Any]] = []
+        doc: dict[str, Any] = {"rounds": []}
         mtime = 0.0
         coordinator = next(p for p in self.procs if p.role == "coordinator")
         while True:
@@ -342,12 +511,93 @@ class Demo:
             if m and m != mtime:
                 mtime = m
                 doc = json.loads(metrics_path.read_text())
-                rows = doc["rounds"]
                 finished = bool(doc.get("finished"))
-                for row in rows[seen:]:
-                    self.say(round_line(row, self.opts.rounds))
-                seen = len(rows)
-            self.progress(f"{progress_bar(seen, self.opts.rounds)}  {time.perf_counter() - started:5.1f}s")
+                for row in doc["rounds"][seen:]:
+                    self.view.round_closed(row, self.opts.rounds)
+                seen = len(doc["rounds"])
             if finished or (coordinator.popen.poll() == 0 and seen >= self.opts.rounds):
-                return rows
+                return doc
             time.sleep(0.1)
+
+
+# --- privacy: the plan before, the ledger after ---------------------------------------------------
+
+
+def plan_lines(plan: dict[str, Any], members: dict[str, list[str]]) -> list[str]:
+    """The noise plan in a few lines: the target, each cell's trust label and who adds noise, each
+    tier's noise multiplier, and the plan's warnings.
+
+    Args:
+        plan: ``privacy_cli.plan_document`` of the demo's rollout.
+        members: cell -> its devices.
+    """
+    nodes = {n["node"]: n for n in plan["nodes"]}
+    tiers = plan["tiers"]
+    lines = [f"privacy: epsilon {plan['epsilon']:g} per device at delta {plan['delta']:g} over {plan['rounds']} "
+             f"rounds ({plan['mode']} calibration; the ledger stops the rollout before any device would exceed "
+             f"{plan['budget_epsilon']:g}); every released model delta clipped to C = {plan['clip']:g}"]
+    for cell, devices in members.items():
+        node = nodes[cell]
+        n = len(devices)
+        if node["trusted"]:
+            tls = "over TLS" if plan["require_tls"] else "WITHOUT TLS (require_tls = false)"
+            lines.append(f"  {cell}  trusted    its {n} devices send clear updates {tls}; the edge adds noise once "
+                         f"per round towards the cloud (z {node['z']:.3g}, sigma {node['sigma']:.3g} = z x "
+                         f"sensitivity {node['sensitivity']:.3g})")
+        else:
+            device = nodes[devices[0]]
+            lines.append(f"  {cell}  untrusted  each of its {n} devices adds noise to every update "
+                         f"({device['releases']} releases: z {device['z']:.3g}, sigma {device['sigma']:.3g} = "
+                         f"z x 2C); the edge forwards their noised mean")
+    lines.append(f"  {plan_cloud(plan)}  untrusted  adds no noise; refuses any cell update whose noise is not on "
+                 "record")
+    present = [f"{name} tier z {t['z']:.3g} (epsilon {t['epsilon']:.3g})" for name, t in tiers.items()
+               if t["injectors"]]
+    lines.append("  noise multiplier per tier: " + ", ".join(present))
+    lines += [f"  WARNING: {w}" for w in plan["warnings"]]
+    return lines
+
+
+def plan_cloud(plan: dict[str, Any]) -> str:
+    return next(n["node"] for n in plan["nodes"] if n["kind"] == "cloud")
+
+
+def privacy_summary(plan: dict[str, Any], db: Path, rollout: str, rows: list[dict[str, Any]],
+                    members: dict[str, list[str]], *, status_stopped: str | None = None) -> dict[str, Any]:
+    """The privacy numbers of a finished demo, from the coordinator's ledger rows.
+
+    The final epsilon is recomputed from the rows exactly as ``fedtier privacy report`` does
+    (``ledger.recompute``) and compared with the live value of the last round's metrics.
+    """
+    from cloud_coordinator.privacy.ledger import recompute
+    from cloud_coordinator.privacy.report import agrees
+    from cloud_coordinator.store import CoordinatorStore
+
+    delta = float(plan["delta"])
+    store = CoordinatorStore(db)
+    try:
+        epsilons = recompute(store, rollout, delta)
+        status = store.status(rollout)
+        releases = len(store.privacy_releases(rollout))
+    finally:
+        store.close()
+    values = list(epsilons.values()) or [0.0]
+    live = (rows[-1].get("privacy") or {}).get("epsilon_max") if rows else None
+    nodes = {n["node"]: n for n in plan["nodes"]}
+    cells: dict[str, dict[str, Any]] = {}
+    for cell, devices in members.items():
+        trusted = bool(nodes[cell]["trusted"])
+        injector = nodes[cell] if trusted else nodes[devices[0]]
+        cells[cell] = {"trusted": trusted, "devices": len(devices), "noise_by": "edge" if trusted else "devices",
+                       "z": injector["z"], "sigma": injector["sigma"], "sensitivity": injector["sensitivity"]}
+    return {
+        "epsilon": max(values), "epsilon_min": min(values), "delta": delta,
+        "target_epsilon": plan["epsilon"], "budget_epsilon": plan["budget_epsilon"], "clip": plan["clip"],
+        "calibration": plan["mode"], "require_tls": plan["require_tls"],
+        "noise_multiplier": {name: t["z"] for name, t in plan["tiers"].items() if t["injectors"]},
+        "cells": cells,
+        "epsilon_per_round": [(r.get("privacy") or {}).get("epsilon_max") for r in rows],
+        "live_epsilon": live, "ledger_agrees": agrees(max(values), live),
+        "ledger_releases": releases, "status": status, "stopped": status_stopped,
+        "warnings": list(plan["warnings"]),
+    }

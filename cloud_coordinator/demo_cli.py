@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -37,6 +39,25 @@ import click
 @click.option("--secure", is_flag=True,
               help="Provision a throwaway fleet first (CA, per-node certificates, signed manifests) and run "
                    "over Mosquitto with mutual TLS and per-role ACLs, as a production fleet would.")
+@click.option("--privacy", is_flag=True,
+              help="Differential privacy with trust labels (fedavg, hier_qsgd, hist): devices under untrusted "
+                   "cells add Gaussian noise to every update, trusted cells add it towards the cloud; shows the "
+                   "noise plan, the epsilon spent after every round and the ledger's final epsilon. A trusted "
+                   "cell implies --secure when Mosquitto is installed (clear updates travel only over TLS).")
+@click.option("--epsilon", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --privacy: epsilon per device over the whole rollout, and the budget the rollout stops "
+                   "at [default: 8].")
+@click.option("--delta", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None,
+              help="With --privacy: delta of the (epsilon, delta) guarantee [default: 1e-5, far below 1/N for "
+                   "digits' ~1,400 training records, and [privacy]'s default].")
+@click.option("--clip", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --privacy: C, the L2 bound of every released model delta [default: 1].")
+@click.option("--trusted", "trusted", default=None, metavar="CELLS",
+              help="With --privacy: comma-separated trusted cells, or 'none' [default: the first half of the "
+                   "cells: cell-a of the default two].")
+@click.option("--compare", is_flag=True,
+              help="With --privacy: run the demo a second time without privacy (same seeds) and show both "
+                   "accuracies.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of data split, init and minibatches.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep configs, data, state and logs here (default: a temporary directory, "
@@ -46,51 +67,152 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
-         seed: int, workdir: Path | None, timeout_s: float, as_json: bool) -> None:
+         privacy: bool, epsilon: float | None, delta: float | None, clip: float | None, trusted: str | None,
+         compare: bool, seed: int, workdir: Path | None, timeout_s: float, as_json: bool) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
     device as separate processes (the real `fedtier ... run` commands), trains an MLP on
     scikit-learn's digits split non-iid across the devices with onnxruntime-training, shows
-    each round's accuracy, and ends with a summary: accuracy per round, bytes per tier,
-    wall time. Ctrl-C stops every process it started.
+    each round's accuracy (a live bar on a terminal), and ends with a summary: accuracy per
+    round, bytes per tier, wall time. Ctrl-C or SIGTERM stops every process it started.
+
+    With --privacy, cell-a is trusted and cell-b untrusted: the demo prints the noise plan,
+    the epsilon spent after each round, and the final epsilon and delta from the ledger.
+
+    \b
+        fedtier demo
+        fedtier demo --privacy --compare
+        fedtier demo --privacy --epsilon 4 --trusted cell-a,cell-b --workdir /tmp/dp-demo
     """
-    from cloud_coordinator.demo import Demo, DemoError, DemoOptions
-    from cloud_coordinator.report import summary_table, totals
+    from cloud_coordinator.demo import Demo, DemoError, DemoOptions, PrivacyDemo, Terminated, raise_on_termination
 
-    tty = sys.stderr.isatty() and not as_json
-
-    def say(line: str) -> None:
-        if as_json:
-            return
-        click.echo(("\r\033[K" if tty else "") + line, err=True)
-
-    def progress(line: str) -> None:
-        if tty:
-            click.echo("\r\033[K" + line, nl=False, err=True)
-
+    privacy_only = {"--epsilon": epsilon, "--delta": delta, "--clip": clip, "--trusted": trusted,
+                    "--compare": compare or None}
+    given = [name for name, value in privacy_only.items() if value is not None]
+    if given and not privacy:
+        raise click.UsageError(f"{', '.join(given)} only make sense with --privacy")
+    dp = None
+    if privacy:
+        dp = PrivacyDemo(**{k: v for k, v in (("epsilon", epsilon), ("delta", delta), ("clip", clip)) if v is not None},
+                         trusted=_cells(trusted))
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
                        local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
-                       secure=secure)
-    runner = Demo(opts, say, progress)
+                       secure=secure, privacy=dp)
+    view = ConsoleView(enabled=not as_json)
+    raise_on_termination()
+    runner: Demo | None = None
     try:
+        runner = Demo(opts, view)
         result = runner.run()
+        baseline = None
+        if compare:
+            view.say("--compare: the same demo again without privacy (same seeds, same broker)")
+            plain = dataclasses.replace(opts, privacy=None, secure=result.secure,
+                                        workdir=workdir / "compare" if workdir is not None else None)
+            runner = Demo(plain, view)
+            baseline = runner.run()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     except KeyboardInterrupt:
-        say(f"interrupted: stopped {len(runner.procs)} processes")
+        view.say(f"interrupted: stopped {len(runner.procs) if runner else 0} processes")
         raise SystemExit(130) from None
+    except Terminated as exc:
+        view.say(f"terminated ({exc}): stopped {len(runner.procs) if runner else 0} processes")
+        raise SystemExit(128 + exc.signum) from None
     except DemoError as exc:
-        say("")
         raise click.ClickException(str(exc)) from None
-    if tty:
-        click.echo("\r\033[K", nl=False, err=True)
     if as_json:
-        json.dump({"algorithm": algorithm, "rounds": result.rounds, "bytes": totals(result.rounds),
-                   "wall_s": result.wall_s,
-                   "broker": result.broker, "processes": result.processes, "secure": secure,
-                   "final_accuracy": result.rounds[-1]["accuracy"] if result.rounds else None},
-                  sys.stdout, indent=1, default=float)
+        json.dump(_document(opts, result, baseline), sys.stdout, indent=1, default=float)
         click.echo()
         return
-    click.echo(summary_table(result.rounds, result.wall_s,
-                             f"fedtier demo: {algorithm}, {devices} devices, {cells} cells, {result.broker} broker"))
+    _print_summary(opts, result, baseline)
+
+
+def _cells(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    return tuple(c.strip() for c in text.split(",") if c.strip())
+
+
+class ConsoleView:
+    """The demo's narration, round lines and (on a terminal) live bar, on stderr."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        from cloud_coordinator.console import make_console
+
+        self.enabled = enabled
+        self.console = make_console(stderr=True)
+        self.bar: Any = None
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            self.console.print(line, soft_wrap=True)
+
+    def rounds_started(self, total: int) -> None:
+        from cloud_coordinator.console import RoundProgress
+
+        self.bar = RoundProgress(self.console, total, enabled=self.enabled).__enter__()
+
+    def round_closed(self, row: dict[str, Any], total: int) -> None:
+        from cloud_coordinator.report import round_epsilon, round_line
+
+        if self.bar is not None:
+            self.bar.line(round_line(row, total))
+            self.bar.update(row["round"] + 1, accuracy=row.get("accuracy"), epsilon=round_epsilon(row))
+
+    def rounds_ended(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _document(opts: Any, result: Any, baseline: Any) -> dict[str, Any]:
+    """What --json prints: the run, its privacy numbers (null without --privacy), the comparison."""
+    from cloud_coordinator.privacy.report import jsonable
+    from cloud_coordinator.report import totals
+
+    doc: dict[str, Any] = {
+        "algorithm": opts.algorithm, "rounds": result.rounds, "bytes": totals(result.rounds), "wall_s": result.wall_s,
+        "broker": result.broker, "processes": result.processes, "secure": result.secure,
+        "final_accuracy": result.rounds[-1]["accuracy"] if result.rounds else None,
+        "stopped": result.stopped, "privacy": jsonable(result.privacy) if result.privacy is not None else None,
+    }
+    if baseline is not None:
+        doc["compare"] = {"privacy": None, "wall_s": baseline.wall_s,
+                          "final_accuracy": baseline.rounds[-1]["accuracy"] if baseline.rounds else None,
+                          "accuracy": [r.get("accuracy") for r in baseline.rounds]}
+    return doc
+
+
+def _print_summary(opts: Any, result: Any, baseline: Any) -> None:
+    from cloud_coordinator.console import make_console
+    from cloud_coordinator.report import summary
+
+    title = (f"fedtier demo: {opts.algorithm}, {opts.devices} devices, {opts.cells} cells, {result.broker} broker"
+             + (", differential privacy" if result.privacy is not None else ""))
+    facts: list[tuple[str, str]] = []
+    p = result.privacy
+    if p is not None:
+        labels = ", ".join(f"{cell} " + ("trusted (its edge adds noise)" if c["trusted"]
+                                         else "untrusted (its devices add noise)") for cell, c in p["cells"].items())
+        multipliers = ", ".join(f"{tier} tier z {z:.3g}" for tier, z in p["noise_multiplier"].items())
+        facts += [("epsilon (ledger)", f"{p['epsilon']:.4g} of {p['budget_epsilon']:g} at delta {p['delta']:g} "
+                                       "(largest over devices, recomputed from the coordinator's ledger rows)"),
+                  ("delta", f"{p['delta']:g}"),
+                  ("trust labels", labels),
+                  ("noise multiplier", multipliers)]
+        if not p["ledger_agrees"]:
+            facts.append(("WARNING", f"the live epsilon {p['live_epsilon']} differs from the ledger's "
+                                     f"{p['epsilon']:.6g}"))
+    if result.stopped:
+        facts.append(("stopped early", result.stopped))
+    if baseline is not None and baseline.rounds:
+        last = baseline.rounds[-1]["accuracy"]
+        facts.append(("accuracy without privacy",
+                      f"{last:.4f} after {len(baseline.rounds)} rounds (same seeds, {baseline.wall_s:.1f} s)"))
+    make_console().print(summary(result.rounds, result.wall_s, title, facts=facts,
+                                 compare=baseline.rounds if baseline is not None else None))
