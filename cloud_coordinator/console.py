@@ -61,8 +61,8 @@ class RoundProgress:
     """Round lines, and under them a live bar when the console is a terminal.
 
     Use as a context manager; ``line`` prints a line above the bar (or alone, when plain),
-    ``update`` moves the bar. The bar starts on ``__enter__`` (it runs a refresh thread: start
-    it only after any ``subprocess`` with a ``preexec_fn`` has been spawned).
+    ``update`` moves the bar. The bar starts on ``__enter__`` and is removed on ``close``
+    (``transient``): what stays on the terminal is the lines.
 
     Args:
         console: where everything goes (``make_console(stderr=True)`` for commands whose

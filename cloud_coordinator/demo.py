@@ -9,10 +9,10 @@
 5. stop every process it started — at the end, on error, on Ctrl-C or SIGTERM — and print the
    summary: accuracy per round, bytes per tier, wall time.
 
-Every child runs in its own session (a Ctrl-C in the terminal reaches only the demo, which
-stops them in order: agents, edges, coordinator, broker) and is started with Linux's
-``PR_SET_PDEATHSIG``: if the demo itself is killed (even with SIGKILL), the kernel sends each
-child SIGTERM. On other systems a SIGKILLed demo leaves its children running.
+Every child runs in its own session: a Ctrl-C in the terminal reaches only the demo, which
+stops them in order (agents, edges, coordinator, broker); SIGTERM and SIGHUP do the same. If
+the demo itself is killed with SIGKILL, its reaper (``cloud_coordinator.reaper``, a small
+process watching a pipe only the demo holds) stops every child that is still running.
 
 With ``--privacy`` (``PrivacyDemo``) the rollout gets a ``[privacy]`` section and trust labels:
 by default the first half of the cells is trusted. Before the rounds the demo shows the noise
@@ -31,7 +31,6 @@ manifest is signed and verified, and each node may publish only its own topics.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -43,7 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from cloud_coordinator.config import PRIVATE_ALGORITHMS
 from cloud_coordinator.fleet import FleetPaths, write_fleet
@@ -94,31 +93,6 @@ def raise_on_termination() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when the demo dies, or None elsewhere.
-
-    It runs between fork and exec, so it only calls prctl (libc loaded beforehand) and checks
-    that the demo did not die before the request was in place. ``subprocess`` documents
-    ``preexec_fn`` as unsafe with threads: the demo spawns before its progress bar starts one.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the demo died between fork and prctl
-            os._exit(1)
-
-    return preexec
 
 
 @dataclass(frozen=True)
@@ -253,6 +227,7 @@ class Demo:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.logs = self.workdir / "logs"
         self.broker_kind = ""
+        self._reaper: subprocess.Popen | None = None
 
     # --- plan ----------------------------------------------------------------------------------------
 
@@ -367,14 +342,46 @@ class Demo:
         fh = open(log, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # Own session: a Ctrl-C in the terminal reaches only the demo, which then stops every
-        # child in order; the parent-death signal covers a demo killed hard (module docstring).
+        # child in order; the reaper covers a demo killed hard (module docstring).
         popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, env=env, cwd=self.workdir,
-                                 preexec_fn=_parent_death_signal())
+                                 start_new_session=True, env=env, cwd=self.workdir)
         fh.close()
         proc = _Proc(name, popen, log, role)
         self.procs.append(proc)
+        self._tell_reaper(f"+{popen.pid}")
         return proc
+
+    def start_reaper(self) -> None:
+        """Start the reaper (module docstring) before any other child."""
+        self._reaper = subprocess.Popen([sys.executable, "-m", "cloud_coordinator.reaper"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                                        start_new_session=True)
+
+    def _tell_reaper(self, line: str) -> None:
+        stdin = self._reaper.stdin if self._reaper is not None else None
+        if stdin is None or stdin.closed:
+            return
+        try:
+            stdin.write(line + "\n")
+            stdin.flush()
+        except OSError:  # the reaper is gone: stop_all still stops everything
+            pass
+
+    def stop_reaper(self) -> None:
+        """Every child is stopped: let the reaper read end-of-file and exit (it has nothing left to do)."""
+        if self._reaper is None:
+            return
+        if self._reaper.stdin is not None:
+            try:
+                self._reaper.stdin.close()
+            except OSError:
+                pass
+        try:
+            self._reaper.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._reaper.kill()
+            self._reaper.wait()
+        self._reaper = None
 
     def start_broker(self, port: int, command: list[str] | None = None) -> None:
         """Start the broker: ``command`` (a provisioned Mosquitto), or per ``--broker``."""
@@ -433,6 +440,7 @@ class Demo:
                 except ProcessLookupError:
                     pass
                 p.popen.wait()
+            self._tell_reaper(f"-{p.popen.pid}")
 
     # --- run -----------------------------------------------------------------------------------------
 
@@ -440,6 +448,7 @@ class Demo:
         started = time.perf_counter()
         o = self.opts
         ok = False
+        self.start_reaper()
         try:
             port = free_port()
             if self.secure:
@@ -478,6 +487,7 @@ class Demo:
                               stopped=doc.get("stopped"), privacy=privacy)
         finally:
             self.stop_all()
+            self.stop_reaper()
             if ok and self._own_workdir:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
