@@ -49,12 +49,17 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     """Run a rollout with every device, edge and the cloud in this process (in-memory transport).
 
     The same roles and node code as a real deployment; one shared ORT session per
-    architecture. Writes per-round metrics (accuracy, loss, bytes per tier) to JSON.
+    architecture. Writes per-round metrics (accuracy, loss, bytes per tier, epsilon under
+    [privacy]) to JSON. On a terminal a live bar follows the rounds; piped, one line per round.
+
+    \b
+        fedtier simulate --config experiments/digits_fedavg.toml --rounds 5
     """
     import dataclasses
 
     from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.report import round_line, summary_table
+    from cloud_coordinator.console import RoundProgress, make_console
+    from cloud_coordinator.report import round_epsilon, round_line, summary
     from cloud_coordinator.simulate import simulate as run_simulation
     from fedtier.runtime import logs
     from fedtier.runtime.config import load
@@ -66,13 +71,22 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     if output is not None:
         cfg = dataclasses.replace(cfg, metrics_file=output)
     started = time.perf_counter()
-    echo = (lambda row: None) if as_json else (lambda row: click.echo(round_line(row, cfg.rounds), err=True))
-    result = run_simulation(cfg, on_round=echo)
+    with RoundProgress(make_console(stderr=True), cfg.rounds, enabled=not as_json) as progress:
+        def on_round(row: dict) -> None:
+            progress.line(round_line(row, cfg.rounds))
+            progress.update(row["round"] + 1, accuracy=row.get("accuracy"), epsilon=round_epsilon(row))
+
+        result = run_simulation(cfg, on_round=on_round)
     wall = time.perf_counter() - started
     if as_json:
         json.dump({"rollout": cfg.rollout, "rounds": result.rounds, "wall_s": wall,
                    "metrics_file": str(cfg.metrics_path)}, sys.stdout, indent=1, default=float)
         click.echo()
     else:
-        click.echo(summary_table(result.rounds, wall, f"simulation of {cfg.rollout} ({config_path})"))
-        click.echo(f"metrics: {cfg.metrics_path}")
+        facts = []
+        if result.rounds and result.rounds[-1].get("privacy"):
+            p = result.rounds[-1]["privacy"]
+            facts.append(("epsilon (ledger)", f"{p['epsilon_max']:.4g} at delta {p['delta']:g} (largest over devices)"))
+        facts.append(("metrics", str(cfg.metrics_path)))
+        make_console().print(summary(result.rounds, wall, f"simulation of {cfg.rollout} ({config_path})",
+                                     facts=facts))

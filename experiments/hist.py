@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from report import IMG, arguments, md_table, write_section  # noqa: E402
+from report import IMG, arguments, md_table, print_table, progress, write_section  # noqa: E402
 
 ALGORITHMS = {"hist": "HIST", "fedavg": "HFedAvg"}
 
@@ -78,10 +78,13 @@ def main() -> None:
     t0 = time.perf_counter()
     results = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for key, out in zip(jobs, pool.map(run_one, jobs.values()), strict=True):
-            results[key] = out
-            print(f"{key}: final acc {out['accuracy'][-1]:.4f}, comm->{spec['target']} "
-                  f"{comm_to(out, spec['target'])} ({out['wall_s']:.0f}s)", flush=True)
+        outs = pool.map(run_one, jobs.values())  # submits every run: workers fork before the bar's thread
+        with progress(len(jobs)) as bar:
+            for done, (key, out) in enumerate(zip(jobs, outs, strict=True), 1):
+                results[key] = out
+                bar.line(f"{key}: final acc {out['accuracy'][-1]:.4f}, comm->{spec['target']} "
+                         f"{comm_to(out, spec['target'])} ({out['wall_s']:.0f}s)")
+                bar.update(done, accuracy=out["accuracy"][-1])
     write(spec, results, time.perf_counter() - t0)
 
 
@@ -175,6 +178,7 @@ Solid lines HIST, dotted HFedAvg, one color per N. As the paper predicts (Thm. 1
 a given accuracy with less communication but plateaus lower at equal rounds, more so for larger
 N; the cloud receives about one full model per global round whatever N is, HFedAvg N.
 """
+    print_table("acceptance checks", ["acceptance check", "measured", "result"], checks)
     print(f"wrote {write_section('hist', body)}")
 
 

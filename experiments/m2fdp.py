@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from report import IMG, arguments, md_table, write_section  # noqa: E402
+from report import IMG, arguments, md_table, print_table, progress, write_section  # noqa: E402
 
 SAMPLES_PER_DEVICE = 200
 
@@ -111,9 +111,12 @@ def main() -> None:
     t0 = time.perf_counter()
     results: dict[tuple[Any, ...], dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for key, out in zip(todo, pool.map(run_one, todo.values()), strict=True):
-            results[key] = out
-            print(f"{key}: final acc {out['final']:.4f}, eps {out['epsilon_max']} ({out['wall_s']:.1f}s)", flush=True)
+        outs = pool.map(run_one, todo.values())  # submits every run: workers fork before the bar's thread
+        with progress(len(todo)) as bar:
+            for done, (key, out) in enumerate(zip(todo, outs, strict=True), 1):
+                results[key] = out
+                bar.line(f"{key}: final acc {out['final']:.4f}, eps {out['epsilon_max']} ({out['wall_s']:.1f}s)")
+                bar.update(done, accuracy=out["final"], epsilon=out["epsilon_max"])
     write(spec, results, time.perf_counter() - t0)
 
 
@@ -255,6 +258,7 @@ after a sync every member's update depends on the changed record — and trustin
 pays: the price of syncing inside a trusted subtree that the paper's Lemma 1 leaves out
 (digest §3.5, caveat 4).
 """
+    print_table("acceptance checks", ["acceptance check", "measured", "result"], checks)
     print(f"wrote {write_section('m2fdp', body)}")
 
 

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from report import IMG, arguments, md_table, write_section  # noqa: E402
+from report import IMG, arguments, md_table, print_table, progress, write_section  # noqa: E402
 
 ALGORITHMS = {"qhetfed": "QHetFed", "hier_qsgd": "Hier-Local-QSGD"}
 
@@ -108,9 +108,12 @@ def main() -> None:
     t0 = time.perf_counter()
     results: dict[tuple[Any, ...], dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for key, out in zip(jobs, pool.map(run_one, jobs.values()), strict=True):
-            results[key] = out
-            print(f"{key}: gap {gap(out, last):.4f} ({out['wall_s']:.1f}s)", flush=True)
+        outs = pool.map(run_one, jobs.values())  # submits every run: workers fork before the bar's thread
+        with progress(len(jobs)) as bar:
+            for done, (key, out) in enumerate(zip(jobs, outs, strict=True), 1):
+                results[key] = out
+                bar.line(f"{key}: gap {gap(out, last):.4f} ({out['wall_s']:.1f}s)")
+                bar.update(done, accuracy=out["rounds"][-1].get("accuracy"))
     wall = time.perf_counter() - t0
     write(spec, results, seeds, last, devices, wall)
 
@@ -221,6 +224,7 @@ devices measured and reported.
 ![loss gap against bits](img/qhetfed_bits.png)
 """
     path = write_section("qhetfed", body)
+    print_table("acceptance checks", ["acceptance check", "measured", "result"], checks)
     print(f"wrote {path}")
 
 

@@ -1,10 +1,11 @@
-"""Shared by the experiment runners: write one experiment's section of docs/experiments.md."""
+"""Shared by the experiment runners: progress while they run, one experiment's section of docs/experiments.md."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from pathlib import Path
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "experiments.md"
@@ -37,3 +38,24 @@ def arguments(description: str, default_config: Path) -> argparse.Namespace:
     ap.add_argument("--config", type=Path, default=default_config)
     ap.add_argument("--workers", type=int, default=2, help="simulations run in parallel processes")
     return ap.parse_args()
+
+
+def progress(total: int) -> Any:
+    """The runs' progress on stderr: a line per finished run, and a live bar (run r/N, accuracy,
+    epsilon where there is one, elapsed, remaining) when stderr is a terminal."""
+    from cloud_coordinator.console import RoundProgress, make_console
+
+    return RoundProgress(make_console(stderr=True), total, unit="run")
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A summary table (the acceptance checks) on stdout, as a rich table."""
+    from rich import box
+    from rich.table import Table
+
+    from cloud_coordinator.console import make_console
+
+    table = Table(*header, title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for row in rows:
+        table.add_row(*map(str, row))
+    make_console().print(table)
