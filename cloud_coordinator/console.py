@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 FORCE_TERMINAL_ENV = "FEDTIER_FORCE_TERMINAL"
 # Tables written to a file or a pipe get this width (rich's default there is 80 columns, which
 # squeezes a summary of ten columns); a terminal uses its own width, COLUMNS overrides both.
-PLAIN_WIDTH = 132
+PLAIN_WIDTH = 160
 
 
 def forced_terminal() -> bool | None:

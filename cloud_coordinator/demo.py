@@ -31,6 +31,7 @@ manifest is signed and verified, and each node may publish only its own topics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from cloud_coordinator.config import PRIVATE_ALGORITHMS
 from cloud_coordinator.fleet import FleetPaths, write_fleet
@@ -82,17 +83,26 @@ class Terminated(BaseException):
         self.signum = signum
 
 
-def raise_on_termination() -> None:
-    """Turn SIGTERM and SIGHUP into ``Terminated`` (main thread only), so ``kill <demo>`` stops
-    every process the demo started, as Ctrl-C does. A second signal during teardown is ignored."""
+@contextlib.contextmanager
+def raise_on_termination() -> Iterator[None]:
+    """Inside the block, SIGTERM and SIGHUP raise ``Terminated`` (main thread only), so ``kill
+    <demo>`` stops every process the demo started, as Ctrl-C does. A second signal during the
+    teardown is ignored. The previous handlers are back after the block."""
+    watched = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in watched}
 
     def handler(signum: int, frame: Any) -> None:
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        for sig in watched:
             signal.signal(sig, signal.SIG_IGN)
         raise Terminated(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)
+    try:
+        yield
+    finally:
+        for sig, action in previous.items():
+            signal.signal(sig, action)
 
 
 @dataclass(frozen=True)

@@ -101,25 +101,25 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
                        secure=secure, privacy=dp)
     view = ConsoleView(enabled=not as_json)
-    raise_on_termination()
-    runner: Demo | None = None
     try:
         runner = Demo(opts, view)
-        result = runner.run()
-        baseline = None
-        if compare:
-            view.say("--compare: the same demo again without privacy (same seeds, same broker)")
-            plain = dataclasses.replace(opts, privacy=None, secure=result.secure,
-                                        workdir=workdir / "compare" if workdir is not None else None)
-            runner = Demo(plain, view)
-            baseline = runner.run()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    try:
+        with raise_on_termination():
+            result = runner.run()
+            baseline = None
+            if compare:
+                view.say("--compare: the same demo again without privacy (same seeds, same broker)")
+                plain = dataclasses.replace(opts, privacy=None, secure=result.secure,
+                                            workdir=workdir / "compare" if workdir is not None else None)
+                runner = Demo(plain, view)
+                baseline = runner.run()
     except KeyboardInterrupt:
-        view.say(f"interrupted: stopped {len(runner.procs) if runner else 0} processes")
+        view.say(f"interrupted: stopped {len(runner.procs)} processes")
         raise SystemExit(130) from None
     except Terminated as exc:
-        view.say(f"terminated ({exc}): stopped {len(runner.procs) if runner else 0} processes")
+        view.say(f"terminated ({exc}): stopped {len(runner.procs)} processes")
         raise SystemExit(128 + exc.signum) from None
     except DemoError as exc:
         raise click.ClickException(str(exc)) from None

@@ -56,11 +56,18 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def _loss(value: float | None) -> str:
+    """Four decimals; large losses (a model swamped by DP noise) in four significant digits."""
+    if value is not None and abs(value) >= 1000:
+        return _num(value, ".4g")
+    return _num(value, ".4f")
+
+
 def rounds_table(rows: Sequence[dict[str, Any]], *, compare: Sequence[dict[str, Any]] | None = None) -> Table:
     """Accuracy per round (and, beside it, the same round of a run without privacy), epsilon, bytes, time."""
     private = any(r.get("privacy") for r in rows)
     table = Table(title="per round", box=box.SIMPLE_HEAD, title_justify="left")
-    table.add_column("round", justify="right")
+    table.add_column("round", justify="right", no_wrap=True)
     table.add_column("accuracy", justify="right")
     if compare is not None:
         table.add_column("without privacy", justify="right")
@@ -75,7 +82,7 @@ def rounds_table(rows: Sequence[dict[str, Any]], *, compare: Sequence[dict[str, 
         cells = [str(r["round"] + 1), _num(r.get("accuracy"), ".4f")]
         if compare is not None:
             cells.append(_num(other.get(int(r["round"]), {}).get("accuracy"), ".4f"))
-        cells.append(_num(r.get("loss"), ".4f"))
+        cells.append(_loss(r.get("loss")))
         if private:
             cells.append(_num(round_epsilon(r), ".4g"))
         cells += [str(r.get("devices_reported", 0)), human_bytes(b.get("device_up", 0)),

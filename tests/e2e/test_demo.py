@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,3 +110,131 @@ def test_secure_demo_matches_the_plain_demo(tmp_path: Path) -> None:
     assert all(k.stat().st_mode & 0o777 == 0o600 for k in keys)
     for device in ("dev-00", "dev-03"):  # each agent verified a signed manifest before training
         assert "manifest v1 of rollout demo installed" in (tmp_path / "logs" / f"{device}.log").read_text()
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live (non-zombie) process below ``pid``, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def _start_endless_demo(workdir: Path) -> tuple[subprocess.Popen, set[int]]:
+    """A demo that would run for ever, followed until its second round; returns it and its processes."""
+    demo = subprocess.Popen([sys.executable, "-m", "fedtier", "demo", "--devices", "3", "--cells", "1",
+                             "--rounds", "100000", "--workdir", str(workdir)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert demo.stderr is not None
+    deadline = time.monotonic() + 90
+    for line in demo.stderr:
+        if "round   2/" in line or time.monotonic() > deadline:
+            break
+    children = _descendants(demo.pid)
+    # reaper, broker, coordinator, edge, 3 agents
+    assert len(children) >= 7, children
+    return demo, children
+
+
+def test_sigterm_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    require(mosquitto_binary() is not None, "Mosquitto")
+    demo, children = _start_endless_demo(tmp_path / "demo")
+    try:
+        demo.send_signal(signal.SIGTERM)
+        code = demo.wait(60)
+        rest = demo.stderr.read() if demo.stderr else ""
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert code == 128 + signal.SIGTERM, rest
+    assert "terminated (SIGTERM): stopped 6 processes" in rest
+    assert _alive(children) == set()  # the demo waited for each before exiting
+    assert _processes_mentioning(str(tmp_path / "demo")) == []
+
+
+def test_a_sigkilled_demo_leaves_no_process_behind(tmp_path: Path) -> None:
+    """No handler runs on SIGKILL: the reaper sees its pipe close and stops the rest."""
+    require(mosquitto_binary() is not None, "Mosquitto")
+    demo, children = _start_endless_demo(tmp_path / "demo")
+    demo.kill()
+    demo.wait(30)
+    deadline = time.monotonic() + 60  # the reaper's grace period is 5 s
+    while _alive(children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(children) == set()
+
+
+def test_privacy_demo_with_defaults_reports_the_ledgers_epsilon(tmp_path: Path) -> None:
+    """The acceptance run: `fedtier demo --privacy` with every default, then `fedtier privacy report`."""
+    require(mosquitto_binary() is not None, "Mosquitto")
+    workdir = tmp_path / "dp"
+    proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--privacy", "--json", "--workdir", str(workdir)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""  # --json: nothing but the document
+    result = json.loads(proc.stdout)
+    p = result["privacy"]
+    assert len(result["rounds"]) == 30 and result["stopped"] is None
+    assert result["secure"] is True and "TLS" in result["broker"]  # clear updates to cell-a need TLS
+    assert p["cells"]["cell-a"]["trusted"] is True and p["cells"]["cell-b"]["trusted"] is False
+    assert p["delta"] == 1e-5 and p["target_epsilon"] == 8.0
+    eps = p["epsilon_per_round"]
+    assert len(eps) == 30 and all(a < b for a, b in zip(eps, eps[1:], strict=False))
+    assert p["epsilon"] <= 8.0 * (1 + 1e-9) and p["epsilon"] > 7.9  # calibrated to spend the whole budget
+    assert p["ledger_agrees"] and p["live_epsilon"] == pytest.approx(p["epsilon"], rel=1e-12)
+    assert 0.0 <= result["final_accuracy"] <= 1.0
+    report = subprocess.run([sys.executable, "-m", "fedtier", "privacy", "report", "--json", "--config",
+                             str(workdir / "configs" / "coordinator.toml")], capture_output=True, text=True,
+                            timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    audit = json.loads(report.stdout)
+    assert audit["epsilon_max"] == p["epsilon"]
+    assert audit["delta"] == p["delta"] and audit["status"] == "finished" and audit["warnings"] == []
+    assert audit["releases"]["total"] == p["ledger_releases"] == 30 * (1 + 6)  # cell-a's edge + cell-b's devices
+
+
+def test_privacy_demo_prints_the_plan_epsilon_per_round_and_the_comparison(tmp_path: Path) -> None:
+    require(mosquitto_binary() is not None, "Mosquitto")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # pytest sets 80: keep the piped width
+    proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--privacy", "--compare", "--devices", "4",
+                           "--rounds", "3", "--epsilon", "4", "--delta", "1e-6"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err, out = proc.stderr, proc.stdout
+    assert "\x1b" not in err + out  # piped: no progress bar
+    assert "epsilon 4 per device at delta 1e-06 over 3 rounds" in err
+    assert re.search(r"cell-a\s+trusted\s+its 2 devices send clear updates over TLS", err)
+    assert re.search(r"cell-b\s+untrusted\s+each of its 2 devices adds noise", err)
+    private = err.split("--compare:")[0]
+    assert len(re.findall(r"^round\s+\d/3 .* epsilon [0-9.]+ \(delta 1e-06\)", private, re.M)) == 3
+    plain = err.split("--compare:")[1]
+    assert len(re.findall(r"^round\s+\d/3 ", plain, re.M)) == 3 and "epsilon" not in plain
+    assert re.search(r"epsilon \(ledger\)\s+[0-9.]+ of 4 at delta 1e-06", out)
+    assert re.search(r"final accuracy\s+[0-9.]+ after 3 rounds", out)
+    assert re.search(r"accuracy without privacy\s+0\.[0-9]{4} after 3 rounds \(same seeds", out)
+    header = next((line for line in out.splitlines() if re.search(r"^\s*round\s+accuracy", line)), "")
+    assert re.search(r"accuracy\s+without privacy\s+loss\s+epsilon", header), out  # beside each round
