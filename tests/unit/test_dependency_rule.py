@@ -6,6 +6,8 @@
   lazily, inside functions, and only that file may;
 * only ``models`` and ``cloud_coordinator`` import torch, and lazily (never at module level);
 * ``fedtier agent ...`` starts without importing torch;
+* rich (the coordinator's progress bars and tables) is in the coordinator extra only: the core,
+  the device and the edge never import it, and ``fedtier agent|edge run`` start without it;
 * inside ``fedtier``, each sub-package imports only the sub-packages ``CORE_RULES`` allows
   (docs/architecture.md draws the same layers).
 """
@@ -193,3 +195,36 @@ def test_the_rule_check_catches_a_forbidden_import(tmp_path: Path) -> None:
     assert len(found) == 2
     assert any("wire/codec imports fedtier.runtime.metrics" in line for line in found)
     assert any("wire/lazy imports fedtier.runtime" in line for line in found)
+
+
+# rich draws the coordinator's progress bars and tables; it is in the coordinator extra only, so
+# the device and gateway installs (``fedtier[agent]``, ``fedtier[edge]``) must never need it.
+COORDINATOR_ONLY = {"rich"}
+
+
+@pytest.mark.parametrize("path", files("fedtier") + files("device_agent") + files("edge_broker"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_core_device_and_edge_never_import_coordinator_only_packages(path: Path) -> None:
+    bad = {m for m, _ in imports(path)} & COORDINATOR_ONLY
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)} (coordinator extra only)"
+
+
+def test_agent_and_edge_commands_start_without_rich() -> None:
+    code = ("from click.testing import CliRunner\nfrom fedtier.cli import cli\n"
+            "import device_agent.run, device_agent.node, edge_broker.run, edge_broker.service\n"
+            "for args in (['agent', 'run', '--help'], ['edge', 'run', '--help']):\n"
+            "    r = CliRunner().invoke(cli, args)\n    assert r.exit_code == 0, r.output")
+    assert not COORDINATOR_ONLY & {m.split(".")[0] for m in _modules_after(code)}
+
+
+def test_rich_is_in_the_coordinator_extra_and_not_in_the_agent_or_edge_extras() -> None:
+    from fedtier.runtime.config import read_toml
+
+    extras = read_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]
+
+    def names(extra: str) -> set[str]:
+        return {req.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
+                for req in extras[extra]}
+
+    assert "rich" in names("coordinator")
+    assert not COORDINATOR_ONLY & (names("agent") | names("edge"))
