@@ -17,12 +17,20 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
+def _num(value: Any, width: int = 0) -> str:
+    return f"{value:>{width}.4f}" if value is not None else f"{'-':>{width}}"
+
+
 def round_line(row: dict[str, Any], total_rounds: int) -> str:
-    """One line per closed round: accuracy, loss, devices, device uplink bytes, duration."""
+    """One line per closed round: accuracy, loss (central test set, and/or the devices' federated
+    evaluation of the model the round started from), devices, device uplink bytes, duration."""
     b = row.get("bytes", {})
     head = f"round {row['round'] + 1:>3}/{total_rounds}"
-    if row.get("accuracy") is not None:
-        head += f"  accuracy {row['accuracy']:.4f}  loss {row['loss']:.4f}"
+    if row.get("loss") is not None:
+        head += f"  accuracy {_num(row.get('accuracy'))}  loss {row['loss']:.4f}"
+    federated = row.get("federated")
+    if federated:
+        head += f"  federated accuracy {_num(federated.get('accuracy'))} loss {federated['loss']:.4f}"
     return (f"{head}  devices {row.get('devices_reported', 0):>3}  up {human_bytes(b.get('device_up', 0))}"
             f"  {row.get('round_s', 0.0):.2f}s")
 
@@ -42,17 +50,27 @@ def totals(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
 
 
 def summary_table(rows: Sequence[dict[str, Any]], wall_s: float, title: str) -> str:
-    """Accuracy per round, then bytes per tier and wall time."""
-    lines = [title, "", f"{'round':>5}  {'accuracy':>8}  {'loss':>7}  {'devices':>7}  {'dev up':>10}  "
+    """Accuracy per round (central and, when devices hold out rows, federated), then bytes per
+    tier and wall time."""
+    federated = any(r.get("federated") for r in rows)
+    fed_head = f"  {'fed acc':>8}  {'fed loss':>8}" if federated else ""
+    lines = [title, "", f"{'round':>5}  {'accuracy':>8}  {'loss':>7}{fed_head}  {'devices':>7}  {'dev up':>10}  "
              f"{'dev down':>10}  {'edge up':>10}  {'cloud dn':>10}  {'time':>6}"]
     for r in rows:
         b = r.get("bytes", {})
         acc = f"{r['accuracy']:.4f}" if r.get("accuracy") is not None else "-"
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "-"
-        lines.append(f"{r['round'] + 1:>5}  {acc:>8}  {loss:>7}  {r.get('devices_reported', 0):>7}  "
+        fed = ""
+        if federated:
+            f = r.get("federated") or {}
+            fed = f"  {_num(f.get('accuracy'), 8)}  {_num(f.get('loss'), 8)}"
+        lines.append(f"{r['round'] + 1:>5}  {acc:>8}  {loss:>7}{fed}  {r.get('devices_reported', 0):>7}  "
                      f"{human_bytes(b.get('device_up', 0)):>10}  {human_bytes(b.get('device_down', 0)):>10}  "
                      f"{human_bytes(b.get('edge_up', 0)):>10}  {human_bytes(b.get('cloud_down', 0)):>10}  "
                      f"{r.get('round_s', 0.0):>5.2f}s")
+    if federated:
+        lines.append("(fed: the devices' evaluation, on rows they never train on, of the model the round started "
+                     "from)")
     t = totals(rows)
     lines += ["", "bytes per tier (all rounds):"]
     for key, label in TIERS:
@@ -64,5 +82,13 @@ def summary_table(rows: Sequence[dict[str, Any]], wall_s: float, title: str) -> 
                          f"saved {human_bytes(saved)} ({100 * saved / t[f32_key]:.0f} %)")
     if rows and rows[-1].get("accuracy") is not None:
         lines.append(f"final accuracy:    {rows[-1]['accuracy']:.4f} after {len(rows)} rounds")
+    elif rows and rows[-1].get("loss") is not None:
+        lines.append(f"final loss:        {rows[-1]['loss']:.4f} after {len(rows)} rounds")
+    last_fed = next((r["federated"] for r in reversed(rows) if r.get("federated")), None)
+    if last_fed is not None:
+        what = (f"accuracy {last_fed['accuracy']:.4f}" if last_fed.get("accuracy") is not None
+                else f"loss {last_fed['loss']:.4f}")
+        lines.append(f"federated {what} of model version {last_fed['model_version']} "
+                     f"({last_fed['examples']} held-out rows on {last_fed['devices']} devices)")
     lines.append(f"wall time:         {wall_s:.1f} s")
     return "\n".join(lines)
