@@ -47,8 +47,11 @@ def _is_file_factory(target: str) -> bool:
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
-    """Which network: a built-in one (``mlp``, ``cnn1d``: input and output sizes come from the data),
-    or your own (``torch``: a factory function; ``onnx``: an exported graph). See docs/models.md."""
+    """Which network: built-in (mlp, cnn1d; sized from the data) or your own (torch factory, onnx file; docs/models.md).
+
+    A user's model is resolved once on the coordinator (``models.source``); devices get its ORT
+    artifacts like a built-in model's.
+    """
 
     kind: str = opt("mlp", choices=MODEL_KINDS, help="mlp or cnn1d (built-in), torch (a factory) or onnx (a file).")
     hidden: tuple[int, ...] = opt((64,), help="MLP hidden layer widths.")
@@ -139,8 +142,10 @@ class ModelConfig(Section):
 
 @dataclass(frozen=True)
 class DataConfig(Section):
-    """Where training data comes from: bundled or generated (nothing is downloaded), or your own
-    shards written by ``fedtier data split`` (``dataset = "files"``)."""
+    """Where training data comes from: bundled, generated, or your own shards (files, from `fedtier data split`).
+
+    Nothing is downloaded.
+    """
 
     dataset: str = opt("digits", choices=DATASETS,
                        help="scikit-learn bundled set, a synthetic mixture, or files (your shards in dir).")

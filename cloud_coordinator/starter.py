@@ -101,8 +101,8 @@ devices_per_cell = 3         # devices dev-00 ... dev-05, matching the shards' n
 # members = {{ cell-a = ["dev-00", "dev-01"], cell-b = ["dev-02"] }}   # or list them yourself
 
 [fedavg]
-local_steps = 10             # SGD steps per device per round
-lr = 0.1                     # learning rate
+local_steps = 20             # SGD steps per device per round
+lr = 0.3                     # learning rate
 batch_size = 32
 # quorum = 0.8               # close a round with 80 % of the devices once deadline_s passed
 # deadline_s = 60
