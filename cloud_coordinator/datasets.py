@@ -206,7 +206,7 @@ def load_files(cfg: DataConfig, devices: Sequence[str]) -> FederatedData:
                 holdout[d] = (held.x.reshape(len(held.x), -1), held.y)
     test = None
     if cfg.eval_file is not None:
-        table = read_table(cfg.eval_file, cfg.label_column, key="data.eval_file")
+        table = read_table(cfg.eval_file, cfg.label_column, key="data.eval_file", label_key="data.label_column")
         if table.class_names is not None:
             raise ConfigError("labels must be numbers (fedtier data split --test-fraction writes a test.npz "
                               "numbered like the shards)", key="data.eval_file", source=str(cfg.eval_file))

@@ -203,6 +203,17 @@ def test_a_model_that_does_not_fit_is_refused_before_anything_is_built(
     assert caught.value.key == key
 
 
+def test_a_central_test_csv_without_its_label_column_names_key_and_file(model_file: Path, tmp_path: Path,
+                                                                         artifact_store: Path) -> None:
+    (tmp_path / "test.csv").write_text("p0,p1,digit\n0.5,0.25,3\n")
+    cfg = RolloutConfig.from_mapping(base(tmp_path, artifact_store, model={
+        "kind": "torch", "factory": f"{model_file}:make"}, data={
+        "dataset": "files", "holdout": 0.0, "eval_file": str(tmp_path / "test.csv"), "label_column": "label"}))
+    with pytest.raises(ConfigError, match="no column 'label'; the header has") as caught:
+        prepare(cfg)
+    assert caught.value.key == "data.label_column" and caught.value.source == str(tmp_path / "test.csv")
+
+
 def test_simulating_needs_every_devices_data(model_file: Path, tmp_path: Path, artifact_store: Path) -> None:
     # A coordinator of a user model runs without the devices' data; the simulator cannot.
     cfg = RolloutConfig.from_mapping(base(tmp_path, artifact_store, model={
