@@ -1,25 +1,29 @@
 """The coordinator's rollout configuration — also the format of ``experiments/<name>.toml``.
 
-One file describes a whole training campaign: the model, the data (for simulation, and
-the held-out test split the coordinator evaluates on), the topology of cells and devices,
-the algorithm's settings, and, for ``fedtier coordinator run``, the cloud broker.
+One file describes a whole training campaign: the model (built-in, a torch factory or an
+ONNX file), the data (for simulation, and the held-out test split the coordinator evaluates
+on), the topology of cells and devices, the algorithm's settings, and, for ``fedtier
+coordinator run``, the cloud broker.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.algorithms.hier_qsgd import HierConfig
 from fedtier.algorithms.hist import HistConfig
 from fedtier.algorithms.qhetfed import QHetFedConfig
 from fedtier.runtime.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
-from fedtier.training.layout import ArchSpec
+from fedtier.training.layout import LOSSES, ArchSpec
 from fedtier.transport.topics import check_id
 
-DATASETS = ("digits", "breast_cancer", "synthetic")
+DATASETS = ("digits", "breast_cancer", "synthetic", "files")
+MODEL_KINDS = ("mlp", "cnn1d", "torch", "onnx")
+BUILTIN_MODELS = ("mlp", "cnn1d")
 ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist")
 PRIVATE_ALGORITHMS = ("fedavg", "hier_qsgd", "hist")  # the ones whose uplinks pass the DP mechanism
 
@@ -31,22 +35,101 @@ def _bits(value: int) -> None:
 PARTITIONS = ("iid", "shards", "dirichlet", "cell_shards")
 
 
+def _factory_spec(value: str) -> None:
+    target, sep, name = value.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise ValueError(f"{value!r} is not 'package.module:function' or 'path/to/file.py:function'")
+
+
+def _is_file_factory(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
 @dataclass(frozen=True)
 class ModelConfig(Section):
-    """Which network; input and output sizes come from the dataset."""
+    """Which network: built-in (mlp, cnn1d; sized from the data) or your own (torch factory, onnx file; docs/models.md).
 
-    kind: str = opt("mlp", choices=("mlp", "cnn1d"), help="Model family.")
+    A user's model is resolved once on the coordinator (``models.source``); devices get its ORT
+    artifacts like a built-in model's.
+    """
+
+    kind: str = opt("mlp", choices=MODEL_KINDS, help="mlp or cnn1d (built-in), torch (a factory) or onnx (a file).")
     hidden: tuple[int, ...] = opt((64,), help="MLP hidden layer widths.")
     channels: int = opt(1, min=1, help="CNN1D input channels (features = channels x length).")
     filters: tuple[int, ...] = opt((16, 32), help="CNN1D filters per conv layer.")
     kernel: int = opt(5, min=1, help="CNN1D kernel size.")
-    init_seed: int = opt(0, help="Seed of the initial weights.")
+    init_seed: int = opt(0, help="Seed of the initial weights (built-in; torch: the factory runs under "
+                                 "torch.manual_seed(init_seed)).")
+    factory: str | None = opt(None, check=_factory_spec,
+                              help="torch: 'package.module:function' or 'path/to/file.py:function' (relative to "
+                                   "this file), returning (torch.nn.Module, example input batch). Imported on the "
+                                   "coordinator only.")
+    path: Path | None = opt(None, help="onnx: the exported inference graph (one batch-first input, one "
+                                       "(batch, outputs) output).")
+    loss: str = opt("cross_entropy", choices=LOSSES,
+                    help="torch/onnx: cross_entropy (integer class labels), bce (targets in [0, 1] per output) "
+                         "or mse (float targets). Built-in models use cross_entropy.")
+    trainable: tuple[str, ...] | None = opt(None, help="onnx: the float initializers to train (default: all); "
+                                                       "the others stay frozen.")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, prefix: str = "", source: str | None = None,
+                     base_dir: Path | None = None) -> "ModelConfig":
+        # A factory given as a file is relative to the config file, like every path in a config.
+        factory = data.get("factory") if isinstance(data, Mapping) else None
+        if isinstance(factory, str) and base_dir is not None:
+            target, sep, name = factory.rpartition(":")
+            if sep and target and _is_file_factory(target) and not Path(target).expanduser().is_absolute():
+                data = {**data, "factory": f"{os.path.normpath(base_dir / Path(target).expanduser())}:{name}"}
+        return super().from_mapping(data, prefix=prefix, source=source, base_dir=base_dir)
+
+    @property
+    def builtin(self) -> bool:
+        return self.kind in BUILTIN_MODELS
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         if any(h <= 0 for h in self.hidden):
             raise self.error("hidden widths must be positive", "hidden", prefix=prefix, source=source)
         if any(f <= 0 for f in self.filters):
             raise self.error("filters must be positive", "filters", prefix=prefix, source=source)
+        own = {"factory": "torch", "path": "onnx", "trainable": "onnx"}
+        for key, kind in own.items():
+            if getattr(self, key) is not None and self.kind != kind:
+                raise self.error(f"is for kind = {kind!r}; this model is kind = {self.kind!r}", key,
+                                 prefix=prefix, source=source)
+        if self.builtin and self.loss != "cross_entropy":
+            raise self.error(f"the built-in {self.kind} trains with cross_entropy; use kind = 'torch' or 'onnx' "
+                             f"for {self.loss}", "loss", prefix=prefix, source=source)
+        if self.kind == "torch":
+            if self.factory is None:
+                raise self.error("required for kind = 'torch': 'package.module:function' or "
+                                 "'path/to/file.py:function'", "factory", prefix=prefix, source=source)
+            target = self.factory.rpartition(":")[0]
+            if _is_file_factory(target) and not Path(target).is_file():
+                raise self.error(f"file not found: {target}", "factory", prefix=prefix, source=source)
+        if self.kind == "onnx":
+            if self.path is None:
+                raise self.error("required for kind = 'onnx': the exported .onnx file", "path",
+                                 prefix=prefix, source=source)
+            if not self.path.is_file():
+                raise self.error(f"file not found: {self.path}", "path", prefix=prefix, source=source)
+        if self.trainable is not None and not self.trainable:
+            raise self.error("an empty list trains nothing; leave it out to train every float initializer",
+                             "trainable", prefix=prefix, source=source)
+
+    def source(self, num_features: int, num_classes: int) -> Any:
+        """The resolved model (``models.source.ModelSource``); imports torch for built-in and torch models.
+
+        Raises:
+            ConfigError: The user's model cannot be loaded or does not fit its loss (naming the key).
+        """
+        from models.source import model_source  # torch/onnx: only here, only on the coordinator
+
+        if self.kind == "torch":
+            return model_source(factory=self.factory, loss=self.loss, seed=self.init_seed)
+        if self.kind == "onnx":
+            return model_source(onnx_path=self.path, loss=self.loss, trainable=self.trainable)
+        return model_source(arch=self.arch(num_features, num_classes), seed=self.init_seed)
 
     def arch(self, num_features: int, num_classes: int) -> ArchSpec:
         if self.kind == "mlp":
@@ -59,9 +142,24 @@ class ModelConfig(Section):
 
 @dataclass(frozen=True)
 class DataConfig(Section):
-    """Where training data comes from (bundled or generated; nothing is downloaded)."""
+    """Where training data comes from: bundled, generated, or your own shards (files, from `fedtier data split`).
 
-    dataset: str = opt("digits", choices=DATASETS, help="scikit-learn bundled set, or a synthetic mixture.")
+    Nothing is downloaded.
+    """
+
+    dataset: str = opt("digits", choices=DATASETS,
+                       help="scikit-learn bundled set, a synthetic mixture, or files (your shards in dir).")
+    dir: Path | None = opt(None, help="files: the directory `fedtier data split` wrote (one sub-directory per device "
+                                      "id, with train.npz and eval/). Needed to simulate, and to size a built-in "
+                                      "model; a coordinator of a torch/onnx model runs without it.")
+    eval_file: Path | None = opt(None, help="files: a central test set (.csv or .npz, e.g. the test.npz of `fedtier "
+                                            "data split --test-fraction`) the coordinator evaluates every round on.")
+    label_column: str | None = opt(None, help="files: eval_file's label column in a CSV (name or 0-based index; "
+                                              "default: the last column).")
+    holdout: float = opt(0.0, min=0, max=0.9,
+                         help="Built-in datasets: the share of each device's rows it keeps out of training and "
+                              "evaluates the incoming global model on (federated evaluation; 0 = off). For files, "
+                              "the shards' eval/ directories play this part.")
     partition: str = opt("shards", choices=PARTITIONS,
                          help="How training data is split across devices: iid, label shards, Dirichlet, or "
                               "cell_shards (iid across cells, label shards within each cell).")
@@ -78,6 +176,20 @@ class DataConfig(Section):
     modes: int = opt(1, min=1, help="synthetic: Gaussian blobs per class (> 1 needs a hidden layer to separate).")
     noise: float = opt(1.0, gt=0, help="synthetic: standard deviation of the noise around each blob.")
     standardize: bool = opt(False, help="Scale features to zero mean, unit variance (training statistics).")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        files = self.dataset == "files"
+        for key in ("dir", "eval_file", "label_column"):
+            if getattr(self, key) is not None and not files:
+                raise self.error(f"is for dataset = 'files'; the {self.dataset} dataset brings its own data",
+                                 key, prefix=prefix, source=source)
+        if files and self.holdout:
+            raise self.error("files: each device's held-out rows are its shard's eval/ directory "
+                             "(fedtier data split --holdout)", "holdout", prefix=prefix, source=source)
+        if self.dir is not None and not self.dir.is_dir():
+            raise self.error(f"directory not found: {self.dir}", "dir", prefix=prefix, source=source)
+        if self.eval_file is not None and not self.eval_file.is_file():
+            raise self.error(f"file not found: {self.eval_file}", "eval_file", prefix=prefix, source=source)
 
 
 @dataclass(frozen=True)
@@ -120,12 +232,19 @@ class TopologyConfig(Section):
         if self.members is not None:
             return {c: tuple(d) for c, d in self.members.items()}
         out: dict[str, tuple[str, ...]] = {}
-        width = max(2, len(str(self.cells * self.devices_per_cell - 1)))
+        names = device_ids(self.cells * self.devices_per_cell)
         for c in range(self.cells):
             name = "cell-" + (chr(ord("a") + c) if self.cells <= 26 else f"{chr(ord('a') + c // 26)}"
                                                                            f"{chr(ord('a') + c % 26)}")
-            out[name] = tuple(f"dev-{c * self.devices_per_cell + i:0{width}d}" for i in range(self.devices_per_cell))
+            out[name] = tuple(names[c * self.devices_per_cell:(c + 1) * self.devices_per_cell])
         return out
+
+
+def device_ids(count: int) -> list[str]:
+    """``dev-00``, ``dev-01``, ...: the ids a generated topology gives ``count`` devices, and the
+    shard directories ``fedtier data split --devices count`` writes."""
+    width = max(2, len(str(count - 1)))
+    return [f"dev-{i:0{width}d}" for i in range(count)]
 
 
 @dataclass(frozen=True)
@@ -306,6 +425,14 @@ class RolloutConfig(Section):
         return self.artifact_store if self.artifact_store is not None else self.state_dir / "artifacts"
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.model.builtin and self.data.dataset == "files" and self.data.dir is None:
+            raise self.error(f"the built-in {self.model.kind} takes its input and output sizes from the data: set "
+                             "dir (or use your own model, kind = 'torch' or 'onnx')", "data.dir",
+                             prefix=prefix, source=source)
+        if self.algorithm == "hist" and not self.model.builtin:
+            raise self.error(f"hist partitions the hidden neurons of the built-in mlp; a {self.model.kind} model has "
+                             "no neuron split hist can find (use fedavg, hier_qsgd or qhetfed)", "model.kind",
+                             prefix=prefix, source=source)
         if self.algorithm == "hist":
             if self.model.kind != "mlp" or not self.model.hidden:
                 raise self.error("hist partitions hidden neurons: it needs an MLP with at least one hidden layer",

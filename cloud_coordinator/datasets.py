@@ -1,4 +1,4 @@
-"""Federated datasets from data that ships with a dependency, or is generated: no downloads.
+"""Federated datasets from data that ships with a dependency, is generated, or is the user's own.
 
 ``make_federated`` loads a dataset, splits off a stratified held-out test set, and
 partitions the rest across devices:
@@ -11,26 +11,43 @@ partitions the rest across devices:
                   (Hsu et al., 2019); small alpha means strongly skewed devices;
 * ``cell_shards`` — iid across cells, label shards within each cell (HIST's "cell iid").
 
+With ``[data] holdout`` > 0, each device keeps that share of its partition as held-out rows
+(federated evaluation: the device evaluates each round's incoming global model on them).
+
+``dataset = "files"`` reads the user's own shards instead (``load_files``): one directory per
+device as ``fedtier data split`` writes them (``train.npz``, ``eval/``), and the optional
+central test set ``eval_file``.
+
 Everything is a deterministic function of the config's seed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from cloud_coordinator.config import DataConfig
+from fedtier.errors import ConfigError
 from fedtier.rng import stream
 
 
 @dataclass(frozen=True)
 class FederatedData:
+    """Every device's training rows, their held-out rows, and the central test set.
+
+    ``test`` is ``None`` when there is no central test set (``dataset = "files"`` without
+    ``eval_file``); ``train`` is empty on a coordinator that has no device data (a user model
+    with ``dataset = "files"`` and no ``dir``); ``num_classes`` is 0 when the labels are not
+    class numbers (regression targets).
+    """
+
     train: dict[str, tuple[np.ndarray, np.ndarray]]
-    test: tuple[np.ndarray, np.ndarray]
+    test: tuple[np.ndarray, np.ndarray] | None
     num_features: int
     num_classes: int
+    holdout: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """Per device: sample count and the number of distinct labels (for logs and docs)."""
@@ -131,9 +148,21 @@ def partition(y: np.ndarray, devices: Sequence[str], cfg: DataConfig,
     return {d: np.sort(p) for d, p in zip(devices, parts, strict=True)}
 
 
+def holdout_split(n: int, fraction: float, seed: int, device: str) -> tuple[np.ndarray, np.ndarray]:
+    """Indices ``(train, held_out)`` of a device's ``n`` rows: ``round(fraction * n)`` rows held
+    out at random (stream ``(seed, "holdout", device)``), always leaving one to train on."""
+    if fraction <= 0 or n < 2:
+        return np.arange(n), np.zeros(0, dtype=np.int64)
+    k = min(n - 1, int(round(fraction * n)))
+    order = stream(seed, "holdout", device).permutation(n)
+    return np.sort(order[k:]), np.sort(order[:k])
+
+
 def make_federated(cfg: DataConfig, devices: Sequence[str],
                    cells: Mapping[str, Sequence[str]] | None = None) -> FederatedData:
     """Load, split and partition; see the module docstring."""
+    if cfg.dataset == "files":
+        return load_files(cfg, devices)
     x, y = load_dataset(cfg)
     (xtr, ytr), (xte, yte) = train_test_split(x, y, cfg.test_fraction, cfg.seed)
     if cfg.standardize:
@@ -141,5 +170,56 @@ def make_federated(cfg: DataConfig, devices: Sequence[str],
         xtr, xte = ((xtr - mu) / sd).astype(np.float32), ((xte - mu) / sd).astype(np.float32)
     test = (xte, yte)
     parts = partition(ytr, devices, cfg, cells)
-    train = {d: (xtr[idx], ytr[idx]) for d, idx in parts.items()}
-    return FederatedData(train=train, test=test, num_features=int(x.shape[1]), num_classes=int(y.max()) + 1)
+    train: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    holdout: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for d, idx in parts.items():
+        keep, held = holdout_split(len(idx), cfg.holdout, cfg.seed, d)
+        train[d] = (xtr[idx[keep]], ytr[idx[keep]])
+        if len(held):
+            holdout[d] = (xtr[idx[held]], ytr[idx[held]])
+    return FederatedData(train=train, test=test, num_features=int(x.shape[1]), num_classes=int(y.max()) + 1,
+                         holdout=holdout)
+
+
+def load_files(cfg: DataConfig, devices: Sequence[str]) -> FederatedData:
+    """The user's own data: ``<dir>/<device>/`` shards (``fedtier data split``) and ``eval_file``.
+
+    Raises:
+        ConfigError: A device has no shard under ``dir``, or a file is malformed (the message
+            names the key and the file).
+    """
+    from cloud_coordinator.tables import read_table
+    from device_agent.data import load_data_dir, load_eval_dir
+
+    train: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    holdout: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    if cfg.dir is not None:
+        for d in devices:
+            shard = cfg.dir / d
+            if not shard.is_dir():
+                raise ConfigError(f"no shard for device {d!r} in {cfg.dir} (fedtier data split --devices N writes "
+                                  "dev-00 ... in the topology's naming)", key="data.dir")
+            rows = load_data_dir(shard)
+            train[d] = (rows.x.reshape(len(rows.x), -1), rows.y)
+            held = load_eval_dir(shard)
+            if held is not None and len(held):
+                holdout[d] = (held.x.reshape(len(held.x), -1), held.y)
+    test = None
+    if cfg.eval_file is not None:
+        table = read_table(cfg.eval_file, cfg.label_column, key="data.eval_file", label_key="data.label_column")
+        if table.class_names is not None:
+            raise ConfigError("labels must be numbers (fedtier data split --test-fraction writes a test.npz "
+                              "numbered like the shards)", key="data.eval_file", source=str(cfg.eval_file))
+        test = (table.x, table.y)
+    parts = [*train.values(), *holdout.values(), *([test] if test is not None else [])]
+    widths = {int(np.prod(x.shape[1:])) for x, _ in parts}
+    if len(widths) > 1:
+        raise ConfigError(f"the shards and eval_file disagree on the number of features: {sorted(widths)}",
+                          key="data.dir")
+    labels = [np.asarray(y) for _, y in parts]
+    classes = 0
+    if labels and all(y.ndim == 1 and np.array_equal(y, np.round(y)) and (len(y) == 0 or y.min() >= 0)
+                      for y in labels):
+        classes = int(max((y.max() for y in labels if len(y)), default=-1)) + 1
+    return FederatedData(train=train, test=test, num_features=widths.pop() if widths else 0, num_classes=classes,
+                         holdout=holdout)

@@ -1,9 +1,12 @@
 """Configs and data for a fleet on one machine: a coordinator, an edge per cell, an agent per device.
 
 ``fedtier demo`` and the integration tests both lay fleets out with ``write_fleet``: one
-TOML per node (validated by loading it back), each device's training split as
-``data/<device>/train.npz``, and separate state directories — exactly what an operator
-would write by hand for ``fedtier coordinator|edge|agent run``.
+TOML per node (validated by loading it back), each device's shard as ``data/<device>/``
+(``train.npz``, and ``eval/`` with its held-out rows when ``[data] holdout`` > 0; written by
+``device_agent.data.write_shard``, as ``fedtier data split`` writes them), and separate state
+directories — exactly what an operator would write by hand for ``fedtier
+coordinator|edge|agent run``. With ``[data] dataset = "files"`` each device reads its shard
+under ``[data] dir`` in place.
 
 A provisioned fleet (``fedtier demo --secure``) passes the nodes' enrollment bundles
 (``fedtier provision ...``): each node's broker tables (mutual TLS), trusted manifest keys
@@ -16,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
 
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.datasets import make_federated
 from device_agent.config import DeviceConfig
+from device_agent.data import write_shard
 from edge_broker.config import EdgeConfig
+from fedtier.errors import ConfigError
 from fedtier.runtime.config import dumps_toml, load, read_toml
 
 # Keys of a bundle's config that hold file paths, relative to the bundle.
@@ -95,7 +99,10 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
     coordinator.write_text(dumps_toml(rollout))
     cfg = load(RolloutConfig, coordinator)
     cells = cfg.topology.layout()
-    data = make_federated(cfg.data, [d for ds in cells.values() for d in ds], cells)
+    files = cfg.data.dataset == "files"
+    if files and cfg.data.dir is None:
+        raise ConfigError("a fleet on this machine reads each device's shard from [data] dir", key="data.dir")
+    data = None if files else make_federated(cfg.data, [d for ds in cells.values() for d in ds], cells)
     edges: dict[str, Path] = {}
     devices: dict[str, Path] = {}
     for cell, members in cells.items():
@@ -105,10 +112,11 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
         edges[cell].write_text(dumps_toml(secured(cell, edge)))
         load(EdgeConfig, edges[cell])
         for device in members:
-            data_dir = workdir / "data" / device
-            data_dir.mkdir(parents=True, exist_ok=True)
-            x, y = data.train[device]
-            np.savez(data_dir / "train.npz", x=x, y=y)
+            if data is None:
+                assert cfg.data.dir is not None
+                data_dir = cfg.data.dir / device
+            else:
+                data_dir = write_shard(workdir / "data" / device, data.train[device], data.holdout.get(device))
             dev = {"device_id": device, "cell": cell, "data_dir": str(data_dir),
                    "state_dir": str(workdir / "devices" / device), "broker": dict(broker)}
             devices[device] = cfg_dir / f"device-{device}.toml"

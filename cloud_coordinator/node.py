@@ -9,8 +9,10 @@ Start (or restart):
 4. open the round (tasks to every cell). A cell whose edge comes online while it still
    owes the round gets its task again.
 
-Each closed round is evaluated on the held-out set with the ORT eval model, committed to
-SQLite together with its model version, and appended to the metrics file.
+Each closed round is evaluated on the central test set (if the rollout has one) with the ORT
+eval model, committed to SQLite together with its model version and the devices' federated
+evaluation of the model the round started from (``federated``, if devices hold out rows), and
+appended to the metrics file.
 """
 
 from __future__ import annotations
@@ -48,18 +50,31 @@ class Evaluator(Protocol):
 
 
 class OrtEvaluator:
-    """Evaluates global parameters on the held-out set with the bundle's ORT eval model."""
+    """Evaluates global parameters on the central test set with the bundle's ORT eval model."""
 
     def __init__(self, prepared: PreparedRollout, threads: int = 1) -> None:
+        from device_agent.data import LocalData, fit_to_model
         from device_agent.trainers import make_trainer
 
+        if prepared.data.test is None:
+            raise ValueError("the rollout has no central test set")
         self.trainer = make_trainer("ort", prepared.bundle, threads=threads)
-        x, self.y = prepared.data.test
-        self.x = x.reshape((len(x), *prepared.arch.input_shape))
+        x, y = prepared.data.test
+        fitted = fit_to_model(LocalData(x=x, y=y), prepared.arch)
+        self.x, self.y = fitted.x, fitted.y
+
+    @classmethod
+    def for_rollout(cls, prepared: PreparedRollout, threads: int = 1) -> "OrtEvaluator | None":
+        """The evaluator of a rollout with a central test set; ``None`` without one."""
+        return cls(prepared, threads) if prepared.data.test is not None else None
 
     def __call__(self, params: dict[str, Any]) -> EvalResult:
         self.trainer.set_parameters(params)
         return self.trainer.evaluate(self.x, self.y)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -248,10 +263,12 @@ class CloudNode(NodeBase):
         wall = self.wall_clock()
         cells = closed.metrics.get("cells", {})
         traffic = self._round_bytes.pop(closed.round, {})
+        federated = closed.metrics.get("federated")
         row: dict[str, Any] = {
             "round": closed.round,
             "accuracy": result.accuracy if result else None,
             "loss": result.loss if result else None,
+            "federated": federated,
             "train_loss": closed.metrics.get("train_loss"),
             "model_version": closed.metrics.get("model_version"),
             "devices_reported": sum(len(r) for r in closed.reported.values()),
@@ -286,10 +303,15 @@ class CloudNode(NodeBase):
                                 closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear)
         self.history.append(row)
         self.metrics.set("fedtier_round", closed.round)
-        if result is not None:
+        if result is not None and result.accuracy is not None:
             self.metrics.set("fedtier_accuracy", result.accuracy)
-        log.info("round %d closed: accuracy %s loss %s (%d devices)", closed.round,
-                 f"{result.accuracy:.4f}" if result else "-", f"{result.loss:.4f}" if result else "-",
+        if federated is not None and federated.get("accuracy") is not None:
+            self.metrics.set("fedtier_federated_accuracy", federated["accuracy"])
+        log.info("round %d closed: accuracy %s loss %s%s (%d devices)", closed.round,
+                 _fmt(result.accuracy if result else None), _fmt(result.loss if result else None),
+                 "" if federated is None else
+                 f"; federated accuracy {_fmt(federated.get('accuracy'))} loss {_fmt(federated['loss'])} "
+                 f"on {federated['examples']} held-out rows of {federated['devices']} devices",
                  row["devices_reported"])
         self.write_metrics()
         if self.on_round is not None:

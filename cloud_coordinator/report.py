@@ -31,11 +31,16 @@ def round_epsilon(row: Mapping[str, Any]) -> float | None:
 
 
 def round_line(row: dict[str, Any], total_rounds: int) -> str:
-    """One line per closed round: accuracy, loss, epsilon spent so far, devices, uplink bytes, duration."""
+    """One line per closed round: accuracy, loss (central test set, and/or the devices' federated
+    evaluation of the model the round started from), epsilon spent so far, devices, uplink bytes,
+    duration."""
     b = row.get("bytes", {})
     head = f"round {row['round'] + 1:>3}/{total_rounds}"
-    if row.get("accuracy") is not None:
-        head += f"  accuracy {row['accuracy']:.4f}  loss {row['loss']:.4f}"
+    if row.get("loss") is not None:
+        head += f"  accuracy {_num(row.get('accuracy'), '.4f')}  loss {_loss(row['loss'])}"
+    federated = row.get("federated")
+    if federated:
+        head += f"  federated accuracy {_num(federated.get('accuracy'), '.4f')} loss {_loss(federated['loss'])}"
     eps = round_epsilon(row)
     if eps is not None:
         head += f"  epsilon {eps:.4g} (delta {row['privacy']['delta']:g})"
@@ -64,14 +69,19 @@ def _loss(value: float | None) -> str:
 
 
 def rounds_table(rows: Sequence[dict[str, Any]], *, compare: Sequence[dict[str, Any]] | None = None) -> Table:
-    """Accuracy per round (and, beside it, the same round of a run without privacy), epsilon, bytes, time."""
+    """Accuracy per round (central and, when devices hold out rows, federated; beside it the same round
+    of a run without privacy), epsilon, bytes, time."""
     private = any(r.get("privacy") for r in rows)
+    federated = any(r.get("federated") for r in rows)
     table = Table(title="per round", box=box.SIMPLE_HEAD, title_justify="left")
     table.add_column("round", justify="right", no_wrap=True)
     table.add_column("accuracy", justify="right")
     if compare is not None:
         table.add_column("without privacy", justify="right")
     table.add_column("loss", justify="right")
+    if federated:
+        table.add_column("fed acc", justify="right")
+        table.add_column("fed loss", justify="right")
     if private:
         table.add_column("epsilon", justify="right")
     for name in ("devices", "dev up", "dev down", "edge up", "cloud dn", "time"):
@@ -83,12 +93,18 @@ def rounds_table(rows: Sequence[dict[str, Any]], *, compare: Sequence[dict[str, 
         if compare is not None:
             cells.append(_num(other.get(int(r["round"]), {}).get("accuracy"), ".4f"))
         cells.append(_loss(r.get("loss")))
+        if federated:
+            fed = r.get("federated") or {}
+            cells += [_num(fed.get("accuracy"), ".4f"), _loss(fed.get("loss"))]
         if private:
             cells.append(_num(round_epsilon(r), ".4g"))
         cells += [str(r.get("devices_reported", 0)), human_bytes(b.get("device_up", 0)),
                   human_bytes(b.get("device_down", 0)), human_bytes(b.get("edge_up", 0)),
                   human_bytes(b.get("cloud_down", 0)), f"{r.get('round_s', 0.0):.2f}s"]
         table.add_row(*cells)
+    if federated:
+        table.caption = ("fed: the devices' evaluation, on rows they never train on, of the model the round "
+                         "started from")
     return table
 
 
@@ -141,6 +157,14 @@ def summary(rows: Sequence[dict[str, Any]], wall_s: float, title: str, *,
     head: list[tuple[str, str]] = []
     if rows and rows[-1].get("accuracy") is not None:
         head.append(("final accuracy", f"{rows[-1]['accuracy']:.4f} after {len(rows)} rounds"))
+    elif rows and rows[-1].get("loss") is not None:
+        head.append(("final loss", f"{rows[-1]['loss']:.4f} after {len(rows)} rounds"))
+    last_fed = next((r["federated"] for r in reversed(rows) if r.get("federated")), None)
+    if last_fed is not None:
+        what = (f"accuracy {last_fed['accuracy']:.4f}" if last_fed.get("accuracy") is not None
+                else f"loss {last_fed['loss']:.4f}")
+        head.append(("federated", f"{what} of model version {last_fed['model_version']} "
+                                  f"({last_fed['examples']} held-out rows on {last_fed['devices']} devices)"))
     parts: list[RenderableType] = [Text(title), rounds_table(rows, compare=compare), bytes_table(rows)]
     parts += [Text(line) for line in savings_lines(rows)]
     parts.append(facts_table([*head, *facts, ("wall time", f"{wall_s:.1f} s")]))

@@ -1,9 +1,9 @@
 """Everything a rollout needs before round 0, computed once from its config.
 
-``prepare`` builds (or finds in the content-addressed store) the ORT artifacts of the
-architecture, draws the initial parameters, lays out the topology and writes the
-manifest. The coordinator process, the simulator and the demo all start from here, so
-they train the same model on the same data.
+``prepare`` resolves the model once (``models.source``: built-in, torch factory or ONNX
+file), builds (or finds in the content-addressed store) its ORT artifacts, takes its initial
+parameters, lays out the topology and writes the manifest. The coordinator process, the
+simulator and the demo all start from here, so they train the same model on the same data.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.datasets import FederatedData, make_federated
 from fedtier.artifacts.bundle import ArtifactBundle
+from fedtier.errors import ConfigError
 from fedtier.privacy.plan import NoisePlan
 from fedtier.security.manifest import Manifest
 from fedtier.training.layout import ArchSpec
@@ -40,10 +41,17 @@ class PreparedRollout:
     """Differential privacy: the resolved noise plan (also in the manifest and in every task)."""
 
     def algorithm_config(self) -> Any:
-        """The algorithm's settings for the cloud role, with the noise plan when privacy is on."""
+        """The algorithm's settings for the cloud role, with the noise plan when privacy is on.
+
+        Federated evaluation is asked of devices unless privacy is on (the statistics would be
+        clear, data-dependent releases to an untrusted cloud; docs/privacy.md) or the algorithm
+        is HIST (devices hold a submodel, not the global model).
+        """
         config = self.config.algorithm_config()
         if self.noise_plan is not None:
             config = dataclasses.replace(config, privacy=self.noise_plan.to_dict())
+        if self.noise_plan is not None or self.config.algorithm == "hist":
+            config = dataclasses.replace(config, federated_eval=False)
         return config
 
     def artifact_files(self) -> dict[str, Path]:
@@ -66,14 +74,18 @@ class PreparedRollout:
 def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout:
     """Build artifacts, data, initial parameters and the manifest of a rollout."""
     from models.artifacts import build_artifacts  # torch: only here, only on the coordinator
-    from models.zoo import initial_parameters
 
     cells = cfg.topology.layout()
     devices = [d for members in cells.values() for d in members]
     data = make_federated(cfg.data, devices, cells)
-    arch = cfg.model.arch(data.num_features, data.num_classes)
-    bundle = build_artifacts(arch, cfg.artifacts_path, seed=cfg.model.init_seed)
-    params = initial_parameters(arch, cfg.model.init_seed)
+    if cfg.model.builtin and data.num_classes < 2:
+        raise ConfigError(f"the built-in {cfg.model.kind} is a classifier: the labels must be class numbers 0, 1, "
+                          "... (for regression targets use your own model with loss = 'mse')", key="model.kind")
+    source = cfg.model.source(data.num_features, data.num_classes)  # the model, resolved once
+    arch = source.arch
+    _check_fits(arch, data)
+    bundle = build_artifacts(source, cfg.artifacts_path)
+    params = dict(source.initial_params)
     cell_bundles: dict[str, ArtifactBundle] = {}
     if cfg.algorithm == "hist":
         # One bundle per submodel width; a cell's width is the same every round (array_split sizes
@@ -94,3 +106,14 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
                         extra=extra, cell_bundles={c: b.to_json() for c, b in cell_bundles.items()})
     return PreparedRollout(config=cfg, arch=arch, bundle=bundle, initial_params=params, cells=cells, data=data,
                            manifest=manifest, cell_bundles=cell_bundles, noise_plan=noise_plan)
+
+
+def _check_fits(arch: ArchSpec, data: FederatedData) -> None:
+    """The data the coordinator has must fit the model, before anything is built."""
+    size = int(np.prod(arch.input_shape))
+    if (data.train or data.test is not None) and data.num_features != size:
+        raise ConfigError(f"the data has {data.num_features} features per example; the model takes "
+                          f"{arch.input_shape} ({size} values)", key="data")
+    if arch.loss == "cross_entropy" and data.num_classes > arch.num_classes:
+        raise ConfigError(f"the data has labels 0..{data.num_classes - 1}; the model has {arch.num_classes} "
+                          "outputs (one per class)", key="data")

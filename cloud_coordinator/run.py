@@ -31,7 +31,7 @@ def build(cfg: RolloutConfig, on_round: Callable[[dict[str, Any]], None] | None 
                           status={"node": cfg.cloud_id, "role": "cloud"},
                           chunk_store=SqliteChunkStore(str(cfg.state_dir / "chunks.db")))
     node = CloudNode(prepared=prepared, transport=tx, store=CoordinatorStore(cfg.state_dir / "coordinator.db"),
-                     evaluator=OrtEvaluator(prepared), on_round=on_round)
+                     evaluator=OrtEvaluator.for_rollout(prepared), on_round=on_round)
     return node, tx, inbox
 
 

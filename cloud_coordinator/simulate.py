@@ -28,13 +28,14 @@ from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.node import CloudNode, OrtEvaluator
 from cloud_coordinator.rollout import PreparedRollout, prepare
 from cloud_coordinator.store import CoordinatorStore
-from device_agent.data import LocalData
+from device_agent.data import LocalData, fit_to_model
 from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
 from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.artifacts.cache import ArtifactCache
+from fedtier.errors import ConfigError
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.training.trainer import Trainer
 from fedtier.transport.memory import MemoryBroker
@@ -83,8 +84,8 @@ class TrainObjective:
 
     def __init__(self, prepared: PreparedRollout, trainers: SharedTrainers) -> None:
         self.trainer = trainers(prepared.bundle)
-        shape = prepared.arch.input_shape
-        self.data = [(x.reshape((len(x), *shape)), y) for x, y in prepared.data.train.values()]
+        fitted = [fit_to_model(LocalData(x=x, y=y), prepared.arch) for x, y in prepared.data.train.values()]
+        self.data = [(d.x, d.y) for d in fitted]
 
     def __call__(self, params: dict[str, Any]) -> dict[str, Any]:
         self.trainer.set_parameters(params)
@@ -107,6 +108,10 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
     """
     t0 = time.perf_counter()
     prepared = prepared or prepare(cfg)
+    absent = [d for d in prepared.devices if d not in prepared.data.train]
+    if absent:
+        raise ConfigError(f"the simulator trains every device on its data, and {len(absent)} device(s) have none "
+                          f"(e.g. {absent[0]}): set [data] dir to the shards of `fedtier data split`", key="data.dir")
     with tempfile.TemporaryDirectory(prefix="fedtier-sim-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -121,11 +126,12 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         for cell, members in prepared.cells.items():
             for device in members:
                 x, y = prepared.data.train[device]
+                held = prepared.data.holdout.get(device)
                 tx = broker.connect(device)
-                node = DeviceNode(device_id=device, cell=cell, transport=tx,
-                                  data=LocalData(x=x.reshape((len(x), *prepared.arch.input_shape)), y=y),
+                node = DeviceNode(device_id=device, cell=cell, transport=tx, data=LocalData(x=x, y=y),
                                   trainer_provider=trainers, state=DeviceState(":memory:"), cache=cache,
-                                  bundles_dir=root / "bundles", noise=noise_source(cfg, device))
+                                  bundles_dir=root / "bundles", noise=noise_source(cfg, device),
+                                  eval_data=LocalData(x=held[0], y=held[1]) if held is not None else None)
                 tx.set_handler(_bind(node, broker))
                 nodes.append(node)
             cell_tx, up_tx = broker.connect(f"{cell}/cell"), broker.connect(f"{cell}/cloud")
@@ -140,7 +146,7 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         cloud_tx = broker.connect("cloud")
         extra = TrainObjective(prepared, trainers) if cfg.simulation.train_objective else None
         cloud = CloudNode(prepared=prepared, transport=cloud_tx, store=store,
-                          evaluator=OrtEvaluator(prepared, cfg.simulation.threads), on_round=on_round,
+                          evaluator=OrtEvaluator.for_rollout(prepared, cfg.simulation.threads), on_round=on_round,
                           extra_metrics=extra)
         cloud_tx.set_handler(_bind(cloud, broker))
 

@@ -17,6 +17,9 @@ class DeviceConfig(Section):
     cell: str = opt(help="The cell (edge) this device belongs to.", check=node_id)
     data_dir: Path = opt(help="Directory of .npz (arrays x, y) or .csv (label last) files with local data.")
     state_dir: Path = opt(help="Directory for the outbox (SQLite) and downloaded artifacts.")
+    eval_dir: Path | None = opt(None, help="Held-out rows (same formats) the device evaluates each round's global "
+                                           "model on, never trains on (federated evaluation); default "
+                                           "<data_dir>/eval if it exists.")
     trainer: str = opt("ort", choices=("ort", "torch"),
                        help="Training backend: onnxruntime-training, or torch for boards without an ORT wheel.")
     threads: int = opt(1, min=1, max=64, help="Threads for local training.")

@@ -1,8 +1,18 @@
 """A device's local data: every ``.npz`` and ``.csv`` file of a directory, concatenated.
 
-* ``.npz``: arrays ``x`` (features, float) and ``y`` (integer class labels); ``X``/``Y`` too.
+* ``.npz``: arrays ``x`` (features, float) and ``y`` (labels: integer classes, or float
+  targets of shape ``(n,)`` or ``(n, outputs)`` for ``bce``/``mse`` models); ``X``/``Y`` too.
 * ``.csv``: numeric rows, the last column is the label; a first row that is not numeric
   is taken as a header and skipped.
+
+A device's **shard** (what ``fedtier data split`` and the demo's fleet writer produce, with
+:func:`write_shard`) is such a directory with ``train.npz``, and optionally an ``eval/``
+sub-directory of held-out rows the device never trains on: it evaluates each round's incoming
+global model on them (federated evaluation). ``load_data_dir`` reads only the files directly in
+a directory, so the held-out rows never leak into training.
+
+Labels are checked against the model once its manifest arrives (:func:`fit_to_model`): class
+numbers for ``cross_entropy``, targets for ``bce``/``mse``.
 
 Files are read without pickle (``allow_pickle=False``): a data directory may be written by
 other software on the device, and a pickled array is code.
@@ -18,11 +28,19 @@ from pathlib import Path
 import numpy as np
 
 from fedtier.errors import ConfigError
+from fedtier.training.layout import ArchSpec
+
+TRAIN_FILE = "train.npz"
+"""A shard's training rows."""
+
+EVAL_DIR = "eval"
+"""A shard's sub-directory of held-out rows (federated evaluation)."""
 
 
 @dataclass(frozen=True, slots=True)
 class LocalData:
-    """Features (float32) and labels (int64) of one device."""
+    """Features (float32) and labels of one device: int64 when every label is a whole number,
+    float32 otherwise (regression targets)."""
 
     x: np.ndarray
     y: np.ndarray
@@ -80,7 +98,7 @@ def load_data_dir(directory: Path, input_shape: tuple[int, ...] | None = None) -
 
     Raises:
         ConfigError: the directory is missing or empty, a file is malformed, labels are not
-            non-negative integers, or features do not fit ``input_shape``.
+            finite numbers, or features do not fit ``input_shape``.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -93,8 +111,8 @@ def load_data_dir(directory: Path, input_shape: tuple[int, ...] | None = None) -
         x, y = _load_npz(f) if f.suffix == ".npz" else _load_csv(f)
         if len(x) != len(y):
             raise ConfigError(f"{len(x)} feature rows but {len(y)} labels", source=str(f))
-        if len(y) and (not np.all(np.isfinite(y)) or np.any(y < 0) or np.any(np.asarray(y) != np.round(y))):
-            raise ConfigError("labels must be non-negative integers", source=str(f))
+        if len(y) and not np.all(np.isfinite(np.asarray(y, dtype=np.float64))):
+            raise ConfigError("labels contain NaN or infinity", source=str(f))
         if not np.all(np.isfinite(np.asarray(x, dtype=np.float64))):
             raise ConfigError("features contain NaN or infinity", source=str(f))
         if input_shape is not None and len(x):
@@ -104,5 +122,79 @@ def load_data_dir(directory: Path, input_shape: tuple[int, ...] | None = None) -
                                   f"{input_shape}", source=str(f))
             x = x.reshape((len(x), *input_shape))
         xs.append(np.asarray(x, dtype=np.float32))
-        ys.append(np.asarray(y).astype(np.int64))
-    return LocalData(x=np.ascontiguousarray(np.concatenate(xs)), y=np.concatenate(ys))
+        ys.append(np.asarray(y, dtype=np.float64))
+    if len({y.shape[1:] for y in ys}) > 1:
+        raise ConfigError(f"files disagree on the label shape: {sorted({y.shape[1:] for y in ys})}",
+                          source=str(directory))
+    y = np.concatenate(ys)
+    labels = y.astype(np.int64) if np.array_equal(y, np.round(y)) else y.astype(np.float32)
+    return LocalData(x=np.ascontiguousarray(np.concatenate(xs)), y=labels)
+
+
+def load_eval_dir(data_dir: Path, eval_dir: Path | None = None) -> LocalData | None:
+    """The held-out rows of a device: ``eval_dir``, or ``<data_dir>/eval`` if it exists, else ``None``.
+
+    Raises:
+        ConfigError: ``eval_dir`` was given but does not exist, or its files are malformed.
+    """
+    directory = Path(eval_dir) if eval_dir is not None else Path(data_dir) / EVAL_DIR
+    if eval_dir is None and not (directory.is_dir() and any(p.suffix in (".npz", ".csv") for p in directory.iterdir())):
+        return None
+    return load_data_dir(directory)
+
+
+def write_shard(directory: Path, train: tuple[np.ndarray, np.ndarray],
+                held_out: tuple[np.ndarray, np.ndarray] | None = None) -> Path:
+    """Write one device's shard: ``train.npz`` and, if given, ``eval/eval.npz`` (the format
+    ``load_data_dir`` and ``load_eval_dir`` read). A stale ``eval/eval.npz`` is removed when
+    no held-out rows are given.
+
+    Returns:
+        The shard directory.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    np.savez(directory / TRAIN_FILE, x=np.asarray(train[0]), y=np.asarray(train[1]))
+    eval_file = directory / EVAL_DIR / "eval.npz"
+    if held_out is not None and len(held_out[1]):
+        eval_file.parent.mkdir(exist_ok=True)
+        np.savez(eval_file, x=np.asarray(held_out[0]), y=np.asarray(held_out[1]))
+    elif eval_file.parent.is_dir():
+        eval_file.unlink(missing_ok=True)
+        if not any(eval_file.parent.iterdir()):
+            eval_file.parent.rmdir()
+    return directory
+
+
+def fit_to_model(data: LocalData, arch: ArchSpec) -> LocalData:
+    """``data`` checked against the model and laid out as it takes it.
+
+    Examples are reshaped to ``arch.input_shape``; labels become int64 classes in
+    ``[0, num_classes)`` (``cross_entropy``) or float32 targets ``(n, outputs)`` (``bce``, in
+    ``[0, 1]``; ``mse``).
+
+    Raises:
+        ConfigError: no samples, examples of the wrong size, or labels that do not fit the loss.
+    """
+    x, y, shape = data.x, np.asarray(data.y), arch.input_shape
+    if len(y) == 0:
+        raise ConfigError("no local samples")
+    if int(np.prod(x.shape[1:])) != int(np.prod(shape)):
+        raise ConfigError(f"local examples have shape {x.shape[1:]}, the model takes {shape}")
+    if x.shape[1:] != shape:
+        x = np.ascontiguousarray(x.reshape((len(x), *shape)))
+    k = arch.num_classes
+    if arch.loss == "cross_entropy":
+        if y.ndim != 1 or not np.array_equal(y, np.round(y)):
+            raise ConfigError(f"labels must be class numbers (non-negative integers) for cross_entropy; got "
+                              f"{'shape ' + str(y.shape) if y.ndim != 1 else 'fractions'}")
+        if int(y.min()) < 0 or int(y.max()) >= k:
+            raise ConfigError(f"local labels span [{int(y.min())}, {int(y.max())}]; the model has {k} classes "
+                              "(labels must be non-negative integers below that)")
+        return LocalData(x=x, y=y.astype(np.int64))
+    targets = y.reshape(len(y), 1) if y.ndim == 1 and k == 1 else y
+    if targets.shape[1:] != (k,):
+        raise ConfigError(f"targets have shape {y.shape[1:]} per example; the model has {k} output(s)")
+    if arch.loss == "bce" and (targets.min() < 0 or targets.max() > 1):
+        raise ConfigError(f"bce targets must lie in [0, 1]; local targets span [{targets.min()}, {targets.max()}]")
+    return LocalData(x=x, y=np.ascontiguousarray(targets, dtype=np.float32))

@@ -11,6 +11,10 @@ Flow for one rollout:
 4. the role's ``LocalTrain`` runs on the trainer with minibatches drawn from the named
    RNG stream; the resulting ``device_update`` is written to the outbox, then published,
    and deleted from the outbox when the broker acknowledges it.
+
+A device with held-out rows (``eval_data``: its shard's ``eval/`` directory) tells its role so;
+the role then asks for an ``Evaluate`` of each round's incoming global model, which this shell
+runs on those rows before the round's training (federated evaluation).
 """
 
 from __future__ import annotations
@@ -22,15 +26,15 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
 
-from device_agent.data import LocalData
+from device_agent.data import LocalData, fit_to_model
 from device_agent.state import DeviceState
 from fedtier import algorithms, rng
 from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import (
     Action,
     ComputeGradient,
+    Evaluate,
     GradientResult,
     LocalResult,
     LocalTrain,
@@ -57,7 +61,7 @@ from fedtier.training.layout import ArchSpec
 from fedtier.training.trainer import Trainer
 from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport
-from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask
+from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask, EvalStats
 
 log = logging.getLogger("fedtier.agent")
 
@@ -71,13 +75,15 @@ class DeviceNode(NodeBase):
     def __init__(self, *, device_id: str, cell: str, transport: Transport, data: LocalData,
                  trainer_provider: TrainerProvider, state: DeviceState, cache: ArtifactCache, bundles_dir: Path,
                  metrics: Metrics | None = None, max_message_bytes: int = 64 << 20,
-                 trusted_keys: Mapping[str, Any] | None = None, noise: NoiseSource | None = None) -> None:
+                 trusted_keys: Mapping[str, Any] | None = None, noise: NoiseSource | None = None,
+                 eval_data: LocalData | None = None) -> None:
         super().__init__(device_id, metrics or Metrics(node=device_id, role="device"), log, max_message_bytes)
         self.noise = noise if noise is not None else NoiseSource()  # OS-seeded; never stored
         self.device_id = device_id
         self.cell = cell
         self.tx = transport
         self.data = data
+        self.eval_data = eval_data if eval_data is not None and len(eval_data) else None
         self.trainer_provider = trainer_provider
         self.state = state
         self.cache = cache
@@ -191,6 +197,7 @@ class DeviceNode(NodeBase):
         try:
             bundle = self._assemble(manifest)
             data = self._fitted_data(bundle.arch)
+            held_out = fit_to_model(self.eval_data, bundle.arch) if self.eval_data is not None else None
             trainer = self.trainer_provider(bundle)
             self._health_check(trainer, data)
         except (ArtifactError, ConfigError) as exc:
@@ -201,6 +208,7 @@ class DeviceNode(NodeBase):
             log.error("manifest v%d of rollout %s refused, %s: %s", manifest.version, rollout, keeping, exc)
             return
         self.data = data
+        self.eval_data = held_out
         self.trainers[rollout] = trainer
         self.manifests[rollout] = manifest
         self.gate.installed(manifest, raw)
@@ -221,22 +229,12 @@ class DeviceNode(NodeBase):
             raise ArtifactError(f"health check failed: loss {loss} on local data")
 
     def _fitted_data(self, arch: ArchSpec) -> LocalData:
-        """Local data checked against the model, flat rows laid out as its example shape.
+        """Local data checked against the model, laid out as it takes it (``fit_to_model``).
 
         Raises:
-            ConfigError: no samples, examples of the wrong size, or labels outside the classes.
+            ConfigError: no samples, examples of the wrong size, or labels that do not fit the loss.
         """
-        x, y, shape = self.data.x, self.data.y, arch.input_shape
-        if len(y) == 0:
-            raise ConfigError("no local samples")
-        if int(np.prod(x.shape[1:])) != int(np.prod(shape)):
-            raise ConfigError(f"local examples have shape {x.shape[1:]}, the model takes {shape}")
-        if int(y.min()) < 0 or int(y.max()) >= arch.num_classes:
-            raise ConfigError(f"local labels span [{int(y.min())}, {int(y.max())}]; the model has "
-                              f"{arch.num_classes} classes")
-        if x.shape[1:] == shape:
-            return self.data
-        return LocalData(x=np.ascontiguousarray(x.reshape((len(x), *shape))), y=y)
+        return fit_to_model(self.data, arch)
 
     def _assemble(self, manifest: Manifest) -> ArtifactBundle:
         """Lay the cached files out as a bundle directory and verify it as a whole."""
@@ -268,7 +266,8 @@ class DeviceNode(NodeBase):
             module = algorithms.load(str(task.config.get("algorithm", "")))
             role = module.Device(device_id=self.device_id, cell=self.cell, rollout=task.rollout,
                                  last_round=self.state.last_round(task.rollout),
-                                 last_sent=self.state.last_sent(task.rollout), noise=self.noise)
+                                 last_sent=self.state.last_sent(task.rollout), noise=self.noise,
+                                 evaluate=self.eval_data is not None)
             self.roles[task.rollout] = role
         return role
 
@@ -310,6 +309,9 @@ class DeviceNode(NodeBase):
             elif isinstance(action, ComputeGradient):
                 gradient = self.gradient(self.trainers[rollout], action)
                 self._execute(role.gradient_done(action.round, action.step, gradient), now, rollout)
+            elif isinstance(action, Evaluate):
+                self._execute(role.evaluated(action.round, self.evaluate(self.trainers[rollout], action)), now,
+                              rollout)
             elif isinstance(action, SendToParent):
                 msg = action.message
                 topic = topics.cell_up(msg.rollout, self.cell, self.device_id, msg.KIND)
@@ -332,6 +334,18 @@ class DeviceNode(NodeBase):
         stats = trainer.train_steps(batches, request.lr)
         delta = aggregate.subtract(trainer.get_parameters(), request.params)
         return LocalResult(delta=delta, num_samples=len(self.data), mean_loss=stats.mean_loss, steps=stats.steps)
+
+    def evaluate(self, trainer: Trainer, request: Evaluate) -> EvalStats | None:
+        """Execute an ``Evaluate`` request on the held-out rows; ``None`` if the loss is not finite."""
+        assert self.eval_data is not None  # the role asks only when told there are held-out rows
+        trainer.set_parameters(request.params)
+        result = trainer.evaluate(self.eval_data.x, self.eval_data.y)
+        if not math.isfinite(result.loss):
+            log.warning("round %d: the global model's loss on the held-out rows is %s; not reported",
+                        request.round, result.loss)
+            return None
+        correct = None if result.accuracy is None else result.accuracy * result.samples
+        return EvalStats(loss=max(0.0, float(result.loss)), count=int(result.samples), correct=correct)
 
     def gradient(self, trainer: Trainer, request: ComputeGradient) -> GradientResult:
         """Execute a ``ComputeGradient`` request: one minibatch, parameters left as they were."""

@@ -7,7 +7,7 @@ import queue
 import threading
 
 from device_agent.config import DeviceConfig
-from device_agent.data import load_data_dir
+from device_agent.data import load_data_dir, load_eval_dir
 from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
 from fedtier.artifacts.bundle import ArtifactBundle
@@ -24,6 +24,7 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
     """The node and its connection, not yet started (tests drive these directly)."""
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     data = load_data_dir(cfg.data_dir)
+    held_out = load_eval_dir(cfg.data_dir, cfg.eval_dir)
     inbox: queue.Queue = queue.Queue()
     max_bytes = int(cfg.max_message_mb * (1 << 20))
     tx = mqtt.from_config(cfg.broker, name="cell", client_id=cfg.device_id, inbox=inbox,
@@ -38,12 +39,13 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
     node = DeviceNode(device_id=cfg.device_id, cell=cfg.cell, transport=tx, data=data, trainer_provider=provider,
                       state=DeviceState(cfg.state_dir / "agent.db"), cache=ArtifactCache(cfg.state_dir / "artifacts"),
                       bundles_dir=cfg.state_dir / "bundles", max_message_bytes=max_bytes,
-                      trusted_keys=load_trusted_keys(cfg.trusted_keys))
+                      trusted_keys=load_trusted_keys(cfg.trusted_keys), eval_data=held_out)
     return node, tx, inbox
 
 
 def run(cfg: DeviceConfig, stop: threading.Event | None = None) -> int:
     node, tx, inbox = build(cfg)
-    log.info("device %s of cell %s: %d local samples; broker %s:%d", cfg.device_id, cfg.cell, len(node.data),
-             cfg.broker.host, cfg.broker.port)
+    log.info("device %s of cell %s: %d local samples, %d held out; broker %s:%d", cfg.device_id, cfg.cell,
+             len(node.data), len(node.eval_data) if node.eval_data is not None else 0, cfg.broker.host,
+             cfg.broker.port)
     return mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop)

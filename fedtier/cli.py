@@ -26,6 +26,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("cloud_coordinator.plan_cli", "plan"),
     "provision": ("provisioning.cli", "provision"),
     "privacy": ("cloud_coordinator.privacy_cli", "privacy"),
+    "data": ("cloud_coordinator.data_cli", "data"),
+    "init": ("cloud_coordinator.init_cli", "init"),
 }
 
 SHORT_HELP = {
@@ -38,6 +40,8 @@ SHORT_HELP = {
     "plan": "Plan an algorithm's parameters under a time budget (QHetFed's tau, gamma).",
     "provision": "Provision the fleet: CA, certificates, bundles, broker ACLs, revocation.",
     "privacy": "Differential privacy: a rollout's noise plan, and its ledger's epsilon report.",
+    "data": "Your own data: split a CSV or .npz table into per-device shards.",
+    "init": "Write a commented starter rollout (your own model and data) to edit.",
 }
 
 

@@ -16,10 +16,15 @@ without running the exporter. Index updates are atomic but not locked: two concu
 builders may drop each other's index entry, which only costs a rebuild later (builds are
 deterministic, so the rebuild lands on the same ``bundle_id``).
 
-The artifacts: SGD optimizer (``SGDOptimizerV2``, stateless), mean cross-entropy on the
-``logits`` output with int64 ``labels``, every parameter trainable, and
+The artifacts: SGD optimizer (``SGDOptimizerV2``, stateless), the model's loss on the
+``logits`` output — mean cross-entropy with int64 ``labels`` for the zoo, or a user model's
+``cross_entropy``, ``bce`` (``BCEWithLogitsLoss``) or ``mse`` (float ``target``) — every layout
+tensor trainable (a user's ONNX graph may keep other float initializers frozen), and
 ``additional_output_names=["logits"]`` so both the training and the eval graph return
-``(loss, logits)``. The checkpoint holds the seeded initial weights; rounds ship parameters.
+``(loss, logits)``. The checkpoint holds the initial weights; rounds ship parameters.
+
+What is built comes from a ``models.source.ModelSource`` (built-in zoo model, torch factory or
+ONNX file), resolved once by the caller; an ``ArchSpec`` of the zoo is resolved here.
 
 torch, onnx and onnxruntime are imported inside functions. ``generate_artifacts`` prints
 hundreds of INFO lines from C++ straight to file descriptor 2 (``set_default_logger_severity``
@@ -50,13 +55,15 @@ from fedtier.artifacts.bundle import (
 )
 from fedtier.errors import ArtifactError, LocalProtocolError
 from fedtier.training.layout import ArchSpec
-from models.export import INPUT_NAME, OUTPUT_NAME, export_forward
-from models.zoo import layout_of
+from models.export import INPUT_NAME, OUTPUT_NAME
+from models.source import ModelSource, builtin_source
 
 logger = logging.getLogger(__name__)
 
 INDEX_DIR = "by-arch"
 LABELS_NAME = "labels"
+TARGET_NAME = "target"
+"""The label input of the training graph: int64 ``labels`` (cross-entropy), float ``target`` (bce, mse)."""
 FILENAMES = {
     "training_model": "training_model.onnx",
     "eval_model": "eval_model.onnx",
@@ -69,13 +76,15 @@ _STDERR_TAIL = 4000
 _fd2_lock = threading.Lock()
 
 
-def build_artifacts(arch: ArchSpec, store_dir: Path | str, *, seed: int = 0) -> ArtifactBundle:
-    """Return the artifact bundle for ``(arch, seed)``, building it only if the store lacks it.
+def build_artifacts(model: ArchSpec | ModelSource, store_dir: Path | str, *, seed: int = 0) -> ArtifactBundle:
+    """Return the artifact bundle for a model, building it only if the store lacks it.
 
     Args:
-        arch: The architecture to export and make trainable.
+        model: The resolved model (``models.source.model_source``), or a zoo architecture,
+            resolved here with ``seed``.
         store_dir: The content-addressed store (created if missing).
-        seed: Seed of the initial weights in the checkpoint.
+        seed: Seed of the initial weights in the checkpoint (zoo architectures; a
+            ``ModelSource`` carries its own).
 
     Returns:
         The verified bundle in ``store_dir/<bundle_id>``.
@@ -85,9 +94,13 @@ def build_artifacts(arch: ArchSpec, store_dir: Path | str, *, seed: int = 0) -> 
             what ORT 1.19.2 / the trainers expect (opset, IR, inputs, outputs).
         LocalProtocolError: Invalid architecture options or seed.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise LocalProtocolError(f"seed must be a non-negative int, got {seed!r}")
-    layout_of(arch)  # validate options before touching the store or torch
+    if isinstance(model, ModelSource):
+        source = model
+    else:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise LocalProtocolError(f"seed must be a non-negative int, got {seed!r}")
+        source = builtin_source(model, seed)  # validates options before touching the store or torch
+    arch, seed = source.arch, source.seed
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
     cached = _lookup(store, arch, seed)
@@ -98,7 +111,7 @@ def build_artifacts(arch: ArchSpec, store_dir: Path | str, *, seed: int = 0) -> 
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=store))
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the published bundle should be readable
     try:
-        built = _build_into(tmp, arch, seed)
+        built = _build_into(tmp, source)
         bundle = _publish(tmp, built, store)
     finally:
         if tmp.exists():
@@ -207,24 +220,24 @@ def _fsync_dir(directory: Path) -> None:
 # --- build ---------------------------------------------------------------------------------------
 
 
-def _build_into(tmp: Path, arch: ArchSpec, seed: int) -> ArtifactBundle:
+def _build_into(tmp: Path, source: ModelSource) -> ArtifactBundle:
     """Export, generate and check the artifacts in ``tmp``; write the descriptor files."""
     import onnx
 
-    layout = layout_of(arch)
+    arch, seed, layout = source.arch, source.seed, source.layout
     forward_path = tmp / "forward.onnx"
     try:
-        forward = export_forward(arch, seed, forward_path)
+        forward = source.write_forward(forward_path)
     except (ArtifactError, LocalProtocolError):
         raise
     except Exception as exc:  # torch.onnx raises a zoo of types
         raise ArtifactError(f"ONNX export of {arch.kind} failed: {exc}") from exc
-    _generate(forward, tmp)
+    _generate(forward, tmp, trainable=list(layout.names), frozen=list(source.frozen), loss=arch.loss)
     forward_path.unlink()
 
     models = {role: onnx.load(str(tmp / FILENAMES[role]), load_external_data=False)
               for role in _ONNX_ROLES}
-    opset, ir_version = _check_generated(models, list(layout.names))
+    opset, ir_version = _check_generated(models, list(layout.names), label_name(arch.loss))
     (tmp / "arch.json").write_text(json.dumps(arch.to_json(), indent=2, sort_keys=True) + "\n",
                                    encoding="utf-8")
     (tmp / "layout.json").write_text(json.dumps(layout.to_json(), indent=2) + "\n",
@@ -242,12 +255,23 @@ def _build_into(tmp: Path, arch: ArchSpec, seed: int) -> ArtifactBundle:
     return bundle
 
 
-def _generate(forward: Any, out_dir: Path) -> None:
-    """Run ``generate_artifacts`` (SGD, cross-entropy, logits as extra output) quietly."""
+def label_name(loss: str) -> str:
+    """The training graph's label input for ``loss``."""
+    return LABELS_NAME if loss == "cross_entropy" else TARGET_NAME
+
+
+def _generate(forward: Any, out_dir: Path, *, trainable: list[str] | None = None, frozen: list[str] | None = None,
+              loss: str = "cross_entropy") -> None:
+    """Run ``generate_artifacts`` (SGD, the model's loss, logits as extra output) quietly.
+
+    ``trainable`` defaults to every initializer of ``forward`` (the zoo's graphs hold nothing else).
+    """
     with _no_root_basic_config():  # onnxruntime.tools.logger calls basicConfig at import
         from onnxruntime.training import artifacts
 
-    names = [init.name for init in forward.graph.initializer]
+    names = trainable if trainable is not None else [init.name for init in forward.graph.initializer]
+    loss_type = {"cross_entropy": artifacts.LossType.CrossEntropyLoss, "bce": artifacts.LossType.BCEWithLogitsLoss,
+                 "mse": artifacts.LossType.MSELoss}[loss]
     failure: Exception | None = None
     with _quiet_fd2() as captured, _no_root_basic_config():
         _reset_graph_name_counter()
@@ -255,8 +279,8 @@ def _generate(forward: Any, out_dir: Path) -> None:
             artifacts.generate_artifacts(
                 forward,
                 requires_grad=names,
-                frozen_params=[],
-                loss=artifacts.LossType.CrossEntropyLoss,
+                frozen_params=list(frozen or []),
+                loss=loss_type,
                 optimizer=artifacts.OptimType.SGD,
                 artifact_directory=str(out_dir),
                 additional_output_names=[OUTPUT_NAME],
@@ -277,8 +301,12 @@ def _generate(forward: Any, out_dir: Path) -> None:
                             "directory in this onnxruntime version?)")
 
 
-def _check_generated(models: dict[str, Any], names: list[str]) -> tuple[int, int]:
-    """Check the graphs' interfaces; return ``(max ai.onnx opset, max IR version)``."""
+def _check_generated(models: dict[str, Any], names: list[str], labels: str = LABELS_NAME) -> tuple[int, int]:
+    """Check the graphs' interfaces; return ``(max ai.onnx opset, max IR version)``.
+
+    The trained tensors must be training-graph inputs in layout order (frozen tensors of a
+    user's graph may sit between them).
+    """
     opset = max(op.version for m in models.values() for op in m.opset_import
                 if op.domain in _ONNX_DOMAINS)
     ir_version = max(m.ir_version for m in models.values())
@@ -287,19 +315,19 @@ def _check_generated(models: dict[str, Any], names: list[str]) -> tuple[int, int
             f"generated artifacts use opset {opset} / IR {ir_version}; onnxruntime-training "
             f"1.19.2 supports at most opset {MAX_OPSET} / IR {MAX_IR_VERSION} (pin onnx<1.17)")
     train_inputs = [i.name for i in models["training_model"].graph.input]
-    expected_prefix = [INPUT_NAME, LABELS_NAME, *names]
-    if train_inputs[:len(expected_prefix)] != expected_prefix:
+    wanted = set(names)
+    if train_inputs[:2] != [INPUT_NAME, labels] or [n for n in train_inputs if n in wanted] != names:
         raise ArtifactError(
-            f"training graph inputs {train_inputs} do not start with {expected_prefix}: the "
-            "layout order would not be the training-graph order")
+            f"training graph inputs {train_inputs} do not start with {[INPUT_NAME, labels]} followed by "
+            f"{names} in this order: the layout order would not be the training-graph order")
     for role in ("training_model", "eval_model"):
         outputs = [o.name for o in models[role].graph.output]
         if len(outputs) < 2 or outputs[1] != OUTPUT_NAME:
             raise ArtifactError(f"{role} outputs {outputs} are not (loss, {OUTPUT_NAME}, ...)")
     eval_inputs = [i.name for i in models["eval_model"].graph.input]
-    if eval_inputs[:2] != [INPUT_NAME, LABELS_NAME]:
+    if eval_inputs[:2] != [INPUT_NAME, labels]:
         raise ArtifactError(f"eval graph inputs {eval_inputs} do not start with "
-                            f"[{INPUT_NAME!r}, {LABELS_NAME!r}]")
+                            f"[{INPUT_NAME!r}, {labels!r}]")
     return int(opset), int(ir_version)
 
 

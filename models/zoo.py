@@ -160,7 +160,8 @@ def initial_parameters(arch: ArchSpec, seed: int) -> dict[str, np.ndarray]:
     return params
 
 
-def build_model(arch: ArchSpec, seed: int) -> "torch.nn.Module":
+def build_model(arch: ArchSpec, seed: int,
+                params: "dict[str, np.ndarray] | None" = None) -> "torch.nn.Module":
     """Build the torch module for ``arch`` with the weights of :func:`initial_parameters`.
 
     torch's global RNG is left untouched (default inits run under ``fork_rng`` and are then
@@ -169,6 +170,8 @@ def build_model(arch: ArchSpec, seed: int) -> "torch.nn.Module":
     Args:
         arch: The architecture.
         seed: Non-negative integer seed.
+        params: ``initial_parameters(arch, seed)`` when the caller has them already (a
+            ``models.source.ModelSource`` does), so they are not drawn twice.
 
     Returns:
         A float32 CPU module in train mode whose ``state_dict`` keys and shapes equal
@@ -180,7 +183,8 @@ def build_model(arch: ArchSpec, seed: int) -> "torch.nn.Module":
     import torch
     from torch import nn
 
-    params = initial_parameters(arch, seed)
+    if params is None:
+        params = initial_parameters(arch, seed)
     layers: list[tuple[str, nn.Module]] = []
     with torch.random.fork_rng(devices=[]):
         if arch.kind == "mlp":

@@ -3,7 +3,8 @@
 * ``"ort"`` — :class:`device_agent.trainers.ort.OrtTrainer`, onnxruntime-training on the
   bundle's artifacts (default; torch-free).
 * ``"torch"`` — :class:`device_agent.trainers.torch_backend.TorchTrainer`, plain torch SGD on
-  the zoo model (boards with torch but without an ORT training wheel).
+  the zoo model (boards with torch but without an ORT training wheel). It rebuilds the model
+  from ``(arch, seed)``, so it trains the built-in models only, not a user's model.
 
 Backends are imported lazily by :func:`make_trainer`, so importing this package pulls in
 neither onnxruntime nor torch. The input/parameter validation both backends share lives
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from fedtier.errors import LocalProtocolError
+from fedtier.errors import ArtifactError, LocalProtocolError
 from fedtier.training.layout import ArchSpec, Layout
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -44,6 +45,7 @@ def make_trainer(kind: str, bundle: "ArtifactBundle", *, threads: int = 1) -> "T
 
     Raises:
         ValueError: Unknown ``kind``.
+        ArtifactError: ``torch`` for a user's model (kind ``onnx``), which it cannot rebuild.
         ImportError: The backend's runtime (onnxruntime-training or torch) is missing.
     """
     if kind == "ort":
@@ -51,6 +53,9 @@ def make_trainer(kind: str, bundle: "ArtifactBundle", *, threads: int = 1) -> "T
 
         return OrtTrainer(bundle, threads=threads)
     if kind == "torch":
+        if not bundle.arch.builtin:
+            raise ArtifactError("the torch trainer rebuilds the built-in models (mlp, cnn1d) only; this rollout "
+                                'trains a user model: set trainer = "ort" in device.toml')
         from device_agent.trainers.torch_backend import TorchTrainer
 
         return TorchTrainer(bundle.arch, seed=bundle.seed, threads=threads)
@@ -98,14 +103,20 @@ def check_inputs(arch: ArchSpec, x: np.ndarray, *, allow_empty: bool = False) ->
 
 
 def check_batch(arch: ArchSpec, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return ``(x float32, y int64)`` C-contiguous after checking shapes and label range.
+    """Return ``(x float32, y)`` C-contiguous after checking shapes and labels against the loss.
+
+    ``cross_entropy``: ``y`` int64 class labels ``(b,)`` in ``[0, num_classes)``. ``bce``/``mse``:
+    ``y`` float32 targets ``(b, outputs)`` (``(b,)`` is accepted for one output); ``bce`` targets
+    lie in ``[0, 1]``.
 
     Raises:
-        LocalProtocolError: Shape mismatch, empty batch, non-integer labels, or labels
-            outside ``[0, num_classes)``.
+        LocalProtocolError: Shape mismatch, empty batch, non-integer labels, labels outside
+            ``[0, num_classes)``, or targets that do not fit the loss.
     """
     xs = check_inputs(arch, x)
     ys = np.asarray(y)
+    if arch.loss != "cross_entropy":
+        return xs, _check_targets(arch, xs.shape[0], ys)
     if not np.issubdtype(ys.dtype, np.integer):
         raise LocalProtocolError(f"labels must be integers, got dtype {ys.dtype}")
     if ys.shape != (xs.shape[0],):
@@ -115,6 +126,23 @@ def check_batch(arch: ArchSpec, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarra
         raise LocalProtocolError(
             f"labels must be in [0, {arch.num_classes}), got range [{lo}, {hi}]")
     return xs, np.ascontiguousarray(ys, dtype=np.int64)
+
+
+def _check_targets(arch: ArchSpec, batch: int, ys: np.ndarray) -> np.ndarray:
+    """float32 ``(b, outputs)`` targets of a ``bce`` or ``mse`` model."""
+    if not (np.issubdtype(ys.dtype, np.floating) or np.issubdtype(ys.dtype, np.integer)):
+        raise LocalProtocolError(f"targets must be numeric, got dtype {ys.dtype}")
+    outputs = arch.num_classes
+    if ys.shape == (batch,) and outputs == 1:
+        ys = ys.reshape(batch, 1)
+    if ys.shape != (batch, outputs):
+        raise LocalProtocolError(f"targets must have shape ({batch}, {outputs}), got {ys.shape}")
+    targets = np.ascontiguousarray(ys, dtype=np.float32)
+    if not np.all(np.isfinite(targets)):
+        raise LocalProtocolError("targets contain NaN or infinity")
+    if arch.loss == "bce" and (targets.min() < 0 or targets.max() > 1):
+        raise LocalProtocolError(f"bce targets must lie in [0, 1], got [{targets.min()}, {targets.max()}]")
+    return targets
 
 
 def check_tensors(layout: Layout, tensors: Mapping[str, np.ndarray], what: str
@@ -148,6 +176,16 @@ def check_tensors(layout: Layout, tensors: Mapping[str, np.ndarray], what: str
     return out
 
 
+def correct_predictions(loss: str, logits: np.ndarray, y: np.ndarray) -> float:
+    """How many rows of a batch the model got right: the argmax (cross-entropy), or the sign of
+    each output averaged over outputs (bce); 0 for mse, which has no accuracy."""
+    if loss == "cross_entropy":
+        return float(np.count_nonzero(np.argmax(logits, axis=1) == y))
+    if loss == "bce":
+        return float(np.mean((np.asarray(logits) > 0) == (np.asarray(y) > 0.5), axis=1).sum())
+    return 0.0
+
+
 __all__ = [
     "EVAL_CHUNK",
     "TRAINER_KINDS",
@@ -156,5 +194,6 @@ __all__ = [
     "check_lr",
     "check_tensors",
     "check_threads",
+    "correct_predictions",
     "make_trainer",
 ]

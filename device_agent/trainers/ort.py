@@ -31,6 +31,7 @@ import numpy as np
 from device_agent.trainers import (
     EVAL_CHUNK,
     check_batch,
+    correct_predictions,
     check_inputs,
     check_lr,
     check_tensors,
@@ -123,8 +124,9 @@ class OrtTrainer:
                      self._threads)
 
     def _check_checkpoint(self) -> None:
-        """The checkpoint must hold exactly the layout's tensors, all trainable."""
-        names = {name for name, _ in self._state.parameters}
+        """The checkpoint's trainable tensors must be exactly the layout's (a user's graph may
+        hold frozen ones besides)."""
+        names = {name for name, param in self._state.parameters if param.requires_grad}
         if names != set(self._layout.names):
             raise ArtifactError(
                 f"checkpoint parameters {sorted(names)} differ from the bundle layout "
@@ -205,7 +207,7 @@ class OrtTrainer:
         return TrainStats(steps=steps, samples=samples, mean_loss=mean_loss)
 
     def compute_gradient(self, x: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
-        """Gradient of the mean cross-entropy on ``(x, y)`` at the current parameters.
+        """Gradient of the mean loss on ``(x, y)`` at the current parameters.
 
         Parameters are not touched (no optimizer step) and the gradient buffers are reset
         lazily afterwards, so the next ``train_steps`` starts from a zero gradient.
@@ -254,10 +256,11 @@ class OrtTrainer:
 
         Args:
             x: Inputs ``(n, *input_shape)``, n >= 1.
-            y: Integer labels ``(n,)``.
+            y: Integer labels ``(n,)`` (cross-entropy), or targets ``(n, outputs)`` (bce, mse).
 
         Returns:
-            Sample-weighted mean loss, accuracy of the argmax, and ``n``.
+            Sample-weighted mean loss, accuracy (cross-entropy: of the argmax; bce: of each
+            output's sign, averaged over outputs; mse: ``None``), and ``n``.
 
         Raises:
             LocalProtocolError: Invalid or empty data.
@@ -265,13 +268,14 @@ class OrtTrainer:
         xs, ys = check_batch(self._arch, x, y)
         n = xs.shape[0]
         loss_sum = 0.0
-        correct = 0
+        correct = 0.0
         for start in range(0, n, EVAL_CHUNK):
             xc, yc = xs[start:start + EVAL_CHUNK], ys[start:start + EVAL_CHUNK]
             loss, logits = self._eval_step(xc, yc)
             loss_sum += float(loss) * xc.shape[0]
-            correct += int(np.count_nonzero(np.argmax(logits, axis=1) == yc))
-        return EvalResult(loss=loss_sum / n, accuracy=correct / n, samples=n)
+            correct += correct_predictions(self._arch.loss, logits, yc)
+        accuracy = None if self._arch.loss == "mse" else correct / n
+        return EvalResult(loss=loss_sum / n, accuracy=accuracy, samples=n)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Logits ``(b, classes)`` for ``x`` with the eval graph (labels are dummies).
@@ -291,11 +295,16 @@ class OrtTrainer:
         chunks = []
         for start in range(0, xs.shape[0], EVAL_CHUNK):
             xc = xs[start:start + EVAL_CHUNK]
-            _loss, logits = self._eval_step(xc, np.zeros(xc.shape[0], dtype=np.int64))
+            _loss, logits = self._eval_step(xc, self._dummy_labels(xc.shape[0]))
             chunks.append(np.array(logits, dtype=np.float32, copy=True))
         return np.concatenate(chunks, axis=0)
 
     # --- internals ----------------------------------------------------------------------------
+
+    def _dummy_labels(self, batch: int) -> np.ndarray:
+        if self._arch.loss == "cross_entropy":
+            return np.zeros(batch, dtype=np.int64)
+        return np.zeros((batch, self._arch.num_classes), dtype=np.float32)
 
     def _eval_step(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, np.ndarray]:
         self._module.eval()

@@ -12,6 +12,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from fedtier.errors import LocalProtocolError
+from fedtier.wire.messages import EvalStats
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -79,3 +80,23 @@ def sorted_items(contributions: Mapping[str, tuple[Tensors, float]]) -> list[tup
 def copy_tensors(tensors: Tensors) -> dict[str, np.ndarray]:
     return {n: np.array(t, dtype=np.float32, copy=True) for n, t in tensors.items()}
 
+
+
+def combine_evaluations(items: Sequence[EvalStats | None]) -> EvalStats | None:
+    """Federated evaluations of one model, combined as Flower's ``weighted_loss_avg`` does.
+
+    The loss is the mean of the parts' losses weighted by their held-out row counts (in
+    float64, in the order given); counts, correct predictions and devices add up. Missing
+    parts (``None``: a device without held-out rows) are skipped; the accuracy is kept only
+    if every part has one.
+
+    Returns:
+        The combined evaluation, or ``None`` when no part has one.
+    """
+    parts = [e for e in items if e is not None]
+    if not parts:
+        return None
+    count = sum(e.count for e in parts)
+    loss = float(sum(np.float64(e.loss) * e.count for e in parts) / count)
+    correct = None if any(e.correct is None for e in parts) else float(sum(float(e.correct or 0) for e in parts))
+    return EvalStats(loss=loss, count=count, correct=correct, devices=sum(e.devices for e in parts))

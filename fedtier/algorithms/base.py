@@ -10,8 +10,16 @@ socket, a clock, a thread or a logger. A shell (``device_agent``, ``edge_broker`
 2. calls ``role.receive(message, now)`` (or ``role.tick(now)`` periodically, or a
    role-specific verb such as ``device.trained(...)`` when local work finishes),
 3. executes the returned ``Action`` list in order: ``Send*`` actions are encoded and
-   published, ``LocalTrain`` runs the trainer, ``RoundClosed`` is persisted and evaluated,
-   ``Dropped``/``Note`` are logged and counted.
+   published, ``LocalTrain`` runs the trainer, ``Evaluate`` evaluates on the device's
+   held-out rows, ``RoundClosed`` is persisted and evaluated, ``Dropped``/``Note`` are logged
+   and counted.
+
+Federated evaluation: a device role that was told its shell has held-out rows
+(``evaluate=True``) answers a round's first task with ``[Evaluate(...), <its first work>]``
+when the task's config asks for it (``federated_eval``) and no noise plan is in force; the
+shell reports back with ``role.evaluated(round, stats)`` before it runs the work, and the role
+puts the stats in its last upload of the round. Edges and the cloud combine them weighted by
+row count. The role decides, the shell only computes: the privacy rule lives in one place.
 
 Edge cases every role implements the same way (tested by the role contract suite):
 
@@ -38,7 +46,7 @@ import numpy as np
 
 from fedtier.errors import LocalProtocolError
 from fedtier.wire import TensorEncoding
-from fedtier.wire.messages import Message
+from fedtier.wire.messages import EvalStats, Message
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -122,6 +130,16 @@ class ComputeGradient:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class Evaluate:
+    """Device: evaluate ``params`` — the global model round ``round`` started from — on the
+    device's held-out rows (never trained on). The shell reports back with
+    ``role.evaluated(round, stats)``; ``stats`` is ``None`` when the loss is not finite."""
+
+    round: int
+    params: Tensors
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class GradientResult:
     grad: Tensors
     loss: float
@@ -175,8 +193,8 @@ class Note:
     fields: Mapping[str, Any] = field(default_factory=dict)
 
 
-Action = (SendToParent | Broadcast | SendToChild | LocalTrain | ComputeGradient | RoundClosed | Finished | Dropped
-          | Note)
+Action = (SendToParent | Broadcast | SendToChild | LocalTrain | ComputeGradient | Evaluate | RoundClosed | Finished
+          | Dropped | Note)
 
 
 # --- role protocols -----------------------------------------------------------------------
@@ -204,6 +222,10 @@ class DeviceRole(Role, Protocol):
 
     def gradient_done(self, round: int, step: int, result: GradientResult) -> list[Action]:
         """The shell finished a ``ComputeGradient`` (only algorithms that request them)."""
+        ...
+
+    def evaluated(self, round: int, stats: EvalStats | None) -> list[Action]:
+        """The shell finished an ``Evaluate`` of ``round`` (only roles told they may evaluate)."""
         ...
 
 

@@ -17,6 +17,10 @@ quorum of cells)--> COLLECTING (next round) | FINISHED.
 ``q1`` (from the cells' reports), return the config of the next round — QHetFed's planner
 chooses (tau, gamma) this way.
 
+Federated evaluation: the cells' ``evaluation`` (their devices' held-out statistics for the
+model the round started from) are combined weighted by row count into the round's
+``metrics["federated"]`` (loss, accuracy, examples, devices, and the evaluated model version).
+
 Differential privacy: when the config carries a noise plan, every cell update is audited
 (``fedtier.privacy.audit.check_cell_update``) before it is accepted — one whose noise is
 missing or weaker than planned is refused with ``MissingReleaseError`` — and ``admit``
@@ -216,8 +220,13 @@ class Cloud(StateGuard):
         if q1:
             self.q1_estimate = sum(q1) / len(q1)
         q2 = sum(u.q for u in updates) / len(updates)
+        evaluation = aggregate.combine_evaluations([u.evaluation for u in updates])
+        federated = None if evaluation is None else {
+            "loss": evaluation.loss, "accuracy": evaluation.accuracy, "examples": evaluation.count,
+            "devices": evaluation.devices, "model_version": self.model_version - 1}
         closed = RoundClosed(round=self.round, params=self.params, reported=reported, missing=missing,
                              metrics={"train_loss": mean_loss, "model_version": self.model_version,
+                                      "federated": federated,
                                       "q1": self.q1_estimate, "q2": q2,
                                       "config": self.config.to_dict(),
                                       "cells": {c: dict(self._updates[c].stats) for c in cells},

@@ -54,6 +54,8 @@ class RoundSettings:
         bits_edge: Q2, QSGD bit width of the edge's upload (0 = float32).
         privacy: the rollout's noise plan (``fedtier.privacy.plan.NoisePlan.to_dict``), or
             ``None`` without differential privacy.
+        federated_eval: devices with held-out rows evaluate each round's incoming global model
+            on them and report it (never under a noise plan, whatever this says).
     """
 
     ALGORITHM: ClassVar[str] = ""
@@ -67,9 +69,12 @@ class RoundSettings:
     bits_device: int = 0
     bits_edge: int = 0
     privacy: Mapping[str, Any] | None = None
+    federated_eval: bool = True
 
     def __post_init__(self) -> None:
         check_int(self.batch_size, "batch_size", 1)
+        if not isinstance(self.federated_eval, bool):
+            raise LocalProtocolError(f"federated_eval must be a bool, got {self.federated_eval!r}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise LocalProtocolError(f"lr must be finite and >= 0, got {self.lr!r}")
         if self.weighting not in WEIGHTINGS:

@@ -28,7 +28,13 @@ plan: every device upload is clipped to L2 norm ``C``; a device under an untrust
 edge clips each input again (quantization may have grown it), and adds fresh noise to the
 cell's change before it goes to the cloud; an untrusted edge forwards the exact mean of
 noised inputs and refuses an input whose release record is missing. Training losses are not
-sent to untrusted nodes (they are data-dependent releases the plan does not cover).
+sent to untrusted nodes (they are data-dependent releases the plan does not cover), and for
+the same reason devices do not evaluate on held-out rows under a plan.
+
+Federated evaluation (``fedtier.algorithms.base``): a device with held-out rows evaluates the
+global model ``w_t`` when it starts round ``t`` (``Evaluate`` before its first local steps) and
+sends the result with its last upload of the round; the edge forwards the count-weighted
+combination of its devices' results in the cell update.
 
 Transition tables (anything else raises):
 
@@ -52,6 +58,7 @@ from fedtier.algorithms.base import (
     Action,
     Broadcast,
     Dropped,
+    Evaluate,
     LocalResult,
     LocalTrain,
     Note,
@@ -79,7 +86,7 @@ from fedtier.errors import (
 from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource, clip
 from fedtier.privacy.plan import NoisePlan
-from fedtier.wire.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, Message
+from fedtier.wire.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, EvalStats, Message
 
 NAME = "hier_qsgd"
 
@@ -125,7 +132,8 @@ class _DeviceBase(StateGuard):
     SUPPORTS_PRIVACY: ClassVar[bool] = True
 
     def __init__(self, *, device_id: str, cell: str, rollout: str, last_round: int = -1,
-                 last_sent: tuple[int, int] | None = None, noise: NoiseSource | None = None) -> None:
+                 last_sent: tuple[int, int] | None = None, noise: NoiseSource | None = None,
+                 evaluate: bool = False) -> None:
         """
         Args:
             device_id: this device's node id.
@@ -138,8 +146,11 @@ class _DeviceBase(StateGuard):
                 instead of training the step again: a second upload of the same step would be
                 a second noisy release of the same data that the privacy ledger never charges.
             noise: where differential-privacy noise comes from (default: a fresh OS-seeded source).
+            evaluate: the shell holds held-out rows, so the role may ask for federated evaluation.
         """
         self.noise = noise if noise is not None else NoiseSource()
+        self.can_evaluate = evaluate
+        self._evaluation: EvalStats | None = None
         self._plan: NoisePlan | None = None
         self.device_id = device_id
         self.cell = cell
@@ -172,6 +183,7 @@ class _DeviceBase(StateGuard):
         plan = _noise_plan(config, self.cell, self.SUPPORTS_PRIVACY)
         self._config, self._plan = config, plan
         self._round, self._step = task.round, task.step
+        self._evaluation = None
         self._params = aggregate.copy_tensors(task.params)
         if sent == (task.round, task.step):
             # Uploaded before a restart (the upload is in the outbox or with the edge already):
@@ -182,6 +194,25 @@ class _DeviceBase(StateGuard):
 
     def _max_start_step(self, config: Any) -> int:
         raise NotImplementedError
+
+    def _evaluate_request(self) -> list[Action]:
+        """``[Evaluate]`` of the round's global model when this device may and should report one:
+        it has held-out rows, the task asks for it, no noise plan is in force (the statistics
+        would be a clear release), and it starts the round at step 0 (a catch-up task carries
+        a set model, not the global one)."""
+        if (self.can_evaluate and self._config.federated_eval and self._plan is None and self._step == 0):
+            return [Evaluate(round=self._round, params=self._params)]
+        return []
+
+    def evaluated(self, round: int, stats: EvalStats | None) -> list[Action]:
+        """The shell evaluated the round's global model; the stats go out with the round's last upload."""
+        self._guard()
+        if round != self._round:
+            return [Dropped("superseded", f"evaluate/{round}", f"now at round {self._round}")]
+        if self._state is not RoleState.TRAINING or self._step != 0:
+            raise self._misuse("evaluated() called while no evaluation was requested")
+        self._evaluation = stats
+        return []
 
     def _check_step(self, msg: CellStep, kind: str) -> None:
         if msg.sender != self.cell:
@@ -222,7 +253,7 @@ class Device(_DeviceBase):
             if answer is not None:
                 return answer
             self._state = RoleState.TRAINING
-            return [self._local_train()]
+            return [*self._evaluate_request(), self._local_train()]
         if isinstance(message, CellStep):
             self._check_step(message, "delta")
             self._params = aggregate.add(self._params, message.tensors_)
@@ -250,10 +281,12 @@ class Device(_DeviceBase):
         delta, release, train_loss = self._privatize(result)
         values, encodings, q = quantize(delta, c.bits_device, c.seed, "q1", self.rollout, self.device_id,
                                         self._round, self._step)
+        last = self._step + 1 >= c.edge_rounds
         update = DeviceUpdate(rollout=self.rollout, round=self._round, sender=self.device_id, step=self._step,
                               delta=values, num_samples=result.num_samples, train_loss=train_loss,
-                              steps=result.steps, q=q, release=release)
-        if self._step + 1 < c.edge_rounds:
+                              steps=result.steps, q=q, release=release,
+                              evaluation=self._evaluation if last else None)
+        if not last:
             self._state = RoleState.WAITING
         else:
             self._finish_round()
@@ -401,9 +434,13 @@ class _EdgeBase(StateGuard):
             mean_loss = 0.0  # a data-dependent number the plan does not cover; the cloud is untrusted
         values, encodings, q2 = quantize(delta, c.bits_edge, c.seed, "q2", self.rollout, self.cell,
                                          self._task.round)
+        # Held-out statistics are data-dependent releases the noise plan does not cover: never
+        # forwarded under one (devices do not send them then either).
+        evaluation = None if self._plan is not None else aggregate.combine_evaluations(
+            [getattr(self._updates[d], "evaluation", None) for d in ids])
         update = CellUpdate(rollout=self.rollout, round=self._task.round, sender=self.cell, delta=values,
                             weight=float(sum(weights)), reported=tuple(ids), mean_loss=mean_loss, q=q2,
-                            stats={"device_q": device_q}, privacy=privacy)
+                            stats={"device_q": device_q}, privacy=privacy, evaluation=evaluation)
         self._state = RoleState.FORWARDED
         actions: list[Action] = [SendToParent(update, encodings)]
         missing = sorted(set(self._task.members) - set(ids))

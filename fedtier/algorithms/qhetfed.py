@@ -107,7 +107,8 @@ class Device(_DeviceBase):
             answer = self._accept_task(message)
             if answer is not None:
                 return answer
-            return [self._begin()]
+            first = self._begin()  # sets TRAINING: the evaluation's answer arrives in that state
+            return [*self._evaluate_request(), first]
         if isinstance(message, CellStep):
             self._check_step(message, "gradient")
             self._params = aggregate.add(self._params, message.tensors_, scale=-self._config.lr)  # (6)
@@ -166,7 +167,8 @@ class Device(_DeviceBase):
                                         self._round, c.tau)
         update = DeviceUpdate(rollout=self.rollout, round=self._round, sender=self.device_id, step=c.tau,
                               delta=values, num_samples=result.num_samples,
-                              train_loss=float(np.mean(self._local_losses)), steps=c.gamma, q=q)
+                              train_loss=float(np.mean(self._local_losses)), steps=c.gamma, q=q,
+                              evaluation=self._evaluation)
         self._finish_round()
         return [SendToParent(update, encodings)]
 

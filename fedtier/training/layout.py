@@ -17,7 +17,15 @@ import numpy as np
 
 from fedtier.errors import LayoutMismatchError, LocalProtocolError
 
-ARCH_KINDS = ("mlp", "cnn1d")
+ARCH_KINDS = ("mlp", "cnn1d", "onnx")
+"""``mlp`` and ``cnn1d`` are the built-in models; ``onnx`` is a user's model (a torch factory or an
+ONNX file), identified by the sha256 of its forward graph."""
+
+LOSSES = ("cross_entropy", "bce", "mse")
+"""Training losses: ``cross_entropy`` on integer class labels, ``bce`` (binary cross-entropy on
+logits) and ``mse`` on float targets shaped like the model's output."""
+
+_ONNX_OPTIONS = frozenset({"sha256", "input_shape", "outputs", "loss"})
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -104,6 +112,10 @@ class ArchSpec:
     * ``mlp``: ``{"sizes": [in, hidden..., out]}`` — ReLU between Linear layers.
     * ``cnn1d``: ``{"channels": c, "length": L, "classes": k, "filters": [..], "kernel": k}``
       — a 1-D CNN for sensor windows.
+    * ``onnx``: ``{"sha256": <forward graph>, "input_shape": [..], "outputs": k, "loss": ..}`` —
+      a user's model (``models.source``). Its identity is the sha256 of the forward graph that
+      was trained, so a changed model is a different architecture, never a stale cache hit.
+      Built-in models always train with ``cross_entropy``.
     """
 
     kind: str
@@ -112,6 +124,8 @@ class ArchSpec:
     def __post_init__(self) -> None:
         if self.kind not in ARCH_KINDS:
             raise LocalProtocolError(f"unknown architecture kind {self.kind!r}; expected one of {ARCH_KINDS}")
+        if self.kind == "onnx":
+            _check_onnx_options(self.options)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "options": dict(self.options)}
@@ -129,10 +143,42 @@ class ArchSpec:
         """Shape of one input example (without the batch axis)."""
         if self.kind == "mlp":
             return (int(self.options["sizes"][0]),)
+        if self.kind == "onnx":
+            return tuple(int(d) for d in self.options["input_shape"])
         return (int(self.options["channels"]), int(self.options["length"]))
 
     @property
     def num_classes(self) -> int:
+        """Width of the model's output: classes for ``cross_entropy``, outputs for ``bce``/``mse``."""
         if self.kind == "mlp":
             return int(self.options["sizes"][-1])
+        if self.kind == "onnx":
+            return int(self.options["outputs"])
         return int(self.options["classes"])
+
+    @property
+    def loss(self) -> str:
+        """The training loss (one of ``LOSSES``)."""
+        return str(self.options["loss"]) if self.kind == "onnx" else "cross_entropy"
+
+    @property
+    def builtin(self) -> bool:
+        """A model of the zoo, which a torch-backed device can rebuild from ``(arch, seed)``."""
+        return self.kind != "onnx"
+
+
+def _check_onnx_options(options: Mapping[str, Any]) -> None:
+    """An ``onnx`` architecture's options: exactly the known keys, with sane values."""
+    if set(options) != _ONNX_OPTIONS:
+        raise LocalProtocolError(f"onnx architecture options {sorted(options)} differ from {sorted(_ONNX_OPTIONS)}")
+    sha = options["sha256"]
+    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        raise LocalProtocolError(f"onnx architecture sha256 {sha!r} is not a hex sha256")
+    shape, outputs = options["input_shape"], options["outputs"]
+    if (not isinstance(shape, (list, tuple)) or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise LocalProtocolError(f"onnx architecture input_shape {shape!r} must be a list of positive ints")
+    if not isinstance(outputs, int) or isinstance(outputs, bool) or outputs < 1:
+        raise LocalProtocolError(f"onnx architecture outputs {outputs!r} must be a positive int")
+    if options["loss"] not in LOSSES:
+        raise LocalProtocolError(f"onnx architecture loss {options['loss']!r} is not one of {LOSSES}")

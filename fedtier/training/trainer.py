@@ -19,7 +19,8 @@ import numpy as np
 from fedtier.training.layout import Layout
 
 Batch = tuple[np.ndarray, np.ndarray]
-"""``(x, y)``: ``x`` float32 of shape ``(b, *input_shape)``, ``y`` int64 class labels ``(b,)``."""
+"""``(x, y)``: ``x`` float32 of shape ``(b, *input_shape)``; ``y`` int64 class labels ``(b,)``
+(``cross_entropy``), or float32 targets ``(b, outputs)`` (``bce``, ``mse``; see ``ArchSpec.loss``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,16 +34,19 @@ class TrainStats:
 
 @dataclass(frozen=True, slots=True)
 class EvalResult:
-    """Mean loss and accuracy of the current parameters on a labelled set."""
+    """Mean loss and accuracy of the current parameters on a labelled set.
+
+    ``accuracy`` is ``None`` for a loss without one (``mse``).
+    """
 
     loss: float
-    accuracy: float
+    accuracy: float | None
     samples: int
 
 
 @runtime_checkable
 class Trainer(Protocol):
-    """Local training backend. Mean cross-entropy loss, plain SGD (``w <- w - lr * grad``)."""
+    """Local training backend. The model's mean loss (``ArchSpec.loss``), plain SGD (``w <- w - lr * grad``)."""
 
     @property
     def layout(self) -> Layout:

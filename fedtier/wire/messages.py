@@ -81,6 +81,58 @@ def _plain(value: Any, path: str = "config") -> Any:
     raise LocalProtocolError(f"{path}: {type(value).__name__} is not a plain value")
 
 
+@dataclass(frozen=True, slots=True)
+class EvalStats:
+    """Federated evaluation of one model on held-out rows (devices' rows never trained on).
+
+    ``loss`` is the mean loss over ``count`` rows; ``correct`` how many of them the model got
+    right (``None`` for a loss without accuracy, ``mse``; fractional for multi-output ``bce``);
+    ``devices`` how many devices' rows are summed (1 in a device update). Edges and the cloud
+    combine them weighted by ``count`` (``fedtier.algorithms.aggregate.combine_evaluations``).
+    """
+
+    loss: float
+    count: int
+    correct: float | None = None
+    devices: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise LocalProtocolError(f"evaluation count must be an int >= 1, got {self.count!r}")
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise LocalProtocolError(f"evaluation devices must be an int >= 1, got {self.devices!r}")
+        if not (isinstance(self.loss, (int, float)) and np.isfinite(self.loss) and self.loss >= 0):
+            raise LocalProtocolError(f"evaluation loss must be finite and >= 0, got {self.loss!r}")
+        if self.correct is not None and not (isinstance(self.correct, (int, float)) and np.isfinite(self.correct)
+                                             and 0 <= self.correct <= self.count + 1e-6):
+            raise LocalProtocolError(f"evaluation correct must be in [0, count], got {self.correct!r}")
+
+    @property
+    def accuracy(self) -> float | None:
+        return None if self.correct is None else float(self.correct) / self.count
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"loss": float(self.loss), "count": int(self.count), "devices": int(self.devices)}
+        if self.correct is not None:
+            meta["correct"] = float(self.correct)
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> "EvalStats":
+        """Parse a header's ``eval`` map; ``MalformedHeaderError`` if it is not one."""
+        if not isinstance(meta, Mapping):
+            raise MalformedHeaderError(f"field 'eval' has type {type(meta).__name__}")
+        try:
+            return cls(loss=_get(meta, "loss", float), count=_get(meta, "count", int),
+                       correct=_get(meta, "correct", float, default=None), devices=_get(meta, "devices", int))
+        except LocalProtocolError as exc:
+            raise MalformedHeaderError(f"field 'eval': {exc}") from None
+
+
+def _evaluation(meta: Mapping[str, Any]) -> EvalStats | None:
+    return EvalStats.from_meta(meta["eval"]) if "eval" in meta else None
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Message:
     """Fields every message has. Subclasses add theirs and set ``KIND``."""
@@ -187,12 +239,17 @@ class DeviceUpdate(Message):
     """Measured relative variance of the quantization applied to ``delta`` (0 when exact)."""
     release: Mapping[str, Any] | None = None
     """The differential-privacy release record when the device added noise (``fedtier.privacy.audit``)."""
+    evaluation: EvalStats | None = None
+    """Federated evaluation of the global model this round started from, on the device's held-out
+    rows (in the round's last upload; never under differential privacy)."""
 
     def _meta(self) -> dict[str, Any]:
-        meta = {"num_samples": self.num_samples, "train_loss": float(self.train_loss),
-                "steps": self.steps, "q": float(self.q)}
+        meta: dict[str, Any] = {"num_samples": self.num_samples, "train_loss": float(self.train_loss),
+                                "steps": self.steps, "q": float(self.q)}
         if self.release is not None:
             meta["release"] = _plain(self.release, "release")
+        if self.evaluation is not None:
+            meta["eval"] = self.evaluation.to_meta()
         return meta
 
     @classmethod
@@ -200,7 +257,7 @@ class DeviceUpdate(Message):
         return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, delta=env.tensors,
                    num_samples=_count(env.meta, "num_samples"), train_loss=_get(env.meta, "train_loss", float),
                    steps=_get(env.meta, "steps", int), q=_nonneg(env.meta, "q"),
-                   release=_get(env.meta, "release", dict, default=None))
+                   release=_get(env.meta, "release", dict, default=None), evaluation=_evaluation(env.meta))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -224,12 +281,16 @@ class CellUpdate(Message):
     """Measured relative variance of the edge's own quantization of ``delta`` (Q2)."""
     privacy: Mapping[str, Any] | None = None
     """Under differential privacy: the cell's release records and clear hops (``fedtier.privacy.audit``)."""
+    evaluation: EvalStats | None = None
+    """The cell's devices' federated evaluations, combined (weighted by their held-out counts)."""
 
     def _meta(self) -> dict[str, Any]:
         meta = {"weight": float(self.weight), "reported": list(self.reported),
                 "mean_loss": float(self.mean_loss), "stats": _plain(self.stats), "q": float(self.q)}
         if self.privacy is not None:
             meta["privacy"] = _plain(self.privacy, "privacy")
+        if self.evaluation is not None:
+            meta["eval"] = self.evaluation.to_meta()
         return meta
 
     @classmethod
@@ -240,7 +301,8 @@ class CellUpdate(Message):
         return cls(rollout=env.rollout, round=env.round, sender=env.sender, delta=env.tensors,
                    weight=weight, reported=_str_list(env.meta, "reported"),
                    mean_loss=_get(env.meta, "mean_loss", float), stats=_get(env.meta, "stats", dict),
-                   q=_nonneg(env.meta, "q"), privacy=_get(env.meta, "privacy", dict, default=None))
+                   q=_nonneg(env.meta, "q"), privacy=_get(env.meta, "privacy", dict, default=None),
+                   evaluation=_evaluation(env.meta))
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_agent.data import load_data_dir
+from device_agent.data import LocalData, fit_to_model, load_data_dir, load_eval_dir, write_shard
 from device_agent.state import DeviceState
 from fedtier.errors import ConfigError
+from fedtier.training.layout import ArchSpec
 
 
 def test_npz_and_csv_files_are_concatenated(tmp_path: Path) -> None:
@@ -29,8 +30,7 @@ def test_examples_are_reshaped_to_the_model_input(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("write,match", [
     (lambda d: None, "no .npz or .csv"),
-    (lambda d: np.savez(d / "a.npz", x=np.ones((2, 1)), y=np.array([0.5, 1])), "non-negative integers"),
-    (lambda d: np.savez(d / "a.npz", x=np.ones((2, 1)), y=np.array([-1, 1])), "non-negative integers"),
+    (lambda d: np.savez(d / "a.npz", x=np.ones((2, 1)), y=np.array([np.nan, 1])), "labels contain NaN"),
     (lambda d: np.savez(d / "a.npz", x=np.array([[np.nan], [1]]), y=np.array([0, 1])), "NaN"),
     (lambda d: np.savez(d / "a.npz", x=np.ones((3, 1)), y=np.array([0, 1])), "labels"),
     (lambda d: np.savez(d / "a.npz", features=np.ones(2)), "needs arrays"),
@@ -42,6 +42,51 @@ def test_bad_data_is_a_config_error_naming_the_file(tmp_path: Path, write, match
     write(tmp_path)
     with pytest.raises(ConfigError, match=match):
         load_data_dir(tmp_path)
+
+
+def test_fractional_labels_load_as_float_targets(tmp_path: Path) -> None:
+    np.savez(tmp_path / "a.npz", x=np.ones((2, 1)), y=np.array([0.5, -1.0]))
+    data = load_data_dir(tmp_path)
+    assert data.y.dtype == np.float32 and data.y.tolist() == [0.5, -1.0]
+
+
+def _custom(loss: str, outputs: int) -> ArchSpec:
+    return ArchSpec("onnx", {"sha256": "0" * 64, "input_shape": [2, 2], "outputs": outputs, "loss": loss})
+
+
+def test_fit_to_model_lays_out_examples_and_labels_for_each_loss() -> None:
+    # Prepare: 3 flat examples of 4 values with whole-number labels, as load_data_dir returns them.
+    data = LocalData(x=np.arange(12, dtype=np.float32).reshape(3, 4), y=np.array([0, 1, 1]))
+    # Execute / Assert: examples take the model's shape; labels the loss's form.
+    ce = fit_to_model(data, _custom("cross_entropy", 2))
+    assert ce.x.shape == (3, 2, 2) and ce.y.dtype == np.int64 and ce.y.tolist() == [0, 1, 1]
+    bce = fit_to_model(data, _custom("bce", 1))
+    assert bce.y.shape == (3, 1) and bce.y.dtype == np.float32
+    mse = fit_to_model(LocalData(x=data.x, y=np.array([[0.5, 2.0]] * 3, np.float32)), _custom("mse", 2))
+    assert mse.y.shape == (3, 2)
+
+
+@pytest.mark.parametrize("y,arch,match", [
+    (np.array([0.5, 1, 0]), _custom("cross_entropy", 2), "class numbers"),
+    (np.array([-1, 1, 0]), _custom("cross_entropy", 2), "non-negative integers"),
+    (np.array([0, 1, 2]), _custom("cross_entropy", 2), "2 classes"),
+    (np.array([0, 2, 1]), _custom("bce", 1), r"\[0, 1\]"),
+    (np.array([0.1, 0.2, 0.3]), _custom("mse", 2), "2 output"),
+])
+def test_labels_that_do_not_fit_the_loss_are_a_config_error(y: np.ndarray, arch: ArchSpec, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        fit_to_model(LocalData(x=np.ones((3, 4), np.float32), y=y), arch)
+
+
+def test_a_shard_round_trips_and_keeps_held_out_rows_out_of_training(tmp_path: Path) -> None:
+    x, y = np.arange(20, dtype=np.float32).reshape(10, 2), np.arange(10) % 3
+    write_shard(tmp_path / "dev-00", (x[:7], y[:7]), (x[7:], y[7:]))
+    train, held = load_data_dir(tmp_path / "dev-00"), load_eval_dir(tmp_path / "dev-00")
+    assert held is not None
+    np.testing.assert_array_equal(train.x, x[:7])
+    np.testing.assert_array_equal(held.y, y[7:])
+    write_shard(tmp_path / "dev-00", (x, y))  # rewritten without held-out rows: the stale ones go
+    assert load_eval_dir(tmp_path / "dev-00") is None and len(load_data_dir(tmp_path / "dev-00")) == 10
 
 
 def test_missing_directory(tmp_path: Path) -> None:

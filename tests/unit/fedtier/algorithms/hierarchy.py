@@ -19,6 +19,7 @@ from fedtier.algorithms.base import (
     Broadcast,
     ComputeGradient,
     Dropped,
+    Evaluate,
     Finished,
     GradientResult,
     LocalResult,
@@ -59,6 +60,8 @@ class Hierarchy:
     """Extra arguments of the algorithm's cloud role (HIST needs ``arch``)."""
     noise_seed: int | None = None
     """Seed every node's differential-privacy noise (reproducible tests); None: OS-seeded."""
+    evaluations: Mapping[str, Any] = field(default_factory=dict)
+    """Devices with held-out rows -> the ``EvalStats`` their shell answers every ``Evaluate`` with."""
 
     def _noise(self, node: str) -> dict[str, Any]:
         if self.noise_seed is None:
@@ -69,8 +72,11 @@ class Hierarchy:
         self.cloud = self.algo.Cloud(rollout="r", cells=self.cells, initial_params=self.params, config=self.config,
                                      rounds=self.rounds, replan=self.replan, **self.cloud_kwargs)
         self.edges = {c: self.algo.Edge(cell=c, rollout="r", **self._noise(c)) for c in self.cells}
-        self.devices = {d: self.algo.Device(device_id=d, cell=c, rollout="r", **self._noise(d))
+        self.devices = {d: self.algo.Device(device_id=d, cell=c, rollout="r", evaluate=d in self.evaluations,
+                                            **self._noise(d))
                         for c, ds in self.cells.items() for d in ds}
+        self.evaluated: list[tuple[str, int, dict[str, np.ndarray]]] = []
+        """(device, round, params) of every ``Evaluate`` a device asked for."""
         self.received: dict[str, list[messages.Message]] = defaultdict(list)
         self.closed: list[RoundClosed] = []
         self.finished = False
@@ -153,6 +159,9 @@ class Hierarchy:
                 grad, loss = self.compute.grad(a.params, device, a.batch_size, a.stream)
                 result_g = GradientResult(grad=grad, loss=loss, num_samples=self.samples.get(device, 10))
                 self._run_device(device, self.devices[device].gradient_done(a.round, a.step, result_g))
+            elif isinstance(a, Evaluate):
+                self.evaluated.append((device, a.round, {k: np.array(v) for k, v in a.params.items()}))
+                self._run_device(device, self.devices[device].evaluated(a.round, self.evaluations[device]))
             elif isinstance(a, SendToParent):
                 self.deliver_to_edge(cell, self._wire(a.message, a.encodings))
             elif isinstance(a, Dropped):
