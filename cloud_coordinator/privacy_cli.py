@@ -127,9 +127,14 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
     devices_in = [r for r in rows if r.kind == DEVICE and r.injects]
     servers_in = [r for r in rows if r.kind != DEVICE and r.injects]
     tiers: dict[str, dict[str, Any]] = {}
+    from cloud_coordinator.privacy.accountant import epsilon
+
     for name, who, injecting, z, per_round, eps in (
             ("device", DEVICE_TIER, devices_in, m.device_z, tau, m.details["epsilon_device_tier"]),
             ("edge", EDGE_TIER, servers_in, m.edge_z, 1, m.details["epsilon_edge_tier"])):
+        if injecting:  # what the ledger charges: the smallest multiplier of the tier (paper mode: per fan-in)
+            z = min(r.z for r in injecting)
+            eps = epsilon([(z, per_round * cfg.rounds)], p.delta)
         sens = [r.sensitivity for r in injecting]
         sigmas = [r.sigma for r in injecting]
         within = rounds_within_budget(z, per_round, cfg.rounds, p.delta, budget)

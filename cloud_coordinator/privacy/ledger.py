@@ -13,6 +13,11 @@ that missed the deadline may still send its noised aggregate. So at every close 
 charges each planned release of the round that has no record, at its planned multiplier,
 with ``observed = 0``. A device's epsilon therefore never depends on which messages arrived.
 
+Every release is charged against its sound sensitivity, whatever the calibration mode: a trusted
+cell's ``2C (1/n + tau - 1)`` also in paper mode, whose noise is calibrated against Lemma 1's
+``2C/n`` (``fedtier.privacy.plan``); the audited record carries that multiplier, and ``planned``
+(the budget check) uses it too.
+
 Per-device epsilon comes from the RDP accountant (``accountant.Accountant``) over the
 multipliers of the releases that protect it; later forwarding of noised data (untrusted
 edges, the cloud's broadcast) is post-processing and is not charged again. Before a round
@@ -62,7 +67,9 @@ class PrivacyLedger:
         """The releases ``rounds`` global rounds make that protect ``device``."""
         cell = next(c for c, m in self.cells.items() if device in m)
         p = self.plan.cells[cell]
-        return [(p.edge_z, rounds)] if p.trusted else [(p.device_z, self.plan.edge_rounds * rounds)]
+        if p.trusted:  # charged against the sound sensitivity, with every member reporting (the smallest z)
+            return [(self.plan.edge_charged_z(cell), rounds)]
+        return [(p.device_z, self.plan.edge_rounds * rounds)]
 
     def admit(self, round: int) -> str | None:
         """``None`` if opening round ``round`` keeps every device within budget, else why not.
@@ -106,10 +113,12 @@ class PrivacyLedger:
                 if record is not None:
                     releases.append(self._row(record, round, cell, self.cloud_id, observed=True))
                 else:
-                    sens = self.plan.edge_sensitivity(len(members))
+                    n = len(members)
                     planned = audit.release_record(plan=self.plan, node=cell, event="edge", round=round, step=0,
-                                                   sigma=p.edge_z * sens, sensitivity=sens, protected=members,
-                                                   reporters=len(members), z=p.edge_z)
+                                                   sigma=self.plan.edge_sigma(cell, n),
+                                                   sensitivity=self.plan.edge_sensitivity(n), protected=members,
+                                                   reporters=n, z=self.plan.edge_charged_z(cell, n),
+                                                   calibrated_sensitivity=self.plan.calibrated_edge_sensitivity(n))
                     releases.append(self._row(planned, round, cell, self.cloud_id, observed=False))
                 clear.extend({"round": round, "step": int(c["step"]), "sender": c["sender"],
                               "receiver": c["receiver"], "receiver_trusted": True}

@@ -434,8 +434,11 @@ class _EdgeBase(StateGuard):
         sigma = plan.edge_sigma(self.cell, reporters)
         noised = self.noise.add(delta, sigma, "dp", self.rollout, self.cell, self._task.round)
         protected = sorted({d for s in steps for d in s})
+        # Charged against the sound sensitivity, whatever sigma was calibrated against (paper mode: 2C/n).
         report["releases"] = [audit.release_record(plan=plan, node=self.cell, event="edge", round=self._task.round,
                                                    step=0, sigma=sigma, sensitivity=plan.edge_sensitivity(reporters),
+                                                   z=plan.edge_charged_z(self.cell, reporters),
+                                                   calibrated_sensitivity=plan.calibrated_edge_sensitivity(reporters),
                                                    protected=protected, reporters=reporters)]
         report["clear"] = [{"sender": d, "receiver": self.cell, "step": i} for i, s in enumerate(steps) for d in s]
         return noised, report

@@ -164,8 +164,12 @@ def test_paper_mode_edge_sigma_is_device_sigma_over_members_and_warns_of_the_heu
     doc = run_json("plan", "--config", config)
 
     edge, device = node(doc, "cell-a"), node(doc, "dev-03")
-    assert edge["z"] == device["z"]  # one multiplier for every tier in paper mode
     assert edge["sigma"] == pytest.approx(device["sigma"] / 3, rel=1e-12)  # Lemma 1: 2C/n vs 2C
+    # One multiplier for every tier in paper mode, but the edge's release is charged against the sound
+    # sensitivity 2C (1/3 + 1) of a cell that syncs twice a round: z (1/3) / (1/3 + 1) = z / 4.
+    assert edge["sensitivity"] == pytest.approx(2 * (1 / 3 + 1), rel=1e-12)
+    assert edge["z"] == pytest.approx(device["z"] / 4, rel=1e-12)
+    assert doc["tiers"]["edge"]["epsilon"] == pytest.approx(accountant.epsilon([(edge["z"], 3)], 1e-5))
     # The heuristic z gives a much larger RDP epsilon than its target: the budget stops the rollout at once.
     z = device["z"]
     assert doc["tiers"]["device"]["epsilon"] == pytest.approx(accountant.epsilon([(z, 6)], 1e-5))

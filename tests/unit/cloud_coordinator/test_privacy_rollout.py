@@ -158,3 +158,46 @@ def test_paper_mode_uses_the_closed_form_for_both_tiers(small_rollout, tmp_path:
     assert plan.edge_sigma("cell-a") == pytest.approx(plan.device_sigma("cell-b") / 2)  # sigma_dev / s
     assert math.isinf(plan.budget_epsilon)
     assert plan.details["epsilon_device_tier"] > 6.0  # the closed form is not a guarantee (digest §3.5)
+
+
+def test_paper_mode_charges_and_stops_on_the_sound_sensitivity(small_rollout, tmp_path: Path) -> None:
+    # Issue 17 A2: one trusted cell of 4 devices syncing twice a round (tau = 2), paper calibration. The noise is
+    # the paper's (sigma = z 2C/4) but the ledger charges it against 2C (1/4 + 1): multiplier z / 5. With z = 3.6
+    # (alpha 1, q 1, K 6, T 3, epsilon 4), 3 rounds at z would be epsilon 2.08 (what the ledger charged before);
+    # at z / 5 one round is 6.93 and two are 10.5, so a budget of 8 stops the rollout after its first round.
+    cfg = small_rollout(rounds=3, metrics_file=str(tmp_path / "m.json"),
+                        topology={"cells": 1, "devices_per_cell": 4, "trusted": {"cell-a": True}},
+                        fedavg={"local_steps": 3, "edge_rounds": 2, "lr": 0.1, "batch_size": 16},
+                        privacy={"epsilon": 4.0, "clip": 1.0, "calibration": "paper", "alpha": 1.0,
+                                 "sampling_rate": 1.0, "budget_epsilon": 8.0, "require_tls": False,
+                                 "noise_seed": 3})
+    z = accountant.paper_noise_multiplier(alpha=1.0, sampling_rate=1.0, steps_per_round=6, rounds=3, epsilon=4.0,
+                                          delta=1e-5)
+    assert accountant.epsilon([(z, 3)], 1e-5) < 8.0 < accountant.epsilon([(z / 5, 2)], 1e-5)
+    result = simulate(cfg, workdir=tmp_path / "w")
+    assert [r["round"] for r in result.rounds] == [0]
+    doc = json.loads((tmp_path / "m.json").read_text())
+    assert "privacy budget" in doc["stopped"]
+    store = CoordinatorStore(tmp_path / "w" / "coordinator.db")
+    (row,) = store.privacy_releases(cfg.rollout)
+    store.close()
+    assert row["sigma"] == pytest.approx(z * 2 * 1.0 / 4, rel=1e-9)
+    assert row["sensitivity"] == pytest.approx(2 * 1.0 * (1 / 4 + 1), rel=1e-12)
+    assert row["noise_multiplier"] == pytest.approx(z / 5, rel=1e-9)
+    live = result.rounds[-1]["privacy"]["epsilon"]
+    assert set(live) == {"dev-00", "dev-01", "dev-02", "dev-03"}
+    assert max(live.values()) == pytest.approx(accountant.epsilon([(z / 5, 1)], 1e-5), rel=1e-9)
+
+
+def test_the_budget_check_uses_the_sound_multiplier_in_paper_mode() -> None:
+    from cloud_coordinator.privacy.ledger import PrivacyLedger
+    from fedtier.privacy.plan import CellPlan, NoisePlan
+
+    z = 3.6
+    plan = NoisePlan(mode="paper", epsilon=4.0, delta=1e-5, budget_epsilon=8.0, clip=1.0, edge_rounds=2, rounds=3,
+                     require_tls=False, cells={"cell-a": CellPlan(trusted=True, members=4, device_z=0.0, edge_z=z)})
+    store = CoordinatorStore(":memory:")
+    ledger = PrivacyLedger(store=store, rollout="t", plan=plan, cells={"cell-a": ("d0", "d1", "d2", "d3")},
+                           cloud_id="cloud")
+    assert ledger.planned("d0") == [(pytest.approx(z / 5, rel=1e-12), 1)]
+    assert ledger.admit(0) is None and ledger.admit(1) is not None  # 2 rounds at z/5: 10.5 > 8

@@ -157,6 +157,35 @@ def test_rdp_mode_inflates_a_synced_trusted_cells_sensitivity() -> None:
     assert release["sensitivity"] == pytest.approx(2 * CLIP * (0.5 + 2))
 
 
+def test_paper_mode_adds_the_papers_noise_but_charges_the_sound_sensitivity() -> None:
+    # Issue 17 A2: 4 devices, tau = 2. The paper's calibration adds sigma = z 2C/4; what a replaced record can move
+    # the cell's change by is 2C (1/4 + 1) (after the sync every member's update depends on it), so the release
+    # is charged the multiplier sigma / (2C (1/4 + 1)) = z / 5, not z.
+    cells = {"edge-a": ("a0", "a1", "a2", "a3")}
+    h = hierarchy(cells, {"edge-a": True}, edge_rounds=2, mode="paper")
+    h.run()
+    (cell_update,) = [m for m in h.received["cloud"] if isinstance(m, messages.CellUpdate)]
+    (release,) = cell_update.privacy["releases"]  # type: ignore[index]
+    assert release["sigma"] == pytest.approx(Z * 2 * CLIP / 4, rel=1e-12)
+    assert release["sensitivity"] == pytest.approx(2 * CLIP * (1 / 4 + 1), rel=1e-12)
+    assert release["z"] == pytest.approx(Z / 5, rel=1e-12)
+    assert release["inputs"]["calibrated_sensitivity"] == pytest.approx(2 * CLIP / 4, rel=1e-12)
+
+
+def test_the_cloud_refuses_a_trusted_release_that_claims_the_papers_sensitivity() -> None:
+    # A record charging 2C/n for a synced cell under-reports epsilon: the audit refuses it.
+    from fedtier.privacy import audit
+    from fedtier.privacy.plan import NoisePlan
+
+    noise_plan = NoisePlan.from_dict(plan({"edge-a": True}, {"edge-a": 2}, edge_rounds=2))
+    sigma = noise_plan.edge_sigma("edge-a", 2)
+    record = audit.release_record(plan=noise_plan, node="edge-a", event="edge", round=0, step=0, sigma=sigma,
+                                  sensitivity=2 * CLIP / 2, protected=["a0", "a1"], reporters=2)
+    report = {"trusted": True, "steps": [["a0", "a1"], ["a0", "a1"]], "releases": [record], "clear": []}
+    with pytest.raises(MissingReleaseError, match="sensitivity"):
+        audit.check_cell_update(noise_plan, "edge-a", 0, report, ["a0", "a1"])
+
+
 @pytest.mark.parametrize("p_trusted", [0.0, 0.5, 1.0])
 def test_learning_rate_zero_global_noise_variance_matches_the_formula(p_trusted: float) -> None:
     # §2.3 / §8 check 6: Var = (1/N1) [p sigma_edge^2 + (1-p) n_ev sigma_dev^2 / s1], N1 = 10, s1 = 5,
