@@ -133,10 +133,12 @@ class _DeviceBase(StateGuard):
             rollout: the rollout this role serves.
             last_round: the last round this device finished (after a restart), so a
                 redelivered task of that round is a duplicate, not new work.
-            last_sent: ``(round, step)`` of the newest upload this device made before a restart.
-                A task for that step restores the set model and waits for the cell's average
-                instead of training the step again: a second upload of the same step would be
-                a second noisy release of the same data that the privacy ledger never charges.
+            last_sent: ``(round, step)`` of the newest upload this device made before a restart;
+                updated with every upload after it (``_uploaded``). A task for that step restores
+                the set model and waits for the cell's average instead of training the step again
+                — after a restart as in the running process (a desync, then the edge repeating the
+                step's task): a second upload of the same step would be a second noisy release of
+                the same data that the privacy ledger never charges.
             noise: where differential-privacy noise comes from (default: a fresh OS-seeded source).
         """
         self.noise = noise if noise is not None else NoiseSource()
@@ -182,6 +184,10 @@ class _DeviceBase(StateGuard):
 
     def _max_start_step(self, config: Any) -> int:
         raise NotImplementedError
+
+    def _uploaded(self, step: int) -> None:
+        """Record an upload of ``step`` of the current round: that step is never released again."""
+        self._last_sent = (self._round, step)
 
     def _check_step(self, msg: CellStep, kind: str) -> None:
         if msg.sender != self.cell:
@@ -253,6 +259,7 @@ class Device(_DeviceBase):
         update = DeviceUpdate(rollout=self.rollout, round=self._round, sender=self.device_id, step=self._step,
                               delta=values, num_samples=result.num_samples, train_loss=train_loss,
                               steps=result.steps, q=q, release=release)
+        self._uploaded(self._step)
         if self._step + 1 < c.edge_rounds:
             self._state = RoleState.WAITING
         else:

@@ -149,6 +149,7 @@ class Device(_DeviceBase):
             msg = DeviceGradient(rollout=self.rollout, round=self._round, sender=self.device_id, step=self._step,
                                  grad=values, model_sha=digest(self._params), loss=result.loss,
                                  num_samples=result.num_samples, q=q)
+            self._uploaded(self._step)
             self._state = RoleState.WAITING
             return [SendToParent(msg, encodings)]
         # Local phase, (7)-(8): plain SGD, its change summed exactly.
@@ -167,6 +168,7 @@ class Device(_DeviceBase):
         update = DeviceUpdate(rollout=self.rollout, round=self._round, sender=self.device_id, step=c.tau,
                               delta=values, num_samples=result.num_samples,
                               train_loss=float(np.mean(self._local_losses)), steps=c.gamma, q=q)
+        self._uploaded(c.tau)
         self._finish_round()
         return [SendToParent(update, encodings)]
 

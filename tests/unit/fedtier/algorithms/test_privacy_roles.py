@@ -8,6 +8,7 @@ sample std has a relative standard error of about 0.8% and the 3% tolerance is ~
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping
 
@@ -18,6 +19,7 @@ from scipy import stats
 
 from cloud_coordinator.privacy.accountant import paper_noise_multiplier
 from fedtier.algorithms import fedavg, hier_qsgd
+from fedtier.algorithms.base import RoleState
 from fedtier.errors import MissingReleaseError
 from fedtier.privacy.plan import CellPlan, NoisePlan
 from fedtier.wire import messages
@@ -208,6 +210,67 @@ def test_with_intra_round_syncs_the_variance_counts_every_untrusted_event() -> N
     h.run()
     expected = (0.5 * SIGMA_EDGE ** 2 + 0.5 * 4 * SIGMA_DEV ** 2 / 5) / 10
     assert h.closed[0].params["w"].astype(np.float64).var() == pytest.approx(expected, rel=0.05)
+
+
+# --- one release per (round, step) -----------------------------------------------------------------
+
+
+def _desync(h: Hierarchy, device: str, cell: str, step: int) -> None:
+    """The edge's average of ``step`` does not match ``device``'s model: it leaves the round (IDLE)."""
+    wrong = messages.CellStep(rollout="r", round=0, sender=cell, step=step, tensors_={"w": np.zeros(SHAPE, np.float32)},
+                              kind="delta", model_sha="0" * 64, reported=(device,))
+    h.deliver_to_device(device, wrong)
+
+
+def test_a_repeated_step_task_with_another_model_is_not_released_again() -> None:
+    # Issue 17 A3: b0 uploads step 0, leaves the round on a desync, and the edge repeats step 0's task with a
+    # different model. Training and uploading again would be a second release of step 0 that the ledger never
+    # charges (and, with noise keyed by (rollout, device, round, step), the same noise: the two uploads'
+    # difference would be the clean difference). The device takes the model and waits for the cell's average.
+    cells = {"edge-b": ("b0", "b1")}
+    h = hierarchy(cells, {"edge-b": False}, edge_rounds=2, train=lambda p, d, r: {
+        "w": (small_delta(d)["w"] + 0.01 * p["w"]).astype(np.float32)})  # the delta depends on the model
+    h.devices["b1"].receive = lambda msg, now: []  # type: ignore[method-assign]  # b1 silent: step 0 stays open
+    h.start()
+    assert [(u.sender, u.step) for u in uploads(h, "edge-b")] == [("b0", 0)]
+    _desync(h, "b0", "edge-b", 0)
+    other = {"w": np.full(SHAPE, 0.5, np.float32)}
+    h.deliver_to_device("b0", dataclasses.replace(h.edges["edge-b"]._device_task(), params=other))
+    assert [(u.sender, u.step) for u in uploads(h, "edge-b")] == [("b0", 0)]
+    assert h.devices["b0"].state is RoleState.WAITING  # holding the task's model, for the cell's average
+
+
+def test_a_device_that_left_a_round_still_trains_the_steps_it_has_not_released() -> None:
+    # The guard is per (round, step): b0 misses step 0's average (desync), and the edge's catch-up task at step 1
+    # is new work — b0 trains and uploads it, and the round closes.
+    cells = {"edge-b": ("b0", "b1")}
+    h = hierarchy(cells, {"edge-b": False}, edge_rounds=2)
+
+    def lose_b0(cell: str, step: messages.CellStep) -> None:
+        if "b0" not in h.offline:
+            h.offline.add("b0")
+            _desync(h, "b0", cell, step.step)
+
+    h.on_step = lose_b0
+    h.start()
+    assert h.closed == [] and h.devices["b0"].state is RoleState.IDLE
+    h.reconnect("b0")
+    assert [(u.sender, u.step) for u in uploads(h, "edge-b") if u.sender == "b0"] == [("b0", 0), ("b0", 1)]
+    assert len(h.closed) == 1 and h.closed[0].missing == ()
+
+
+def test_a_noise_stream_is_never_drawn_twice() -> None:
+    # Defence in depth behind the roles' guard: the same (rollout, node, round, step) twice would be the same noise.
+    from fedtier.errors import PrivacyViolationError
+    from fedtier.privacy.mechanism import NoiseSource
+
+    source = NoiseSource(7)
+    tensors = {"w": np.zeros(SHAPE, np.float32)}
+    first = source.add(tensors, 1.0, "dp", "r", "b0", 0, 0)
+    second = source.add({"w": np.ones(SHAPE, np.float32)}, 1.0, "dp", "r", "b0", 0, 1)
+    assert not np.array_equal(first["w"], second["w"] - 1.0)
+    with pytest.raises(PrivacyViolationError, match="already"):
+        source.add({"w": np.ones(SHAPE, np.float32)}, 1.0, "dp", "r", "b0", 0, 0)
 
 
 # --- audits --------------------------------------------------------------------------------------
