@@ -6,6 +6,11 @@ the ledger. A release row says who added noise (node, its parent and the parent'
 for whom (the protected devices), against which sensitivity and its inputs, with which sigma
 and noise multiplier, under which calibration mode — and whether the cloud saw it.
 
+Who a release is charged to never depends on which messages arrived either: a trusted cell's
+release is charged to every member of the cell, whether or not it reported (its record lists
+the reporters), so the offline recomputation lists the same devices as the live ledger, which
+lists every member from the start.
+
 Unseen releases are charged too. Once a round's tasks are out, a device under an untrusted
 edge may release at every edge round even if its update never reaches the cloud (it was late,
 the cell closed on a quorum — the untrusted edge saw it all the same), and a trusted edge
@@ -111,7 +116,9 @@ class PrivacyLedger:
             if p.trusted:
                 record = seen.get((cell, 0))
                 if record is not None:
-                    releases.append(self._row(record, round, cell, self.cloud_id, observed=True))
+                    # Charged to every member, reported or not, like the planned release below: who is on the
+                    # ledger (and a device's epsilon) never depends on which messages arrived.
+                    releases.append(self._row(record, round, cell, self.cloud_id, observed=True, protected=members))
                 else:
                     n = len(members)
                     planned = audit.release_record(plan=self.plan, node=cell, event="edge", round=round, step=0,
@@ -136,12 +143,12 @@ class PrivacyLedger:
                     releases.append(self._row(record, round, device, cell, observed=observed))
         return releases, clear
 
-    def _row(self, record: Mapping[str, Any], round: int, node: str, parent: str, *, observed: bool
-             ) -> dict[str, Any]:
+    def _row(self, record: Mapping[str, Any], round: int, node: str, parent: str, *, observed: bool,
+             protected: Iterable[str] = ()) -> dict[str, Any]:
         parent_trusted = parent in self.plan.cells and self.plan.cells[parent].trusted
         return {"round": round, "event": record.get("event", "device"), "step": int(record.get("step", 0)),
                 "node": node, "parent": parent, "parent_trusted": parent_trusted,
-                "protected": sorted(record.get("protected") or [node]),
+                "protected": sorted({*(record.get("protected") or [node]), *protected}),
                 "sensitivity": float(record["sensitivity"]), "inputs": dict(record.get("inputs") or {}),
                 "sigma": float(record["sigma"]), "noise_multiplier": float(record["z"]), "mode": self.plan.mode,
                 "observed": observed}

@@ -331,3 +331,36 @@ def test_report_errors_name_the_path(ran: dict[str, Any], tmp_path: Path, artifa
         conn.execute("DELETE FROM privacy_releases")
     code, out = run("report", "--db", empty, "--rollout", "dp")
     assert code == 2 and "no privacy-ledger rows" in out and str(empty) in out
+
+
+def test_a_trusted_cell_device_that_never_reported_is_listed_alike_by_ledger_and_live(
+        tmp_path: Path, artifact_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 17 A4: dev-00 of the trusted cell never takes part (its cell closes on a quorum). The live ledger lists
+    # every member, so the offline recomputation must too: the trusted cell's release is charged to every member,
+    # reported or not (as untrusted cells' planned releases are), and nothing is flagged.
+    from cloud_coordinator.simulate import simulate
+    from device_agent.node import DeviceNode
+
+    run_task = DeviceNode._run_task
+    monkeypatch.setattr(DeviceNode, "_run_task",
+                        lambda self, task, now: None if self.device_id == "dev-00" else run_task(self, task, now))
+    # quorum 0.6: 2 of a cell's 3 devices, and both cells at the cloud (so cell-a's release is observed).
+    text = rollout_toml(artifact_store).replace("edge_rounds = 2", "edge_rounds = 2\nquorum = 0.6\ndeadline_s = 5")
+    config = write(tmp_path / "r.toml", text)
+    cfg = load(RolloutConfig, config)
+    result = simulate(cfg, workdir=cfg.state_dir)
+    assert len(result.rounds) == 3 and all(r["missing"] == ["dev-00"] for r in result.rounds)
+    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    edge_rows = [r for r in store.privacy_releases("dp") if r["event"] == "edge"]
+    store.close()
+    assert len(edge_rows) == 3 and all(r["observed"] for r in edge_rows)
+
+    doc = run_json("report", "--config", config)
+    by_device = {d["device"]: d for d in doc["devices"]}
+    assert set(by_device) == {f"dev-0{i}" for i in range(6)}
+    assert by_device["dev-00"]["epsilon"] == pytest.approx(by_device["dev-01"]["epsilon"], rel=1e-12)
+    assert by_device["dev-00"]["epsilon"] > 0
+    assert all(d["agrees"] for d in doc["devices"]) and all(p["agrees"] for p in doc["rounds"])
+    assert doc["warnings"] == []
+    code, out = run("report", "--config", config)
+    assert code == 0 and "MISMATCH" not in out
