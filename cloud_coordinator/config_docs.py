@@ -1,4 +1,5 @@
-"""Generate ``docs/configuration.md`` from the config sections' own field metadata.
+"""Generate ``docs/configuration.md`` from the config sections' own field metadata (and the table of
+upward fields in ``docs/privacy.md`` from ``fedtier.privacy.disclosure``).
 
 The reference is built from the same ``opt(help=..., choices=..., min=...)`` the loader
 validates with, so the docs cannot drift from the code; a test fails when the committed
@@ -100,10 +101,26 @@ def generate() -> str:
     return "\n".join(lines)
 
 
+DISCLOSURE_BEGIN, DISCLOSURE_END = "<!-- disclosure:begin -->", "<!-- disclosure:end -->"
+
+
+def privacy_doc(text: str) -> str:
+    """``docs/privacy.md`` with its table of upward fields regenerated from ``fedtier.privacy.disclosure``."""
+    from fedtier.privacy.disclosure import markdown_table
+
+    start, end = text.index(DISCLOSURE_BEGIN) + len(DISCLOSURE_BEGIN), text.index(DISCLOSURE_END)
+    return text[:start] + "\n" + markdown_table() + text[end:]
+
+
 def main(argv: list[str] | None = None) -> int:
-    target = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    target = Path(argv[0]) if argv else docs / "configuration.md"
     target.write_text(generate())
     sys.stderr.write(f"wrote {target}\n")
+    if not argv:
+        privacy = docs / "privacy.md"
+        privacy.write_text(privacy_doc(privacy.read_text()))
+        sys.stderr.write(f"wrote {privacy} (its table of upward fields)\n")
     return 0
 
 

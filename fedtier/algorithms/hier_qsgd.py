@@ -28,7 +28,9 @@ plan: every device upload is clipped to L2 norm ``C``; a device under an untrust
 edge clips each input again (quantization may have grown it), and adds fresh noise to the
 cell's change before it goes to the cloud; an untrusted edge forwards the exact mean of
 noised inputs and refuses an input whose release record is missing. Training losses are not
-sent to untrusted nodes (they are data-dependent releases the plan does not cover).
+sent to untrusted nodes (they are data-dependent releases the plan does not cover), nor is a
+trusted cell's mean QSGD variance of its devices' clear deltas; ``fedtier.privacy.disclosure``
+classifies every field an upward message carries.
 
 Transition tables (anything else raises):
 
@@ -404,13 +406,19 @@ class _EdgeBase(StateGuard):
         assert self._task is not None
         c = self._config
         delta, privacy = self._privatize(delta)
+        stats = {"device_q": device_q}
         if privacy is not None:
-            mean_loss = 0.0  # a data-dependent number the plan does not cover; the cloud is untrusted
+            # Nothing computed from clear data leaves a trusted cell unless it passed the mechanism
+            # (fedtier.privacy.disclosure): the loss is data-dependent and never noised; the devices' q
+            # is measured on noised uploads under an untrusted cell (post-processing), on clear ones here.
+            mean_loss = 0.0
+            if privacy["trusted"]:
+                stats = {}
         values, encodings, q2 = quantize(delta, c.bits_edge, c.seed, "q2", self.rollout, self.cell,
                                          self._task.round)
         update = CellUpdate(rollout=self.rollout, round=self._task.round, sender=self.cell, delta=values,
                             weight=float(sum(weights)), reported=tuple(ids), mean_loss=mean_loss, q=q2,
-                            stats={"device_q": device_q}, privacy=privacy)
+                            stats=stats, privacy=privacy)
         self._state = RoleState.FORWARDED
         actions: list[Action] = [SendToParent(update, encodings)]
         missing = sorted(set(self._task.members) - set(ids))

@@ -16,6 +16,13 @@ def test_configuration_reference_is_up_to_date() -> None:
     assert committed == generate(), "run: python -m cloud_coordinator.config_docs"
 
 
+def test_privacy_doc_lists_every_upward_field() -> None:
+    from cloud_coordinator.config_docs import privacy_doc
+
+    committed = (ROOT / "docs" / "privacy.md").read_text()
+    assert committed == privacy_doc(committed), "run: python -m cloud_coordinator.config_docs"
+
+
 def test_every_experiment_config_loads() -> None:
     """Plain rollout configs load; experiment specs ([rollout] + splits) load for every run they make."""
     import sys
