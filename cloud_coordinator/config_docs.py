@@ -65,6 +65,16 @@ def _constraints(meta: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _optional_section(tp: Any) -> type[Section] | None:
+    """``S`` for a field typed ``S | None`` with ``S`` a section (an optional table), else ``None``."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], Section):
+        return args[0]
+    return None
+
+
 def _section(cls: type[Section], prefix: str, lines: list[str]) -> None:
     hints = typing.get_type_hints(cls)
     nested = []
@@ -75,6 +85,12 @@ def _section(cls: type[Section], prefix: str, lines: list[str]) -> None:
         key = f"{prefix}{f.name}"
         if isinstance(tp, type) and issubclass(tp, Section):
             nested.append((key, tp, f.metadata.get("help", "")))
+            continue
+        optional = _optional_section(tp)
+        if optional is not None:  # an optional table: listed as a row, its keys documented below
+            lines.append(f"| `{key}` | table (optional) | unset |  | {f.metadata.get('help', '')} See `[{key}]` "
+                         "below. |")
+            nested.append((key, optional, f.metadata.get("help", "")))
             continue
         lines.append(f"| `{key}` | {_type_name(tp)} | {_default(f)} | {_constraints(dict(f.metadata))} | "
                      f"{f.metadata.get('help', '')} |")

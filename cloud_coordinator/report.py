@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 TIERS = (("device_up", "device -> edge"), ("device_down", "edge -> device"),
@@ -17,14 +18,26 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
+def epsilon_spent(row: dict[str, Any], spec: str = ".3g") -> str:
+    """``epsilon 2.4 of 6`` under differential privacy: the largest epsilon any device has spent after
+    this round, and the budget (``of inf``: none); empty without privacy."""
+    privacy = row.get("privacy")
+    if not privacy:
+        return ""
+    budget = privacy.get("budget_epsilon")
+    budget_text = "inf" if budget is None or math.isinf(budget) else f"{budget:g}"
+    return f"epsilon {privacy['epsilon_max']:{spec}} of {budget_text}"
+
+
 def round_line(row: dict[str, Any], total_rounds: int) -> str:
-    """One line per closed round: accuracy, loss, devices, device uplink bytes, duration."""
+    """One line per closed round: accuracy, loss, devices, device uplink bytes, duration, epsilon spent."""
     b = row.get("bytes", {})
     head = f"round {row['round'] + 1:>3}/{total_rounds}"
     if row.get("accuracy") is not None:
         head += f"  accuracy {row['accuracy']:.4f}  loss {row['loss']:.4f}"
+    spent = epsilon_spent(row)
     return (f"{head}  devices {row.get('devices_reported', 0):>3}  up {human_bytes(b.get('device_up', 0))}"
-            f"  {row.get('round_s', 0.0):.2f}s")
+            f"  {row.get('round_s', 0.0):.2f}s" + (f"  {spent}" if spent else ""))
 
 
 def progress_bar(done: int, total: int, width: int = 30) -> str:
@@ -64,5 +77,9 @@ def summary_table(rows: Sequence[dict[str, Any]], wall_s: float, title: str) -> 
                          f"saved {human_bytes(saved)} ({100 * saved / t[f32_key]:.0f} %)")
     if rows and rows[-1].get("accuracy") is not None:
         lines.append(f"final accuracy:    {rows[-1]['accuracy']:.4f} after {len(rows)} rounds")
+    if rows and rows[-1].get("privacy"):
+        delta = rows[-1]["privacy"].get("delta")
+        lines.append(f"privacy:           {epsilon_spent(rows[-1], '.4g').replace(' of ', ' of budget ')} "
+                     f"(largest per-device epsilon, delta {delta:g}; `fedtier privacy report` for the ledger)")
     lines.append(f"wall time:         {wall_s:.1f} s")
     return "\n".join(lines)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -122,6 +123,19 @@ def test_help_of_the_group_and_its_commands_explains_every_option() -> None:
         for param in command.params:
             if isinstance(param, click.Option) and param.name != "help":
                 assert param.help and len(param.help) > 20, (name, param.name)
+
+
+def test_the_plan_helps_example_runs_as_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 17 A6: the example names a config with a [privacy] section, from the repository root.
+    root = Path(__file__).resolve().parents[3]
+    code, out = run("plan", "--help")
+    examples = [line.strip() for line in out.splitlines() if line.strip().startswith("fedtier privacy plan ")]
+    assert examples
+    monkeypatch.chdir(root)
+    for example in examples:
+        code, out = run(*example.split()[2:])
+        assert code == 0, (example, out)
+        assert "privacy plan of rollout" in out and "signal-to-noise" in out
 
 
 # --- plan -----------------------------------------------------------------------------------------
@@ -260,6 +274,19 @@ def test_report_tiers_clear_hops_and_status(ran: dict[str, Any]) -> None:
     assert "MISMATCH" not in out and "warnings" not in out
 
 
+def test_report_shows_accuracy_beside_epsilon_per_round(ran: dict[str, Any]) -> None:
+    # Issue 17 A6: what each round's privacy bought.
+    rounds = ran["finished"]["rounds"]
+    doc = run_json("report", "--config", ran["finished"]["config"], "--out", ran["root"] / "acc.png")
+    assert [p["accuracy"] for p in doc["rounds"]] == [r["accuracy"] for r in rounds]
+    code, out = run("report", "--config", ran["finished"]["config"], "--out", ran["root"] / "acc.png")
+    table = out[out.index("epsilon after each round"):]
+    header = table.splitlines()[1].split()
+    assert header[:3] == ["round", "accuracy", "releases"]
+    first = table.splitlines()[2].split()
+    assert first[:2] == ["1", f"{rounds[0]['accuracy']:.4f}"]
+
+
 def test_report_writes_the_epsilon_plot(ran: dict[str, Any]) -> None:
     cfg = ran["finished"]["cfg"]
     default = cfg.state_dir / "privacy_epsilon.png"
@@ -364,3 +391,40 @@ def test_a_trusted_cell_device_that_never_reported_is_listed_alike_by_ledger_and
     assert doc["warnings"] == []
     code, out = run("report", "--config", config)
     assert code == 0 and "MISMATCH" not in out
+
+
+def test_plan_warns_when_the_noise_will_destroy_the_rollout(tmp_path: Path, artifact_store: Path) -> None:
+    # Issue 17 A6, tried as a new user would: 2 devices under an untrusted cell, epsilon 8, clip 1, 15 rounds. The
+    # plan's sigma is 4.94; on the digits MLP (M = 64*64+64 + 64*10+10 = 4810 parameters) the cell's mean carries
+    # noise of norm ~4.94 sqrt(4810 / 2) = 242 against a clipped signal of at most 1 per round.
+    text = rollout_toml(artifact_store, topology="").replace("rounds = 3", "rounds = 15") \
+        .replace("cells = 2\ndevices_per_cell = 3", "cells = 1\ndevices_per_cell = 2") \
+        .replace("local_steps = 2\nedge_rounds = 2", "local_steps = 2\nedge_rounds = 1") \
+        .replace("[model]\nhidden = [16]", "[model]\nhidden = [64]")
+    config = write(tmp_path / "r.toml", text)
+    doc = run_json("plan", "--config", config)
+    assert doc["tiers"]["device"]["sigma_max"] == pytest.approx(4.94, abs=0.005)
+    snr = doc["signal_to_noise"]
+    assert snr["parameters"] == 4810 and snr["edge"] is None
+    assert snr["cloud"]["signal"] == 1.0
+    assert snr["cloud"]["noise"] == pytest.approx(doc["tiers"]["device"]["sigma_max"] * math.sqrt(4810 / 2), rel=1e-9)
+    assert snr["device"]["snr"] == pytest.approx(snr["cloud"]["snr"]) and snr["dominant"] == "device"
+    assert snr["rollout_snr"] == pytest.approx(snr["cloud"]["snr"] * math.sqrt(15))
+    (warning,) = [w for w in doc["warnings"] if "noise dominates" in w]
+    assert "will likely not learn" in warning
+    for remedy in ("more devices per untrusted cell", "trusted edges", "a larger epsilon (now 8)", "sampling"):
+        assert remedy in warning
+    code, out = run("plan", "--config", config)
+    assert code == 0 and "WARNING: noise dominates" in out and "signal-to-noise" in out
+
+
+def test_plan_names_the_sync_when_trusted_cells_dominate_and_is_quiet_when_the_noise_is_small(
+        tmp_path: Path, artifact_store: Path) -> None:
+    both = "trusted = { cell-a = true, cell-b = true }"
+    doc = run_json("plan", "--config", write(tmp_path / "a.toml", rollout_toml(artifact_store, topology=both)))
+    (warning,) = [w for w in doc["warnings"] if "noise dominates" in w]
+    assert doc["signal_to_noise"]["dominant"] == "edge" and "edge_rounds = 1" in warning
+    assert "more devices per untrusted cell" not in warning
+    generous = rollout_toml(artifact_store, topology=both, privacy_extra="").replace("epsilon = 8", "epsilon = 1e5")
+    doc = run_json("plan", "--config", write(tmp_path / "b.toml", generous))
+    assert doc["signal_to_noise"]["rollout_snr"] > 3 and not any("noise dominates" in w for w in doc["warnings"])

@@ -201,3 +201,24 @@ def test_the_budget_check_uses_the_sound_multiplier_in_paper_mode() -> None:
                            cloud_id="cloud")
     assert ledger.planned("d0") == [(pytest.approx(z / 5, rel=1e-12), 1)]
     assert ledger.admit(0) is None and ledger.admit(1) is not None  # 2 rounds at z/5: 10.5 > 8
+
+
+def test_the_round_line_shows_the_epsilon_spent_and_the_start_warns_of_noise(small_rollout, tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 17 A6: the coordinator's round line (its log, and fedtier simulate's console line) shows the epsilon
+    # spent so far, and a rollout the noise will drown is said to be so when it starts.
+    import logging
+
+    from cloud_coordinator.report import round_line, summary_table
+
+    cfg = private(small_rollout, tmp_path)
+    with caplog.at_level(logging.INFO, logger="fedtier.coordinator"):
+        result = simulate(cfg)
+    spent = [r["privacy"]["epsilon_max"] for r in result.rounds]
+    closed = [rec.getMessage() for rec in caplog.records if "closed:" in rec.getMessage()]
+    assert len(closed) == 5
+    for line, eps in zip(closed, spent, strict=True):
+        assert f"epsilon {eps:.3g} of 6" in line, line
+    assert any("noise dominates" in rec.getMessage() and rec.levelno == logging.WARNING for rec in caplog.records)
+    assert f"epsilon {spent[0]:.3g} of 6" in round_line(result.rounds[0], 5)
+    assert f"epsilon {spent[-1]:.4g} of budget 6" in summary_table(result.rounds, 1.0, "t")
