@@ -222,3 +222,29 @@ def test_the_round_line_shows_the_epsilon_spent_and_the_start_warns_of_noise(sma
     assert any("noise dominates" in rec.getMessage() and rec.levelno == logging.WARNING for rec in caplog.records)
     assert f"epsilon {spent[0]:.3g} of 6" in round_line(result.rounds[0], 5)
     assert f"epsilon {spent[-1]:.4g} of budget 6" in summary_table(result.rounds, 1.0, "t")
+
+
+def test_signal_to_noise_of_a_mixed_plan() -> None:
+    # cell-a trusted (4 devices), cell-b untrusted (2), tau = 2, M = 100 parameters: per-coordinate variance
+    # sigma_edge^2 for cell-a's release, 2 sigma_dev^2 / 2 for cell-b's change, and the cloud weighs cells by
+    # their devices: (16 sigma_edge^2 + 4 sigma_dev^2) / 6^2.
+    import math
+
+    from cloud_coordinator.privacy import utility
+    from fedtier.privacy.plan import CellPlan, NoisePlan
+
+    plan = NoisePlan(mode="rdp", epsilon=4.0, delta=1e-5, budget_epsilon=4.0, clip=0.5, edge_rounds=2, rounds=9,
+                     require_tls=False, cells={"cell-a": CellPlan(True, 4, 0.0, 3.0),
+                                               "cell-b": CellPlan(False, 2, 2.0, 0.0)})
+    s_edge, s_dev = plan.edge_sigma("cell-a"), plan.device_sigma("cell-b")
+    assert s_edge == pytest.approx(3.0 * 2 * 0.5 * (1 / 4 + 1)) and s_dev == pytest.approx(2.0 * 2 * 0.5)
+    est = utility.estimate(plan, {"cell-a": 100, "cell-b": 100})
+    assert est.edge is not None and est.device is not None
+    assert est.edge.signal == est.cloud.signal == 2 * 0.5
+    assert est.edge.noise == pytest.approx(math.sqrt(100) * s_edge)
+    assert est.device.noise == pytest.approx(math.sqrt(100 * 2 * s_dev ** 2 / 2))
+    assert est.cloud.noise == pytest.approx(math.sqrt(100 * (16 * s_edge ** 2 + 4 * s_dev ** 2)) / 6)
+    assert est.rollout_snr == pytest.approx(3 * est.cloud.snr) and est.dominant == "edge"
+    # HIST: cells update disjoint submodels, so the global update is as noisy as the worst cell's.
+    hist = utility.estimate(plan, {"cell-a": 100, "cell-b": 100}, cells_averaged=False)
+    assert hist.cloud.snr == pytest.approx(min(est.edge.snr, est.device.snr))
