@@ -341,10 +341,13 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
     test accuracy beside its epsilon; and writes a plot of epsilon after each round (max and min
     over devices, and the budget).
 
+    It reads the database `fedtier coordinator run` keeps in its state_dir (`fedtier simulate`
+    keeps none), so run the rollout first:
+
     \b
-        fedtier simulate --config experiments/digits_private.toml
-        fedtier privacy report --config experiments/digits_private.toml
-        fedtier privacy report --db runs/digits_private/coordinator.db --rollout digits-private --out eps.png
+        fedtier coordinator run --config coordinator.toml
+        fedtier privacy report --config coordinator.toml
+        fedtier privacy report --db fedtier-state/coordinator.db --rollout default --out eps.png
     """
     from cloud_coordinator.privacy import report as rep
     from cloud_coordinator.privacy.ledger import recompute
