@@ -59,7 +59,7 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
 
     from cloud_coordinator.config import RolloutConfig
     from cloud_coordinator.console import RoundProgress, make_console
-    from cloud_coordinator.report import round_epsilon, round_line, summary
+    from cloud_coordinator.report import epsilon_spent, round_epsilon, round_line, summary
     from cloud_coordinator.simulate import simulate as run_simulation
     from fedtier.runtime import logs
     from fedtier.runtime.config import load
@@ -86,7 +86,8 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
         facts = []
         if result.rounds and result.rounds[-1].get("privacy"):
             p = result.rounds[-1]["privacy"]
-            facts.append(("epsilon (ledger)", f"{p['epsilon_max']:.4g} at delta {p['delta']:g} (largest over devices)"))
+            spent = epsilon_spent(result.rounds[-1], ".4g").removeprefix("epsilon ")  # "8 of 8"
+            facts.append(("epsilon (ledger)", f"{spent} at delta {p['delta']:g} (largest over devices)"))
         facts.append(("metrics", str(cfg.metrics_path)))
         make_console().print(summary(result.rounds, wall, f"simulation of {cfg.rollout} ({config_path})",
                                      facts=facts))

@@ -1,4 +1,5 @@
-"""Generate ``docs/configuration.md`` from the config sections' own field metadata.
+"""Generate ``docs/configuration.md`` from the config sections' own field metadata (and the table of
+upward fields in ``docs/privacy.md`` from ``fedtier.privacy.disclosure``).
 
 The reference is built from the same ``opt(help=..., choices=..., min=...)`` the loader
 validates with, so the docs cannot drift from the code; a test fails when the committed
@@ -64,6 +65,16 @@ def _constraints(meta: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _optional_section(tp: Any) -> type[Section] | None:
+    """``S`` for a field typed ``S | None`` with ``S`` a section (an optional table), else ``None``."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], Section):
+        return args[0]
+    return None
+
+
 def _section(cls: type[Section], prefix: str, lines: list[str]) -> None:
     hints = typing.get_type_hints(cls)
     nested = []
@@ -74,6 +85,12 @@ def _section(cls: type[Section], prefix: str, lines: list[str]) -> None:
         key = f"{prefix}{f.name}"
         if isinstance(tp, type) and issubclass(tp, Section):
             nested.append((key, tp, f.metadata.get("help", "")))
+            continue
+        optional = _optional_section(tp)
+        if optional is not None:  # an optional table: listed as a row, its keys documented below
+            lines.append(f"| `{key}` | table (optional) | unset |  | {f.metadata.get('help', '')} See `[{key}]` "
+                         "below. |")
+            nested.append((key, optional, f.metadata.get("help", "")))
             continue
         lines.append(f"| `{key}` | {_type_name(tp)} | {_default(f)} | {_constraints(dict(f.metadata))} | "
                      f"{f.metadata.get('help', '')} |")
@@ -100,10 +117,26 @@ def generate() -> str:
     return "\n".join(lines)
 
 
+DISCLOSURE_BEGIN, DISCLOSURE_END = "<!-- disclosure:begin -->", "<!-- disclosure:end -->"
+
+
+def privacy_doc(text: str) -> str:
+    """``docs/privacy.md`` with its table of upward fields regenerated from ``fedtier.privacy.disclosure``."""
+    from fedtier.privacy.disclosure import markdown_table
+
+    start, end = text.index(DISCLOSURE_BEGIN) + len(DISCLOSURE_BEGIN), text.index(DISCLOSURE_END)
+    return text[:start] + "\n" + markdown_table() + text[end:]
+
+
 def main(argv: list[str] | None = None) -> int:
-    target = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    target = Path(argv[0]) if argv else docs / "configuration.md"
     target.write_text(generate())
     sys.stderr.write(f"wrote {target}\n")
+    if not argv:
+        privacy = docs / "privacy.md"
+        privacy.write_text(privacy_doc(privacy.read_text()))
+        sys.stderr.write(f"wrote {privacy} (its table of upward fields)\n")
     return 0
 
 

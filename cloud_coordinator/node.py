@@ -27,6 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from cloud_coordinator.report import epsilon_spent
 from cloud_coordinator.rollout import PreparedRollout
 from cloud_coordinator.store import CoordinatorStore
 from fedtier import algorithms, wire
@@ -134,10 +135,16 @@ class CloudNode(NodeBase):
         replan = self.cfg.replanner() if self.cfg.algorithm == "qhetfed" and self.cfg.qhetfed.plan else None
         plan = self.prepared.noise_plan
         if plan is not None:
+            from cloud_coordinator.privacy import utility
             from cloud_coordinator.privacy.ledger import PrivacyLedger
 
             self.ledger = PrivacyLedger(store=self.store, rollout=self.rollout, plan=plan, cells=self.prepared.cells,
                                         cloud_id=self.cfg.cloud_id)
+            parameters = {c: self.prepared.cell_bundles.get(c, self.prepared.bundle).layout.num_parameters
+                          for c in self.prepared.cells}
+            estimate = utility.estimate(plan, parameters, cells_averaged=self.cfg.algorithm != "hist")
+            for warning in estimate.warnings(plan.epsilon):
+                log.warning("rollout %s: %s (`fedtier privacy plan` shows the details)", self.rollout, warning)
         self.role = module.Cloud(rollout=self.rollout, cells=self.prepared.cells, initial_params=params,
                                  config=self.prepared.algorithm_config(), rounds=self.cfg.rounds,
                                  cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version,
@@ -307,12 +314,12 @@ class CloudNode(NodeBase):
             self.metrics.set("fedtier_accuracy", result.accuracy)
         if federated is not None and federated.get("accuracy") is not None:
             self.metrics.set("fedtier_federated_accuracy", federated["accuracy"])
-        log.info("round %d closed: accuracy %s loss %s%s (%d devices)", closed.round,
+        log.info("round %d closed: accuracy %s loss %s%s (%d devices)%s", closed.round,
                  _fmt(result.accuracy if result else None), _fmt(result.loss if result else None),
                  "" if federated is None else
                  f"; federated accuracy {_fmt(federated.get('accuracy'))} loss {_fmt(federated['loss'])} "
                  f"on {federated['examples']} held-out rows of {federated['devices']} devices",
-                 row["devices_reported"])
+                 row["devices_reported"], f", {epsilon_spent(row)}" if row.get("privacy") else "")
         self.write_metrics()
         if self.on_round is not None:
             self.on_round(row)

@@ -47,11 +47,13 @@ def plan(config_path: Path, as_json: bool) -> None:
     server with an untrusted child is untrusted; undeclared servers are untrusted), whether it
     adds noise, how many releases it makes, their sensitivity, noise multiplier z and sigma.
     The header gives each tier's epsilon from the RDP accountant and warns when it exceeds the
-    budget, i.e. when the rollout would stop early. Deeper trees (topology.parents) are shown
-    too, although rollouts run device -> cell -> cloud.
+    budget, i.e. when the rollout would stop early. It estimates each tier's signal-to-noise
+    ratio (the clipped signal's bound against the noise's norm) and warns, with what would help,
+    when the noise would drown the model. Deeper trees (topology.parents) are shown too, although
+    rollouts run device -> cell -> cloud.
 
     \b
-        fedtier privacy plan --config experiments/digits_fedavg.toml
+        fedtier privacy plan --config experiments/digits_private.toml
     """
     try:
         cfg = _load(config_path)
@@ -76,14 +78,18 @@ def _load(config_path: Path) -> Any:
     return load(RolloutConfig, config_path)
 
 
-def device_samples(cfg: Any) -> dict[str, int]:
-    """Each device's training-sample count, as the coordinator computes it (no torch needed)."""
+def federated_data(cfg: Any) -> Any:
+    """The rollout's data split, as the coordinator makes it (no torch needed)."""
     from cloud_coordinator.datasets import make_federated
 
     cells = cfg.topology.layout()
-    devices = [d for members in cells.values() for d in members]
-    data = make_federated(cfg.data, devices, cells)
-    return {d: len(data.train[d][1]) for d in devices}
+    return make_federated(cfg.data, [d for members in cells.values() for d in members], cells)
+
+
+def device_samples(cfg: Any, data: Any = None) -> dict[str, int]:
+    """Each device's training-sample count, as the coordinator computes it (no torch needed)."""
+    data = data if data is not None else federated_data(cfg)
+    return {d: len(y) for d, (_, y) in data.train.items()}
 
 
 def rounds_within_budget(z: float, per_round: int, rounds: int, delta: float, budget: float) -> int:
@@ -113,23 +119,35 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
     from cloud_coordinator.privacy import calibrate
     from fedtier.privacy.trust import DEVICE
 
+    from cloud_coordinator.privacy import utility
+
     p = cfg.privacy
-    samples = device_samples(cfg)
+    data = federated_data(cfg)
+    samples = device_samples(cfg, data)
     tree = cfg.trust_tree()
     rows = calibrate.plan_rows(cfg, samples, tree)
     m = calibrate.multipliers(cfg, samples)
     local_steps, tau = calibrate.schedule(cfg)
     budget = float(p.budget_epsilon if p.budget_epsilon is not None else p.epsilon)
+    snr: utility.Estimate | None = None
     try:
-        noise_plan: dict[str, Any] | None = calibrate.make_plan(cfg, samples).to_dict()
+        made = calibrate.make_plan(cfg, samples)
+        noise_plan: dict[str, Any] | None = made.to_dict()
+        snr = utility.estimate(made, utility.parameters_per_cell(cfg, data.num_features, data.num_classes),
+                               cells_averaged=cfg.algorithm != "hist")
     except ConfigError:
         noise_plan = None  # intermediate servers: the per-node rows are the plan
     devices_in = [r for r in rows if r.kind == DEVICE and r.injects]
     servers_in = [r for r in rows if r.kind != DEVICE and r.injects]
     tiers: dict[str, dict[str, Any]] = {}
+    from cloud_coordinator.privacy.accountant import epsilon
+
     for name, who, injecting, z, per_round, eps in (
             ("device", DEVICE_TIER, devices_in, m.device_z, tau, m.details["epsilon_device_tier"]),
             ("edge", EDGE_TIER, servers_in, m.edge_z, 1, m.details["epsilon_edge_tier"])):
+        if injecting:  # what the ledger charges: the smallest multiplier of the tier (paper mode: per fan-in)
+            z = min(r.z for r in injecting)
+            eps = epsilon([(z, per_round * cfg.rounds)], p.delta)
         sens = [r.sensitivity for r in injecting]
         sigmas = [r.sigma for r in injecting]
         within = rounds_within_budget(z, per_round, cfg.rounds, p.delta, budget)
@@ -150,6 +168,8 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
                 else f"will stop before round {k + 1} ({k} of {cfg.rounds} rounds run)")
         warnings.append(f"the {name} tier's releases reach epsilon {t['epsilon']:.4g} (RDP, delta {p.delta:g}) > "
                         f"budget {budget:g}: the rollout {stop}")
+    if snr is not None:
+        warnings += snr.warnings(p.epsilon)
     if not p.require_tls and any(r.kind == DEVICE and not r.injects for r in rows):
         warnings.append("require_tls = false: devices under trusted cells may send clear updates without TLS")
     header = {
@@ -162,6 +182,7 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
         header.update(alpha=m.details["alpha"], sampling_rate=m.details["sampling_rate"],
                       steps_per_round=m.details["steps_per_round"])
     return {**header, "tiers": tiers, "warnings": warnings, "details": dict(m.details),
+            "signal_to_noise": snr.to_dict() if snr is not None else None,
             "nodes": [r.to_dict() for r in rows], "noise_plan": noise_plan}
 
 
@@ -207,6 +228,21 @@ def render_plan(doc: dict[str, Any]) -> str:
             f"{t['rounds_within_budget']} of {doc['rounds']}"])
     lines += table(["tier", "who adds noise", "devices", "releases/device", "z", "sensitivity", "sigma",
                     "epsilon (RDP)", "rounds within budget"], tier_rows)
+
+    snr = doc["signal_to_noise"]
+    if snr is not None:
+        lines += ["", f"signal-to-noise per round (clipped signal bound vs expected noise norm over "
+                      f"{snr['parameters']} parameters; every member reporting):"]
+        snr_rows = []
+        for name, label in (("device", "an untrusted cell's change"), ("edge", "a trusted cell's release"),
+                            ("cloud", "the global update")):
+            r = snr[name]
+            if r is not None:
+                snr_rows.append([label, r["cell"] or "-", fmt(r["signal"], ".3g"), fmt(r["noise"], ".3g"),
+                                 fmt(r["snr"], ".2g")])
+        lines += table(["aggregate", "worst cell", "signal <=", "noise ~", "signal/noise"], snr_rows)
+        lines.append(f"  over {doc['rounds']} rounds: signal/noise {fmt(snr['rollout_snr'], '.2g')} "
+                     f"(x sqrt(rounds): the signal can add up, the noise adds up as a random walk)")
 
     lines += ["", "nodes:"]
     nodes = doc["nodes"]
@@ -301,12 +337,17 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
     charged even when the cloud never saw it) and compares it with the live value the
     coordinator reported in the last round's metrics; summarises the device tier (devices under
     untrusted cells) and the edge tier (trusted cells); checks that every clear hop went to a
-    trusted cell; says whether the rollout finished or the budget stopped it; and writes a plot
-    of epsilon after each round (max and min over devices, and the budget).
+    trusted cell; says whether the rollout finished or the budget stopped it; shows each round's
+    test accuracy beside its epsilon; and writes a plot of epsilon after each round (max and min
+    over devices, and the budget).
+
+    It reads the database `fedtier coordinator run` keeps in its state_dir (`fedtier simulate`
+    keeps none), so run the rollout first:
 
     \b
-        fedtier privacy report --config experiments/digits_fedavg.toml
-        fedtier privacy report --db runs/x/coordinator.db --rollout digits-fedavg --out eps.png
+        fedtier coordinator run --config coordinator.toml
+        fedtier privacy report --config coordinator.toml
+        fedtier privacy report --db fedtier-state/coordinator.db --rollout default --out eps.png
     """
     from cloud_coordinator.privacy import report as rep
     from cloud_coordinator.privacy.ledger import recompute

@@ -30,6 +30,17 @@ def round_epsilon(row: Mapping[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
+def epsilon_spent(row: Mapping[str, Any], spec: str = ".3g") -> str:
+    """``epsilon 2.4 of 6`` under differential privacy: the largest epsilon any device has spent after
+    this round, and the budget (``of inf``: none); empty without privacy."""
+    privacy = row.get("privacy")
+    if not privacy:
+        return ""
+    budget = privacy.get("budget_epsilon")
+    budget_text = "inf" if budget is None or math.isinf(budget) else f"{budget:g}"
+    return f"epsilon {privacy['epsilon_max']:{spec}} of {budget_text}"
+
+
 def round_line(row: dict[str, Any], total_rounds: int) -> str:
     """One line per closed round: accuracy, loss (central test set, and/or the devices' federated
     evaluation of the model the round started from), epsilon spent so far, devices, uplink bytes,
@@ -41,9 +52,8 @@ def round_line(row: dict[str, Any], total_rounds: int) -> str:
     federated = row.get("federated")
     if federated:
         head += f"  federated accuracy {_num(federated.get('accuracy'), '.4f')} loss {_loss(federated['loss'])}"
-    eps = round_epsilon(row)
-    if eps is not None:
-        head += f"  epsilon {eps:.4g} (delta {row['privacy']['delta']:g})"
+    if row.get("privacy"):
+        head += f"  {epsilon_spent(row)} (delta {row['privacy']['delta']:g})"
     return (f"{head}  devices {row.get('devices_reported', 0):>3}  up {human_bytes(b.get('device_up', 0))}"
             f"  {row.get('round_s', 0.0):.2f}s")
 

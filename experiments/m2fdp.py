@@ -251,7 +251,8 @@ its size s (Lemma 1) and added once per round, while devices under untrusted cel
 the full noise at every edge aggregation. Under the paper's calibration the ordering of the
 paper holds, and fewer, larger trusted cells beat more, smaller ones (trusted-edge noise
 variance falls as 1/s²). The paper's closed form is not a guarantee: the RDP ledger reports a
-far larger epsilon for the same noise (last column). Under the sound RDP calibration the
+far larger epsilon for the same noise (last column; it charges a trusted cell's release against the
+sound sensitivity 2C(1/s + τ − 1), not Lemma 1's 2C/s). Under the sound RDP calibration the
 ordering holds when trusted cells do not sync inside a round (τ = 1); with the paper's
 intra-round sync (*rdp-synced*, τ = 2) a trusted cell's sensitivity grows to 2C(1/s + τ − 1) —
 after a sync every member's update depends on the changed record — and trusting edges no longer

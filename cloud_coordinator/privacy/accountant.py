@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 import dp_accounting
 from dp_accounting import rdp
+from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special
 
 __all__ = [
@@ -35,14 +36,10 @@ __all__ = [
     "paper_noise_multiplier",
 ]
 
-# RDP orders of digest §8 check 7: the reference values were computed with exactly these, and epsilon depends on
-# the order grid (a coarser grid gives a larger, still sound, epsilon). Fractional orders matter for large epsilon,
-# the large ones (128..512) for small epsilon. ``k / 10`` (not ``1 + k * 0.1``) gives correctly rounded 1.1, 1.2, ...
-ORDERS: tuple[float, ...] = (
-    tuple(k / 10 for k in range(11, 110))
-    + tuple(float(a) for a in range(12, 64))
-    + (128.0, 256.0, 512.0)
-)
+# RDP orders: dp-accounting's own default grid (1.1..10.9 by 0.1, 11..63, 128, 256, 512, 1024), so every epsilon
+# here is exactly what ``RdpAccountant()`` reports. Epsilon depends on the grid (a coarser one gives a larger, still
+# sound, epsilon): fractional orders matter for large epsilon, the large ones (up to 1024) for small epsilon.
+ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
 
 # Bisection bracket and precision of noise_multiplier_for (relative, on z).
 _Z_MIN = 1e-4
@@ -116,7 +113,7 @@ def epsilon(releases: Iterable[tuple[float, int]], delta: float, sampling_rate: 
 
     Why RDP via dp_accounting and not a formula: the paper's eq. (11) has unspecified constants (digest §3.5), and a
     maintained accountant is the reference reviewers check against (digest §8 check 7). A fresh ``RdpAccountant``
-    with :data:`ORDERS` is built per call, so the result depends only on the arguments.
+    with its default orders (:data:`ORDERS`) is built per call, so the result depends only on the arguments.
 
     * ``z = math.inf`` (no noise needed, e.g. a release of nothing) contributes nothing. It is skipped *before*
       dp_accounting sees it, because dp_accounting's subsampled-Gaussian code does not converge at sigma = inf.
@@ -159,8 +156,8 @@ def noise_multiplier_for(target_epsilon: float, delta: float, releases: int, sam
     returned. Raises :class:`AccountingError` if even z = 1e6 is not enough, and for
     ``releases < 1`` (calibrating noise for zero releases is meaningless; returning "no noise" would be a trap).
 
-    Note: dp_accounting's epsilon is not continuous in z at the low end. With finite orders (max 512) it floors at
-    about 0.0084 (delta 1e-5) until the RDP becomes tiny enough for its KL-divergence shortcut to return 0, so a
+    Note: dp_accounting's epsilon is not continuous in z at the low end. With finite orders (max 1024) it floors at
+    about 0.0035 (delta 1e-5) until the RDP becomes tiny enough for its KL-divergence shortcut to return 0, so a
     target below that floor yields a very large z.
     """
     _check_positive(target_epsilon, "target_epsilon")

@@ -10,7 +10,8 @@ is claimed (ORT's minibatches are not Poisson samples).
 for every tier, ``z = alpha * q * sqrt(K T ln(1/delta)) / epsilon`` with ``K`` the local steps
 per round. It composes as if noise were added at every step and misapplies amplification
 (digest §3.5), so it is a reproduction aid, not a guarantee: the ledger reports the RDP
-epsilon of what was actually released either way.
+epsilon of what was actually released either way — charged against the sound sensitivity
+(a trusted cell's ``2C (1/n + tau - 1)``, not Lemma 1's ``2C/n``; ``fedtier.privacy.plan``).
 
 ``plan_rows`` describes every node of a tree of any depth (intermediate servers included)
 for ``fedtier privacy plan``; ``make_plan`` is the two-tier plan a rollout runs with.
@@ -25,7 +26,7 @@ from typing import Any, Mapping
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.privacy import accountant
 from fedtier.errors import ConfigError
-from fedtier.privacy.plan import CellPlan, NoisePlan, device_sensitivity, edge_sensitivity
+from fedtier.privacy.plan import CellPlan, NoisePlan, calibrated_edge_sensitivity, device_sensitivity, edge_sensitivity
 from fedtier.privacy.trust import CLOUD, DEVICE, TrustNode
 
 
@@ -73,8 +74,13 @@ def multipliers(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> Multip
             epsilon=p.epsilon, delta=p.delta)
         details.update(alpha=p.alpha, sampling_rate=q, steps_per_round=local_steps * tau)
     details["epsilon_device_tier"] = accountant.epsilon([(device_z, tau * rounds)], p.delta)
-    details["epsilon_edge_tier"] = accountant.epsilon([(edge_z, rounds)], p.delta)
+    details["epsilon_edge_tier"] = accountant.epsilon([(edge_z, rounds)], p.delta)  # rdp; paper: see charged_z
     return Multipliers(device_z, edge_z, details)
+
+
+def charged_edge_z(mode: str, edge_z: float, clip: float, fan_in: int, tau: int) -> float:
+    """The multiplier a trusted server's release is charged: its sigma over the sound sensitivity."""
+    return edge_z * (calibrated_edge_sensitivity(mode, clip, fan_in, tau) / edge_sensitivity(clip, fan_in, tau))
 
 
 def make_plan(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> NoisePlan:
@@ -100,8 +106,14 @@ def make_plan(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> NoisePla
                             edge_z=m.edge_z if tree[cell].trusted else 0.0)
              for cell, members in cells.items()}
     budget = p.budget_epsilon if p.budget_epsilon is not None else p.epsilon
+    details = dict(m.details)
+    trusted = [c for c, cp in plans.items() if cp.trusted]
+    if trusted:  # what the ledger will charge the edge tier: the worst trusted cell, sound sensitivity
+        details["epsilon_edge_tier"] = max(
+            accountant.epsilon([(charged_edge_z(p.calibration, m.edge_z, p.clip, plans[c].members, tau),
+                                 cfg.rounds)], p.delta) for c in trusted)
     return NoisePlan(mode=p.calibration, epsilon=p.epsilon, delta=p.delta, budget_epsilon=budget, clip=p.clip,
-                     edge_rounds=tau, rounds=cfg.rounds, require_tls=p.require_tls, cells=plans, details=m.details)
+                     edge_rounds=tau, rounds=cfg.rounds, require_tls=p.require_tls, cells=plans, details=details)
 
 
 @dataclass(frozen=True)
@@ -131,8 +143,10 @@ def plan_rows(cfg: RolloutConfig, device_samples: Mapping[str, int],
     """Every node of the (possibly deeper) tree: label, whether and how much noise it adds.
 
     A trusted server at any depth that forwards to an untrusted parent protects its whole
-    subtree with ``sensitivity = 2C / fan_in`` (paper) or ``2C (1/fan_in + tau - 1)`` (rdp),
-    where ``fan_in`` is the smallest product of child counts down to one of its devices.
+    subtree; its row shows the sound ``sensitivity = 2C (1/fan_in + tau - 1)`` and the charged
+    ``z = sigma / sensitivity`` (what the ledger will charge), and ``sigma`` as calibrated (against
+    ``2C / fan_in`` in paper mode). ``fan_in`` is the smallest product of child counts down to one
+    of its devices.
     """
     p = cfg.privacy
     if p is None:
@@ -144,13 +158,15 @@ def plan_rows(cfg: RolloutConfig, device_samples: Mapping[str, int],
     for node in sorted(tree.values(), key=lambda e: (e.layer, e.kind != CLOUD, e.node)):
         if node.injects and node.kind == DEVICE:
             releases, sens, z = tau * cfg.rounds, device_sensitivity(p.clip), m.device_z
-        elif node.injects:
-            releases, z = cfg.rounds, m.edge_z
-            sens = edge_sensitivity(p.calibration, p.clip, node.fan_in, tau)
+            sigma = z * sens
+        elif node.injects:  # sigma as calibrated; sensitivity and z as the ledger charges them
+            releases, sens = cfg.rounds, edge_sensitivity(p.clip, node.fan_in, tau)
+            z = charged_edge_z(p.calibration, m.edge_z, p.clip, node.fan_in, tau)
+            sigma = m.edge_z * calibrated_edge_sensitivity(p.calibration, p.clip, node.fan_in, tau)
         else:
-            releases, sens, z = 0, 0.0, 0.0
+            releases, sens, z, sigma = 0, 0.0, 0.0, 0.0
         rows.append(PlanRow(node=node.node, kind=node.kind, layer=node.layer, parent=node.parent,
                             declared=node.declared, trusted=node.trusted, why=node.why, injects=node.injects,
-                            releases=releases, sensitivity=sens, z=z, sigma=z * sens,
+                            releases=releases, sensitivity=sens, z=z, sigma=sigma,
                             protects=node.devices if node.injects else 0))
     return rows

@@ -6,12 +6,22 @@ the ledger. A release row says who added noise (node, its parent and the parent'
 for whom (the protected devices), against which sensitivity and its inputs, with which sigma
 and noise multiplier, under which calibration mode — and whether the cloud saw it.
 
+Who a release is charged to never depends on which messages arrived either: a trusted cell's
+release is charged to every member of the cell, whether or not it reported (its record lists
+the reporters), so the offline recomputation lists the same devices as the live ledger, which
+lists every member from the start.
+
 Unseen releases are charged too. Once a round's tasks are out, a device under an untrusted
 edge may release at every edge round even if its update never reaches the cloud (it was late,
 the cell closed on a quorum — the untrusted edge saw it all the same), and a trusted edge
 that missed the deadline may still send its noised aggregate. So at every close the ledger
 charges each planned release of the round that has no record, at its planned multiplier,
 with ``observed = 0``. A device's epsilon therefore never depends on which messages arrived.
+
+Every release is charged against its sound sensitivity, whatever the calibration mode: a trusted
+cell's ``2C (1/n + tau - 1)`` also in paper mode, whose noise is calibrated against Lemma 1's
+``2C/n`` (``fedtier.privacy.plan``); the audited record carries that multiplier, and ``planned``
+(the budget check) uses it too.
 
 Per-device epsilon comes from the RDP accountant (``accountant.Accountant``) over the
 multipliers of the releases that protect it; later forwarding of noised data (untrusted
@@ -62,7 +72,9 @@ class PrivacyLedger:
         """The releases ``rounds`` global rounds make that protect ``device``."""
         cell = next(c for c, m in self.cells.items() if device in m)
         p = self.plan.cells[cell]
-        return [(p.edge_z, rounds)] if p.trusted else [(p.device_z, self.plan.edge_rounds * rounds)]
+        if p.trusted:  # charged against the sound sensitivity, with every member reporting (the smallest z)
+            return [(self.plan.edge_charged_z(cell), rounds)]
+        return [(p.device_z, self.plan.edge_rounds * rounds)]
 
     def admit(self, round: int) -> str | None:
         """``None`` if opening round ``round`` keeps every device within budget, else why not.
@@ -104,12 +116,16 @@ class PrivacyLedger:
             if p.trusted:
                 record = seen.get((cell, 0))
                 if record is not None:
-                    releases.append(self._row(record, round, cell, self.cloud_id, observed=True))
+                    # Charged to every member, reported or not, like the planned release below: who is on the
+                    # ledger (and a device's epsilon) never depends on which messages arrived.
+                    releases.append(self._row(record, round, cell, self.cloud_id, observed=True, protected=members))
                 else:
-                    sens = self.plan.edge_sensitivity(len(members))
+                    n = len(members)
                     planned = audit.release_record(plan=self.plan, node=cell, event="edge", round=round, step=0,
-                                                   sigma=p.edge_z * sens, sensitivity=sens, protected=members,
-                                                   reporters=len(members), z=p.edge_z)
+                                                   sigma=self.plan.edge_sigma(cell, n),
+                                                   sensitivity=self.plan.edge_sensitivity(n), protected=members,
+                                                   reporters=n, z=self.plan.edge_charged_z(cell, n),
+                                                   calibrated_sensitivity=self.plan.calibrated_edge_sensitivity(n))
                     releases.append(self._row(planned, round, cell, self.cloud_id, observed=False))
                 clear.extend({"round": round, "step": int(c["step"]), "sender": c["sender"],
                               "receiver": c["receiver"], "receiver_trusted": True}
@@ -127,12 +143,12 @@ class PrivacyLedger:
                     releases.append(self._row(record, round, device, cell, observed=observed))
         return releases, clear
 
-    def _row(self, record: Mapping[str, Any], round: int, node: str, parent: str, *, observed: bool
-             ) -> dict[str, Any]:
+    def _row(self, record: Mapping[str, Any], round: int, node: str, parent: str, *, observed: bool,
+             protected: Iterable[str] = ()) -> dict[str, Any]:
         parent_trusted = parent in self.plan.cells and self.plan.cells[parent].trusted
         return {"round": round, "event": record.get("event", "device"), "step": int(record.get("step", 0)),
                 "node": node, "parent": parent, "parent_trusted": parent_trusted,
-                "protected": sorted(record.get("protected") or [node]),
+                "protected": sorted({*(record.get("protected") or [node]), *protected}),
                 "sensitivity": float(record["sensitivity"]), "inputs": dict(record.get("inputs") or {}),
                 "sigma": float(record["sigma"]), "noise_multiplier": float(record["z"]), "mode": self.plan.mode,
                 "observed": observed}

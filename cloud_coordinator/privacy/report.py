@@ -5,7 +5,7 @@ and ``privacy_clear``), so anyone holding the coordinator's database can reprodu
 live numbers the coordinator wrote into each round's metrics are only *compared* against it.
 
 * per round: every device's epsilon after that round, accumulated round by round with an
-  ``Accountant`` (the plot's max and min lines);
+  ``Accountant`` (the plot's max and min lines), beside the round's test accuracy;
 * per tier: the *device tier* is the releases devices under untrusted cells made themselves
   (rows with ``event = "device"``), the *edge tier* the releases trusted cells made towards
   the cloud on behalf of their members (``event = "edge"``);
@@ -182,7 +182,8 @@ def build(*, rollout: str, db: Path, releases: Sequence[Mapping[str, Any]], clea
         rollout: the rollout id.
         db: the coordinator database the rows came from.
         releases: its release rows; clear: its clear-hop rows.
-        rounds: its closed rounds' metrics rows (``CoordinatorStore.rounds``), for the live epsilon.
+        rounds: its closed rounds' metrics rows (``CoordinatorStore.rounds``), for the live epsilon and
+            the accuracy.
         recomputed: device -> epsilon from ``ledger.recompute``.
         delta: the delta of every epsilon; budget: the rollout's budget (``inf``: none).
         mode: the calibration mode ("rdp" or "paper").
@@ -191,6 +192,7 @@ def build(*, rollout: str, db: Path, releases: Sequence[Mapping[str, Any]], clea
         stopped: why the budget stopped it (the metrics file's ``stopped``), if known.
     """
     live_by_round = {int(r["round"]): r.get("privacy") for r in rounds}
+    accuracy_by_round = {int(r["round"]): r.get("accuracy") for r in rounds}
     last = rounds[-1] if rounds else None
     live: Mapping[str, float] = (last.get("privacy") or {}).get("epsilon", {}) if last else {}
     series = epsilon_by_round(releases, delta)
@@ -198,6 +200,7 @@ def build(*, rollout: str, db: Path, releases: Sequence[Mapping[str, Any]], clea
         metrics = live_by_round.get(point["round"]) or {}
         point["live_epsilon_max"] = metrics.get("epsilon_max")
         point["live_epsilon_min"] = metrics.get("epsilon_min")
+        point["accuracy"] = accuracy_by_round.get(point["round"])  # what the round's privacy bought
         point["agrees"] = (agrees(point["epsilon_max"], point["live_epsilon_max"])
                            and agrees(point["epsilon_min"], point["live_epsilon_min"]))
     tiers = tier_of_devices(releases)
@@ -302,10 +305,12 @@ def render(report: Mapping[str, Any]) -> str:
                    [[d["device"], d["tier"], d["cell"], str(d["releases"]), fmt(d["epsilon"], ".10g"),
                      fmt(d["live_epsilon"], ".10g"), "yes" if d["agrees"] else "MISMATCH"]
                     for d in report["devices"]])
-    lines += ["", "epsilon after each round (accumulated from the ledger rows; live = the round's metrics):"]
-    lines += table(["round", "releases", "eps max", "eps min", "live max", "live min", "match"],
-                   [[str(p["round"] + 1), str(p["releases"]), fmt(p["epsilon_max"]), fmt(p["epsilon_min"]),
-                     fmt(p["live_epsilon_max"]), fmt(p["live_epsilon_min"]), "yes" if p["agrees"] else "MISMATCH"]
+    lines += ["", "epsilon after each round (accumulated from the ledger rows; live = the round's metrics; "
+                  "accuracy = the global model's test accuracy after the round):"]
+    lines += table(["round", "accuracy", "releases", "eps max", "eps min", "live max", "live min", "match"],
+                   [[str(p["round"] + 1), fmt(p.get("accuracy"), ".4f"), str(p["releases"]), fmt(p["epsilon_max"]),
+                     fmt(p["epsilon_min"]), fmt(p["live_epsilon_max"]), fmt(p["live_epsilon_min"]),
+                     "yes" if p["agrees"] else "MISMATCH"]
                     for p in report["rounds"]])
     if report["warnings"]:
         lines += ["", "warnings:"]

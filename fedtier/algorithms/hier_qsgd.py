@@ -28,8 +28,10 @@ plan: every device upload is clipped to L2 norm ``C``; a device under an untrust
 edge clips each input again (quantization may have grown it), and adds fresh noise to the
 cell's change before it goes to the cloud; an untrusted edge forwards the exact mean of
 noised inputs and refuses an input whose release record is missing. Training losses are not
-sent to untrusted nodes (they are data-dependent releases the plan does not cover), and for
-the same reason devices do not evaluate on held-out rows under a plan.
+sent to untrusted nodes (they are data-dependent releases the plan does not cover), nor is a
+trusted cell's mean QSGD variance of its devices' clear deltas; ``fedtier.privacy.disclosure``
+classifies every field an upward message carries. For the same reason devices do not evaluate
+on held-out rows under a plan.
 
 Federated evaluation (``fedtier.algorithms.base``): a device with held-out rows evaluates the
 global model ``w_t`` when it starts round ``t`` (``Evaluate`` before its first local steps) and
@@ -141,10 +143,12 @@ class _DeviceBase(StateGuard):
             rollout: the rollout this role serves.
             last_round: the last round this device finished (after a restart), so a
                 redelivered task of that round is a duplicate, not new work.
-            last_sent: ``(round, step)`` of the newest upload this device made before a restart.
-                A task for that step restores the set model and waits for the cell's average
-                instead of training the step again: a second upload of the same step would be
-                a second noisy release of the same data that the privacy ledger never charges.
+            last_sent: ``(round, step)`` of the newest upload this device made before a restart;
+                updated with every upload after it (``_uploaded``). A task for that step restores
+                the set model and waits for the cell's average instead of training the step again
+                — after a restart as in the running process (a desync, then the edge repeating the
+                step's task): a second upload of the same step would be a second noisy release of
+                the same data that the privacy ledger never charges.
             noise: where differential-privacy noise comes from (default: a fresh OS-seeded source).
             evaluate: the shell holds held-out rows, so the role may ask for federated evaluation.
         """
@@ -213,6 +217,10 @@ class _DeviceBase(StateGuard):
             raise self._misuse("evaluated() called while no evaluation was requested")
         self._evaluation = stats
         return []
+
+    def _uploaded(self, step: int) -> None:
+        """Record an upload of ``step`` of the current round: that step is never released again."""
+        self._last_sent = (self._round, step)
 
     def _check_step(self, msg: CellStep, kind: str) -> None:
         if msg.sender != self.cell:
@@ -286,6 +294,7 @@ class Device(_DeviceBase):
                               delta=values, num_samples=result.num_samples, train_loss=train_loss,
                               steps=result.steps, q=q, release=release,
                               evaluation=self._evaluation if last else None)
+        self._uploaded(self._step)
         if not last:
             self._state = RoleState.WAITING
         else:
@@ -430,8 +439,14 @@ class _EdgeBase(StateGuard):
         assert self._task is not None
         c = self._config
         delta, privacy = self._privatize(delta)
+        stats = {"device_q": device_q}
         if privacy is not None:
-            mean_loss = 0.0  # a data-dependent number the plan does not cover; the cloud is untrusted
+            # Nothing computed from clear data leaves a trusted cell unless it passed the mechanism
+            # (fedtier.privacy.disclosure): the loss is data-dependent and never noised; the devices' q
+            # is measured on noised uploads under an untrusted cell (post-processing), on clear ones here.
+            mean_loss = 0.0
+            if privacy["trusted"]:
+                stats = {}
         values, encodings, q2 = quantize(delta, c.bits_edge, c.seed, "q2", self.rollout, self.cell,
                                          self._task.round)
         # Held-out statistics are data-dependent releases the noise plan does not cover: never
@@ -440,7 +455,7 @@ class _EdgeBase(StateGuard):
             [getattr(self._updates[d], "evaluation", None) for d in ids])
         update = CellUpdate(rollout=self.rollout, round=self._task.round, sender=self.cell, delta=values,
                             weight=float(sum(weights)), reported=tuple(ids), mean_loss=mean_loss, q=q2,
-                            stats={"device_q": device_q}, privacy=privacy, evaluation=evaluation)
+                            stats=stats, privacy=privacy, evaluation=evaluation)
         self._state = RoleState.FORWARDED
         actions: list[Action] = [SendToParent(update, encodings)]
         missing = sorted(set(self._task.members) - set(ids))
@@ -471,8 +486,11 @@ class _EdgeBase(StateGuard):
         sigma = plan.edge_sigma(self.cell, reporters)
         noised = self.noise.add(delta, sigma, "dp", self.rollout, self.cell, self._task.round)
         protected = sorted({d for s in steps for d in s})
+        # Charged against the sound sensitivity, whatever sigma was calibrated against (paper mode: 2C/n).
         report["releases"] = [audit.release_record(plan=plan, node=self.cell, event="edge", round=self._task.round,
                                                    step=0, sigma=sigma, sensitivity=plan.edge_sensitivity(reporters),
+                                                   z=plan.edge_charged_z(self.cell, reporters),
+                                                   calibrated_sensitivity=plan.calibrated_edge_sensitivity(reporters),
                                                    protected=protected, reporters=reporters)]
         report["clear"] = [{"sender": d, "receiver": self.cell, "step": i} for i, s in enumerate(steps) for d in s]
         return noised, report

@@ -150,6 +150,7 @@ class Device(_DeviceBase):
             msg = DeviceGradient(rollout=self.rollout, round=self._round, sender=self.device_id, step=self._step,
                                  grad=values, model_sha=digest(self._params), loss=result.loss,
                                  num_samples=result.num_samples, q=q)
+            self._uploaded(self._step)
             self._state = RoleState.WAITING
             return [SendToParent(msg, encodings)]
         # Local phase, (7)-(8): plain SGD, its change summed exactly.
@@ -169,6 +170,7 @@ class Device(_DeviceBase):
                               delta=values, num_samples=result.num_samples,
                               train_loss=float(np.mean(self._local_losses)), steps=c.gamma, q=q,
                               evaluation=self._evaluation)
+        self._uploaded(c.tau)
         self._finish_round()
         return [SendToParent(update, encodings)]
 

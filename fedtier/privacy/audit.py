@@ -16,7 +16,14 @@ Cell-level privacy report (``CellUpdate.privacy``)::
 Release record::
 
     {"node", "event": "device" | "edge", "round", "step", "sigma", "sensitivity", "z",
-     "protected": [device ids], "inputs": {"clip", "reporters", "edge_rounds", "mode"}}
+     "protected": [device ids],
+     "inputs": {"clip", "reporters", "edge_rounds", "mode", "calibrated_sensitivity"}}
+
+``sensitivity`` is the sound one (``fedtier.privacy.plan``) and ``z = sigma / sensitivity`` what
+the ledger charges; ``calibrated_sensitivity`` is what sigma was calibrated against (Lemma 1's
+``2C/n`` for a trusted edge in paper mode, else the same). The cloud refuses a record that
+charges less than the sound sensitivity, claims a ``z`` its sigma does not support, or falls
+below the planned multiplier.
 """
 
 from __future__ import annotations
@@ -33,22 +40,39 @@ Z_TOLERANCE = 1e-9
 
 def release_record(*, plan: NoisePlan, node: str, event: str, round: int, step: int, sigma: float,
                    sensitivity: float, protected: Iterable[str], reporters: int = 1,
-                   z: float | None = None) -> dict[str, Any]:
-    """One release's record; ``z`` defaults to ``sigma / sensitivity`` (pass it to keep a planned value exact)."""
+                   z: float | None = None, calibrated_sensitivity: float | None = None) -> dict[str, Any]:
+    """One release's record; ``z`` defaults to ``sigma / sensitivity`` (pass it to keep a planned value exact),
+    ``calibrated_sensitivity`` to ``sensitivity``."""
     if z is None:
         z = sigma / sensitivity if sensitivity > 0 else math.inf
+    calibrated = sensitivity if calibrated_sensitivity is None else calibrated_sensitivity
     return {"node": node, "event": event, "round": int(round), "step": int(step), "sigma": float(sigma),
             "sensitivity": float(sensitivity), "z": float(z),
             "protected": sorted(protected),
             "inputs": {"clip": plan.clip, "reporters": int(reporters), "edge_rounds": plan.edge_rounds,
-                       "mode": plan.mode}}
+                       "mode": plan.mode, "calibrated_sensitivity": float(calibrated)}}
+
+
+def _number(record: Mapping[str, Any], key: str) -> float:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise MissingReleaseError(f"release record of {record.get('node')!r} has no valid {key}")
+    return float(value)
 
 
 def _z(record: Mapping[str, Any]) -> float:
-    z = record.get("z")
-    if isinstance(z, bool) or not isinstance(z, (int, float)) or math.isnan(z):
-        raise MissingReleaseError(f"release record of {record.get('node')!r} has no valid noise multiplier")
-    return float(z)
+    return _number(record, "z")
+
+
+def _check_charge(record: Mapping[str, Any], sound: float) -> None:
+    """The record charges at least the sound sensitivity, and a ``z`` its sigma supports."""
+    sensitivity, sigma, z = _number(record, "sensitivity"), _number(record, "sigma"), _z(record)
+    if sensitivity < sound * (1 - Z_TOLERANCE):
+        raise MissingReleaseError(f"release of {record.get('node')!r} charges sensitivity {sensitivity:.6g}, below "
+                                  f"the sound {sound:.6g}")
+    if sensitivity <= 0 or z > sigma / sensitivity * (1 + Z_TOLERANCE):
+        raise MissingReleaseError(f"release of {record.get('node')!r} claims multiplier {z:.6g}, more than its "
+                                  f"sigma {sigma:.6g} / sensitivity {sensitivity:.6g} supports")
 
 
 def check_device_release(plan: NoisePlan, cell: str, sender: str, round: int, step: int,
@@ -67,6 +91,7 @@ def check_device_release(plan: NoisePlan, cell: str, sender: str, round: int, st
     if _z(record) < p.device_z * (1 - Z_TOLERANCE):
         raise MissingReleaseError(f"{sender} added noise with multiplier {_z(record):.6g}, "
                                   f"below the planned {p.device_z:.6g}")
+    _check_charge(record, plan.device_sensitivity)
 
 
 def check_cell_update(plan: NoisePlan, cell: str, round: int, privacy: Mapping[str, Any] | None,
@@ -102,9 +127,14 @@ def check_cell_update(plan: NoisePlan, cell: str, round: int, privacy: Mapping[s
         missing = {d for s in steps for d in s} - covered
         if missing:
             raise MissingReleaseError(f"noise release of cell {cell} does not cover {sorted(missing)}")
-        if _z(record) < p.edge_z * (1 - Z_TOLERANCE):
+        if not steps or not all(steps):
+            raise MissingReleaseError(f"trusted cell {cell} reports an edge round without reporters")
+        reporters = min(len(s) for s in steps)
+        planned = plan.edge_charged_z(cell, reporters)
+        if _z(record) < planned * (1 - Z_TOLERANCE):
             raise MissingReleaseError(f"cell {cell} added noise with multiplier {_z(record):.6g}, below the planned "
-                                      f"{p.edge_z:.6g}")
+                                      f"{planned:.6g}")
+        _check_charge(record, plan.edge_sensitivity(reporters))
         return
     by_key = {(r.get("node"), r.get("step")): r for r in releases if isinstance(r, Mapping)}
     for i, step_reporters in enumerate(steps):

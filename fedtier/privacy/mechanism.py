@@ -11,7 +11,11 @@ Noise comes from ``NoiseSource``: a generator seeded from the operating system's
 (``secrets``) when the node starts. The seed is never written anywhere, so nobody — not an
 edge, not the coordinator, not a later reader of the node's disk — can subtract the noise.
 Each release draws from its own stream, named by what is released (rollout, node, round,
-step, tensor), so the noise of one release does not depend on the order of earlier ones.
+step, tensor), so the noise of one release does not depend on the order of earlier ones — and
+a stream is drawn at most once: ``add`` refuses labels it has already used, because the same
+noise on a second, different input would make the difference of the two releases exact (the
+roles never release a (round, step) twice; this is the defence behind them). A restarted node
+draws a fresh seed, so nothing it releases can share noise with what it released before.
 A fixed seed exists for reproducible *simulations* only.
 """
 
@@ -23,6 +27,8 @@ import secrets
 from typing import Any, Mapping
 
 import numpy as np
+
+from fedtier.errors import PrivacyViolationError
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -60,6 +66,7 @@ class NoiseSource:
         """
         self._entropy = secrets.randbits(128) if seed is None else int(seed)
         self.reproducible = seed is not None
+        self._drawn: set[bytes] = set()  # digests of the label tuples ``add`` has used
 
     def generator(self, *labels: Any) -> np.random.Generator:
         digest = hashlib.sha256(repr(labels).encode()).digest()
@@ -67,9 +74,18 @@ class NoiseSource:
         return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(self._entropy, spawn_key=key)))
 
     def add(self, tensors: Tensors, sigma: float, *labels: Any) -> dict[str, np.ndarray]:
-        """``tensors + N(0, sigma^2 I)``, each tensor from stream ``(*labels, name)``; float32 out."""
+        """``tensors + N(0, sigma^2 I)``, each tensor from stream ``(*labels, name)``; float32 out.
+
+        Raises:
+            PrivacyViolationError: ``labels`` were drawn before (the same noise twice); nothing is drawn.
+        """
         if not (math.isfinite(sigma) and sigma >= 0):
             raise ValueError(f"noise sigma must be finite and >= 0, got {sigma!r}")
+        used = hashlib.sha256(repr(labels).encode()).digest()
+        if used in self._drawn:
+            raise PrivacyViolationError(f"noise stream {labels!r} was already drawn: a second release of it would "
+                                        "reuse its noise")
+        self._drawn.add(used)
         out: dict[str, np.ndarray] = {}
         for name in sorted(tensors):
             t = np.asarray(tensors[name], dtype=np.float64)

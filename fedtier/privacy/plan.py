@@ -13,10 +13,14 @@ Releases (two tiers: device -> cell edge -> cloud, ``tau = edge_rounds``):
   every edge round: ``tau`` releases per global round, sensitivity ``2C``;
 * a device under a *trusted* edge sends its clipped delta in clear (over TLS);
 * a *trusted* edge releases its cell's change plus fresh noise once per round, towards the
-  (untrusted) cloud. Sensitivity: ``paper`` mode uses Lemma 1, ``2C / n`` (n reporters);
-  ``rdp`` mode adds what the paper leaves out (digest §3.5 caveat 4): after an intra-round
-  sync every member's trajectory depends on the changed record, so each later edge round can
-  move the cell's mean by up to ``2C`` — ``2C (1/n + tau - 1)``, exact (``2C/n``) for ``tau = 1``;
+  (untrusted) cloud. What one replaced record can move that change by — its sensitivity — is
+  ``2C (1/n + tau - 1)`` (n reporters): the paper's Lemma 1 gives ``2C / n`` and leaves out
+  that after an intra-round sync every member's trajectory depends on the changed record, so
+  each later edge round can move the cell's mean by up to ``2C`` (digest §3.5 caveat 4); the
+  two agree for ``tau = 1``. ``rdp`` mode calibrates the noise against the sound value;
+  ``paper`` mode calibrates it against Lemma 1's ``2C / n`` (a reproduction of the paper),
+  but the release is *charged* against the sound value in either mode — its record, the
+  ledger and the budget use ``z = sigma / (2C (1/n + tau - 1))``;
 * an *untrusted* edge forwards the exact mean of noised inputs (post-processing).
 """
 
@@ -36,12 +40,23 @@ def device_sensitivity(clip: float) -> float:
     return 2.0 * clip
 
 
-def edge_sensitivity(mode: str, clip: float, fan_in: int, edge_rounds: int) -> float:
-    """A trusted server's release over devices weighted at most ``1/fan_in`` (see the module docstring)."""
+def edge_sensitivity(clip: float, fan_in: int, edge_rounds: int) -> float:
+    """A trusted server's release over devices weighted at most ``1/fan_in``: ``2C (1/n + tau - 1)``.
+
+    The sound value (see the module docstring), whatever the calibration mode: what the ledger
+    charges. Written ``2C/n + 2C (tau - 1)`` so that it is bit-identical to Lemma 1's ``2C/n`` for
+    ``tau = 1``.
+    """
     n = max(1, int(fan_in))
+    return 2.0 * clip / n + 2.0 * clip * (edge_rounds - 1)
+
+
+def calibrated_edge_sensitivity(mode: str, clip: float, fan_in: int, edge_rounds: int) -> float:
+    """The sensitivity a trusted server's sigma is calibrated against: Lemma 1's ``2C/n`` in
+    ``paper`` mode (a reproduction), the sound :func:`edge_sensitivity` in ``rdp`` mode."""
     if mode == "paper":
-        return 2.0 * clip / n
-    return 2.0 * clip * (1.0 / n + (edge_rounds - 1))
+        return 2.0 * clip / max(1, int(fan_in))
+    return edge_sensitivity(clip, fan_in, edge_rounds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +131,30 @@ class NoisePlan:
         return device_sensitivity(self.clip)
 
     def edge_sensitivity(self, reporters: int) -> float:
-        """A trusted edge's release over ``reporters`` devices (uniform weights)."""
-        return edge_sensitivity(self.mode, self.clip, reporters, self.edge_rounds)
+        """A trusted edge's release over ``reporters`` devices: the sound sensitivity, the one charged."""
+        return edge_sensitivity(self.clip, reporters, self.edge_rounds)
+
+    def calibrated_edge_sensitivity(self, reporters: int) -> float:
+        """What a trusted edge's sigma is calibrated against (Lemma 1's ``2C/n`` in paper mode)."""
+        return calibrated_edge_sensitivity(self.mode, self.clip, reporters, self.edge_rounds)
 
     def device_sigma(self, cell: str) -> float:
         return self.cells[cell].device_z * self.device_sensitivity
 
     def edge_sigma(self, cell: str, reporters: int | None = None) -> float:
+        """The noise a trusted edge adds when ``reporters`` (default: every member) reported."""
         p = self.cells[cell]
-        return p.edge_z * self.edge_sensitivity(p.members if reporters is None else reporters)
+        return p.edge_z * self.calibrated_edge_sensitivity(p.members if reporters is None else reporters)
+
+    def edge_charged_z(self, cell: str, reporters: int | None = None) -> float:
+        """The multiplier a trusted edge's release is charged: ``edge_sigma / edge_sensitivity``.
+
+        ``edge_z`` itself in rdp mode (exactly: the ratio of two identical sensitivities is 1);
+        ``edge_z (1/n) / (1/n + tau - 1)`` in paper mode — the smaller, the more members reported.
+        """
+        p = self.cells[cell]
+        n = p.members if reporters is None else reporters
+        return p.edge_z * (self.calibrated_edge_sensitivity(n) / self.edge_sensitivity(n))
 
     # --- wire form ------------------------------------------------------------------------------
 

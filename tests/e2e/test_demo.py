@@ -230,7 +230,7 @@ def test_privacy_demo_prints_the_plan_epsilon_per_round_and_the_comparison(tmp_p
     assert re.search(r"cell-a\s+trusted\s+its 2 devices send clear updates over TLS", err)
     assert re.search(r"cell-b\s+untrusted\s+each of its 2 devices adds noise", err)
     private = err.split("--compare:")[0]
-    assert len(re.findall(r"^round\s+\d/3 .* epsilon [0-9.]+ \(delta 1e-06\)", private, re.M)) == 3
+    assert len(re.findall(r"^round\s+\d/3 .* epsilon [0-9.]+ of [0-9.]+ \(delta 1e-06\)", private, re.M)) == 3
     plain = err.split("--compare:")[1]
     assert len(re.findall(r"^round\s+\d/3 ", plain, re.M)) == 3 and "epsilon" not in plain
     assert re.search(r"epsilon \(ledger\)\s+[0-9.]+ of 4 at delta 1e-06", out)

@@ -16,6 +16,26 @@ def test_configuration_reference_is_up_to_date() -> None:
     assert committed == generate(), "run: python -m cloud_coordinator.config_docs"
 
 
+def test_configuration_reference_lists_every_key_of_optional_sections() -> None:
+    # Issue 17 A6: [privacy] (and [qhetfed.plan]) are optional tables; every key of theirs is documented.
+    import dataclasses
+
+    from cloud_coordinator.config import PlanSection, PrivacySection
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    for prefix, section in (("privacy", PrivacySection), ("qhetfed.plan", PlanSection)):
+        assert f"#### `[{prefix}]`" in text
+        for f in dataclasses.fields(section):
+            assert f"| `{prefix}.{f.name}` |" in text, f"{prefix}.{f.name}"
+
+
+def test_privacy_doc_lists_every_upward_field() -> None:
+    from cloud_coordinator.config_docs import privacy_doc
+
+    committed = (ROOT / "docs" / "privacy.md").read_text()
+    assert committed == privacy_doc(committed), "run: python -m cloud_coordinator.config_docs"
+
+
 def test_every_experiment_config_loads() -> None:
     """Plain rollout configs load; experiment specs ([rollout] + splits) load for every run they make."""
     import sys

@@ -66,14 +66,27 @@ def _gaussian_delta(eps: float, mu: float) -> float:
 # ---------------------------------------------------------------------------------------------------- ORDERS
 
 
-def test_orders_match_digest_grid() -> None:
-    assert len(ORDERS) == 99 + 52 + 3
-    assert ORDERS[:3] == (1.1, 1.2, 1.3)
-    assert ORDERS[98] == 10.9
-    assert ORDERS[99:101] == (12.0, 13.0)
-    assert ORDERS[-4:] == (63.0, 128.0, 256.0, 512.0)
+def test_orders_are_dp_accountings_defaults() -> None:
+    # Issue 17 A5: the grid is the library's own default (1.1..10.9, 11..63, 128..1024), not a hand-written
+    # copy that had dropped 11 and 1024 (a missing order can only raise epsilon, never make it unsound).
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    assert ORDERS == tuple(float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+    assert 11.0 in ORDERS and ORDERS[-1] == 1024.0
     assert list(ORDERS) == sorted(set(ORDERS))
     assert all(isinstance(a, float) for a in ORDERS)
+
+
+def test_epsilon_is_the_default_accountants() -> None:
+    # Same composition through dp-accounting's RdpAccountant with no orders given: bit for bit.
+    import dp_accounting
+    from dp_accounting import rdp
+
+    # z = 2.4: order 11 is the best one; z = 400: order 1024 is (the old grid gave 0.03 % resp. 49 % more).
+    for z, n, delta in ((1.0, 1, 1e-5), (0.6, 1000, 1e-6), (2.4, 1, 1e-5), (400.0, 1, 1e-5)):
+        reference = rdp.RdpAccountant()
+        reference.compose(dp_accounting.GaussianDpEvent(z), n)
+        assert epsilon([(z, n)], delta) == float(reference.get_epsilon(delta))
 
 
 # ---------------------------------------------------------------------------------------------------- forward

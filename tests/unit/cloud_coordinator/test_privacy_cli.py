@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -124,6 +125,19 @@ def test_help_of_the_group_and_its_commands_explains_every_option() -> None:
                 assert param.help and len(param.help) > 20, (name, param.name)
 
 
+def test_the_plan_helps_example_runs_as_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 17 A6: the example names a config with a [privacy] section, from the repository root.
+    root = Path(__file__).resolve().parents[3]
+    code, out = run("plan", "--help")
+    examples = [line.strip() for line in out.splitlines() if line.strip().startswith("fedtier privacy plan ")]
+    assert examples
+    monkeypatch.chdir(root)
+    for example in examples:
+        code, out = run(*example.split()[2:])
+        assert code == 0, (example, out)
+        assert "privacy plan of rollout" in out and "signal-to-noise" in out
+
+
 # --- plan -----------------------------------------------------------------------------------------
 
 
@@ -164,8 +178,12 @@ def test_paper_mode_edge_sigma_is_device_sigma_over_members_and_warns_of_the_heu
     doc = run_json("plan", "--config", config)
 
     edge, device = node(doc, "cell-a"), node(doc, "dev-03")
-    assert edge["z"] == device["z"]  # one multiplier for every tier in paper mode
     assert edge["sigma"] == pytest.approx(device["sigma"] / 3, rel=1e-12)  # Lemma 1: 2C/n vs 2C
+    # One multiplier for every tier in paper mode, but the edge's release is charged against the sound
+    # sensitivity 2C (1/3 + 1) of a cell that syncs twice a round: z (1/3) / (1/3 + 1) = z / 4.
+    assert edge["sensitivity"] == pytest.approx(2 * (1 / 3 + 1), rel=1e-12)
+    assert edge["z"] == pytest.approx(device["z"] / 4, rel=1e-12)
+    assert doc["tiers"]["edge"]["epsilon"] == pytest.approx(accountant.epsilon([(edge["z"], 3)], 1e-5))
     # The heuristic z gives a much larger RDP epsilon than its target: the budget stops the rollout at once.
     z = device["z"]
     assert doc["tiers"]["device"]["epsilon"] == pytest.approx(accountant.epsilon([(z, 6)], 1e-5))
@@ -256,6 +274,19 @@ def test_report_tiers_clear_hops_and_status(ran: dict[str, Any]) -> None:
     assert "MISMATCH" not in out and "warnings" not in out
 
 
+def test_report_shows_accuracy_beside_epsilon_per_round(ran: dict[str, Any]) -> None:
+    # Issue 17 A6: what each round's privacy bought.
+    rounds = ran["finished"]["rounds"]
+    doc = run_json("report", "--config", ran["finished"]["config"], "--out", ran["root"] / "acc.png")
+    assert [p["accuracy"] for p in doc["rounds"]] == [r["accuracy"] for r in rounds]
+    code, out = run("report", "--config", ran["finished"]["config"], "--out", ran["root"] / "acc.png")
+    table = out[out.index("epsilon after each round"):]
+    header = table.splitlines()[1].split()
+    assert header[:3] == ["round", "accuracy", "releases"]
+    first = table.splitlines()[2].split()
+    assert first[:2] == ["1", f"{rounds[0]['accuracy']:.4f}"]
+
+
 def test_report_writes_the_epsilon_plot(ran: dict[str, Any]) -> None:
     cfg = ran["finished"]["cfg"]
     default = cfg.state_dir / "privacy_epsilon.png"
@@ -327,3 +358,73 @@ def test_report_errors_name_the_path(ran: dict[str, Any], tmp_path: Path, artifa
         conn.execute("DELETE FROM privacy_releases")
     code, out = run("report", "--db", empty, "--rollout", "dp")
     assert code == 2 and "no privacy-ledger rows" in out and str(empty) in out
+
+
+def test_a_trusted_cell_device_that_never_reported_is_listed_alike_by_ledger_and_live(
+        tmp_path: Path, artifact_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 17 A4: dev-00 of the trusted cell never takes part (its cell closes on a quorum). The live ledger lists
+    # every member, so the offline recomputation must too: the trusted cell's release is charged to every member,
+    # reported or not (as untrusted cells' planned releases are), and nothing is flagged.
+    from cloud_coordinator.simulate import simulate
+    from device_agent.node import DeviceNode
+
+    run_task = DeviceNode._run_task
+    monkeypatch.setattr(DeviceNode, "_run_task",
+                        lambda self, task, now: None if self.device_id == "dev-00" else run_task(self, task, now))
+    # quorum 0.6: 2 of a cell's 3 devices, and both cells at the cloud (so cell-a's release is observed).
+    text = rollout_toml(artifact_store).replace("edge_rounds = 2", "edge_rounds = 2\nquorum = 0.6\ndeadline_s = 5")
+    config = write(tmp_path / "r.toml", text)
+    cfg = load(RolloutConfig, config)
+    result = simulate(cfg, workdir=cfg.state_dir)
+    assert len(result.rounds) == 3 and all(r["missing"] == ["dev-00"] for r in result.rounds)
+    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    edge_rows = [r for r in store.privacy_releases("dp") if r["event"] == "edge"]
+    store.close()
+    assert len(edge_rows) == 3 and all(r["observed"] for r in edge_rows)
+
+    doc = run_json("report", "--config", config)
+    by_device = {d["device"]: d for d in doc["devices"]}
+    assert set(by_device) == {f"dev-0{i}" for i in range(6)}
+    assert by_device["dev-00"]["epsilon"] == pytest.approx(by_device["dev-01"]["epsilon"], rel=1e-12)
+    assert by_device["dev-00"]["epsilon"] > 0
+    assert all(d["agrees"] for d in doc["devices"]) and all(p["agrees"] for p in doc["rounds"])
+    assert doc["warnings"] == []
+    code, out = run("report", "--config", config)
+    assert code == 0 and "MISMATCH" not in out
+
+
+def test_plan_warns_when_the_noise_will_destroy_the_rollout(tmp_path: Path, artifact_store: Path) -> None:
+    # Issue 17 A6, tried as a new user would: 2 devices under an untrusted cell, epsilon 8, clip 1, 15 rounds. The
+    # plan's sigma is 4.94; on the digits MLP (M = 64*64+64 + 64*10+10 = 4810 parameters) the cell's mean carries
+    # noise of norm ~4.94 sqrt(4810 / 2) = 242 against a clipped signal of at most 1 per round.
+    text = rollout_toml(artifact_store, topology="").replace("rounds = 3", "rounds = 15") \
+        .replace("cells = 2\ndevices_per_cell = 3", "cells = 1\ndevices_per_cell = 2") \
+        .replace("local_steps = 2\nedge_rounds = 2", "local_steps = 2\nedge_rounds = 1") \
+        .replace("[model]\nhidden = [16]", "[model]\nhidden = [64]")
+    config = write(tmp_path / "r.toml", text)
+    doc = run_json("plan", "--config", config)
+    assert doc["tiers"]["device"]["sigma_max"] == pytest.approx(4.94, abs=0.005)
+    snr = doc["signal_to_noise"]
+    assert snr["parameters"] == 4810 and snr["edge"] is None
+    assert snr["cloud"]["signal"] == 1.0
+    assert snr["cloud"]["noise"] == pytest.approx(doc["tiers"]["device"]["sigma_max"] * math.sqrt(4810 / 2), rel=1e-9)
+    assert snr["device"]["snr"] == pytest.approx(snr["cloud"]["snr"]) and snr["dominant"] == "device"
+    assert snr["rollout_snr"] == pytest.approx(snr["cloud"]["snr"] * math.sqrt(15))
+    (warning,) = [w for w in doc["warnings"] if "noise dominates" in w]
+    assert "will likely not learn" in warning
+    for remedy in ("more devices per untrusted cell", "trusted edges", "a larger epsilon (now 8)", "sampling"):
+        assert remedy in warning
+    code, out = run("plan", "--config", config)
+    assert code == 0 and "WARNING: noise dominates" in out and "signal-to-noise" in out
+
+
+def test_plan_names_the_sync_when_trusted_cells_dominate_and_is_quiet_when_the_noise_is_small(
+        tmp_path: Path, artifact_store: Path) -> None:
+    both = "trusted = { cell-a = true, cell-b = true }"
+    doc = run_json("plan", "--config", write(tmp_path / "a.toml", rollout_toml(artifact_store, topology=both)))
+    (warning,) = [w for w in doc["warnings"] if "noise dominates" in w]
+    assert doc["signal_to_noise"]["dominant"] == "edge" and "edge_rounds = 1" in warning
+    assert "more devices per untrusted cell" not in warning
+    generous = rollout_toml(artifact_store, topology=both, privacy_extra="").replace("epsilon = 8", "epsilon = 1e5")
+    doc = run_json("plan", "--config", write(tmp_path / "b.toml", generous))
+    assert doc["signal_to_noise"]["rollout_snr"] > 5 and not any("noise dominates" in w for w in doc["warnings"])

@@ -158,3 +158,93 @@ def test_paper_mode_uses_the_closed_form_for_both_tiers(small_rollout, tmp_path:
     assert plan.edge_sigma("cell-a") == pytest.approx(plan.device_sigma("cell-b") / 2)  # sigma_dev / s
     assert math.isinf(plan.budget_epsilon)
     assert plan.details["epsilon_device_tier"] > 6.0  # the closed form is not a guarantee (digest §3.5)
+
+
+def test_paper_mode_charges_and_stops_on_the_sound_sensitivity(small_rollout, tmp_path: Path) -> None:
+    # Issue 17 A2: one trusted cell of 4 devices syncing twice a round (tau = 2), paper calibration. The noise is
+    # the paper's (sigma = z 2C/4) but the ledger charges it against 2C (1/4 + 1): multiplier z / 5. With z = 3.6
+    # (alpha 1, q 1, K 6, T 3, epsilon 4), 3 rounds at z would be epsilon 2.08 (what the ledger charged before);
+    # at z / 5 one round is 6.93 and two are 10.5, so a budget of 8 stops the rollout after its first round.
+    cfg = small_rollout(rounds=3, metrics_file=str(tmp_path / "m.json"),
+                        topology={"cells": 1, "devices_per_cell": 4, "trusted": {"cell-a": True}},
+                        fedavg={"local_steps": 3, "edge_rounds": 2, "lr": 0.1, "batch_size": 16},
+                        privacy={"epsilon": 4.0, "clip": 1.0, "calibration": "paper", "alpha": 1.0,
+                                 "sampling_rate": 1.0, "budget_epsilon": 8.0, "require_tls": False,
+                                 "noise_seed": 3})
+    z = accountant.paper_noise_multiplier(alpha=1.0, sampling_rate=1.0, steps_per_round=6, rounds=3, epsilon=4.0,
+                                          delta=1e-5)
+    assert accountant.epsilon([(z, 3)], 1e-5) < 8.0 < accountant.epsilon([(z / 5, 2)], 1e-5)
+    result = simulate(cfg, workdir=tmp_path / "w")
+    assert [r["round"] for r in result.rounds] == [0]
+    doc = json.loads((tmp_path / "m.json").read_text())
+    assert "privacy budget" in doc["stopped"]
+    store = CoordinatorStore(tmp_path / "w" / "coordinator.db")
+    (row,) = store.privacy_releases(cfg.rollout)
+    store.close()
+    assert row["sigma"] == pytest.approx(z * 2 * 1.0 / 4, rel=1e-9)
+    assert row["sensitivity"] == pytest.approx(2 * 1.0 * (1 / 4 + 1), rel=1e-12)
+    assert row["noise_multiplier"] == pytest.approx(z / 5, rel=1e-9)
+    live = result.rounds[-1]["privacy"]["epsilon"]
+    assert set(live) == {"dev-00", "dev-01", "dev-02", "dev-03"}
+    assert max(live.values()) == pytest.approx(accountant.epsilon([(z / 5, 1)], 1e-5), rel=1e-9)
+
+
+def test_the_budget_check_uses_the_sound_multiplier_in_paper_mode() -> None:
+    from cloud_coordinator.privacy.ledger import PrivacyLedger
+    from fedtier.privacy.plan import CellPlan, NoisePlan
+
+    z = 3.6
+    plan = NoisePlan(mode="paper", epsilon=4.0, delta=1e-5, budget_epsilon=8.0, clip=1.0, edge_rounds=2, rounds=3,
+                     require_tls=False, cells={"cell-a": CellPlan(trusted=True, members=4, device_z=0.0, edge_z=z)})
+    store = CoordinatorStore(":memory:")
+    ledger = PrivacyLedger(store=store, rollout="t", plan=plan, cells={"cell-a": ("d0", "d1", "d2", "d3")},
+                           cloud_id="cloud")
+    assert ledger.planned("d0") == [(pytest.approx(z / 5, rel=1e-12), 1)]
+    assert ledger.admit(0) is None and ledger.admit(1) is not None  # 2 rounds at z/5: 10.5 > 8
+
+
+def test_the_round_line_shows_the_epsilon_spent_and_the_start_warns_of_noise(small_rollout, tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 17 A6: the coordinator's round line (its log, and fedtier simulate's console line) shows the epsilon
+    # spent so far, and a rollout the noise will drown is said to be so when it starts.
+    import logging
+
+    from cloud_coordinator.report import epsilon_spent, round_line
+
+    cfg = private(small_rollout, tmp_path)
+    with caplog.at_level(logging.INFO, logger="fedtier.coordinator"):
+        result = simulate(cfg)
+    spent = [r["privacy"]["epsilon_max"] for r in result.rounds]
+    closed = [rec.getMessage() for rec in caplog.records if "closed:" in rec.getMessage()]
+    assert len(closed) == 5
+    for line, eps in zip(closed, spent, strict=True):
+        assert f"epsilon {eps:.3g} of 6" in line, line
+    assert any("noise dominates" in rec.getMessage() and rec.levelno == logging.WARNING for rec in caplog.records)
+    assert f"epsilon {spent[0]:.3g} of 6" in round_line(result.rounds[0], 5)
+    assert epsilon_spent(result.rounds[-1], ".4g") == f"epsilon {spent[-1]:.4g} of 6"
+
+
+def test_signal_to_noise_of_a_mixed_plan() -> None:
+    # cell-a trusted (4 devices), cell-b untrusted (2), tau = 2, M = 100 parameters: per-coordinate variance
+    # sigma_edge^2 for cell-a's release, 2 sigma_dev^2 / 2 for cell-b's change, and the cloud weighs cells by
+    # their devices: (16 sigma_edge^2 + 4 sigma_dev^2) / 6^2.
+    import math
+
+    from cloud_coordinator.privacy import utility
+    from fedtier.privacy.plan import CellPlan, NoisePlan
+
+    plan = NoisePlan(mode="rdp", epsilon=4.0, delta=1e-5, budget_epsilon=4.0, clip=0.5, edge_rounds=2, rounds=9,
+                     require_tls=False, cells={"cell-a": CellPlan(True, 4, 0.0, 3.0),
+                                               "cell-b": CellPlan(False, 2, 2.0, 0.0)})
+    s_edge, s_dev = plan.edge_sigma("cell-a"), plan.device_sigma("cell-b")
+    assert s_edge == pytest.approx(3.0 * 2 * 0.5 * (1 / 4 + 1)) and s_dev == pytest.approx(2.0 * 2 * 0.5)
+    est = utility.estimate(plan, {"cell-a": 100, "cell-b": 100})
+    assert est.edge is not None and est.device is not None
+    assert est.edge.signal == est.cloud.signal == 2 * 0.5
+    assert est.edge.noise == pytest.approx(math.sqrt(100) * s_edge)
+    assert est.device.noise == pytest.approx(math.sqrt(100 * 2 * s_dev ** 2 / 2))
+    assert est.cloud.noise == pytest.approx(math.sqrt(100 * (16 * s_edge ** 2 + 4 * s_dev ** 2)) / 6)
+    assert est.rollout_snr == pytest.approx(3 * est.cloud.snr) and est.dominant == "edge"
+    # HIST: cells update disjoint submodels, so the global update is as noisy as the worst cell's.
+    hist = utility.estimate(plan, {"cell-a": 100, "cell-b": 100}, cells_averaged=False)
+    assert hist.cloud.snr == pytest.approx(min(est.edge.snr, est.device.snr))

@@ -13,6 +13,7 @@ import pytest
 from device_agent.node import DeviceNode
 from edge_broker.service import EdgeNode
 from fedtier.errors import PrivacyViolationError, UnexpectedMessageError
+from fedtier.privacy import audit
 from fedtier.privacy.plan import CellPlan, NoisePlan
 from fedtier.runtime.metrics import Metrics
 from fedtier.runtime.node_base import REJECTED
@@ -74,8 +75,10 @@ def test_a_trusted_edge_never_publishes_an_aggregate_without_its_noise() -> None
                        privacy={"trusted": True, "steps": [["a", "b"]], "releases": [], "clear": []})
     assert EdgeNode._refuse_clear_aggregate(node, "r", clear) is True
     assert node.metrics.get(REJECTED, reason="privacy_violation") == 1
+    noise_plan = NoisePlan.from_dict(plan())
+    record = audit.release_record(plan=noise_plan, node="cell-a", event="edge", round=0, step=0,
+                                  sigma=noise_plan.edge_sigma("cell-a", 2), sensitivity=noise_plan.edge_sensitivity(2),
+                                  z=3.0, protected=["a", "b"], reporters=2)
     noised = CellUpdate(rollout="r", round=0, sender="cell-a", delta=delta, weight=2.0, reported=("a", "b"),
-                        privacy={"trusted": True, "steps": [["a", "b"]], "clear": [],
-                                 "releases": [{"node": "cell-a", "event": "edge", "round": 0, "step": 0,
-                                               "z": 3.0, "protected": ["a", "b"]}]})
+                        privacy={"trusted": True, "steps": [["a", "b"]], "clear": [], "releases": [record]})
     assert EdgeNode._refuse_clear_aggregate(node, "r", noised) is False

@@ -8,6 +8,7 @@ sample std has a relative standard error of about 0.8% and the 3% tolerance is ~
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping
 
@@ -18,6 +19,7 @@ from scipy import stats
 
 from cloud_coordinator.privacy.accountant import paper_noise_multiplier
 from fedtier.algorithms import fedavg, hier_qsgd
+from fedtier.algorithms.base import RoleState
 from fedtier.errors import MissingReleaseError
 from fedtier.privacy.plan import CellPlan, NoisePlan
 from fedtier.wire import messages
@@ -157,6 +159,35 @@ def test_rdp_mode_inflates_a_synced_trusted_cells_sensitivity() -> None:
     assert release["sensitivity"] == pytest.approx(2 * CLIP * (0.5 + 2))
 
 
+def test_paper_mode_adds_the_papers_noise_but_charges_the_sound_sensitivity() -> None:
+    # Issue 17 A2: 4 devices, tau = 2. The paper's calibration adds sigma = z 2C/4; what a replaced record can move
+    # the cell's change by is 2C (1/4 + 1) (after the sync every member's update depends on it), so the release
+    # is charged the multiplier sigma / (2C (1/4 + 1)) = z / 5, not z.
+    cells = {"edge-a": ("a0", "a1", "a2", "a3")}
+    h = hierarchy(cells, {"edge-a": True}, edge_rounds=2, mode="paper")
+    h.run()
+    (cell_update,) = [m for m in h.received["cloud"] if isinstance(m, messages.CellUpdate)]
+    (release,) = cell_update.privacy["releases"]  # type: ignore[index]
+    assert release["sigma"] == pytest.approx(Z * 2 * CLIP / 4, rel=1e-12)
+    assert release["sensitivity"] == pytest.approx(2 * CLIP * (1 / 4 + 1), rel=1e-12)
+    assert release["z"] == pytest.approx(Z / 5, rel=1e-12)
+    assert release["inputs"]["calibrated_sensitivity"] == pytest.approx(2 * CLIP / 4, rel=1e-12)
+
+
+def test_the_cloud_refuses_a_trusted_release_that_claims_the_papers_sensitivity() -> None:
+    # A record charging 2C/n for a synced cell under-reports epsilon: the audit refuses it.
+    from fedtier.privacy import audit
+    from fedtier.privacy.plan import NoisePlan
+
+    noise_plan = NoisePlan.from_dict(plan({"edge-a": True}, {"edge-a": 2}, edge_rounds=2))
+    sigma = noise_plan.edge_sigma("edge-a", 2)
+    record = audit.release_record(plan=noise_plan, node="edge-a", event="edge", round=0, step=0, sigma=sigma,
+                                  sensitivity=2 * CLIP / 2, protected=["a0", "a1"], reporters=2)
+    report = {"trusted": True, "steps": [["a0", "a1"], ["a0", "a1"]], "releases": [record], "clear": []}
+    with pytest.raises(MissingReleaseError, match="sensitivity"):
+        audit.check_cell_update(noise_plan, "edge-a", 0, report, ["a0", "a1"])
+
+
 @pytest.mark.parametrize("p_trusted", [0.0, 0.5, 1.0])
 def test_learning_rate_zero_global_noise_variance_matches_the_formula(p_trusted: float) -> None:
     # §2.3 / §8 check 6: Var = (1/N1) [p sigma_edge^2 + (1-p) n_ev sigma_dev^2 / s1], N1 = 10, s1 = 5,
@@ -179,6 +210,67 @@ def test_with_intra_round_syncs_the_variance_counts_every_untrusted_event() -> N
     h.run()
     expected = (0.5 * SIGMA_EDGE ** 2 + 0.5 * 4 * SIGMA_DEV ** 2 / 5) / 10
     assert h.closed[0].params["w"].astype(np.float64).var() == pytest.approx(expected, rel=0.05)
+
+
+# --- one release per (round, step) -----------------------------------------------------------------
+
+
+def _desync(h: Hierarchy, device: str, cell: str, step: int) -> None:
+    """The edge's average of ``step`` does not match ``device``'s model: it leaves the round (IDLE)."""
+    wrong = messages.CellStep(rollout="r", round=0, sender=cell, step=step, tensors_={"w": np.zeros(SHAPE, np.float32)},
+                              kind="delta", model_sha="0" * 64, reported=(device,))
+    h.deliver_to_device(device, wrong)
+
+
+def test_a_repeated_step_task_with_another_model_is_not_released_again() -> None:
+    # Issue 17 A3: b0 uploads step 0, leaves the round on a desync, and the edge repeats step 0's task with a
+    # different model. Training and uploading again would be a second release of step 0 that the ledger never
+    # charges (and, with noise keyed by (rollout, device, round, step), the same noise: the two uploads'
+    # difference would be the clean difference). The device takes the model and waits for the cell's average.
+    cells = {"edge-b": ("b0", "b1")}
+    h = hierarchy(cells, {"edge-b": False}, edge_rounds=2, train=lambda p, d, r: {
+        "w": (small_delta(d)["w"] + 0.01 * p["w"]).astype(np.float32)})  # the delta depends on the model
+    h.devices["b1"].receive = lambda msg, now: []  # type: ignore[method-assign]  # b1 silent: step 0 stays open
+    h.start()
+    assert [(u.sender, u.step) for u in uploads(h, "edge-b")] == [("b0", 0)]
+    _desync(h, "b0", "edge-b", 0)
+    other = {"w": np.full(SHAPE, 0.5, np.float32)}
+    h.deliver_to_device("b0", dataclasses.replace(h.edges["edge-b"]._device_task(), params=other))
+    assert [(u.sender, u.step) for u in uploads(h, "edge-b")] == [("b0", 0)]
+    assert h.devices["b0"].state is RoleState.WAITING  # holding the task's model, for the cell's average
+
+
+def test_a_device_that_left_a_round_still_trains_the_steps_it_has_not_released() -> None:
+    # The guard is per (round, step): b0 misses step 0's average (desync), and the edge's catch-up task at step 1
+    # is new work — b0 trains and uploads it, and the round closes.
+    cells = {"edge-b": ("b0", "b1")}
+    h = hierarchy(cells, {"edge-b": False}, edge_rounds=2)
+
+    def lose_b0(cell: str, step: messages.CellStep) -> None:
+        if "b0" not in h.offline:
+            h.offline.add("b0")
+            _desync(h, "b0", cell, step.step)
+
+    h.on_step = lose_b0
+    h.start()
+    assert h.closed == [] and h.devices["b0"].state is RoleState.IDLE
+    h.reconnect("b0")
+    assert [(u.sender, u.step) for u in uploads(h, "edge-b") if u.sender == "b0"] == [("b0", 0), ("b0", 1)]
+    assert len(h.closed) == 1 and h.closed[0].missing == ()
+
+
+def test_a_noise_stream_is_never_drawn_twice() -> None:
+    # Defence in depth behind the roles' guard: the same (rollout, node, round, step) twice would be the same noise.
+    from fedtier.errors import PrivacyViolationError
+    from fedtier.privacy.mechanism import NoiseSource
+
+    source = NoiseSource(7)
+    tensors = {"w": np.zeros(SHAPE, np.float32)}
+    first = source.add(tensors, 1.0, "dp", "r", "b0", 0, 0)
+    second = source.add({"w": np.ones(SHAPE, np.float32)}, 1.0, "dp", "r", "b0", 0, 1)
+    assert not np.array_equal(first["w"], second["w"] - 1.0)
+    with pytest.raises(PrivacyViolationError, match="already"):
+        source.add({"w": np.ones(SHAPE, np.float32)}, 1.0, "dp", "r", "b0", 0, 0)
 
 
 # --- audits --------------------------------------------------------------------------------------

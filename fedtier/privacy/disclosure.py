@@ -1,0 +1,227 @@
+"""What every upward message discloses, field by field: the allow-list of the privacy audit.
+
+Differential privacy covers what passes the mechanism (clip -> noise -> quantize) and the
+ledger. Everything else a device sends to an untrusted edge, or an edge sends to the
+(untrusted) cloud, must say nothing about the training records: it must be public by
+construction (the topology, the schedule, the plan, who took part, sizes that depend on the
+model's shape only), a post-processing of noised values, or withheld (sent as a constant).
+Messages a device sends to a *trusted* edge travel in clear over TLS inside the trusted
+subtree and are not constrained here; what that edge sends on is.
+
+This module is the single list. ``tests/unit/cloud_coordinator/test_privacy_disclosure.py`` walks every
+field of every upward message of real private rollouts against it — a field that is not listed
+fails until someone classifies it — and checks each class against two runs with different noise
+and one with different data; ``docs/privacy.md``'s table is generated from it
+(``python -m cloud_coordinator.config_docs``).
+
+Paths name the wire header (``fedtier.wire.envelope``): ``t``, ``ro``, ``r``, ``st``, ``s``,
+``k``, ``sha``, ``ts[].<spec key>``, ``m.<message field>[.<key>...]`` (``[]`` steps into a list
+of maps), ``ci``/``cn`` (chunks), and ``body`` for the tensors' bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+PUBLIC = "public"
+"""Identical for any two datasets of the same sizes and any noise: fixed by the topology, the
+schedule, the noise plan, participation (who reported), or the model's shape."""
+NOISED = "noised"
+"""The release itself: clipped and noised as the plan says (or an exact mean of such releases)."""
+DERIVED = "post-processing"
+"""Computed from noised values (and public randomness) only: it may differ with the noise, never
+with the data alone."""
+WITHHELD = "withheld"
+"""A data-dependent value the plan does not account for, sent as a constant (or not at all) under a
+noise plan."""
+
+CLASSES = (PUBLIC, NOISED, DERIVED, WITHHELD)
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One field's class (``PUBLIC``, ``NOISED``, ``DERIVED`` or ``WITHHELD``) and why."""
+
+    disclosure: str
+    why: str
+
+    def __post_init__(self) -> None:
+        if self.disclosure not in CLASSES:
+            raise ValueError(f"unknown disclosure class {self.disclosure!r}")
+
+
+_SCHEDULE = "the protocol's schedule"
+
+HEADER: Mapping[str, Field] = {
+    "t": Field(PUBLIC, "message type"),
+    "ro": Field(PUBLIC, "rollout id"),
+    "r": Field(PUBLIC, f"round index ({_SCHEDULE})"),
+    "st": Field(PUBLIC, f"edge round within the round ({_SCHEDULE})"),
+    "s": Field(PUBLIC, "sender's node id (topology)"),
+    "k": Field(PUBLIC, "idempotency key: type/rollout/round/step/sender"),
+    "sha": Field(DERIVED, "sha256 of the body, a function of the released tensors"),
+    "ts[].n": Field(PUBLIC, "tensor name (the model's layout)"),
+    "ts[].e": Field(PUBLIC, "tensor encoding (the config: f32, or qsgd with bits_device / bits_edge)"),
+    "ts[].sh": Field(PUBLIC, "tensor shape (the model's layout)"),
+    "ts[].nb": Field(PUBLIC, "tensor byte length: fixed by the shape and the encoding (no encoding compresses)"),
+    "ts[].b": Field(PUBLIC, "QSGD bit width (bits_device / bits_edge of the config)"),
+}
+
+_RELEASE_WHY = "from the noise plan (clip, z, tau, mode) and who reported"
+_RELEASE: Mapping[str, Field] = {
+    "node": Field(PUBLIC, "who added the noise (topology)"),
+    "event": Field(PUBLIC, "device or edge release (topology)"),
+    "round": Field(PUBLIC, _SCHEDULE),
+    "step": Field(PUBLIC, _SCHEDULE),
+    "sigma": Field(PUBLIC, f"noise std, {_RELEASE_WHY}"),
+    "sensitivity": Field(PUBLIC, f"the sound sensitivity, {_RELEASE_WHY}"),
+    "z": Field(PUBLIC, f"the charged multiplier sigma / sensitivity, {_RELEASE_WHY}"),
+    "protected": Field(PUBLIC, "the devices whose data the noise covers (participation)"),
+    "inputs.clip": Field(PUBLIC, "C, from the plan"),
+    "inputs.reporters": Field(PUBLIC, "how many devices reported (participation)"),
+    "inputs.edge_rounds": Field(PUBLIC, "tau, from the plan"),
+    "inputs.mode": Field(PUBLIC, "calibration mode, from the plan"),
+    "inputs.calibrated_sensitivity": Field(PUBLIC, f"what sigma was calibrated against, {_RELEASE_WHY}"),
+}
+
+
+def _prefixed(prefix: str, fields: Mapping[str, Field]) -> dict[str, Field]:
+    return {f"{prefix}{path}": field for path, field in fields.items()}
+
+
+_EVAL_WHY = ("federated evaluation on held-out rows: data-dependent and not covered by the plan, so never sent "
+             "under one (devices do not evaluate, edges forward none)")
+_EVAL: Mapping[str, Field] = {key: Field(WITHHELD, _EVAL_WHY) for key in ("loss", "count", "devices", "correct")}
+
+_BYTES = ("byte count of the cell's traffic in the round: a function of message counts (participation), tensor "
+          "shapes, encodings and public header fields (floats are always 8 bytes)")
+
+UPWARD: Mapping[str, Mapping[str, Field]] = {
+    # device -> its edge. Classes apply when the edge is untrusted (to a trusted one: clear, over TLS).
+    "device_update": {
+        **HEADER,
+        "body": Field(NOISED, "the delta clipped to C plus N(0, sigma_dev^2 I), then QSGD-quantized (each qsgd "
+                              "tensor's norm, its first 4 bytes, is the noised tensor's)"),
+        "m.num_samples": Field(PUBLIC, "local sample count: unchanged when one record is replaced (replace-one "
+                                       "adjacency), and it weighs nothing (privacy requires uniform weights); it "
+                                       "would not be public under add/remove adjacency"),
+        "m.train_loss": Field(WITHHELD, "0.0: the training loss is a data-dependent number the plan does not "
+                                        "account for"),
+        "m.steps": Field(PUBLIC, "local SGD steps run: the task's local_steps"),
+        "m.q": Field(DERIVED, "measured QSGD variance of quantizing the noised delta (0 without quantization)"),
+        **_prefixed("m.release.", _RELEASE),
+        **_prefixed("m.eval.", _EVAL),
+    },
+    # edge -> cloud, from trusted and untrusted edges alike.
+    "cell_update": {
+        **HEADER,
+        "body": Field(NOISED, "trusted edge: its cell's change plus fresh N(0, sigma_edge^2 I); untrusted edge: "
+                              "the exact mean of its devices' noised releases (post-processing); then QSGD"),
+        "m.weight": Field(PUBLIC, "number of reporting devices (uniform weighting is required under privacy)"),
+        "m.reported": Field(PUBLIC, "which devices reported: participation, not data (timing side channels are "
+                                    "out of scope)"),
+        "m.mean_loss": Field(WITHHELD, "0.0: training losses are data-dependent numbers the plan does not "
+                                       "account for"),
+        "m.q": Field(DERIVED, "measured QSGD variance of the edge quantizing its noised upload"),
+        **_prefixed("m.eval.", _EVAL),
+        "m.stats.device_q": Field(DERIVED, "untrusted cells only: mean of the devices' q, each measured on a "
+                                           "noised upload. A trusted cell does not send it: its devices' q are "
+                                           "measured on clear deltas"),
+        "m.stats.device_up_bytes": Field(PUBLIC, _BYTES),
+        "m.stats.device_up_f32_bytes": Field(PUBLIC, _BYTES + " (as float32)"),
+        "m.stats.device_down_bytes": Field(PUBLIC, _BYTES),
+        "m.privacy.trusted": Field(PUBLIC, "the cell's trust label, from the plan"),
+        "m.privacy.steps": Field(PUBLIC, "who reported in each edge round (participation)"),
+        **_prefixed("m.privacy.releases[].", _RELEASE),
+        "m.privacy.clear[].sender": Field(PUBLIC, "a clear hop inside the trusted cell (participation)"),
+        "m.privacy.clear[].receiver": Field(PUBLIC, "the trusted cell (topology)"),
+        "m.privacy.clear[].step": Field(PUBLIC, _SCHEDULE),
+    },
+    # device -> edge, edge -> cloud: artifact files by digest.
+    "artifact_request": {
+        **HEADER,
+        "m.digests": Field(PUBLIC, "sha256 of artifact files listed in the signed manifest"),
+    },
+    # Any message above the broker's size limit travels as chunks (fedtier.transport.chunking).
+    "chunk": {
+        **HEADER,
+        "body": Field(NOISED, "a slice of the whole message's bytes, classified as that message's fields"),
+        "m.wk": Field(PUBLIC, "the whole message's idempotency key"),
+        "m.tlen": Field(PUBLIC, "the whole message's length (see ts[].nb)"),
+        "m.tsha": Field(DERIVED, "sha256 of the whole message"),
+        "ci": Field(PUBLIC, "chunk index: a function of the message's length"),
+        "cn": Field(PUBLIC, "chunk count: a function of the message's length"),
+    },
+}
+
+STATUS: Mapping[str, Field] = {
+    "node": Field(PUBLIC, "node id"),
+    "role": Field(PUBLIC, "device, edge or cloud"),
+    "cell": Field(PUBLIC, "the node's cell (topology)"),
+    "state": Field(PUBLIC, "online or offline"),
+    "since": Field(PUBLIC, "when the node connected (wall clock; nothing about data)"),
+}
+"""The retained presence document (JSON) every MQTT node publishes on ``ft/v1/status/<node>``."""
+
+REFUSED: Mapping[str, str] = {
+    "device_gradient": "QHetFed's in-cell gradient exchange is not covered by the mechanism: a config with "
+                       "[privacy] and algorithm = qhetfed is refused, and so are its roles given a noise plan",
+}
+"""Upward message types that never travel under a noise plan."""
+
+DOWNWARD: Mapping[str, str] = {
+    "cell_task": "cloud -> edge: the global model (post-processing of noised releases), the config, the members",
+    "device_task": "edge -> its devices: the cloud's model or the set model (a trusted cell's stays inside it)",
+    "cell_step": "edge -> its devices: the edge round's average (a trusted cell's stays inside it)",
+    "artifact": "parent -> children: artifact files listed in the signed manifest",
+}
+"""Message types that only travel down the tree: nothing of a device's data that has not passed the
+mechanism leaves a trusted subtree this way."""
+
+
+def classify(kind: str, path: str) -> Field | None:
+    """The class of ``path`` in an upward message of type ``kind``; ``None`` if it is not listed."""
+    return UPWARD.get(kind, {}).get(path)
+
+
+def unlisted(kind: str, flat: Mapping[str, Any]) -> list[str]:
+    """The paths of a flattened header (``flatten``) that this module does not classify. An empty list
+    of maps (``m.privacy.clear = []``) is fine when its elements' fields are listed."""
+    fields = UPWARD.get(kind, {})
+    return sorted(path for path, value in flat.items()
+                  if path not in fields and not (value == [] and any(f.startswith(f"{path}[].") for f in fields)))
+
+
+def flatten(header: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A wire header as ``path -> value``: maps are walked (``m.stats.device_q``); a list of maps is
+    walked once per element with ``[]`` in the path and its values collected into lists in order
+    (``m.privacy.releases[].sigma -> [sigma, ...]``); other values (lists of ids included) are leaves."""
+    out: dict[str, Any] = {}
+    for key, value in header.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{path}."))
+        elif isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+            for item in value:
+                for sub, leaf in flatten(item, f"{path}[].").items():
+                    out.setdefault(sub, []).append(leaf)
+        else:
+            out[path] = value
+    return out
+
+
+def markdown_table() -> str:
+    """docs/privacy.md's table of every upward field (what ``config_docs`` writes there)."""
+    lines = ["| message | field | class | why |", "|---|---|---|---|"]
+    for path, field in HEADER.items():
+        lines.append(f"| every message | `{path}` | {field.disclosure} | {field.why} |")
+    for kind, fields in UPWARD.items():
+        for path, field in fields.items():
+            if HEADER.get(path) is not field:
+                lines.append(f"| {kind} | `{path}` | {field.disclosure} | {field.why} |")
+    for path, field in STATUS.items():
+        lines.append(f"| presence (JSON) | `{path}` | {field.disclosure} | {field.why} |")
+    for kind, why in REFUSED.items():
+        lines.append(f"| {kind} | (all) | never sent under a noise plan | {why} |")
+    return "\n".join(lines) + "\n"
