@@ -29,8 +29,8 @@ def broker() -> None:
               help="Mosquitto-format ACL file (user/topic/pattern lines).")
 def run_cmd(host: str, port: int, max_packet_size: int, max_connections_per_address: int,
             acl_file: str | None) -> None:
-    """Serve until SIGINT/SIGTERM. The other limits keep their safe defaults; all of them
-    are options of ``python -m fedtier.embedded_broker --help``.
+    """Serve until SIGINT/SIGTERM. The other limits keep their safe defaults; every limit is
+    an option of "python -m fedtier.embedded_broker" (see its --help and docs/broker.md).
 
     Example: fedtier broker run --port 1883 --max-packet-size 262144
     """
