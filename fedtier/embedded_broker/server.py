@@ -196,6 +196,7 @@ class _Connection(asyncio.Protocol, ServerLink):
         if reason_code is not None and self.connected and self.protocol_level == MQTT_5:
             self.send_packet(Disconnect(reason_code))
         self._closing = True
+        self._framer.clear()  # a refused packet's bytes are not kept until the socket is gone
         self._transport.close()  # stops reading; flushes what is buffered, then closes
         self._abort_timer = self._loop.call_later(CLOSE_GRACE, self._transport.abort)
         # Release the session and fire the will now, not at connection_lost: a client that

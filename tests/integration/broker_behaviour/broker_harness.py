@@ -203,8 +203,13 @@ def check(kind: str, request: pytest.FixtureRequest) -> Check:
 class RawClient:
     """A socket speaking MQTT through the codec, for what paho will not send."""
 
-    def __init__(self, port: int, protocol: int = MQTT_5, *, timeout: float = WAIT) -> None:
-        self.sock = socket.create_connection((HOST, port), timeout=timeout)
+    def __init__(self, port: int, protocol: int = MQTT_5, *, timeout: float = WAIT,
+                 receive_buffer: int | None = None) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if receive_buffer is not None:  # before connecting, so the TCP window is small from the start
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        self.sock.settimeout(timeout)
+        self.sock.connect((HOST, port))
         self.protocol = protocol
         self._framer = PacketFramer()
 

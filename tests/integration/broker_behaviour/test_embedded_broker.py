@@ -9,7 +9,6 @@ from __future__ import annotations
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -108,9 +107,8 @@ def test_partial_packets_are_charged_to_the_byte_budget() -> None:
 def test_a_subscriber_that_does_not_read_is_bounded() -> None:
     limits = BrokerLimits(max_output_backlog=256 * KIB, max_queued_messages=5)
     with EmbeddedBroker(limits=limits) as broker:
-        lazy = RawClient(broker.port)
+        lazy = RawClient(broker.port, receive_buffer=4096)
         lazy.connect("lazy", properties=Properties(receive_maximum=100))
-        lazy.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         lazy.send(Subscribe(1, (("flood/#", SubscriptionOptions(qos=1)),)))
         assert isinstance(lazy.recv(), SubAck)
         pub = Peer(broker.port).connect()
