@@ -331,9 +331,10 @@ class Broker:
             assert packet.packet_id is not None
             self._publish_qos2(link, session, packet)
             return
-        code = self._accept(link, session, packet)
+        message = self._message_of(packet, link.client_id)
+        code = self._accept(link, session, message)
         if code is None:
-            matched = self._route(self._message_of(packet, link.client_id))
+            matched = self._route(message)
             code = ReasonCode.SUCCESS
             if v5 and not matched:
                 code = ReasonCode.NO_MATCHING_SUBSCRIBERS  # a success code (< 0x80)
@@ -342,16 +343,17 @@ class Broker:
             # 3.1.1 has no way to say "refused": the PUBACK is plain and the message dropped.
             link.send_packet(PubAck(packet.packet_id, code if v5 else 0))
 
-    def _accept(self, link: ServerLink, session: Session, packet: Publish) -> int | None:
-        """Check write access and, for a retained message, store it. ``None`` if the message
-        may be routed, else the reason code refusing it (§3.4.2.1)."""
+    def _accept(self, link: ServerLink, session: Session, message: Message, *,
+                store: bool = True) -> int | None:
+        """Check write access and, for a retained message (if ``store``), store it. ``None``
+        if the message may be routed, else the reason code refusing it (§3.4.2.1)."""
         if self._acl is not None and not self._acl.allows(session.username, session.client_id,
-                                                          packet.topic, Access.WRITE):
-            logger.info("client %r: publish to %r denied by the ACL", link.client_id, packet.topic)
+                                                          message.topic, Access.WRITE):
+            logger.info("client %r: publish to %r denied by the ACL", link.client_id, message.topic)
             return ReasonCode.NOT_AUTHORIZED
-        if packet.retain and not self._store_retained(self._message_of(packet, link.client_id)):
+        if store and message.retain and not self._store_retained(message):
             logger.warning("client %r: retained message on %r refused: buffer budget exhausted",
-                           link.client_id, packet.topic)
+                           link.client_id, message.topic)
             return ReasonCode.QUOTA_EXCEEDED
         return None
 
@@ -366,16 +368,16 @@ class Broker:
         if len(session.incoming) >= self.config.receive_maximum:
             raise ProtocolViolationError("more QoS 2 messages awaiting PUBREL than Receive Maximum",
                                          ReasonCode.RECEIVE_MAXIMUM_EXCEEDED)  # [MQTT-3.3.4-9]
-        code = self._accept(link, session, packet)
-        if code is not None and v5:
-            link.send_packet(PubRec(packet_id, code))  # the flow ends here (§4.3.3)
-            return
-        message = None if code is not None else self._message_of(packet, link.client_id)
-        if message is not None and not self._holds.hold(message, message.size):
+        message: Message | None = self._message_of(packet, link.client_id)
+        assert message is not None
+        code = self._accept(link, session, message, store=False)  # retained on PUBREL
+        if code is None and not self._holds.hold(message, message.size):
+            code = ReasonCode.QUOTA_EXCEEDED
+        if code is not None:
             if v5:
-                link.send_packet(PubRec(packet_id, ReasonCode.QUOTA_EXCEEDED))
+                link.send_packet(PubRec(packet_id, code))  # the flow ends here (§4.3.3)
                 return
-            message = None
+            message = None  # 3.1.1 cannot refuse: complete the flow, deliver nothing
         session.incoming[packet_id] = message
         link.send_packet(PubRec(packet_id))
 
@@ -388,6 +390,9 @@ class Broker:
             return
         message = session.incoming.pop(packet.packet_id)
         if message is not None:
+            if message.retain and not self._store_retained(message):
+                logger.warning("client %r: retained message on %r not stored: buffer budget exhausted",
+                               link.client_id, message.topic)
             self._route(message)
             self._holds.release(message)
         link.send_packet(PubComp(packet.packet_id))

@@ -363,6 +363,30 @@ def test_retained_qos_and_retain_handling(broker: RunningBroker, check: Check) -
     raw_pub.close()
 
 
+def test_a_retained_qos2_message_is_stored_on_pubrel(broker: RunningBroker, check: Check) -> None:
+    pub = RawClient(broker.port)
+    pub.connect("rq2-pub")
+    pub.send(Publish("rq2/t", b"released", qos=2, retain=True, packet_id=3))
+    assert pub.recv() == PubRec(3)
+    early = RawClient(broker.port)
+    early.connect("rq2-early")
+    early.send(Subscribe(1, (("rq2/t", SubscriptionOptions(qos=0)),)))
+    check.same("before PUBREL: nothing retained yet", until_pong(early), [SubAck(1, (0,))])
+    pub.send(PubRel(3))
+    assert pub.recv() == PubComp(3)
+    live = early.recv()
+    assert isinstance(live, Publish)
+    check.same("on PUBREL: delivered live", (live.payload, live.retain), (b"released", False))
+    late = RawClient(broker.port)
+    late.connect("rq2-late")
+    late.send(Subscribe(1, (("rq2/t", SubscriptionOptions(qos=0)),)))
+    got = until_pong(late)
+    check.same("after PUBREL: retained", [(getattr(p, "payload", None), getattr(p, "retain", None)) for p in got],
+               [(None, None), (b"released", True)])
+    for raw in (pub, early, late):
+        raw.close()
+
+
 def test_retain_as_published_no_local_and_subscription_ids(broker: RunningBroker, check: Check) -> None:
     pub = Peer(broker.port, "rap-pub").connect()
     sub = Peer(broker.port, "rap-sub").connect()
