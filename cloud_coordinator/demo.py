@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
@@ -405,20 +405,27 @@ class Demo:
             return
         if kind == "mosquitto" and mosq is None:
             raise DemoError("--broker mosquitto, but mosquitto is not installed (apt-get install mosquitto)")
+        # Both brokers get fedtier's safe limits (docs/broker.md); larger messages travel chunked.
+        from provisioning.broker_limits import limits_for, mosquitto_global_limits, mosquitto_listener_limits
+
+        limits = limits_for(self.opts.max_packet_size)
+        sockets = 2 * (self.opts.devices + self.opts.cells) + 8  # every node of the demo is on 127.0.0.1
+        if sockets > limits.max_connections_per_address:
+            limits = replace(limits, max_connections_per_address=sockets,
+                             max_connections=max(sockets, limits.max_connections))
         if kind == "mosquitto" or (kind == "auto" and mosq is not None):
             conf = self.workdir / "mosquitto.conf"
-            lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false",
-                     "log_dest stdout", "max_queued_messages 10000"]
-            if self.opts.max_packet_size:
-                lines.append(f"max_packet_size {self.opts.max_packet_size}")
+            lines = ["allow_anonymous true", "persistence false", "log_dest stdout",
+                     *mosquitto_global_limits(limits), f"listener {port} 127.0.0.1",
+                     *mosquitto_listener_limits(limits)]
             conf.write_text("\n".join(lines) + "\n")
             self.broker_kind = "mosquitto"
             self._spawn("broker", "broker", [str(mosq), "-c", str(conf)])
         else:
             self.broker_kind = "embedded"
-            argv = [sys.executable, "-m", "fedtier", "broker", "run", "--port", str(port)]
-            if self.opts.max_packet_size:
-                argv += ["--max-packet-size", str(self.opts.max_packet_size)]
+            argv = [sys.executable, "-m", "fedtier", "broker", "run", "--port", str(port),
+                    "--max-packet-size", str(limits.max_packet_size or 0),
+                    "--max-connections-per-address", str(limits.max_connections_per_address)]
             self._spawn("broker", "broker", argv)
         if not wait_for_port(port, READY_TIMEOUT_S):
             raise DemoError(f"the {self.broker_kind} broker did not open port {port}:\n{_tail(self.procs[-1].log)}")

@@ -35,7 +35,8 @@ import click
 @click.option("--alpha", type=click.FloatRange(min=0, min_open=True), default=0.5, show_default=True,
               help="Dirichlet concentration of the non-iid split (smaller = more skewed devices).")
 @click.option("--max-packet-size", type=click.IntRange(0), default=0, show_default=True,
-              help="Broker packet limit in bytes (0 = none); larger messages travel chunked.")
+              help="Broker packet limit in bytes (0 = fedtier's default, 1 MiB); larger messages "
+                   "travel chunked.")
 @click.option("--secure", is_flag=True,
               help="Provision a throwaway fleet first (CA, per-node certificates, signed manifests) and run "
                    "over Mosquitto with mutual TLS and per-role ACLs, as a production fleet would.")

@@ -11,12 +11,16 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
+
+from fedtier.embedded_broker.limits import BrokerLimits
+from provisioning.broker_limits import limits_for, mosquitto_global_limits, mosquitto_listener_limits
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -76,17 +80,18 @@ class Broker:
 
 
 def start_mosquitto(directory: Path, *, max_packet_size: int | None = None, extra: tuple[str, ...] = (),
-                    port: int | None = None) -> Broker:
+                    port: int | None = None, limits: BrokerLimits | None = None) -> Broker:
+    """Mosquitto on a free port with fedtier's limits (``limits``, else the defaults with
+    ``max_packet_size`` if given) and any ``extra`` global lines."""
     binary = mosquitto_binary()
     require(binary is not None, "Mosquitto (apt-get install mosquitto)")
     assert binary is not None
     directory.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "persistence false", "log_dest stdout",
-             "log_type all"]
-    if max_packet_size:
-        lines.append(f"max_packet_size {max_packet_size}")
-    lines.extend(extra)
+    limits = limits or limits_for(max_packet_size)
+    lines = ["allow_anonymous true", "persistence false", "log_dest stdout", "log_type all",
+             *mosquitto_global_limits(limits), *extra, f"listener {port} 127.0.0.1",
+             *mosquitto_listener_limits(limits)]
     conf = directory / f"mosquitto-{port}.conf"
     conf.write_text("\n".join(lines) + "\n")
     log = directory / f"mosquitto-{port}.log"
@@ -102,7 +107,7 @@ def start_mosquitto(directory: Path, *, max_packet_size: int | None = None, extr
 
 @pytest.fixture
 def mosquitto(tmp_path: Path) -> Iterator[Broker]:
-    """A fresh Mosquitto on a free port (no packet limit)."""
+    """A fresh Mosquitto on a free port with fedtier's default limits."""
     broker = start_mosquitto(tmp_path / "broker")
     yield broker
     broker.stop()
@@ -151,3 +156,11 @@ def small_rollout(tmp_path: Path, artifact_store: Path) -> Callable[..., object]
         return RolloutConfig.from_mapping(base)
 
     return make
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """After a run of tests/integration/broker_behaviour: its count of shared assertions."""
+    harness = sys.modules.get("broker_harness")
+    if harness is not None:
+        for line in harness.summary_lines():
+            terminalreporter.write_line(line)

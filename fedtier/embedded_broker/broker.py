@@ -1,5 +1,6 @@
 """The broker core: connects clients to sessions, routes messages, keeps retained messages
-and wills. It is driven by decoded packets and knows nothing of sockets or asyncio.
+and wills, applies the ACL. It is driven by decoded packets and knows nothing of sockets or
+asyncio.
 
 Every method runs on the single event-loop thread of the server, so the state below needs
 no locks. Anything a client does wrong is raised as an :class:`MqttProtocolError`; the
@@ -15,16 +16,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from fedtier.embedded_broker.acl import Access, AccessList
+from fedtier.embedded_broker.limits import DEFAULT_LIMITS, BrokerLimits, ByteBudget, MessageHolds
 from fedtier.embedded_broker.packets import (
     MQTT_5,
     NO_PROPERTIES,
     SESSION_EXPIRY_NEVER,
-    SUBACK_FAILURE_V311,
     Auth,
     ConnAck,
     Connect,
     ConnectReturnCode,
     Disconnect,
+    MalformedPacketError,
     Packet,
     PingReq,
     PingResp,
@@ -60,10 +63,9 @@ from fedtier.embedded_broker.topics import (
 
 logger = logging.getLogger("fedtier.embedded_broker")
 
-MAXIMUM_QOS = 1
-"""QoS 2 is deliberately unsupported; CONNACK says so (§3.2.2.3.4)."""
+MAXIMUM_QOS = 2
 DEFAULT_V311_RECEIVE_MAXIMUM = 20
-"""3.1.1 has no Receive Maximum; this is the QoS 1 window we grant such clients."""
+"""3.1.1 has no Receive Maximum; this is the QoS 1/2 window we grant such clients."""
 DEFAULT_V5_RECEIVE_MAXIMUM = 65_535
 """Receive Maximum of a v5 client that does not declare one (§3.1.2.11.3)."""
 
@@ -72,11 +74,17 @@ CallLater = Callable[[float, Callable[[], None]], Cancellable]
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
-    """Limits of the broker, announced to v5 clients in CONNACK."""
+    """Limits of the broker (some announced to v5 clients in CONNACK) and its ACL."""
 
-    max_packet_size: int | None = None
-    max_queued_messages: int = 10_000
+    limits: BrokerLimits = DEFAULT_LIMITS
+    acl: AccessList | None = None
+    """``None``: every client may read and write every topic (no ``acl_file``)."""
     receive_maximum: int = 20
+    """How many QoS 2 messages a client may have awaiting PUBREL at once (§3.2.2.3.3)."""
+
+    @property
+    def max_packet_size(self) -> int | None:
+        return self.limits.max_packet_size
 
 
 class ServerLink(ClientLink):
@@ -89,6 +97,7 @@ class ServerLink(ClientLink):
     connected: bool = False
     session: Session | None = None
     will: Will | None = None
+    username: str | None = None
 
 
 class Broker:
@@ -106,7 +115,11 @@ class Broker:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._retained: dict[str, Message] = {}
+        self.budget = ByteBudget(config.limits.max_buffered_bytes)
+        """Bytes held for clients: partial packets (the server's), queued and retained messages."""
+        self._holds = MessageHolds(self.budget)
         self._tree: SubscriptionTree[Subscription] = SubscriptionTree()
+        self._acl = config.acl
         self._shut_down = False
 
     @property
@@ -116,6 +129,16 @@ class Broker:
     @property
     def retained_count(self) -> int:
         return len(self._retained)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for operators and tests: what the broker holds and what it has dropped."""
+        return {
+            "sessions": len(self._sessions),
+            "retained": len(self._retained),
+            "buffered_bytes": self.budget.used,
+            "budget_refusals": self.budget.refusals,
+            "dropped_messages": sum(s.dropped for s in self._sessions.values()),
+        }
 
     def online_clients(self) -> list[str]:
         """Client ids whose session currently has a live connection, sorted."""
@@ -134,6 +157,12 @@ class Broker:
             self._publish(link, packet)
         elif isinstance(packet, PubAck):
             self._puback(link, packet)
+        elif isinstance(packet, PubRec):
+            self._pubrec(link, packet)
+        elif isinstance(packet, PubRel):
+            self._pubrel(link, packet)
+        elif isinstance(packet, PubComp):
+            self._pubcomp(link, packet)
         elif isinstance(packet, Subscribe):
             self._subscribe(link, packet)
         elif isinstance(packet, Unsubscribe):
@@ -144,9 +173,6 @@ class Broker:
             self._disconnect(link, packet)
         elif isinstance(packet, Connect):
             raise ProtocolViolationError("second CONNECT")  # [MQTT-3.1.0-2]
-        elif isinstance(packet, PubRec | PubRel | PubComp):
-            # We never send QoS 2 and refuse it inbound, so no QoS 2 flow can exist.
-            raise ProtocolViolationError(f"{type(packet).__name__} without a QoS 2 exchange")
         elif isinstance(packet, Auth):
             # [MQTT-4.12.0-6]: AUTH is a Protocol Error without an Authentication Method.
             raise ProtocolViolationError("AUTH without enhanced authentication")
@@ -167,7 +193,7 @@ class Broker:
         if will is not None:
             logger.info("client %r: connection lost, publishing will to %r",
                         link.client_id, will.topic)
-            self._publish_will(will, link.client_id)
+            self._publish_will(will, link.client_id, link.username)
         if was_connected:
             logger.info("client %r disconnected", link.client_id)
 
@@ -194,9 +220,6 @@ class Broker:
                     raise ProtocolViolationError(f"invalid will topic {packet.will.topic!r}")
                 self._refuse(link, ReasonCode.TOPIC_NAME_INVALID, "invalid will topic")
                 return
-            if v5 and packet.will.qos > MAXIMUM_QOS:
-                self._refuse(link, ReasonCode.QOS_NOT_SUPPORTED, "will QoS 2")  # [MQTT-3.2.2-12]
-                return
 
         client_id = packet.client_id
         assigned: str | None = None
@@ -221,9 +244,11 @@ class Broker:
             self._discard_session(existing)  # [MQTT-3.1.2-4]
             existing = None
         if existing is None:
+            limits = self.config.limits
             session = Session(client_id, expiry_interval=expiry,
-                              max_queued_messages=self.config.max_queued_messages,
-                              clock=self._clock)
+                              max_queued_messages=limits.max_queued_messages,
+                              max_queued_bytes=limits.max_queued_bytes, holds=self._holds,
+                              clock=self._clock, username=packet.username)
             self._sessions[client_id] = session
         else:
             session = existing
@@ -231,11 +256,13 @@ class Broker:
                 session.expiry_timer.cancel()
                 session.expiry_timer = None
             session.expiry_interval = expiry
+            session.username = packet.username
         session_present = existing is not None  # [MQTT-3.2.2-2]
 
         link.client_id = client_id
         link.session = session
         link.will = packet.will
+        link.username = packet.username
         link.connected = True
         if v5:
             link.receive_maximum = props.receive_maximum or DEFAULT_V5_RECEIVE_MAXIMUM
@@ -253,7 +280,6 @@ class Broker:
         return Properties(
             assigned_client_identifier=assigned_client_id,
             receive_maximum=self.config.receive_maximum,
-            maximum_qos=MAXIMUM_QOS,
             retain_available=1,
             maximum_packet_size=self.config.max_packet_size,
             topic_alias_maximum=0,
@@ -282,15 +308,14 @@ class Broker:
         old.close(ReasonCode.SESSION_TAKEN_OVER)
         old.connected = False
         if will is not None:
-            self._publish_will(will, session.client_id)
+            self._publish_will(will, session.client_id, old.username)
 
     # --- PUBLISH ---------------------------------------------------------------------------
 
     def _publish(self, link: ServerLink, packet: Publish) -> None:
+        session = link.session
+        assert session is not None
         v5 = link.protocol_level == MQTT_5
-        if packet.qos > MAXIMUM_QOS:
-            # [MQTT-3.2.2-11]: QoS above Maximum QoS is answered with DISCONNECT 0x9B.
-            raise ProtocolViolationError("QoS 2 is not supported", ReasonCode.QOS_NOT_SUPPORTED)
         if packet.properties.topic_alias is not None:
             # We announce Topic Alias Maximum 0 ([MQTT-3.2.2-17]): any alias is invalid.
             raise ProtocolViolationError("topic aliases are not supported",
@@ -298,27 +323,100 @@ class Broker:
         if not packet.topic:
             raise ProtocolViolationError("empty topic name")  # §3.3.2.1, no alias to resolve
         if not is_valid_topic_name(packet.topic):
-            raise ProtocolViolationError(f"wildcard in topic name {packet.topic!r}",
-                                         ReasonCode.TOPIC_NAME_INVALID)  # [MQTT-3.3.2-2]
+            # [MQTT-3.3.2-2]: a Protocol Error (0x90 is for a well-formed name not accepted).
+            raise ProtocolViolationError(f"wildcard in topic name {packet.topic!r}")
         if packet.properties.subscription_identifiers:
             raise ProtocolViolationError("subscription identifier in a client PUBLISH")
-        message = self._make_message(packet.topic, packet.payload, packet.qos, packet.retain,
-                                     packet.properties, link.client_id)
-        if packet.retain:
-            self._store_retained(message)
-        matched = self._route(message)
-        if packet.qos == 1:
+        if packet.qos == 2:
             assert packet.packet_id is not None
+            self._publish_qos2(link, session, packet)
+            return
+        message = self._message_of(packet, link.client_id)
+        code = self._accept(link, session, message)
+        if code is None:
+            matched = self._route(message)
             code = ReasonCode.SUCCESS
             if v5 and not matched:
                 code = ReasonCode.NO_MATCHING_SUBSCRIBERS  # a success code (< 0x80)
-            link.send_packet(PubAck(packet.packet_id, code))
+        if packet.qos == 1:
+            assert packet.packet_id is not None
+            # 3.1.1 has no way to say "refused": the PUBACK is plain and the message dropped.
+            link.send_packet(PubAck(packet.packet_id, code if v5 else 0))
+
+    def _accept(self, link: ServerLink, session: Session, message: Message, *,
+                store: bool = True) -> int | None:
+        """Check write access and, for a retained message (if ``store``), store it. ``None``
+        if the message may be routed, else the reason code refusing it (§3.4.2.1)."""
+        if self._acl is not None and not self._acl.allows(session.username, session.client_id,
+                                                          message.topic, Access.WRITE):
+            logger.info("client %r: publish to %r denied by the ACL", link.client_id, message.topic)
+            return ReasonCode.NOT_AUTHORIZED
+        if store and message.retain and not self._store_retained(message):
+            logger.warning("client %r: retained message on %r refused: buffer budget exhausted",
+                           link.client_id, message.topic)
+            return ReasonCode.QUOTA_EXCEEDED
+        return None
+
+    def _publish_qos2(self, link: ServerLink, session: Session, packet: Publish) -> None:
+        """QoS 2 from a client, §4.3.3 method A: store, PUBREC; route on PUBREL."""
+        packet_id = packet.packet_id
+        assert packet_id is not None
+        v5 = link.protocol_level == MQTT_5
+        if packet_id in session.incoming:
+            link.send_packet(PubRec(packet_id))  # a re-sent PUBLISH: same answer, no new copy
+            return
+        if len(session.incoming) >= self.config.receive_maximum:
+            raise ProtocolViolationError("more QoS 2 messages awaiting PUBREL than Receive Maximum",
+                                         ReasonCode.RECEIVE_MAXIMUM_EXCEEDED)  # [MQTT-3.3.4-9]
+        message: Message | None = self._message_of(packet, link.client_id)
+        assert message is not None
+        code = self._accept(link, session, message, store=False)  # retained on PUBREL
+        if code is None and not self._holds.hold(message, message.size):
+            code = ReasonCode.QUOTA_EXCEEDED
+        if code is not None:
+            if v5:
+                link.send_packet(PubRec(packet_id, code))  # the flow ends here (§4.3.3)
+                return
+            message = None  # 3.1.1 cannot refuse: complete the flow, deliver nothing
+        session.incoming[packet_id] = message
+        link.send_packet(PubRec(packet_id))
+
+    def _pubrel(self, link: ServerLink, packet: PubRel) -> None:
+        session = link.session
+        assert session is not None
+        if packet.packet_id not in session.incoming:
+            # §3.7.2.1: nothing stored under that id (the flow completed, or never started).
+            link.send_packet(PubComp(packet.packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
+            return
+        message = session.incoming.pop(packet.packet_id)
+        if message is not None:
+            if message.retain and not self._store_retained(message):
+                logger.warning("client %r: retained message on %r not stored: buffer budget exhausted",
+                               link.client_id, message.topic)
+            self._route(message)
+            self._holds.release(message)
+        link.send_packet(PubComp(packet.packet_id))
 
     def _puback(self, link: ServerLink, packet: PubAck) -> None:
         assert link.session is not None
         if not link.session.acknowledge(packet.packet_id):
             logger.debug("client %r: PUBACK for unknown packet id %d",
                          link.client_id, packet.packet_id)
+
+    def _pubrec(self, link: ServerLink, packet: PubRec) -> None:
+        assert link.session is not None
+        if not link.session.received(packet.packet_id, packet.reason_code):
+            link.send_packet(PubRel(packet.packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
+
+    def _pubcomp(self, link: ServerLink, packet: PubComp) -> None:
+        assert link.session is not None
+        if not link.session.completed(packet.packet_id):
+            logger.debug("client %r: PUBCOMP for unknown packet id %d",
+                         link.client_id, packet.packet_id)
+
+    def _message_of(self, packet: Publish, origin: str) -> Message:
+        return self._make_message(packet.topic, packet.payload, packet.qos, packet.retain,
+                                  packet.properties, origin)
 
     def _make_message(self, topic: str, payload: bytes, qos: int, retain: bool,
                       props: Properties, origin: str) -> Message:
@@ -335,16 +433,28 @@ class Broker:
         return Message(topic, payload, min(qos, MAXIMUM_QOS), retain, forwarded, expires_at,
                        origin)
 
-    def _store_retained(self, message: Message) -> None:
-        # §3.3.1.3: a retained PUBLISH replaces the stored one; an empty payload clears it.
+    def _store_retained(self, message: Message) -> bool:
+        """§3.3.1.3: a retained PUBLISH replaces the stored one; an empty payload clears it.
+        False if the budget cannot hold the new one (the old one then stays)."""
+        old = self._retained.get(message.topic)
         if message.payload:
+            if not self._holds.hold(message, message.size):
+                return False
             self._retained[message.topic] = message
         else:
             self._retained.pop(message.topic, None)
+        if old is not None:
+            self._holds.release(old)
+        return True
+
+    def _may_read(self, session: Session, topic: str) -> bool:
+        return self._acl is None or self._acl.allows(session.username, session.client_id, topic,
+                                                     Access.READ)
 
     def _route(self, message: Message) -> int:
         """Deliver to every matching session once, at the highest granted QoS (§4.7.1.2 note,
-        [MQTT-3.3.4-2]). Returns the number of sessions it went to."""
+        [MQTT-3.3.4-2]), if the ACL lets it read the topic. Returns the number of sessions
+        it went to."""
         targets: dict[str, tuple[int, bool, list[int]]] = {}
         for client_id, sub in self._tree.match(message.topic):
             options = sub.options
@@ -356,16 +466,26 @@ class Broker:
             if sub.identifier is not None:
                 ids.append(sub.identifier)
             targets[client_id] = (max(qos, options.qos), retain, ids)
+        delivered = 0
         for client_id, (qos, retain, ids) in targets.items():
             session = self._sessions[client_id]
+            if not self._may_read(session, message.topic):
+                continue
             session.deliver(Delivery(message, min(message.qos, qos), retain, tuple(ids)))
-        return len(targets)
+            delivered += 1
+        return delivered
 
-    def _publish_will(self, will: Will, client_id: str) -> None:
+    def _publish_will(self, will: Will, client_id: str, username: str | None) -> None:
+        if self._acl is not None and not self._acl.allows(username, client_id, will.topic,
+                                                          Access.WRITE):
+            logger.info("client %r: will on %r denied by the ACL", client_id, will.topic)
+            return
         message = self._make_message(will.topic, will.payload, will.qos, will.retain,
                                      will.properties, client_id)
-        if will.retain:
-            self._store_retained(message)
+        if will.retain and not self._store_retained(message):
+            logger.warning("client %r: retained will on %r dropped: buffer budget exhausted",
+                           client_id, will.topic)
+            return
         self._route(message)
 
     # --- SUBSCRIBE / UNSUBSCRIBE -----------------------------------------------------------
@@ -374,14 +494,16 @@ class Broker:
         session = link.session
         assert session is not None
         v5 = link.protocol_level == MQTT_5
+        for topic_filter, _options in packet.subscriptions:
+            if not is_valid_topic_filter(topic_filter):
+                # [MQTT-4.7.1-1..3], [MQTT-4.7.3-1]: not a Topic Filter at all, so a Malformed
+                # Packet (0x8F in SUBACK is for a well-formed filter not allowed, §3.9.3).
+                raise MalformedPacketError(f"invalid topic filter {topic_filter!r}")
         ids = packet.properties.subscription_identifiers
         identifier = ids[0] if ids else None
         codes: list[int] = []
         wants_retained: list[tuple[str, Subscription]] = []
         for topic_filter, options in packet.subscriptions:
-            if not is_valid_topic_filter(topic_filter):
-                codes.append(ReasonCode.TOPIC_FILTER_INVALID if v5 else SUBACK_FAILURE_V311)
-                continue
             if v5 and topic_filter.startswith(SHARED_SUBSCRIPTION_PREFIX):
                 codes.append(ReasonCode.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED)
                 continue
@@ -404,7 +526,8 @@ class Broker:
         for topic, message in list(self._retained.items()):
             if message.expired(now):
                 del self._retained[topic]  # [MQTT-3.3.2-5]
-            elif topic_matches(topic_filter, topic):
+                self._holds.release(message)
+            elif topic_matches(topic_filter, topic) and self._may_read(session, topic):
                 # [MQTT-3.3.1-9]: sent because of a new subscription, so RETAIN is 1.
                 qos = min(message.qos, sub.options.qos)
                 session.deliver(Delivery(message, qos, True, ids))
@@ -412,13 +535,14 @@ class Broker:
     def _unsubscribe(self, link: ServerLink, packet: Unsubscribe) -> None:
         session = link.session
         assert session is not None
+        for topic_filter in packet.topic_filters:
+            if not is_valid_topic_filter(topic_filter):
+                raise MalformedPacketError(f"invalid topic filter {topic_filter!r}")
         codes: list[int] = []
         for topic_filter in packet.topic_filters:
             if session.subscriptions.pop(topic_filter, None) is not None:
                 self._tree.remove(topic_filter, session.client_id)
                 codes.append(ReasonCode.SUCCESS)
-            elif not is_valid_topic_filter(topic_filter):
-                codes.append(ReasonCode.TOPIC_FILTER_INVALID)
             else:
                 codes.append(ReasonCode.NO_SUBSCRIPTION_EXISTED)
         v5 = link.protocol_level == MQTT_5
@@ -463,5 +587,6 @@ class Broker:
         for topic_filter in session.subscriptions:
             self._tree.remove(topic_filter, session.client_id)
         session.subscriptions.clear()
+        session.discard()
         if self._sessions.get(session.client_id) is session:
             del self._sessions[session.client_id]

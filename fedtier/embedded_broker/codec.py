@@ -157,6 +157,10 @@ class PacketFramer:
         """Append bytes received from the peer."""
         self._buffer += data
 
+    def clear(self) -> None:
+        """Drop everything buffered (the connection is closing: nothing more is framed)."""
+        self._buffer = bytearray()
+
     def peek_packet_type(self) -> int | None:
         """Type nibble of the next (possibly incomplete) packet, ``None`` if nothing buffered."""
         return self._buffer[0] >> 4 if self._buffer else None

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import click
 
+from fedtier.embedded_broker.limits import DEFAULT_LIMITS
+
 
 @click.group()
 def broker() -> None:
-    """Embedded MQTT broker (MQTT 3.1.1 and 5, QoS 0/1, retained, wills, sessions in memory).
+    """Embedded MQTT broker (MQTT 3.1.1 and 5, QoS 0/1/2, retained, wills, sessions in memory).
 
     For demos and tests on machines without Mosquitto. Use Mosquitto (or another production
-    broker) on real gateways: this one keeps nothing on disk.
+    broker) on real gateways: this one has no TLS and keeps nothing on disk (docs/broker.md).
     """
 
 
@@ -18,13 +20,28 @@ def broker() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=1883, show_default=True,
               help="TCP port (0 = any free port).")
-@click.option("--max-packet-size", type=click.IntRange(0), default=0, show_default=True,
-              help="Largest packet accepted, bytes (0 = no limit).")
-def run_cmd(host: str, port: int, max_packet_size: int) -> None:
-    """Serve until SIGINT/SIGTERM."""
+@click.option("--max-packet-size", type=click.IntRange(0), default=DEFAULT_LIMITS.max_packet_size,
+              show_default=True, help="Largest packet accepted, bytes (0 = no limit).")
+@click.option("--max-connections-per-address", type=click.IntRange(1),
+              default=DEFAULT_LIMITS.max_connections_per_address, show_default=True,
+              help="Open sockets per client address.")
+@click.option("--acl-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Mosquitto-format ACL file (user/topic/pattern lines).")
+def run_cmd(host: str, port: int, max_packet_size: int, max_connections_per_address: int,
+            acl_file: str | None) -> None:
+    """Serve until SIGINT/SIGTERM. The other limits keep their safe defaults; every limit is
+    an option of "python -m fedtier.embedded_broker" (see its --help and docs/broker.md).
+
+    Example: fedtier broker run --port 1883 --max-packet-size 262144
+    """
     from fedtier.embedded_broker import main
 
-    args = ["--host", host, "--port", str(port)]
-    if max_packet_size:
-        args += ["--max-packet-size", str(max_packet_size)]
+    args = ["--host", host, "--port", str(port), "--max-packet-size", str(max_packet_size),
+            "--max-connections-per-address", str(max_connections_per_address)]
+    if max_connections_per_address > DEFAULT_LIMITS.max_connections:
+        args += ["--max-connections", str(max_connections_per_address)]
+    if acl_file:
+        args += ["--acl-file", acl_file]
     raise SystemExit(main(args))
+
+

@@ -60,6 +60,7 @@ class ReasonCode(enum.IntEnum):
     IMPLEMENTATION_SPECIFIC_ERROR = 0x83
     UNSUPPORTED_PROTOCOL_VERSION = 0x84
     CLIENT_IDENTIFIER_NOT_VALID = 0x85
+    NOT_AUTHORIZED = 0x87
     SERVER_SHUTTING_DOWN = 0x8B
     BAD_AUTHENTICATION_METHOD = 0x8C
     KEEP_ALIVE_TIMEOUT = 0x8D
@@ -70,6 +71,7 @@ class ReasonCode(enum.IntEnum):
     RECEIVE_MAXIMUM_EXCEEDED = 0x93
     TOPIC_ALIAS_INVALID = 0x94
     PACKET_TOO_LARGE = 0x95
+    QUOTA_EXCEEDED = 0x97
     QOS_NOT_SUPPORTED = 0x9B
     SHARED_SUBSCRIPTIONS_NOT_SUPPORTED = 0x9E
 
@@ -122,6 +124,13 @@ class PacketTooLargeError(MqttProtocolError):
 
     reason = "mqtt_packet_too_large"
     default_reason_code = ReasonCode.PACKET_TOO_LARGE
+
+
+class QuotaExceededError(MqttProtocolError):
+    """The peer would make the broker hold more than its byte budget allows (MQTT 5 0x97)."""
+
+    reason = "mqtt_quota_exceeded"
+    default_reason_code = ReasonCode.QUOTA_EXCEEDED
 
 
 class UnsupportedProtocolVersionError(MqttProtocolError):

@@ -3,8 +3,15 @@
 One event loop serves every connection. Each connection is an :class:`asyncio.Protocol`
 whose ``data_received`` frames, decodes and hands packets to the core synchronously, so the
 core's state is only ever touched from the loop thread. Writes go straight into the
-transport's buffer: a slow subscriber never blocks a publisher or the loop (its QoS 1 traffic
-is bounded by its Receive Maximum window, its QoS 0 traffic by a backlog limit).
+transport's buffer: a slow subscriber never blocks a publisher or the loop. Above
+``max_output_backlog`` unsent bytes the transport pauses the connection's writing: QoS 0
+messages to it are dropped and QoS 1/2 messages wait in its session until it drains.
+
+Limits (:mod:`.limits`) are enforced here before anything is buffered: a socket over the
+connection limits is closed at once; until CONNECT is accepted the framer refuses a packet
+announcing more than ``max_connect_size`` as soon as its fixed header is in, afterwards more
+than ``max_packet_size``; partial packets are charged to the broker's byte budget, and a
+connection the budget cannot hold is closed.
 
 A client that misbehaves — garbage bytes, a packet over the size limit, a protocol error,
 keep-alive silence — is disconnected on its own; any unexpected exception while handling its
@@ -19,12 +26,16 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+from fedtier.embedded_broker.acl import AccessList
 from fedtier.embedded_broker.broker import Broker, BrokerConfig, ServerLink
 from fedtier.embedded_broker.codec import PacketFramer, decode_packet, encode_packet
+from fedtier.embedded_broker.limits import DEFAULT_LIMITS, BrokerLimits, ConnectionGate
 from fedtier.embedded_broker.packets import (
     MQTT_5,
+    MQTT_311,
     ConnAck,
     Connect,
     ConnectReturnCode,
@@ -34,11 +45,12 @@ from fedtier.embedded_broker.packets import (
     PacketTooLargeError,
     PacketType,
     ProtocolViolationError,
+    QuotaExceededError,
     Publish,
     ReasonCode,
     UnsupportedProtocolVersionError,
 )
-from fedtier.errors import LocalProtocolError
+from fedtier.errors import ConfigError, LocalProtocolError
 
 logger = logging.getLogger("fedtier.embedded_broker")
 
@@ -53,14 +65,22 @@ START_TIMEOUT = 10.0
 class _Connection(asyncio.Protocol, ServerLink):
     """One client connection: framing, decoding, keep-alive, and the write side of a link."""
 
-    def __init__(self, broker: Broker, connections: set[_Connection],
+    def __init__(self, broker: Broker, connections: set[_Connection], gate: ConnectionGate,
                  loop: asyncio.AbstractEventLoop) -> None:
         self._broker = broker
+        self._limits = broker.config.limits
         self._connections = connections
+        self._gate = gate
         self._loop = loop
-        self._framer = PacketFramer(broker.config.max_packet_size)
+        # Until CONNECT is accepted, a peer may announce only a small packet.
+        self._framer = PacketFramer(self._limits.connect_limit)
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
+        self._address: str | None = None
+        """The peer's address while it counts against the connection limits."""
+        self._held_input = 0
+        """Bytes of partial packets charged to the broker's budget."""
+        self._paused = False
         self._closing = False
         self._last_received = loop.time()
         self._keep_alive_limit = 0.0
@@ -74,8 +94,26 @@ class _Connection(asyncio.Protocol, ServerLink):
         self._transport = transport
         peer = transport.get_extra_info("peername")
         self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        refused = self._gate.admit(address)
+        if refused is not None:
+            logger.warning("%s: connection refused: %s", self._peer, refused)
+            self._closing = True
+            transport.abort()
+            return
+        self._address = address
         self._connections.add(self)
+        high = self._limits.max_output_backlog
+        transport.set_write_buffer_limits(high=high, low=high // 4)
         self._timer = self._loop.call_later(CONNECT_TIMEOUT, self._connect_timeout)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.session is not None and self.session.link is self and not self._closing:
+            self.session.pump()
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -95,7 +133,9 @@ class _Connection(asyncio.Protocol, ServerLink):
                 packet = decode_packet(frame, self.protocol_level)
                 self._broker.handle_packet(self, packet)
                 if isinstance(packet, Connect) and self.connected:
+                    self._framer.max_packet_size = self._limits.max_packet_size
                     self._start_keep_alive(packet.keep_alive)
+            self._charge_input()
         except UnsupportedProtocolVersionError as exc:
             self._refuse_protocol_version(exc)
         except PacketTooLargeError as exc:
@@ -119,6 +159,9 @@ class _Connection(asyncio.Protocol, ServerLink):
             if timer is not None:
                 timer.cancel()
         self._connections.discard(self)
+        if self._address is not None:
+            self._gate.leave(self._address)
+            self._address = None
         self._release()
 
     # --- ClientLink ----------------------------------------------------------------------------
@@ -139,7 +182,12 @@ class _Connection(asyncio.Protocol, ServerLink):
         self._transport.write(data)
         return True
 
-    def backlog(self) -> int:
+    def writable(self) -> bool:
+        return not self._paused and not self._closing
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes written for this client but not yet sent."""
         return 0 if self._transport is None else self._transport.get_write_buffer_size()
 
     def close(self, reason_code: int | None = None) -> None:
@@ -148,7 +196,8 @@ class _Connection(asyncio.Protocol, ServerLink):
         if reason_code is not None and self.connected and self.protocol_level == MQTT_5:
             self.send_packet(Disconnect(reason_code))
         self._closing = True
-        self._transport.close()  # flushes what is buffered, then closes
+        self._framer.clear()  # a refused packet's bytes are not kept until the socket is gone
+        self._transport.close()  # stops reading; flushes what is buffered, then closes
         self._abort_timer = self._loop.call_later(CLOSE_GRACE, self._transport.abort)
         # Release the session and fire the will now, not at connection_lost: a client that
         # reconnects at once must find its session detached and its will already handled.
@@ -160,8 +209,23 @@ class _Connection(asyncio.Protocol, ServerLink):
         if self._transport is not None:
             self._transport.abort()
 
+    def _charge_input(self) -> None:
+        """Charge the partial packet still buffered to the byte budget; over it, disconnect."""
+        held = self._framer.buffered
+        delta = held - self._held_input
+        if delta > 0 and not self._broker.budget.take(delta):
+            raise QuotaExceededError(
+                f"{held} buffered bytes exceed the broker's buffer budget "
+                f"({self._broker.budget.used} of {self._broker.budget.limit} in use)")
+        if delta < 0:
+            self._broker.budget.give_back(-delta)
+        self._held_input = held
+
     def _release(self) -> None:
         """Tell the core this link is finished. Safe to call twice (close, then lost)."""
+        if self._held_input:
+            self._broker.budget.give_back(self._held_input)
+            self._held_input = 0
         try:
             self._broker.link_closed(self)
         except Exception:
@@ -196,18 +260,16 @@ class _Connection(asyncio.Protocol, ServerLink):
     # --- helpers -----------------------------------------------------------------------------
 
     def _refuse_protocol_version(self, exc: UnsupportedProtocolVersionError) -> None:
-        """Answer a CONNECT of an unknown level in the format that client can read.
+        """Answer a CONNECT of an unknown level with the 3.1.1 CONNACK, return code 0x01.
 
-        3.1.1 §3.1.2.2: return code 0x01 for a level we do not support, which is what a 3.1
-        (level 3) or older client understands; a client newer than 5 gets the v5 CONNACK with
-        0x84 (MQTT 5 §3.1.2.2).
+        3.1.1 §3.1.2.2 asks for exactly that; MQTT 5 §3.1.2.2 only says the server MAY answer
+        0x84 in a v5 CONNACK. The four-byte 3.1.1 form is what Mosquitto 2.0 sends for every
+        level it does not speak (checked by the broker-behaviour tests), and what a 3.1 client
+        can read.
         """
         logger.info("%s: %s; refusing", self._describe(), exc)
-        if exc.protocol_level > MQTT_5:
-            self.protocol_level = MQTT_5
-            self.send_packet(ConnAck(ReasonCode.UNSUPPORTED_PROTOCOL_VERSION))
-        else:
-            self.send_packet(ConnAck(ConnectReturnCode.UNACCEPTABLE_PROTOCOL_VERSION))
+        self.protocol_level = MQTT_311
+        self.send_packet(ConnAck(ConnectReturnCode.UNACCEPTABLE_PROTOCOL_VERSION))
         self.close()
 
     def _describe(self) -> str:
@@ -217,28 +279,28 @@ class _Connection(asyncio.Protocol, ServerLink):
 class EmbeddedBroker:
     """A pure-Python MQTT 3.1.1/5.0 broker serving on a daemon thread.
 
-    Used by ``fedtier demo`` when Mosquitto is not installed, and by tests. QoS 0 and 1,
-    retained messages, wills, persistent in-memory sessions; no QoS 2, no TLS, no auth.
-    ``host`` is an address or name to bind; with ``port=0`` every address it resolves to
-    listens on the same free port, which :attr:`port` reports once :meth:`start` returns.
-    ``max_packet_size`` limits what clients may send (and is announced to v5 clients);
-    ``max_queued_messages`` bounds each session's queue of undelivered QoS 1 messages.
+    Used by ``fedtier demo`` when Mosquitto is not installed, and by tests. QoS 0, 1 and 2,
+    retained messages, wills, persistent in-memory sessions, an optional Mosquitto-style ACL;
+    no TLS, no passwords. ``host`` is an address or name to bind; with ``port=0`` every
+    address it resolves to listens on the same free port, which :attr:`port` reports once
+    :meth:`start` returns. ``limits`` bounds what clients can make it hold (defaults in
+    :class:`~.limits.BrokerLimits`); keyword ``overrides`` replace single limits, e.g.
+    ``max_packet_size=4096``.
 
     >>> with EmbeddedBroker() as broker:   # port 0: the OS picks a free port
     ...     port = broker.port
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 max_packet_size: int | None = None,
-                 max_queued_messages: int = 10_000) -> None:
-        if max_packet_size is not None and max_packet_size < 2:
-            raise LocalProtocolError("max_packet_size must be at least 2 bytes")
-        if max_queued_messages < 1:
-            raise LocalProtocolError("max_queued_messages must be positive")
+                 limits: BrokerLimits = DEFAULT_LIMITS, acl: AccessList | None = None,
+                 **overrides: int | None) -> None:
+        try:
+            limits = replace(limits, **overrides)  # type: ignore[arg-type]  # checked by BrokerLimits
+        except TypeError as exc:
+            raise ConfigError(f"unknown broker limit in {sorted(overrides)}: {exc}") from None
         self._host = host
         self._requested_port = port
-        self._config = BrokerConfig(max_packet_size=max_packet_size,
-                                    max_queued_messages=max_queued_messages)
+        self._config = BrokerConfig(limits=limits, acl=acl)
         self._port: int | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -247,6 +309,11 @@ class EmbeddedBroker:
         self._stopped = False
         self._lock = threading.Lock()
         self._core: Broker | None = None
+        self._connections: set[_Connection] = set()
+
+    @property
+    def limits(self) -> BrokerLimits:
+        return self._config.limits
 
     @property
     def port(self) -> int:
@@ -304,6 +371,28 @@ class EmbeddedBroker:
         loop.call_soon_threadsafe(lambda: done.set_result(core.online_clients()))
         return done.result(timeout)
 
+    def stats(self, timeout: float = 5.0) -> dict[str, int]:
+        """The core's counters (:meth:`Broker.stats`) plus open connections and the bytes
+        waiting in their output buffers, read on the broker's own thread.
+
+        Raises:
+            LocalProtocolError: the broker is not running.
+        """
+        loop, core, connections = self._loop, self._core, self._connections
+        if loop is None or core is None or self._stopped or loop.is_closed():
+            raise LocalProtocolError("the broker is not running")
+        done: concurrent.futures.Future[dict[str, int]] = concurrent.futures.Future()
+
+        def read() -> None:
+            stats = core.stats()
+            stats["connections"] = len(connections)
+            stats["output_bytes"] = sum(c.output_bytes for c in connections)
+            stats["max_output_bytes"] = max((c.output_bytes for c in connections), default=0)
+            done.set_result(stats)
+
+        loop.call_soon_threadsafe(read)
+        return done.result(timeout)
+
     def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
@@ -335,12 +424,13 @@ class EmbeddedBroker:
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
-        connections: set[_Connection] = set()
+        connections = self._connections
         broker = Broker(self._config, call_later=loop.call_later)
+        gate = ConnectionGate(self._config.limits)
         self._core = broker
         try:
             server = loop.run_until_complete(self._listen(
-                lambda: _Connection(broker, connections, loop)))
+                lambda: _Connection(broker, connections, gate, loop)))
         except BaseException as exc:  # bind failure: hand it to start()'s caller
             self._startup_error = exc
             self._ready.set()
