@@ -1,4 +1,9 @@
-"""Rendering round metrics for people: one line per round, a summary table, byte units."""
+"""Rendering round metrics for people: one line per round, a summary table, byte units.
+
+Rounds are numbered from 0 everywhere a person reads them — logs, these lines and tables,
+``metrics.json``, the wire — so "round 29" is the same round in all of them; a rollout of 30
+rounds runs rounds 0 to 29. The count of rounds closed appears next to it as ``(30/30)``.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ def human_bytes(n: float) -> str:
 def round_line(row: dict[str, Any], total_rounds: int) -> str:
     """One line per closed round: accuracy, loss, devices, device uplink bytes, duration."""
     b = row.get("bytes", {})
-    head = f"round {row['round'] + 1:>3}/{total_rounds}"
+    head = f"round {row['round']:>3} ({row['round'] + 1}/{total_rounds})"
     if row.get("accuracy") is not None:
         head += f"  accuracy {row['accuracy']:.4f}  loss {row['loss']:.4f}"
     return (f"{head}  devices {row.get('devices_reported', 0):>3}  up {human_bytes(b.get('device_up', 0))}"
@@ -49,7 +54,7 @@ def summary_table(rows: Sequence[dict[str, Any]], wall_s: float, title: str) -> 
         b = r.get("bytes", {})
         acc = f"{r['accuracy']:.4f}" if r.get("accuracy") is not None else "-"
         loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "-"
-        lines.append(f"{r['round'] + 1:>5}  {acc:>8}  {loss:>7}  {r.get('devices_reported', 0):>7}  "
+        lines.append(f"{r['round']:>5}  {acc:>8}  {loss:>7}  {r.get('devices_reported', 0):>7}  "
                      f"{human_bytes(b.get('device_up', 0)):>10}  {human_bytes(b.get('device_down', 0)):>10}  "
                      f"{human_bytes(b.get('edge_up', 0)):>10}  {human_bytes(b.get('cloud_down', 0)):>10}  "
                      f"{r.get('round_s', 0.0):>5.2f}s")
@@ -63,6 +68,7 @@ def summary_table(rows: Sequence[dict[str, Any]], wall_s: float, title: str) -> 
             lines.append(f"uplink {label}: {human_bytes(t[key])} quantized vs {human_bytes(t[f32_key])} in float32: "
                          f"saved {human_bytes(saved)} ({100 * saved / t[f32_key]:.0f} %)")
     if rows and rows[-1].get("accuracy") is not None:
-        lines.append(f"final accuracy:    {rows[-1]['accuracy']:.4f} after {len(rows)} rounds")
+        last = rows[-1]
+        lines.append(f"final accuracy:    {last['accuracy']:.4f} after {len(rows)} rounds (round {last['round']})")
     lines.append(f"wall time:         {wall_s:.1f} s")
     return "\n".join(lines)
