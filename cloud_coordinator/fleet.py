@@ -66,6 +66,31 @@ def bundle_settings(bundle: Path) -> dict[str, Any]:
     return out
 
 
+def write_device_data(cfg: RolloutConfig, data_dirs: Mapping[str, Path]) -> dict[str, int]:
+    """Write each device's share of the rollout's built-in dataset as ``<data_dir>/train.npz``.
+
+    The split is the coordinator's own (``[data]``: the same seed, partition and held-out
+    set), so what devices train on and what the coordinator evaluates on never overlap. For
+    trials: real devices bring their own data.
+
+    Args:
+        cfg: the rollout.
+        data_dirs: device id -> its data directory (created).
+
+    Returns:
+        Device id -> number of samples written.
+    """
+    cells = cfg.topology.layout()
+    data = make_federated(cfg.data, [d for ds in cells.values() for d in ds], cells)
+    written = {}
+    for device, directory in data_dirs.items():
+        x, y = data.train[device]
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        np.savez(Path(directory) / "train.npz", x=x, y=y)
+        written[device] = int(len(y))
+    return written
+
+
 def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, Any],
                 bundles: Mapping[str, Path] | None = None) -> FleetPaths:
     """Write every node's config and every device's data under ``workdir``.
@@ -95,7 +120,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
     coordinator.write_text(dumps_toml(rollout))
     cfg = load(RolloutConfig, coordinator)
     cells = cfg.topology.layout()
-    data = make_federated(cfg.data, [d for ds in cells.values() for d in ds], cells)
+    write_device_data(cfg, {d: workdir / "data" / d for ds in cells.values() for d in ds})
     edges: dict[str, Path] = {}
     devices: dict[str, Path] = {}
     for cell, members in cells.items():
@@ -106,9 +131,6 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
         load(EdgeConfig, edges[cell])
         for device in members:
             data_dir = workdir / "data" / device
-            data_dir.mkdir(parents=True, exist_ok=True)
-            x, y = data.train[device]
-            np.savez(data_dir / "train.npz", x=x, y=y)
             dev = {"device_id": device, "cell": cell, "data_dir": str(data_dir),
                    "state_dir": str(workdir / "devices" / device), "broker": dict(broker)}
             devices[device] = cfg_dir / f"device-{device}.toml"

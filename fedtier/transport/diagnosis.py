@@ -134,7 +134,8 @@ def connect_failure(exc: BaseException | None, *, host: str, port: int, tls: boo
     where = _where(host, port)
     if exc is None:
         return Diagnosis("lost", f"connection to {where} lost (the broker closed it or the network dropped)",
-                         "reconnecting; if this repeats, the broker's log says why it closed the connection")
+                         "reconnecting; if this repeats, the broker's log says why it closed the connection "
+                         "(\"already connected, closing old connection\": another client uses this identity)")
     if isinstance(exc, ssl.SSLCertVerificationError):
         return _broker_certificate(exc, where, host, ca_file)
     if isinstance(exc, ssl.CertificateError):  # pragma: no cover - older Pythons' host name check
