@@ -127,3 +127,53 @@ def retained(host: str, port: int, bundle: Path, topic_filter: str, wait: float 
     while not got.empty():
         out.append(got.get_nowait())
     return out
+
+
+# --- provisioned fleets ------------------------------------------------------------------------------
+
+
+def write_rollout(path: Path, *, rollout: str, port: int, cells: dict[str, list[str]], rounds: int = 3,
+                  artifact_store: Path | None = None, extra: str = "") -> Path:
+    """A small rollout config (digits, MLP 16, fedavg) whose cloud broker is ``127.0.0.1:port``."""
+    members = "\n".join(f'{c} = [{", ".join(repr(d).replace(chr(39), chr(34)) for d in ds)}]'
+                        for c, ds in cells.items())
+    store = f'artifact_store = "{artifact_store}"\n' if artifact_store else ""
+    path.write_text(f'''rollout = "{rollout}"
+rounds = {rounds}
+seed = 7
+{store}{extra}
+[model]
+kind = "mlp"
+hidden = [16]
+
+[data]
+dataset = "digits"
+partition = "iid"
+seed = 3
+
+[topology.members]
+{members}
+
+[fedavg]
+local_steps = 5
+lr = 0.2
+batch_size = 16
+
+[broker]
+host = "127.0.0.1"
+port = {port}
+''')
+    return path
+
+
+def start_brokers(procs: Procs, brokers: dict[str, dict]) -> dict[str, Proc]:
+    """Start every broker ``provision fleet`` wrote (``FleetResult.brokers``) and wait for its port."""
+    from conftest import mosquitto_binary, wait_port
+
+    binary = mosquitto_binary()
+    assert binary is not None
+    out = {}
+    for name, broker in brokers.items():
+        out[name] = procs.start(f"broker-{name}", [binary, "-c", broker["conf"]])
+        wait_port(int(broker["port"]))
+    return out

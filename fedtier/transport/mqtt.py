@@ -27,9 +27,10 @@ What it adds on top of paho, and why (field notes §2):
   then ends the process with exit code 77.
 * **One identity, one client.** The presence document carries a random ``instance`` per
   process; the transport reads its own presence topic, and an ``online`` from another
-  instance arriving live (not a retained copy) means a second client uses this identity — a
-  copied bundle. Logged as an ERROR naming the id (brokers configured by fedtier bind the
-  client id to the certificate, so the two keep disconnecting each other).
+  instance since this one announced itself means a second client uses this identity — a
+  copied bundle (see ``_check_own_presence``). Logged as an ERROR naming the id (brokers
+  configured by fedtier bind the client id to the certificate, so the two keep disconnecting
+  each other).
 """
 
 from __future__ import annotations
@@ -195,6 +196,8 @@ class MqttTransport(ChunkingMixin):
         """This process's mark in its presence document (tells a second client with our id apart)."""
         self._own_status = topics.status(status["node"]) if status is not None else None
         self._auth_failures = 0
+        self._connects = 0
+        self._own_echo = False
         self._inflight: dict[int, _Part] = {}
         self._early_acks: dict[int, tuple[int, str]] = {}
         self._sub_mids: dict[int, str] = {}
@@ -391,6 +394,8 @@ class MqttTransport(ChunkingMixin):
             return
         self._auth_failures = 0
         self.client.last_error = None
+        self._connects += 1
+        self._own_echo = False
         if props is not None and hasattr(props, "MaximumPacketSize"):
             self.broker_max_packet = int(props.MaximumPacketSize)
         with self._lock:
@@ -477,7 +482,7 @@ class MqttTransport(ChunkingMixin):
                 client.ack(mid, qos)
 
         if msg.topic == self._own_status:
-            self._check_own_presence(bytes(msg.payload), bool(msg.retain))
+            self._check_own_presence(bytes(msg.payload))
             with self._lock:
                 wanted = any(topic_matches(f, msg.topic) for f in self._filters)
             if not wanted:
@@ -487,15 +492,26 @@ class MqttTransport(ChunkingMixin):
         if inbound is not None:
             self.inbox.put(inbound)
 
-    def _check_own_presence(self, payload: bytes, retained: bool) -> None:
-        """A live ``online`` of our id from another instance: a second client uses this identity."""
-        if retained or not payload:
-            return  # a retained copy is history (e.g. our previous run), not a second client
+    def _check_own_presence(self, payload: bytes) -> None:
+        """Another instance ``online`` under our id since we last announced ourselves: a second client.
+
+        At every connect the broker first replays the retained presence as it was before our own
+        ``online`` (then echoes ours). On the first connect of this process that history is an
+        earlier run's; on a reconnect it should be our own announcement — unless another client
+        connected with our id meanwhile (and took our session: brokers configured by fedtier bind
+        the client id to the certificate). An ``online`` of another instance after our own echo
+        means the same.
+        """
         try:
-            doc = json.loads(payload.decode())
+            doc = json.loads(payload.decode()) if payload else None
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             return
-        if isinstance(doc, dict) and doc.get("state") == "online" and doc.get("instance") not in (None, self.instance):
+        if not isinstance(doc, dict) or doc.get("state") != "online" or doc.get("instance") is None:
+            return
+        if doc.get("instance") == self.instance:
+            self._own_echo = True
+            return
+        if self._own_echo or self._connects > 1:
             node = self.status["node"] if self.status is not None else self.client_id
             self._report(diagnosis.identity_conflict(str(node), str(doc.get("instance"))))
 
