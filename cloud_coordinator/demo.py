@@ -136,7 +136,7 @@ class Demo:
         self.progress = progress
         self.procs: list[_Proc] = []
         self._own_workdir = opts.workdir is None
-        self.workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="fedtier-demo-"))
+        self.workdir = Path(opts.workdir).resolve() if opts.workdir else Path(tempfile.mkdtemp(prefix="fedtier-demo-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.logs = self.workdir / "logs"
         self.broker_kind = ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 
 from edge_broker.config import EdgeConfig
@@ -11,6 +12,7 @@ from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
 from fedtier.artifacts.cache import ArtifactCache
 from fedtier.runtime import identity, mqtt_service
+from fedtier.runtime.config import BrokerConfig
 from fedtier.runtime.metrics import Metrics
 from fedtier.security.signing import load_trusted_keys
 from fedtier.transport import mqtt
@@ -31,6 +33,11 @@ def build(cfg: EdgeConfig) -> tuple[EdgeNode, list[mqtt.MqttTransport], "queue.Q
     max_bytes = int(cfg.max_message_mb * (1 << 20))
     status = {"node": cfg.cell, "role": "edge", "cell": cfg.cell}
     # Chunks are acknowledged as soon as they are stored, so they are stored durably.
+    if cfg.cell_broker != cfg.cloud_broker and _same_address(cfg.cell_broker, cfg.cloud_broker):
+        log.warning("[cell_broker] (%s:%d) and [cloud_broker] (%s:%d) reach the same broker but differ: the edge opens "
+                    "two connections with one certificate, and a broker configured by fedtier takes each for the "
+                    "other's session; make the two sections identical so the edge uses one connection",
+                    cfg.cell_broker.host, cfg.cell_broker.port, cfg.cloud_broker.host, cfg.cloud_broker.port)
     if cfg.cell_broker == cfg.cloud_broker:
         cell_tx = cloud_tx = mqtt.from_config(cfg.cloud_broker, name="broker", client_id=cfg.cell, inbox=inbox,
                                               status=status,
@@ -49,6 +56,17 @@ def build(cfg: EdgeConfig) -> tuple[EdgeNode, list[mqtt.MqttTransport], "queue.Q
                     parent=cfg.parent, metrics=Metrics(node=cfg.cell, role="edge"), max_message_bytes=max_bytes,
                     trusted_keys=load_trusted_keys(cfg.trusted_keys))
     return node, [cell_tx, cloud_tx], inbox
+
+
+def _same_address(a: BrokerConfig, b: BrokerConfig) -> bool:
+    """Whether two broker sections dial the same address and port (best effort: False if a name does not resolve)."""
+    if a.port != b.port:
+        return False
+    try:
+        found = [{info[4][0] for info in socket.getaddrinfo(c.host, c.port, type=socket.SOCK_STREAM)} for c in (a, b)]
+    except OSError:
+        return False
+    return bool(found[0] & found[1])
 
 
 def run(cfg: EdgeConfig, stop: threading.Event | None = None) -> int:

@@ -177,7 +177,8 @@ def device_cmd(name: str, cell: str, fleet_dir: Path, broker: tuple[str, int], o
 @fleet_option
 @broker_option
 @click.option("--cloud-broker", type=str, default=None, callback=_endpoint, metavar="HOST:PORT",
-              help="The coordinator's broker (default: the same as --broker).")
+              help="The coordinator's broker (default: the same as --broker; such a shared broker needs the "
+                   "coordinator's ACL rules too: write its config with `provision fleet`).")
 @click.option("--cloud-id", default="cloud", show_default=True, help="The coordinator whose tasks the edge accepts.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="The bundle directory to write (copy it to the gateway).")
@@ -373,9 +374,10 @@ def broker_config_cmd(cell: str, fleet_dir: Path, out: Path, port: int, bind: st
                       key: Path | None, run_as: str | None, members_only: bool, force: bool) -> None:
     """Write a Mosquitto 2.0 config (mutual TLS, CRL, ACL) for the broker of one cell.
 
-    Clients must present a fleet certificate; its CN is the MQTT username. Devices may
-    publish only under their own id in this cell and read this cell's downlink; the
-    gateway account (user CELL) reads the uplink and writes the downlink.
+    Clients must present a fleet certificate; its CN is the MQTT username and client id.
+    Devices may publish only under their own id in this cell and read this cell's downlink;
+    the gateway account (user CELL) reads the uplink and writes the downlink. This ACL has no
+    rules for the coordinator: for a broker the coordinator uses too, use `provision fleet`.
     """
     from provisioning.broker_config import write_cell_broker_config
 
