@@ -178,3 +178,28 @@ def test_the_command_prints_what_runs_where_and_json_for_machines(tmp_path: Path
     bad = runner.invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "x"),
                                     "--cell-broker", "cell-a"])
     assert bad.exit_code == 2 and "CELL=HOST:PORT" in bad.output
+
+
+def test_a_broker_user_gets_its_0600_key_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    import os
+    import pwd
+    import stat
+
+    from provisioning.errors import ProvisioningError
+
+    with pytest.raises(ProvisioningError, match="no such user"):
+        provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "bad", run_as="no-such-user-here")
+    result = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")
+    conf = Path(result.brokers["shared"]["conf"]).read_text()
+    assert f"user {broker_config.current_user()}\n" in conf  # works as written where it was generated
+    if os.geteuid() != 0:
+        return  # handing a key to another user needs root; the command says how instead
+    try:
+        mosquitto = pwd.getpwnam("mosquitto")
+    except KeyError:
+        return
+    result = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site", run_as="mosquitto")
+    directory = Path(result.brokers["shared"]["dir"])
+    assert "user mosquitto\n" in (directory / "mosquitto.conf").read_text()
+    st = (directory / "broker.key").stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == mosquitto.pw_uid
