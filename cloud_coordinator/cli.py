@@ -6,8 +6,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from cloud_coordinator.config import RolloutConfig
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
@@ -25,7 +29,14 @@ def coordinator_run(config_path: Path, log_level: str | None) -> None:
     """Run the rollout over MQTT until its last round closes (or SIGINT/SIGTERM).
 
     State (rounds, model versions, accepted updates of the open round) is in
-    <state_dir>/coordinator.db: run the same command again to resume after a crash.
+    <state_dir>/coordinator.db: run the same command again to resume after a crash. When
+    the rollout ends it prints a summary (accuracy per round, bytes per tier, where the
+    metrics are, how to export the model) and clears the rollout's retained messages.
+
+    Exit codes: 0 the rollout ended (or a signal stopped it); 2 a bad config; 77 this
+    node's certificate or the broker's ACL does not let it work (the log says which).
+
+    Example: fedtier coordinator run --config fleet/coordinator/hand1.toml
     """
     from cloud_coordinator.config import RolloutConfig
     from cloud_coordinator.run import run
@@ -34,7 +45,58 @@ def coordinator_run(config_path: Path, log_level: str | None) -> None:
 
     cfg = load(RolloutConfig, config_path)
     logs.setup(log_level or cfg.log_level, node=cfg.cloud_id)
-    raise SystemExit(run(cfg))
+    started = time.perf_counter()
+    code = run(cfg)
+    if code == 0:
+        _print_summary(cfg, config_path, time.perf_counter() - started)
+    raise SystemExit(code)
+
+
+def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None:
+    """The demo's summary, for a rollout that ended (nothing if it was interrupted)."""
+    from cloud_coordinator.report import summary_table
+
+    try:
+        doc = json.loads(cfg.metrics_path.read_text())
+    except (OSError, ValueError):
+        return
+    if not doc.get("finished"):
+        return
+    click.echo(summary_table(doc.get("rounds", []), wall_s, f"rollout {cfg.rollout}: {cfg.algorithm}, "
+                                                            f"{len(cfg.topology.layout())} cells"))
+    if doc.get("stopped"):
+        click.echo(f"stopped early:     {doc['stopped']}")
+    click.echo(f"metrics:           {cfg.metrics_path}")
+    click.echo(f"export the model:  fedtier coordinator export --config {config_path} --out {cfg.rollout}.onnx")
+
+
+@coordinator.command("export")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The rollout config the coordinator ran.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The ONNX file to write.")
+@click.option("--version", type=click.IntRange(0), default=None,
+              help="A model version (round r's model is version r + 1); default the newest.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+def coordinator_export(config_path: Path, out: Path, version: int | None, as_json: bool) -> None:
+    """Write the rollout's trained model as an inference ONNX file (input "input", output "logits").
+
+    Reads the model version from the coordinator's state (<state_dir>/coordinator.db); works
+    during a rollout too (the newest closed round).
+
+    Example: fedtier coordinator export --config fleet/coordinator/hand1.toml --out hand1.onnx
+    """
+    from cloud_coordinator.config import RolloutConfig
+    from cloud_coordinator.export import export_model
+    from fedtier.runtime.config import load
+
+    cfg = load(RolloutConfig, config_path)
+    result = export_model(cfg, out, version=version)
+    if as_json:
+        click.echo(json.dumps({"path": str(result.path), "rollout": result.rollout, "round": result.round,
+                               "version": result.version, "sha256": result.sha256}))
+        return
+    click.echo(f"wrote {result.path}: rollout {result.rollout}, model version {result.version} (round {result.round})")
 
 
 @click.command()

@@ -298,7 +298,8 @@ class HierQsgdSection(QuantizedSection):
 
 @dataclass(frozen=True)
 class PlanSection(Section):
-    """Choose QHetFed's (tau, gamma) from a per-round time budget (seed 003 Sec. IV).
+    """Choose QHetFed's (tau, gamma) from a per-round time budget (Sec. IV of "A Hierarchical Federated
+    Learning Approach for the Internet of Things").
 
     Rollouts use the robust integer planner; the paper's closed form (``fedtier plan qhetfed
     --mode paper``) can answer gamma < 1 and is for reproduction only.
@@ -315,7 +316,8 @@ class PlanSection(Section):
 
 @dataclass(frozen=True)
 class QHetFedSection(QuantizedSection):
-    """QHetFed: tau gradient aggregations in each set, then gamma local steps (seed 003)."""
+    """QHetFed ("A Hierarchical Federated Learning Approach for the Internet of Things"): tau gradient
+    aggregations in each set, then gamma local steps."""
 
     tau: int = opt(12, min=0, help="Intra-set gradient-aggregation iterations per global round.")
     gamma: int = opt(3, min=1, help="Local SGD steps before the model aggregation.")
@@ -328,7 +330,8 @@ class QHetFedSection(QuantizedSection):
 
 @dataclass(frozen=True)
 class HistSection(QuantizedSection):
-    """HIST (seed 002): each cell trains a disjoint submodel (its share of the hidden neurons)."""
+    """HIST ("Submodel Partitioning in Hierarchical Federated Learning"): each cell trains a disjoint
+    submodel (its share of the hidden neurons)."""
 
     local_steps: int = opt(40, min=1, help="H: local SGD steps between edge aggregations.")
     edge_rounds: int = opt(5, min=1, help="E/H: edge aggregations per global round.")
@@ -346,7 +349,8 @@ def _open_unit(value: float) -> None:
 
 @dataclass(frozen=True)
 class PrivacySection(Section):
-    """Differential privacy with trust labels (M2FDP, seed 004; see docs/privacy.md).
+    """Differential privacy with trust labels (M2FDP, "Differentially-Private Multi-Tier Federated
+    Learning"; see docs/privacy.md).
 
     Every upload is clipped to ``clip``; devices under untrusted edges add Gaussian noise, trusted
     edges add it when they forward to the cloud. ``rdp`` calibration solves the noise multiplier

@@ -233,7 +233,7 @@ class Demo:
         self.trusted = self.trusted_cells()
         self.secure = opts.secure or self._tls_for_trusted_cells()
         self._own_workdir = opts.workdir is None
-        self.workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="fedtier-demo-"))
+        self.workdir = Path(opts.workdir).resolve() if opts.workdir else Path(tempfile.mkdtemp(prefix="fedtier-demo-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.logs = self.workdir / "logs"
         self.broker_kind = ""
@@ -439,25 +439,29 @@ class Demo:
             self._spawn(device, "agent", [*fedtier, "agent", "run", "--config", str(path)])
 
     def stop_all(self, grace_s: float = 5.0) -> None:
-        """SIGTERM every child (devices first, broker last), then SIGKILL what remains."""
+        """SIGTERM every node (devices, edges, coordinator), wait for them, then the broker; SIGKILL what
+        remains. The broker goes last so that no node sees its connection drop while it shuts down."""
         order = sorted(self.procs, key=lambda p: ["agent", "edge", "coordinator", "broker"].index(p.role))
-        for p in order:
-            if p.popen.poll() is None:
+        nodes = [p for p in order if p.role != "broker"]
+        brokers = [p for p in order if p.role == "broker"]
+        for group in (nodes, brokers):
+            for p in group:
+                if p.popen.poll() is None:
+                    try:
+                        os.killpg(p.popen.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + grace_s
+            for p in group:
                 try:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        for p in order:
-            try:
-                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.popen.wait()
-            self._tell_reaper(f"-{p.popen.pid}")
+                    p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    try:
+                        os.killpg(p.popen.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    p.popen.wait()
+                self._tell_reaper(f"-{p.popen.pid}")
 
     # --- run -----------------------------------------------------------------------------------------
 

@@ -70,6 +70,30 @@ def bundle_settings(bundle: Path) -> dict[str, Any]:
     return out
 
 
+def write_device_data(cfg: RolloutConfig, data_dirs: Mapping[str, Path]) -> dict[str, int]:
+    """Write each device's share of the rollout's built-in dataset as a shard (``write_shard``:
+    ``train.npz``, and ``eval/eval.npz`` when ``[data] holdout`` keeps rows for federated evaluation).
+
+    The split is the coordinator's own (``[data]``: the same seed, partition and held-out
+    set), so what devices train on and what the coordinator evaluates on never overlap. For
+    trials: real devices bring their own data (``fedtier data split``).
+
+    Args:
+        cfg: the rollout.
+        data_dirs: device id -> its data directory (created).
+
+    Returns:
+        Device id -> number of samples written.
+    """
+    cells = cfg.topology.layout()
+    data = make_federated(cfg.data, [d for ds in cells.values() for d in ds], cells)
+    written = {}
+    for device, directory in data_dirs.items():
+        write_shard(Path(directory), data.train[device], data.holdout.get(device))
+        written[device] = int(len(data.train[device][1]))
+    return written
+
+
 def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, Any],
                 bundles: Mapping[str, Path] | None = None) -> FleetPaths:
     """Write every node's config and every device's data under ``workdir``.
@@ -102,7 +126,8 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
     files = cfg.data.dataset == "files"
     if files and cfg.data.dir is None:
         raise ConfigError("a fleet on this machine reads each device's shard from [data] dir", key="data.dir")
-    data = None if files else make_federated(cfg.data, [d for ds in cells.values() for d in ds], cells)
+    if not files:
+        write_device_data(cfg, {d: workdir / "data" / d for ds in cells.values() for d in ds})
     edges: dict[str, Path] = {}
     devices: dict[str, Path] = {}
     for cell, members in cells.items():
@@ -112,11 +137,11 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
         edges[cell].write_text(dumps_toml(secured(cell, edge)))
         load(EdgeConfig, edges[cell])
         for device in members:
-            if data is None:
+            if files:
                 assert cfg.data.dir is not None
                 data_dir = cfg.data.dir / device
             else:
-                data_dir = write_shard(workdir / "data" / device, data.train[device], data.holdout.get(device))
+                data_dir = workdir / "data" / device
             dev = {"device_id": device, "cell": cell, "data_dir": str(data_dir),
                    "state_dir": str(workdir / "devices" / device), "broker": dict(broker)}
             devices[device] = cfg_dir / f"device-{device}.toml"

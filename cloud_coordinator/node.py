@@ -13,6 +13,11 @@ Each closed round is evaluated on the central test set (if the rollout has one) 
 eval model, committed to SQLite together with its model version and the devices' federated
 evaluation of the model the round started from (``federated``, if devices hold out rows), and
 appended to the metrics file.
+
+When the rollout ends (or was already over at start) the retained manifest is cleared: each
+edge then clears its cell's copy, forgets the rollout's state and its devices go idle; no
+retained message of the rollout stays on the broker. ``done`` turns true once the broker
+acknowledged the clearing (or after ``CLEAR_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ from fedtier.wire import messages
 from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellUpdate
 
 log = logging.getLogger("fedtier.coordinator")
+
+CLEAR_TIMEOUT_S = 10.0
+"""How long a finished coordinator waits for the broker to acknowledge that it cleared the manifest."""
 
 
 class Evaluator(Protocol):
@@ -109,6 +117,9 @@ class CloudNode(NodeBase):
         self.manifest: Manifest = prepared.manifest
         self.history: list[dict[str, Any]] = []
         self.finished = False
+        self.cleared = False
+        """The broker acknowledged that the finished rollout's retained manifest is cleared."""
+        self._finished_at: float | None = None
         self.stop_reason: str | None = None
         self.ledger: Any = None  # cloud_coordinator.privacy.ledger.PrivacyLedger under differential privacy
         self._round_bytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -120,6 +131,14 @@ class CloudNode(NodeBase):
     def start(self, now: float) -> None:
         self.tx.subscribe(topics.edge_up_filter())
         self.tx.subscribe(topics.ALL_STATUS)
+        status = self.store.status(self.rollout)
+        if status in ("finished", "stopped"):
+            self.history = self.store.rounds(self.rollout)
+            log.info("rollout %s is already %s (%d rounds); clearing its retained manifest", self.rollout, status,
+                     len(self.history))
+            self.finished = True
+            self._clear_retained()
+            return
         self.manifest_bytes = self._issue_manifest()
         self.tx.publish(topics.manifest(self.rollout), self.manifest_bytes, retain=True)
         self.history = self.store.rounds(self.rollout)
@@ -181,9 +200,30 @@ class CloudNode(NodeBase):
             self.store.replace_manifest(self.rollout, data)
         return data
 
+    @property
+    def done(self) -> bool:
+        """Finished, and its retained manifest cleared (or no acknowledgement came in time)."""
+        if not self.finished:
+            return False
+        if self._finished_at is None:
+            self._finished_at = time.monotonic()
+        return self.cleared or time.monotonic() - self._finished_at > CLEAR_TIMEOUT_S
+
+    def _clear_retained(self) -> None:
+        """Delete the rollout's retained manifest; the edges clear their cells' copies in turn."""
+        def acked(ok: bool) -> None:
+            self.cleared = True
+
+        self.tx.publish(topics.manifest(self.rollout), b"", retain=True, on_done=acked)
+
     def tick(self, now: float) -> None:
         if self.role is not None and not self.finished:
             self._execute(self.role.tick(now), now)
+            if not self.finished:
+                waiting = self.role.overdue(now)
+                if waiting:
+                    self.report_overdue(f"round {self.role.round} of rollout {self.rollout}", (self.role.round,),
+                                        [f"cell {c}" for c in waiting], now)
 
     # --- inbound --------------------------------------------------------------------------------
 
@@ -264,6 +304,7 @@ class CloudNode(NodeBase):
                     self.store.set_status(self.rollout, "finished")
                     log.info("rollout %s finished after %d rounds", self.rollout, action.rounds)
                 self.write_metrics()
+                self._clear_retained()
 
     def _close(self, closed: RoundClosed) -> None:
         result = self.evaluator(dict(closed.params)) if self.evaluator is not None else None

@@ -165,7 +165,7 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
             continue
         k = t["rounds_within_budget"]
         stop = ("will not run a single round" if k == 0
-                else f"will stop before round {k + 1} ({k} of {cfg.rounds} rounds run)")
+                else f"will stop before round {k} ({k} of {cfg.rounds} rounds run)")
         warnings.append(f"the {name} tier's releases reach epsilon {t['epsilon']:.4g} (RDP, delta {p.delta:g}) > "
                         f"budget {budget:g}: the rollout {stop}")
     if snr is not None:

@@ -1,4 +1,9 @@
-"""Rendering round metrics for people: one line per round, summary tables (rich), byte units."""
+"""Rendering round metrics for people: one line per round, summary tables (rich), byte units.
+
+Rounds are numbered from 0 everywhere a person reads them — logs, these lines and tables,
+``metrics.json``, the wire — so "round 29" is the same round in all of them; a rollout of 30
+rounds runs rounds 0 to 29. The count of rounds closed appears next to it as ``(30/30)``.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ def round_line(row: dict[str, Any], total_rounds: int) -> str:
     evaluation of the model the round started from), epsilon spent so far, devices, uplink bytes,
     duration."""
     b = row.get("bytes", {})
-    head = f"round {row['round'] + 1:>3}/{total_rounds}"
+    head = f"round {row['round']:>3} ({row['round'] + 1}/{total_rounds})"
     if row.get("loss") is not None:
         head += f"  accuracy {_num(row.get('accuracy'), '.4f')}  loss {_loss(row['loss'])}"
     federated = row.get("federated")
@@ -99,7 +104,7 @@ def rounds_table(rows: Sequence[dict[str, Any]], *, compare: Sequence[dict[str, 
     other = {int(r["round"]): r for r in compare or ()}
     for r in rows:
         b = r.get("bytes", {})
-        cells = [str(r["round"] + 1), _num(r.get("accuracy"), ".4f")]
+        cells = [str(r["round"]), _num(r.get("accuracy"), ".4f")]
         if compare is not None:
             cells.append(_num(other.get(int(r["round"]), {}).get("accuracy"), ".4f"))
         cells.append(_loss(r.get("loss")))
@@ -166,9 +171,10 @@ def summary(rows: Sequence[dict[str, Any]], wall_s: float, title: str, *,
     """
     head: list[tuple[str, str]] = []
     if rows and rows[-1].get("accuracy") is not None:
-        head.append(("final accuracy", f"{rows[-1]['accuracy']:.4f} after {len(rows)} rounds"))
+        head.append(("final accuracy",
+                     f"{rows[-1]['accuracy']:.4f} after {len(rows)} rounds (round {rows[-1]['round']})"))
     elif rows and rows[-1].get("loss") is not None:
-        head.append(("final loss", f"{rows[-1]['loss']:.4f} after {len(rows)} rounds"))
+        head.append(("final loss", f"{rows[-1]['loss']:.4f} after {len(rows)} rounds (round {rows[-1]['round']})"))
     last_fed = next((r["federated"] for r in reversed(rows) if r.get("federated")), None)
     if last_fed is not None:
         what = (f"accuracy {last_fed['accuracy']:.4f}" if last_fed.get("accuracy") is not None

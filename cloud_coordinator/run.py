@@ -12,18 +12,34 @@ from cloud_coordinator.node import CloudNode, OrtEvaluator
 from cloud_coordinator.rollout import prepare
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.errors import ConfigError
-from fedtier.runtime import mqtt_service
+from fedtier.runtime import identity, mqtt_service
+from fedtier.security.signing import load_signing_key
 from fedtier.transport import mqtt
 from fedtier.transport.chunking import SqliteChunkStore
 
 log = logging.getLogger("fedtier.coordinator")
 
 
-def build(cfg: RolloutConfig, on_round: Callable[[dict[str, Any]], None] | None = None
-          ) -> tuple[CloudNode, mqtt.MqttTransport, "queue.Queue"]:
+def validate(cfg: RolloutConfig) -> None:
+    """Everything that can be checked before any state is created or any artifact is built.
+
+    Raises:
+        ConfigError: naming the key: a fixed noise seed, or a signing key that is missing, not
+            readable or not Ed25519.
+    """
     if cfg.privacy is not None and cfg.privacy.noise_seed is not None:
         raise ConfigError("a fixed noise seed lets anyone who knows it remove the noise: simulations only",
                           key="privacy.noise_seed")
+    if cfg.signing_key is not None:
+        try:
+            load_signing_key(cfg.signing_key)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc.message} ({exc.source})", key="signing_key") from None
+
+
+def build(cfg: RolloutConfig, on_round: Callable[[dict[str, Any]], None] | None = None
+          ) -> tuple[CloudNode, mqtt.MqttTransport, "queue.Queue"]:
+    validate(cfg)
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     prepared = prepare(cfg)
     inbox: queue.Queue = queue.Queue()
@@ -37,9 +53,12 @@ def build(cfg: RolloutConfig, on_round: Callable[[dict[str, Any]], None] | None 
 
 def run(cfg: RolloutConfig, stop: threading.Event | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None) -> int:
+    validate(cfg)
+    if not identity.preflight(cfg.cloud_id, [cfg.broker]):
+        return mqtt_service.EXIT_UNAUTHORIZED
     node, tx, inbox = build(cfg, on_round)
     if cfg.metrics_port:
         node.metrics.serve(cfg.metrics_port)
     log.info("rollout %s: %s, %d rounds, %d cells, %d devices; broker %s:%d", cfg.rollout, cfg.algorithm,
              cfg.rounds, len(node.prepared.cells), len(node.prepared.devices), cfg.broker.host, cfg.broker.port)
-    return mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop, done=lambda: node.finished)
+    return mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop, done=lambda: node.done)

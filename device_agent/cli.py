@@ -22,8 +22,14 @@ def agent() -> None:
 def run_cmd(config_path: Path | None, bundle_dir: Path | None, log_level: str | None) -> None:
     """Run the agent until stopped (SIGINT/SIGTERM): fetch artifacts, train each round, upload.
 
-    Updates are kept in an on-disk outbox until the broker acknowledges them, so a restart
-    loses nothing; the agent reconnects with back-off when the broker is away.
+    Updates are kept in an on-disk outbox until the broker acknowledges them, and the
+    installed manifest and artifacts in the state directory, so a restart loses nothing and
+    rejoins the rollout; the agent reconnects with back-off when the broker is away.
+
+    Exit codes: 0 stopped by a signal; 2 a bad config; 77 this node's certificate or the
+    broker's ACL does not let it work (the log says which, and the fix).
+
+    Example: fedtier agent run --bundle site/devices/dev-0
     """
     from device_agent.config import DeviceConfig
     from device_agent.run import run

@@ -55,7 +55,7 @@ from fedtier.privacy.plan import NoisePlan
 from fedtier.runtime.metrics import Metrics
 from fedtier.runtime.node_base import REJECTED, NodeBase
 from fedtier.security.manifest import Manifest
-from fedtier.security.signing import ManifestGate
+from fedtier.security.signing import ManifestGate, open_manifest
 from fedtier.training.batching import minibatch_indices
 from fedtier.training.layout import ArchSpec
 from fedtier.training.trainer import Trainer
@@ -101,11 +101,42 @@ class DeviceNode(NodeBase):
 
     def start(self, now: float) -> None:
         self.tx.subscribe(topics.cell_down_filter(self.cell))
+        self._resume_installed(now)
         pending = self.state.pending()
         for key, topic, payload in pending:
             self._publish_update(key, topic, payload)
         if pending:
             log.info("resent %d unacknowledged update(s) from the outbox", len(pending))
+
+    def _resume_installed(self, now: float) -> None:
+        """Install again, from this device's state, the manifests it had installed before a restart.
+
+        The edge's retained copy of a manifest is the same bytes: the gate takes it for a
+        redelivery. Without this, a fleet with signed manifests would refuse it as not newer
+        than the installed version, and a restarted device would never train again.
+        """
+        for rollout, raw in self.state.installed_manifests().items():
+            try:
+                manifest = open_manifest(raw, self.gate.trusted)
+            except RemoteProtocolError as exc:
+                log.warning("not resuming rollout %s: its stored manifest does not verify any more (%s)", rollout, exc)
+                self.state.forget_manifest(rollout)
+                continue
+            self.gate.installed(manifest, raw)
+            self.incoming[rollout] = (manifest, raw)
+            log.info("resuming rollout %s with its installed manifest v%d", rollout, manifest.version)
+            self._ensure_ready(rollout, now)
+
+    def _end_rollout(self, rollout: str) -> None:
+        """The edge cleared the rollout's manifest: the rollout ended (or was retired)."""
+        known = rollout in self.manifests or rollout in self.incoming
+        for table in (self.manifests, self.incoming, self.trainers, self.roles, self._pending_task, self._asked):
+            table.pop(rollout, None)
+        self.state.forget_manifest(rollout)
+        if known:
+            active = sorted(self.manifests)
+            log.info("rollout %s ended; %s", rollout,
+                     f"still in {', '.join(active)}" if active else "idle until the next rollout")
 
     def tick(self, now: float) -> None:
         for rollout in list(self.incoming):
@@ -146,6 +177,8 @@ class DeviceNode(NodeBase):
 
     def _on_manifest(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
         if not inbound.payload:
+            if parsed.rollout is not None:
+                self._end_rollout(parsed.rollout)
             return
         try:
             manifest = self.gate.check(inbound.payload)
@@ -213,6 +246,7 @@ class DeviceNode(NodeBase):
         self.manifests[rollout] = manifest
         self.gate.installed(manifest, raw)
         self.state.set_manifest_version(self.gate.installed_version)
+        self.state.save_manifest(rollout, manifest.version, raw)
         log.info("manifest v%d of rollout %s installed; trainer loaded", manifest.version, rollout)
         task = self._pending_task.pop(rollout, None)
         if task is not None:

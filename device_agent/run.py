@@ -12,7 +12,7 @@ from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.artifacts.cache import ArtifactCache
-from fedtier.runtime import mqtt_service
+from fedtier.runtime import identity, mqtt_service
 from fedtier.security.signing import load_trusted_keys
 from fedtier.training.trainer import Trainer
 from fedtier.transport import mqtt
@@ -44,6 +44,8 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
 
 
 def run(cfg: DeviceConfig, stop: threading.Event | None = None) -> int:
+    if not identity.preflight(cfg.device_id, [cfg.broker]):
+        return mqtt_service.EXIT_UNAUTHORIZED
     node, tx, inbox = build(cfg)
     log.info("device %s of cell %s: %d local samples, %d held out; broker %s:%d", cfg.device_id, cfg.cell,
              len(node.data), len(node.eval_data) if node.eval_data is not None else 0, cfg.broker.host,

@@ -1,4 +1,5 @@
-"""A device's durable state: the outbox of unacknowledged updates and the last round done.
+"""A device's durable state: the outbox of unacknowledged updates, the last round done, and
+the manifests it installed.
 
 paho keeps unsent QoS 1 messages in memory only (field notes §2.2). The agent writes each
 update here *before* publishing it and deletes it when the broker acknowledges it; on
@@ -6,6 +7,10 @@ start, whatever is left is published again (receivers drop duplicates by idempot
 The last round reported per rollout, and the (round, step) of the newest upload, are stored
 with the update in one transaction, so a restarted agent neither loses an update nor trains a
 step twice (a second upload of a step would be a second, uncharged, noisy release of it).
+
+The manifest of every rollout the device takes part in is kept as it arrived (signed bytes):
+a restarted agent installs it again from here, with the artifacts in its cache, instead of
+refusing the edge's retained copy as "not newer than the installed version".
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ CREATE TABLE IF NOT EXISTS outbox (
 CREATE TABLE IF NOT EXISTS progress (rollout TEXT PRIMARY KEY, last_round INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS settings (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS sent (rollout TEXT PRIMARY KEY, round INTEGER NOT NULL, step INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS manifests (rollout TEXT PRIMARY KEY, version INTEGER NOT NULL, payload BLOB NOT NULL);
 """
 
 
@@ -77,6 +83,21 @@ class DeviceState:
         with self.db.locked() as db:
             db.execute("INSERT INTO settings VALUES ('manifest_version', ?) ON CONFLICT(name) DO UPDATE SET "
                        "value=MAX(value, excluded.value)", (version,))
+
+    def save_manifest(self, rollout: str, version: int, payload: bytes) -> None:
+        """Keep the manifest installed for ``rollout`` (as received: signed bytes)."""
+        with self.db.locked() as db:
+            db.execute("INSERT OR REPLACE INTO manifests VALUES (?,?,?)", (rollout, version, payload))
+
+    def installed_manifests(self) -> dict[str, bytes]:
+        """Rollout -> the manifest bytes installed for it, for a restart."""
+        with self.db.locked() as db:
+            return {r: bytes(p) for r, p in db.execute("SELECT rollout, payload FROM manifests ORDER BY version")}
+
+    def forget_manifest(self, rollout: str) -> None:
+        """The rollout ended: do not install it again at the next start."""
+        with self.db.locked() as db:
+            db.execute("DELETE FROM manifests WHERE rollout=?", (rollout,))
 
     def close(self) -> None:
         self.db.close()

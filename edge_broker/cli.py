@@ -20,8 +20,14 @@ def edge() -> None:
 def run_cmd(config_path: Path, log_level: str | None) -> None:
     """Run the edge of a cell until stopped (SIGINT/SIGTERM).
 
-    Round state is kept in SQLite: a restarted edge resumes the open round with every
-    update it had accepted.
+    Round state is kept in SQLite: a restarted edge resumes the open round of a rollout that
+    is still running, with every update it had accepted. When a rollout ends the edge clears
+    its cell's copy of the manifest and forgets the rollout.
+
+    Exit codes: 0 stopped by a signal; 2 a bad config; 77 this node's certificate or the
+    broker's ACL does not let it work (the log says which, and the fix).
+
+    Example: fedtier edge run --config site/gateways/cell-a/edge.toml
     """
     from edge_broker.config import EdgeConfig
     from edge_broker.run import run

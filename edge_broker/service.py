@@ -3,7 +3,9 @@
 Per inbound message (on the node's single thread, see ``fedtier.runtime.node_base.run_loop``):
 
 * cloud ``manifest``      -> validate, keep the newest version, relay (retained) to the cell,
-                             prefetch the artifacts it lists;
+                             prefetch the artifacts it lists; an empty one (the coordinator
+                             cleared it: the rollout ended) -> clear the cell's copy, forget
+                             the rollout's state;
 * cloud ``cell_task``     -> role; the accepted task is recorded; the role's device task is
                              broadcast to the cell;
 * cloud ``artifact``      -> verify, cache, relay to the cell;
@@ -14,6 +16,12 @@ Per inbound message (on the node's single thread, see ``fedtier.runtime.node_bas
                              open round's task on its own topic.
 
 Every rejection is logged with its typed reason and counted (``fedtier_rejected_total``).
+
+After a restart the stored state of each rollout waits until the rollout shows it is still
+running — its retained manifest arrives again from the cloud, or a message of it arrives —
+and is replayed only then. A rollout that ended while the edge was down (its manifest is no
+longer retained) is never replayed, so its last cell update is not sent again to a
+coordinator that has moved on.
 """
 
 from __future__ import annotations
@@ -79,6 +87,8 @@ class EdgeNode(NodeBase):
         self._wanted: set[str] = set()  # digests devices asked for that were not cached yet
         self._served: dict[str, float] = {}
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
+        self._online: set[str] = set()  # nodes seen coming online since this edge started
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -94,20 +104,53 @@ class EdgeNode(NodeBase):
                 self.gate.installed(self.manifests[rollout], payload)
             except RemoteProtocolError:
                 log.warning("ignoring unreadable stored manifest of %s", rollout)
-        replayed = 0
-        for _rollout, payload in self.store.inputs():
+        for rollout, payload in self.store.inputs():
+            self._dormant.setdefault(rollout, []).append(payload)
+        if self._dormant:
+            log.info("kept state of %s: resumed once the coordinator shows it still runs",
+                     ", ".join(f"rollout {r} ({len(p)} messages)" for r, p in sorted(self._dormant.items())))
+
+    def _wake(self, rollout: str, now: float) -> None:
+        """Replay a rollout's stored round (see the module docstring); a no-op once done."""
+        payloads = self._dormant.pop(rollout, None)
+        if not payloads:
+            return
+        for payload in payloads:
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
             assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient))
             self._on_round_message(payload, msg, now, replay=True)
-            replayed += 1
-        if replayed:
-            log.info("resumed from state: replayed %d accepted messages (%s)", replayed,
-                     ", ".join(f"{r}: round {role.round}, {len(role.reported)} updates"
-                               for r, role in self.roles.items()))
+        role = self.roles.get(rollout)
+        if role is None:
+            return
+        log.info("resumed rollout %s from state: round %s, %d updates", rollout, role.round, len(role.reported))
+        for node in sorted(self._online):  # members that came online before the replay still get the task
+            self._execute(rollout, role.resend(node, now))
+
+    def _end_rollout(self, rollout: str) -> None:
+        """The coordinator cleared the rollout's manifest: the rollout ended (or was retired).
+
+        Clears the cell's retained copy (devices go idle) and forgets the rollout's state, so a
+        restart replays nothing of it.
+        """
+        known = rollout in self.manifests or rollout in self.roles or rollout in self._dormant
+        self.manifests.pop(rollout, None)
+        self.roles.pop(rollout, None)
+        self._dormant.pop(rollout, None)
+        for key in [k for k in self._round_bytes if k[0] == rollout]:
+            del self._round_bytes[key]
+        self.store.forget(rollout)
+        self.cell_tx.publish(topics.cell_manifest(rollout, self.cell), b"", retain=True)
+        if known:
+            log.info("rollout %s ended: cleared its manifest in cell %s; %s", rollout, self.cell,
+                     f"still in {', '.join(sorted(self.roles))}" if self.roles else "idle until the next rollout")
 
     def tick(self, now: float) -> None:
         for rollout, role in list(self.roles.items()):
             self._execute(rollout, role.tick(now))
+            waiting = role.overdue(now)
+            if waiting:
+                self.report_overdue(f"round {role.round} (step {role.step}) of rollout {rollout} in cell {self.cell}",
+                                    (rollout, role.round, role.step), waiting, now)
 
     # --- inbound ---------------------------------------------------------------------------------
 
@@ -118,7 +161,7 @@ class EdgeNode(NodeBase):
         if parsed.channel == "status":
             self._on_status(inbound, parsed, now)
         elif parsed.channel == "manifest":
-            self._on_manifest(inbound, parsed)
+            self._on_manifest(inbound, parsed, now)
         elif parsed.channel in ("cloud_down", "cell_up"):
             msg = self.decode_inbound(inbound, parsed)
             if msg is not None:
@@ -126,6 +169,7 @@ class EdgeNode(NodeBase):
         # Our own downlink echoes and other channels are not for us.
 
     def _on_message(self, inbound: Inbound, msg: Message, now: float) -> None:
+        self._wake(msg.rollout, now)
         try:
             if isinstance(msg, ArtifactBlob):
                 self._on_artifact(msg, now)
@@ -235,20 +279,25 @@ class EdgeNode(NodeBase):
         node = self.came_online(inbound, parsed)
         if node is None:
             return
+        self._online.add(node)
         for rollout, role in list(self.roles.items()):
             self._execute(rollout, role.resend(node, now))
 
     # --- manifests and artifacts ------------------------------------------------------------------
 
-    def _on_manifest(self, inbound: Inbound, parsed: topics.Topic) -> None:
+    def _on_manifest(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
+        if parsed.rollout is None:
+            return
         if not inbound.payload:
-            return  # a cleared retained manifest
+            self._end_rollout(parsed.rollout)
+            return
         try:
             # With trusted keys: a valid signature, a newer version, not expired — an edge never
             # relays into its cell what its devices would refuse (or what could roll them back).
             manifest = self.gate.check(inbound.payload)
             if manifest is None:
-                return  # the relayed manifest again (retained redelivery)
+                self._wake(parsed.rollout, now)  # the relayed manifest again: the rollout still runs
+                return
             if manifest.rollout != parsed.rollout:
                 raise UnexpectedMessageError("manifest rollout differs from its topic")
         except RemoteProtocolError as exc:
@@ -265,6 +314,7 @@ class EdgeNode(NodeBase):
         self.store.save_manifest(manifest.rollout, manifest.version, inbound.payload)
         self.cell_tx.publish(topics.cell_manifest(manifest.rollout, self.cell), inbound.payload, retain=True)
         log.info("manifest v%d of rollout %s relayed to cell %s", manifest.version, manifest.rollout, self.cell)
+        self._wake(manifest.rollout, now)
         missing = [d for d in manifest.digests_for(self.cell).values() if not self.cache.has(d)]
         if missing:
             self._request_from_cloud(manifest.rollout, missing, now=None)

@@ -72,5 +72,11 @@ class EdgeStore:
         with self.db.locked() as db:
             return {r: (v, bytes(p)) for r, v, p in db.execute("SELECT rollout, version, payload FROM manifests")}
 
+    def forget(self, rollout: str) -> None:
+        """The rollout ended: drop its inputs, outputs and manifest (a restart replays nothing of it)."""
+        with self.db.transaction() as db:
+            for table in ("inputs", "outputs", "manifests"):
+                db.execute(f"DELETE FROM {table} WHERE rollout=?", (rollout,))
+
     def close(self) -> None:
         self.db.close()

@@ -1,4 +1,7 @@
-"""HIST vs hierarchical FedAvg: accuracy against per-client communication (seed 002, digest §6.3).
+"""HIST vs hierarchical FedAvg: accuracy against per-client communication.
+
+HIST is the algorithm of "Submodel Partitioning in Hierarchical Federated Learning: Algorithm
+Design and Convergence Analysis" (Fang, Han and Brinton).
 
 Runs every (split, N, seed, algorithm) of ``experiments/hist.toml`` in fedtier's simulator —
 devices training ONNX (sub)models with onnxruntime — and writes the communication each needs
@@ -148,12 +151,16 @@ def write(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], 
     plt.close(fig)
 
     r, h = spec["rollout"], spec["rollout"]["hist"]
-    body = f"""## HIST vs hierarchical FedAvg (seed 002)
+    body = f"""## HIST vs hierarchical FedAvg
 
 `python experiments/hist.py` — config `experiments/hist.toml`; {len(results)} simulated rollouts in
 {wall / 60:.1f} min on 2 cores.
 
-Setup (digest §6.3): {r['data']['classes']} classes, each a mixture of {r['data']['modes']} Gaussian
+HIST is the algorithm of "Submodel Partitioning in Hierarchical Federated Learning: Algorithm
+Design and Convergence Analysis" (Fang, Han and Brinton).
+
+Setup (the paper's synthetic setting):
+{r['data']['classes']} classes, each a mixture of {r['data']['modes']} Gaussian
 blobs in {r['data']['features']} dimensions (noise {r['data']['noise']}, standardized), 12,000 training /
 3,000 test samples; {spec['devices']} devices with 200 samples each, spread evenly over N cells; MLP
 64-300-10; H = {h['local_steps']} local steps per edge round, E/H = {h['edge_rounds']} edge rounds per global

@@ -1,4 +1,7 @@
-"""M2FDP: test accuracy against the share of trusted edges, and against network shape (seed 004, digest §6b).
+"""M2FDP: test accuracy against the share of trusted edges, and against network shape.
+
+M2FDP is the method of "Differentially-Private Multi-Tier Federated Learning" (Chen, Lin, Han and
+Brinton).
 
 Runs every study of ``experiments/m2fdp.toml`` in fedtier's simulator — devices training an ONNX
 softmax model with onnxruntime, the DP mechanism in the device and edge roles, the coordinator's
@@ -218,12 +221,15 @@ def write(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], 
     r = spec["rollout"]
     net_eps = spec["studies"][net["study"]]["epsilon"]
     ps_desc = " / ".join(f"p={p:g}" for p in sorted(ps, reverse=True))
-    body = f"""## M2FDP: differential privacy with trust labels (seed 004)
+    body = f"""## M2FDP: differential privacy with trust labels
 
 `python experiments/m2fdp.py` — config `experiments/m2fdp.toml`; {len(results)} simulated rollouts in
 {wall / 60:.1f} min on 2 cores.
 
-Setup (digest §6b): 10 cells x 5 devices, 200 samples and 3 of the 10 labels per device, a linear
+M2FDP is the method of "Differentially-Private Multi-Tier Federated Learning" (Chen, Lin, Han and
+Brinton).
+
+Setup: 10 cells x 5 devices, 200 samples and 3 of the 10 labels per device, a linear
 softmax on a {r['data']['features']}-dimensional Gaussian mixture (class means ~ N(0, {r['data']['mean_std']}² I)),
 {r['rounds']} rounds of K local steps (lr {r['fedavg']['lr']}, batch {r['fedavg']['batch_size']}) with τ edge
 aggregations per round, delta = {r['privacy']['delta']:g}. A share p of the cells is trusted (drawn per seed);
@@ -256,8 +262,7 @@ sound sensitivity 2C(1/s + τ − 1), not Lemma 1's 2C/s). Under the sound RDP c
 ordering holds when trusted cells do not sync inside a round (τ = 1); with the paper's
 intra-round sync (*rdp-synced*, τ = 2) a trusted cell's sensitivity grows to 2C(1/s + τ − 1) —
 after a sync every member's update depends on the changed record — and trusting edges no longer
-pays: the price of syncing inside a trusted subtree that the paper's Lemma 1 leaves out
-(digest §3.5, caveat 4).
+pays: the price of syncing inside a trusted subtree that the paper's Lemma 1 leaves out.
 """
     print_table("acceptance checks", ["acceptance check", "measured", "result"], checks)
     print(f"wrote {write_section('m2fdp', body)}")

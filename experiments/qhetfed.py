@@ -1,4 +1,7 @@
-"""QHetFed vs Hier-Local-QSGD on synthetic non-iid data (seed 003, digest §7.3 pilot).
+"""QHetFed vs Hier-Local-QSGD on synthetic non-iid data.
+
+QHetFed is the algorithm of "A Hierarchical Federated Learning Approach for the Internet of Things"
+(Azimi-Abarghouyi and Fodor).
 
 Runs every (split, seed, algorithm) of ``experiments/qhetfed.toml`` and the QHetFed bits
 sweep in fedtier's simulator — the same node and role code as over MQTT, devices training
@@ -185,12 +188,16 @@ def write(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], 
     plt.close(fig)
 
     r, q = spec["rollout"], spec["rollout"]["qhetfed"]
-    body = f"""## QHetFed vs Hier-Local-QSGD (seed 003)
+    body = f"""## QHetFed vs Hier-Local-QSGD
 
 `python experiments/qhetfed.py` — config `experiments/qhetfed.toml`; {len(results)} simulated rollouts in
 {wall / 60:.1f} min on {spec.get('machine', '2 cores')}.
 
-Setup (digest §7.3 pilot): a {r['data']['classes']}-class Gaussian mixture in {r['data']['features']}
+QHetFed is the algorithm of "A Hierarchical Federated Learning Approach for the Internet of Things"
+(Azimi-Abarghouyi and Fodor).
+
+Setup (the paper's small-scale setting, scaled down):
+a {r['data']['classes']}-class Gaussian mixture in {r['data']['features']}
 dimensions (class means ~ N(0, {r['data']['mean_std']}² I), unit noise), softmax regression (d = 330),
 {r['topology']['cells']} sets × {r['topology']['devices_per_cell']} devices with 100 training samples
 each, batch {q['batch_size']}, μ = {q['lr']}, τ = {q['tau']}, γ = {q['gamma']}, {r['rounds']} global
@@ -209,7 +216,7 @@ seeds {', '.join(map(str, seeds))} change the data, the split, the initial model
 ![loss gap per round](img/qhetfed_gap.png)
 
 Test accuracy after {r['rounds']} rounds (mean ± std over seeds; it barely separates the algorithms,
-as the digest found — the loss gap is the metric):
+as expected from the paper's analysis — the loss gap is the metric):
 
 {md_table(["split", "algorithm", "accuracy"], acc_rows)}
 

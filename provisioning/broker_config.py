@@ -1,56 +1,62 @@
 """Mosquitto 2.0 configurations (mutual TLS + ACL) that fit fedtier's topic tree.
 
-Two shapes:
+One ACL writer, ``broker_acl``, for every shape of broker, given who connects to it:
 
-* ``write_cell_broker_config`` — the broker on one cell's gateway: its devices and its edge.
-* ``combined_broker_config`` — one broker for every cell *and* the cloud (what
-  ``fedtier demo --secure`` runs): devices, every edge (both of its connections) and the
-  coordinator.
+* the broker on one cell's gateway (``write_cell_broker_config``, ``cell_acl``): its devices and
+  the edge's cell side;
+* one broker for every cell *and* the cloud (``combined_broker_config``, ``combined_acl``; what
+  ``fedtier demo --secure`` runs and what ``fedtier provision fleet`` writes for a shared
+  broker): devices, every edge (both sides, over one connection) and the coordinator;
+* the cloud's broker when gateways run their own (``fedtier provision fleet --cell-broker``):
+  the coordinator and every edge's cloud side.
 
 Authentication is the client certificate alone: ``require_certificate true`` and
 ``use_identity_as_username true`` make the certificate's CN (= node id) the MQTT username,
-and ``allow_anonymous false`` refuses anything else. The CRL (``crlfile``) is checked for
-every client certificate; Mosquitto 2.0.11 re-reads it on SIGHUP (verified), and refuses
-*every* client once its nextUpdate has passed (verified) — refresh it with
-``fedtier provision crl``.
+and ``allow_anonymous false`` refuses anything else. ``use_username_as_clientid true`` then
+replaces whatever client id a client asks for with that username, so a device's certificate
+cannot connect under another node's id (it would take over that node's session); two clients
+with the *same* certificate (a copied bundle) keep disconnecting each other, which their logs
+report (verified with 2.0.11: a device connecting as ``d1`` with ``d0``'s certificate becomes
+``d0``, and ``d1`` stays connected). A node therefore opens one connection per broker: an
+edge whose cell and cloud brokers are the same broker uses one connection for both sides.
+The CRL (``crlfile``) is checked for every client certificate; Mosquitto 2.0.11 re-reads it
+on SIGHUP (verified), and refuses *every* client once its nextUpdate has passed (verified) —
+refresh it with ``fedtier provision crl``.
 
-Authorisation is the ACL file, keyed by username (``%u``, never ``%c``: the client id is
-chosen by the client, the CN is vouched for by the CA — the edge's cloud connection even
-uses client id ``<cell>.up``). Rules, checked against :mod:`fedtier.transport.topics`:
+Authorisation is the ACL file, keyed by username (``%u``: the CN, vouched for by the CA).
+Rules, checked against :mod:`fedtier.transport.topics`:
 
 =============  ========================================================================
 who            may
 =============  ========================================================================
-every client   write ``ft/v1/status/<own id>`` (presence and last will)
+every client   write and read ``ft/v1/status/<own id>`` (presence and last will; reading
+               its own presence tells a node that another client uses its identity)
 device         write ``ft/v1/+/cell/<cell>/up/<own id>/#``; read ``ft/v1/+/cell/<cell>/down/#``
-gateway        cell broker: read ``ft/v1/+/cell/<cell>/up/#`` and ``ft/v1/status/#``;
-(user <cell>)  write ``ft/v1/+/cell/<cell>/down/#``. Cloud broker: read
+gateway        cell side: read ``ft/v1/+/cell/<cell>/up/#`` and ``ft/v1/status/#``;
+(user <cell>)  write ``ft/v1/+/cell/<cell>/down/#``. Cloud side: read
                ``ft/v1/+/manifest``, ``ft/v1/+/cloud/down/<cell>/#``, ``ft/v1/status/#``;
                write ``ft/v1/+/edge/<cell>/up/#``, ``ft/v1/status/<cell>``
 coordinator    write ``ft/v1/+/manifest``, ``ft/v1/+/cloud/down/#``, ``ft/v1/status/<id>``;
 (user <id>)    read ``ft/v1/+/edge/+/up/#``, ``ft/v1/status/#``
 =============  ========================================================================
 
-ACL pitfalls this module avoids (field notes §2.3): ``topic`` lines *before* any ``user``
-line apply only to anonymous clients, so rules for everyone are ``pattern`` lines; and
-``pattern`` lines apply to the ``user`` accounts too (harmless here: a gateway could only
-publish as a device named like itself in its own cell, which it may anyway).
+ACL pitfalls this module avoids (verified with Mosquitto 2.0.11): ``topic`` lines *before*
+any ``user`` line apply only to anonymous clients, so rules for everyone are ``pattern``
+lines; and ``pattern`` lines apply to the ``user`` accounts too (harmless here: a gateway
+could only publish as a device named like itself in its own cell, which it may anyway).
 
 On a per-cell broker the device rules are patterns by default: any fleet device that
 reaches this gateway may join the cell (Mosquitto warns at start-up that the downlink
 pattern has no ``%u``; that is expected). With ``devices`` given (``--members-only``, and
-always on the combined broker, where a pattern cannot tell cells apart), each device gets
-its own ``user`` block for its own cell only: regenerate and SIGHUP after enrolling devices.
+always on a broker that serves several cells, where a pattern cannot tell cells apart), each
+device gets its own ``user`` block for its own cell only: regenerate and SIGHUP after
+enrolling devices.
 
-Known limits of Mosquitto's ``acl_file`` (2.0.11, verified; the source marks it "FIXME"):
-
-* SUBSCRIBE is never checked: a device may subscribe to another cell's downlink and gets
-  SUBACK "Granted", but the read rule is applied to every message at delivery, retained
-  ones included, so nothing is delivered. Only a plugin (e.g. dynamic security) can refuse
-  the subscription itself.
-* The client id is not tied to the CN: a fleet device can connect with another node's
-  client id and take over its session (Mosquitto disconnects the other); the ACL still
-  judges it by its own CN, so it gains no topic. An authentication plugin would close this.
+Known limit of Mosquitto's ``acl_file`` (2.0.11, verified; the source marks it "FIXME"):
+SUBSCRIBE is never checked: a device may subscribe to another cell's downlink and gets
+SUBACK "Granted", but the read rule is applied to every message at delivery, retained ones
+included, so nothing is delivered. Only a plugin (e.g. dynamic security) can refuse the
+subscription itself.
 
 ``persistence false``: sessions and queued QoS 1 messages live in the broker's memory only.
 fedtier nodes keep their own outboxes and re-subscribe on every connect, so a broker
@@ -101,8 +107,8 @@ Rule = tuple[str, str]
 
 
 def every_client_patterns() -> list[Rule]:
-    """``pattern`` rules for every authenticated client: its own presence topic."""
-    return [("write", f"{P}/status/%u")]
+    """``pattern`` rules for every authenticated client: its own presence topic (write and read)."""
+    return [("write", f"{P}/status/%u"), ("read", f"{P}/status/%u")]
 
 
 def device_patterns(cell: str) -> list[Rule]:
@@ -160,6 +166,60 @@ def _check_devices(devices: Mapping[str, str], reserved: Mapping[str, str]) -> N
                                     "it would get that account's ACL rights")
 
 
+def broker_acl(*, cell_side: Sequence[str] = (), cloud_side: Sequence[str] = (), cloud_id: str | None = None,
+               devices: Mapping[str, str] | None = None, header: str = "") -> str:
+    """The ACL of one broker, from who connects to it: the one ACL writer of every broker shape.
+
+    Args:
+        cell_side: cells whose devices and edge (its cell side) use this broker.
+        cloud_side: cells whose edge uses this broker towards the coordinator.
+        cloud_id: the coordinator's id, if the coordinator connects here.
+        devices: device id -> cell; each device of a ``cell_side`` cell gets its own ``user``
+            block for its own cell. ``None``: a ``pattern`` lets any fleet device act in the
+            cell — only possible when the broker serves one cell.
+        header: comment lines at the top of the file.
+
+    Returns:
+        The ACL file text.
+
+    Raises:
+        NameConflictError: two roles share a name (a device named like a cell or the
+            coordinator, or the coordinator named like a cell).
+        ValueError: no one connects, or device patterns for several cells.
+    """
+    cell_side, cloud_side = list(dict.fromkeys(cell_side)), list(dict.fromkeys(cloud_side))
+    for cell in (*cell_side, *cloud_side):
+        ca.check_node_name(cell, "cell")
+    if not (cell_side or cloud_side or cloud_id):
+        raise ValueError("a broker ACL for no one")
+    reserved = {c: f"the gateway of cell {c}" for c in (*cell_side, *cloud_side)}
+    if cloud_id is not None:
+        ca.check_node_name(cloud_id, "cloud id")
+        if cloud_id in reserved:
+            raise NameConflictError(f"the coordinator {cloud_id!r} cannot share its name with a cell")
+        reserved[cloud_id] = "the coordinator"
+    patterns = every_client_patterns()
+    users: list[tuple[str, list[Rule]]] = []
+    if cloud_id is not None:
+        users.append((cloud_id, coordinator_rules(cloud_id)))
+    for cell in dict.fromkeys([*cell_side, *cloud_side]):
+        rules = gateway_cell_rules(cell) if cell in cell_side else []
+        users.append((cell, rules + (gateway_cloud_rules(cell) if cell in cloud_side else [])))
+    if devices is None:
+        if len(cell_side) > 1:
+            raise ValueError("a broker of several cells binds each device to its cell: give `devices`")
+        patterns += [r for cell in cell_side for r in device_patterns(cell)]
+    else:
+        members = {d: c for d, c in devices.items() if c in cell_side}
+        _check_devices(members, reserved)
+        users += [(d, device_rules(d, c)) for d, c in sorted(members.items())]
+    return _render(header or "fedtier ACL (generated by fedtier provisioning).", patterns, users)
+
+
+_ACL_FOOTER = ("Clients authenticate with fleet certificates; the CN is the username (and the client id).\n"
+               "Anything not granted here is denied. Mosquitto re-reads this file on SIGHUP.")
+
+
 def cell_acl(cell: str, *, devices: Mapping[str, str] | None = None) -> str:
     """The ACL of one cell's broker.
 
@@ -175,18 +235,8 @@ def cell_acl(cell: str, *, devices: Mapping[str, str] | None = None) -> str:
         NameConflictError: a device is named like the cell.
     """
     ca.check_node_name(cell, "cell")
-    patterns = every_client_patterns()
-    users: list[tuple[str, list[Rule]]] = [(cell, gateway_cell_rules(cell))]
-    if devices is None:
-        patterns += device_patterns(cell)
-    else:
-        members = {d: c for d, c in devices.items() if c == cell}
-        _check_devices(members, {cell: f"the gateway of cell {cell}"})
-        users += [(d, device_rules(d, cell)) for d, c in sorted(members.items())]
-    header = (f"fedtier ACL for the broker of cell {cell} (generated by `fedtier provision broker-config`).\n"
-              "Clients authenticate with fleet certificates; the CN is the username. Anything not\n"
-              "granted here is denied. Mosquitto re-reads this file on SIGHUP.")
-    return _render(header, patterns, users)
+    header = f"fedtier ACL for the broker of cell {cell} (generated by `fedtier provision`).\n" + _ACL_FOOTER
+    return broker_acl(cell_side=[cell], devices=devices, header=header)
 
 
 def combined_acl(cells: Sequence[str], cloud_id: str, devices: Mapping[str, str]) -> str:
@@ -205,23 +255,9 @@ def combined_acl(cells: Sequence[str], cloud_id: str, devices: Mapping[str, str]
         NameConflictError: two roles share a name (a device named like a cell or the
             coordinator, or the coordinator named like a cell).
     """
-    for cell in cells:
-        ca.check_node_name(cell, "cell")
-    ca.check_node_name(cloud_id, "cloud id")
-    if cloud_id in cells:
-        raise NameConflictError(f"the coordinator {cloud_id!r} cannot share its name with a cell")
-    reserved = {c: f"the gateway of cell {c}" for c in cells}
-    reserved[cloud_id] = "the coordinator"
-    members = {d: c for d, c in devices.items() if c in cells}
-    _check_devices(members, reserved)
-    users: list[tuple[str, list[Rule]]] = [(cloud_id, coordinator_rules(cloud_id))]
-    users += [(c, gateway_cell_rules(c) + gateway_cloud_rules(c)) for c in cells]
-    users += [(d, device_rules(d, c)) for d, c in sorted(members.items())]
-    header = ("fedtier ACL for a combined broker: every cell and the cloud on one Mosquitto\n"
-              "(generated by provisioning.broker_config.combined_broker_config). Clients\n"
-              "authenticate with fleet certificates; the CN is the username. Anything not granted\n"
-              "here is denied. Mosquitto re-reads this file on SIGHUP.")
-    return _render(header, every_client_patterns(), users)
+    header = ("fedtier ACL for a shared broker: every cell and the cloud on one Mosquitto\n"
+              "(generated by `fedtier provision fleet` / `fedtier demo --secure`).\n" + _ACL_FOOTER)
+    return broker_acl(cell_side=cells, cloud_side=cells, cloud_id=cloud_id, devices=devices, header=header)
 
 
 # --- mosquitto.conf ----------------------------------------------------------------------------------
@@ -257,7 +293,7 @@ def mosquitto_conf(*, port: int, bind: str, cafile: Path, certfile: Path, keyfil
     listener_limit = "\n".join(mosquitto_listener_limits(limits)) + "\n"
     return f"""# fedtier Mosquitto configuration (generated by fedtier provisioning; Mosquitto 2.0).
 per_listener_settings false
-# Only clients with a certificate from the fleet CA get in; the CN is their username.
+# Only clients with a certificate from the fleet CA get in; the CN is their username and client id.
 allow_anonymous false
 # Sessions and queued messages live in memory only: fedtier nodes keep their own outboxes
 # and re-subscribe on connect. Set true (+ persistence_location) to keep queues over restarts.
@@ -273,6 +309,8 @@ keyfile {keyfile}
 crlfile {crlfile}
 require_certificate true
 use_identity_as_username true
+# The client id is the certificate's name too: no certificate can take over another node's session.
+use_username_as_clientid true
 # Minimum version (TLS 1.2 and 1.3 are accepted).
 tls_version tlsv1.2
 """

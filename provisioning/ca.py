@@ -106,7 +106,7 @@ def _leaf(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_
     if not_after <= not_before:
         raise ValueError("not_after must be later than not_before")
     if not isinstance(public_key, ec.EllipticCurvePublicKey) or not isinstance(public_key.curve, ec.SECP256R1):
-        raise CsrError("TLS identities must be ECDSA P-256 keys (field notes §3.5)")
+        raise CsrError("TLS identities must be ECDSA P-256 keys (accepted by every broker and IoT cloud)")
     builder = (x509.CertificateBuilder()
                .subject_name(_name(common_name)).issuer_name(ca_cert.subject)
                .public_key(public_key)
@@ -232,7 +232,7 @@ def check_csr(csr: x509.CertificateSigningRequest) -> str:
         raise CsrError(f"the CSR's subject: {exc}") from None
     key = csr.public_key()
     if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
-        raise CsrError("TLS identities must be ECDSA P-256 keys (field notes §3.5)")
+        raise CsrError("TLS identities must be ECDSA P-256 keys (accepted by every broker and IoT cloud)")
     return check_node_name(cn)
 
 

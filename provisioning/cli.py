@@ -89,10 +89,12 @@ def _echo_bundle(bundle: Any) -> None:
 def provision() -> None:
     """Fleet PKI: CA, node certificates, enrollment bundles, revocation, broker configs.
 
-    Start with `provision init --fleet DIR`, then issue a bundle per node (`device`,
-    `gateway`, `coordinator`, or `sign` for a device's own CSR), a server certificate per
-    broker (`broker`) and its Mosquitto config (`broker-config`). Keep DIR on the operator's
-    machine: it holds the CA key and the manifest-signing key.
+    For a whole rollout at once: `provision fleet --rollout rollout.toml --out DIR` (every
+    node of its topology, the brokers' configs and a ready rollout file). Node by node: start
+    with `provision init --fleet DIR`, then issue a bundle per node (`device`, `gateway`,
+    `coordinator`, or `sign` for a device's own CSR), a server certificate per broker
+    (`broker`) and its Mosquitto config (`broker-config`). Keep the fleet directory on the
+    operator's machine: it holds the CA key and the manifest-signing key.
     """
 
 
@@ -175,7 +177,8 @@ def device_cmd(name: str, cell: str, fleet_dir: Path, broker: tuple[str, int], o
 @fleet_option
 @broker_option
 @click.option("--cloud-broker", type=str, default=None, callback=_endpoint, metavar="HOST:PORT",
-              help="The coordinator's broker (default: the same as --broker).")
+              help="The coordinator's broker (default: the same as --broker; such a shared broker needs the "
+                   "coordinator's ACL rules too: write its config with `provision fleet`).")
 @click.option("--cloud-id", default="cloud", show_default=True, help="The coordinator whose tasks the edge accepts.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="The bundle directory to write (copy it to the gateway).")
@@ -371,9 +374,10 @@ def broker_config_cmd(cell: str, fleet_dir: Path, out: Path, port: int, bind: st
                       key: Path | None, run_as: str | None, members_only: bool, force: bool) -> None:
     """Write a Mosquitto 2.0 config (mutual TLS, CRL, ACL) for the broker of one cell.
 
-    Clients must present a fleet certificate; its CN is the MQTT username. Devices may
-    publish only under their own id in this cell and read this cell's downlink; the
-    gateway account (user CELL) reads the uplink and writes the downlink.
+    Clients must present a fleet certificate; its CN is the MQTT username and client id.
+    Devices may publish only under their own id in this cell and read this cell's downlink;
+    the gateway account (user CELL) reads the uplink and writes the downlink. This ACL has no
+    rules for the coordinator: for a broker the coordinator uses too, use `provision fleet`.
     """
     from provisioning.broker_config import write_cell_broker_config
 
@@ -387,3 +391,81 @@ def broker_config_cmd(cell: str, fleet_dir: Path, out: Path, port: int, bind: st
     if run_as is None:
         click.echo("note: started as root, Mosquitto switches to user `mosquitto`, which must be able to read "
                    f"{setup.key} (see --run-as)", err=True)
+
+
+def _cell_broker(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, tuple[str, int]]:
+    from provisioning.bundles import parse_endpoint
+
+    out: dict[str, tuple[str, int]] = {}
+    for value in values:
+        cell, sep, endpoint = value.partition("=")
+        if not sep or not cell:
+            raise click.BadParameter(f"expected CELL=HOST:PORT, got {value!r}", ctx=ctx, param=param)
+        try:
+            out[cell] = parse_endpoint(endpoint)
+        except ValueError as exc:
+            raise click.BadParameter(f"{value!r}: {exc}", ctx=ctx, param=param) from None
+    return out
+
+
+@provision.command("fleet", short_help="Provision every node of a rollout: bundles, brokers, rollout file.")
+@click.option("--rollout", "rollout_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The rollout config: its [topology] names the nodes, its [broker] the coordinator's broker.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Where bundles, broker configs and the coordinator's rollout file go.")
+@click.option("--fleet", "fleet_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar="FEDTIER_FLEET", show_envvar=True,
+              help="The fleet (CA, signing key) to issue from; created if it holds none. [default: OUT/ca]")
+@click.option("--cell-broker", "cell_brokers", multiple=True, callback=_cell_broker, metavar="CELL=HOST:PORT",
+              help="CELL's gateway runs its own broker there (repeatable); other cells use the rollout's broker.")
+@click.option("--broker-user", default=None,
+              help="The user Mosquitto switches to when started as root. [default: the user running this]")
+@click.option("--sample-data", is_flag=True,
+              help="Write each device's share of the rollout's built-in dataset into its bundle's data/ "
+                   "(for a trial; real devices bring their own data).")
+@DAYS
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON (also in OUT/fleet.json).")
+def fleet_cmd(rollout_path: Path, out: Path, fleet_dir: Path | None, cell_brokers: dict[str, tuple[str, int]],
+              broker_user: str | None, sample_data: bool, days: float | None, as_json: bool) -> None:
+    """Provision every node a rollout's topology names, in one step.
+
+    Writes a bundle per device, gateway and the coordinator, a Mosquitto config per broker
+    (mutual TLS, CRL, an ACL that grants each node its own topics and binds the client id to
+    the certificate), and OUT/coordinator/<rollout>.toml: the rollout config merged with the
+    coordinator's bundle, ready to run. One shared broker by default, at the rollout's
+    [broker]; --cell-broker for gateways with their own. Running it again keeps the CA and
+    every identity that still holds (a second rollout of the same fleet issues nothing).
+
+    Example: fedtier provision fleet --rollout rollout.toml --out fleet --sample-data
+    """
+    from provisioning.rollout import provision_fleet
+
+    with _errors(name_hint="--rollout"):
+        result = provision_fleet(rollout_path, out, fleet_dir=fleet_dir, cell_brokers=cell_brokers,
+                                 run_as=broker_user, sample_data=sample_data, days=days)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=1))
+        return
+    click.echo(f"rollout {result.rollout}: {len(result.devices)} devices in {len(result.gateways)} cells, "
+               f"{len(result.brokers)} broker(s); issued {len(result.issued)}, kept {len(result.kept)} "
+               f"(fleet {result.fleet})")
+    click.echo("\nrun, each on its box (paths as written here; copy each directory to the same path there):")
+    for name, broker in result.brokers.items():
+        click.echo(f"  broker {name} ({broker['host']}:{broker['port']}; {broker['serves']}):")
+        click.echo(f"      mosquitto -c {broker['conf']}")
+    click.echo(f"  coordinator:  fedtier coordinator run --config {result.rollout_config}")
+    for cell, path in result.gateways.items():
+        click.echo(f"  gateway {cell}:  fedtier edge run --config {path / 'edge.toml'}")
+    for device, path in result.devices.items():
+        click.echo(f"  device {device}:  fedtier agent run --bundle {path}")
+    if result.data:
+        click.echo(f"\nsample data: {sum(result.data.values())} samples over {len(result.data)} devices "
+                   "(each bundle's data/train.npz)")
+    else:
+        click.echo("\neach device reads its training data from its bundle's data/ directory (.npz with x, y; or .csv)")
+    if result.departed:
+        click.echo(f"\nnot in this topology but holding active certificates: {', '.join(result.departed)} "
+                   "(fedtier provision revoke NAME to cut them off)")
+    click.echo(f"\nMosquitto started as root switches to user {result.run_as!r} (--broker-user), which must be able "
+               "to read its broker.key (mode 0600) and reach its directory; on another host, give the key to that "
+               "user there (chown USER broker.key).", err=True)

@@ -12,8 +12,8 @@ live numbers the coordinator wrote into each round's metrics are only *compared*
 * per device: its epsilon from the ledger next to the live one, flagged when they differ;
 * the clear hops (un-noised device -> cell messages) and whether each went to a trusted cell.
 
-Rounds are the store's indices (0-based) in data; tables and the plot count rounds closed
-(``round + 1``), as ``fedtier simulate`` does.
+Rounds are numbered from 0 in data and tables, as everywhere in fedtier; the plot's x axis
+counts rounds closed (``round + 1``).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def build(*, rollout: str, db: Path, releases: Sequence[Mapping[str, Any]], clea
     if mismatched:
         warnings.append(f"epsilon of {len(mismatched)} device(s) differs between the ledger and the live metrics "
                         f"(> {MISMATCH_REL:g} relative): {', '.join(mismatched)}")
-    bad_rounds = [p["round"] + 1 for p in series if not p["agrees"]]
+    bad_rounds = [p["round"] for p in series if not p["agrees"]]
     if bad_rounds:
         warnings.append(f"epsilon max/min after round(s) {bad_rounds} differ from the live metrics")
     hops = clear_hops(clear, releases)
@@ -308,7 +308,7 @@ def render(report: Mapping[str, Any]) -> str:
     lines += ["", "epsilon after each round (accumulated from the ledger rows; live = the round's metrics; "
                   "accuracy = the global model's test accuracy after the round):"]
     lines += table(["round", "accuracy", "releases", "eps max", "eps min", "live max", "live min", "match"],
-                   [[str(p["round"] + 1), fmt(p.get("accuracy"), ".4f"), str(p["releases"]), fmt(p["epsilon_max"]),
+                   [[str(p["round"]), fmt(p.get("accuracy"), ".4f"), str(p["releases"]), fmt(p["epsilon_max"]),
                      fmt(p["epsilon_min"]), fmt(p["live_epsilon_max"]), fmt(p["live_epsilon_min"]),
                      "yes" if p["agrees"] else "MISMATCH"]
                     for p in report["rounds"]])

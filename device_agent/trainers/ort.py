@@ -24,7 +24,8 @@ Not thread-safe: one call at a time per instance.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -298,6 +299,27 @@ class OrtTrainer:
             _loss, logits = self._eval_step(xc, self._dummy_labels(xc.shape[0]))
             chunks.append(np.array(logits, dtype=np.float32, copy=True))
         return np.concatenate(chunks, axis=0)
+
+    def export_inference(self, path: str | Path, output_names: Sequence[str]) -> Path:
+        """Write an inference-only ONNX model with the current parameters (for serving the result).
+
+        Args:
+            path: the ``.onnx`` file to write.
+            output_names: the forward graph's outputs to keep (e.g. ``["logits"]``).
+
+        Returns:
+            ``path``.
+
+        Raises:
+            ArtifactError: onnxruntime could not export the model.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._module.export_model_for_inferencing(str(path), list(output_names))
+        except Exception as exc:  # pybind errors derive from Exception only
+            raise ArtifactError(f"onnxruntime could not export an inference model: {exc}") from exc
+        return path
 
     # --- internals ----------------------------------------------------------------------------
 

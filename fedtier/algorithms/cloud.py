@@ -200,6 +200,12 @@ class Cloud(StateGuard):
             return self._close(now)
         return []
 
+    def overdue(self, now: float) -> tuple[str, ...]:
+        """The cells the open round still waits for once its deadline has passed (else empty)."""
+        if self._state is not RoleState.COLLECTING or now < self._deadline:
+            return ()
+        return tuple(sorted(set(self.cells) - set(self._updates)))
+
     def resend(self, child: str, now: float) -> list[Action]:
         self._guard()
         if self._state is RoleState.COLLECTING and child in self.cells and child not in self._updates:

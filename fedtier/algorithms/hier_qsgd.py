@@ -510,6 +510,12 @@ class _EdgeBase(StateGuard):
     def _close(self, now: float) -> list[Action]:
         raise NotImplementedError
 
+    def overdue(self, now: float) -> tuple[str, ...]:
+        """The members the open step still waits for once its deadline has passed (else empty)."""
+        if self._state is not RoleState.COLLECTING or self._task is None or now < self._deadline:
+            return ()
+        return tuple(sorted(set(self._task.members) - set(self._updates)))
+
     def resend(self, child: str, now: float) -> list[Action]:
         """A member came online owing the current step: give it the set model at this step."""
         self._guard()

@@ -298,6 +298,9 @@ class BrokerConfig(Section):
     tls_ca: Path | None = opt(None, help="CA certificate (PEM) that signed the broker's certificate; enables TLS.")
     tls_cert: Path | None = opt(None, help="This node's client certificate (PEM) for mutual TLS.")
     tls_key: Path | None = opt(None, help="This node's private key (PEM, mode 0600) for mutual TLS.")
+    max_auth_failures: int = opt(5, min=0, help="End the process with exit code 77 after this many authorization "
+                                                "failures in a row (certificate refused by either side, CONNACK or "
+                                                "PUBACK 'not authorized'); 0 = retry forever.")
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         if self.max_packet_size and self.max_packet_size < 4096:

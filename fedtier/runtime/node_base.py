@@ -21,12 +21,17 @@ from fedtier.errors import RemoteProtocolError, SenderMismatchError, UnexpectedM
 from fedtier.runtime.metrics import Metrics
 from fedtier.transport import topics
 from fedtier.transport.base import Inbound
+from fedtier.transport.diagnosis import Throttle
 from fedtier.wire import messages
 from fedtier.wire.messages import Message
 
 REJECTED = "fedtier_rejected_total"
 DROPPED = "fedtier_dropped_total"
 ACCEPTED = "fedtier_accepted_total"
+IDENTITY_CONFLICTS = "fedtier_identity_conflicts_total"
+"""Times a child's presence showed two clients taking turns under its id (a copied bundle)."""
+EXPECTED_DROPS = ("duplicate",)
+"""Drop reasons that a healthy fleet produces (QoS 1 redeliveries, resends after a restart): DEBUG, not INFO."""
 
 
 class Node(Protocol):
@@ -44,6 +49,11 @@ class NodeBase:
         self.log = logger
         self.max_message_bytes = max_message_bytes
         self._presence: dict[str, float] = {}
+        self._instances: dict[str, list[str]] = {}
+        self._conflict_log = Throttle()
+        self.overdue_interval_s = 60.0
+        """How often a round past its deadline is reported again while it waits."""
+        self._overdue: dict[tuple[object, ...], float] = {}
 
     def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
         """Log and count a rejected message, by its typed reason."""
@@ -77,7 +87,54 @@ class NodeBase:
         if self._presence.get(node) == stamp:
             return None
         self._presence[node] = stamp
+        instance = doc.get("instance")
+        if isinstance(instance, str):
+            self._track_instance(node, instance)
         return node
+
+    def _track_instance(self, node: str, instance: str) -> None:
+        """Two clients under one id take turns (A, B, A...): each connect takes the other's session.
+
+        A restart shows a new instance once (A, B, B...); only an instance that comes back after
+        another one appeared means two live processes share the identity.
+        """
+        seen = self._instances.setdefault(node, [])
+        if seen and seen[-1] == instance:
+            return
+        if instance in seen:
+            others = sorted(set(seen) - {instance})
+            self.metrics.inc(IDENTITY_CONFLICTS, node=node)
+            skipped = self._conflict_log(node)
+            if skipped is not None:
+                more = f" ({skipped} more since the last report)" if skipped else ""
+                self.log.error("two clients use the identity %s (instances %s and %s take turns): a copied bundle? "
+                               "each disconnects the other whenever it connects; stop one, and give the second "
+                               "board its own identity (fedtier provision device)%s", node, instance,
+                               ", ".join(others), more)
+            seen.remove(instance)
+        seen.append(instance)
+        del seen[:-4]
+
+    def report_overdue(self, what: str, key: tuple[object, ...], waiting: Sequence[str], now: float) -> None:
+        """Log (at WARNING) who a round past its deadline waits for: once, then every ``overdue_interval_s``.
+
+        Args:
+            what: the round as a person reads it ("round 3 of rollout r").
+            key: identifies the round (and step): a new key is reported at once.
+            waiting: the members (devices, or cells) that have not reported.
+            now: the node's clock.
+        """
+        if not waiting:
+            return
+        last = self._overdue.get(key)
+        if last is not None and now - last < self.overdue_interval_s:
+            return
+        if last is None:
+            self._overdue = {k: v for k, v in self._overdue.items() if k[:1] != key[:1]}  # older rounds
+        self._overdue[key] = now
+        self.log.warning("%s is past its deadline and still waits for %s (a quorum below 1.0 closes a round "
+                         "without them at the deadline): check that they run and reach their broker",
+                         what, ", ".join(waiting))
 
     def decode_inbound(self, inbound: Inbound, parsed: topics.Topic) -> Message | None:
         """Decode an envelope-carrying message and check it against the topic it came on.
@@ -108,7 +165,8 @@ class NodeBase:
         for action in actions:
             if isinstance(action, Dropped):
                 self.metrics.inc(DROPPED, reason=action.reason)
-                self.log.info("dropped %s: %s %s", action.key, action.reason, action.detail)
+                level = logging.DEBUG if action.reason in EXPECTED_DROPS else logging.INFO
+                self.log.log(level, "dropped %s: %s %s", action.key, action.reason, action.detail)
             elif isinstance(action, Note):
                 self.log.info("%s %s", action.event, " ".join(f"{k}={v}" for k, v in action.fields.items()))
 

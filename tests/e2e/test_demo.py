@@ -67,7 +67,7 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
         assert demo.stderr is not None
         deadline = time.monotonic() + 60
         for line in demo.stderr:
-            if "round   2/" in line or time.monotonic() > deadline:
+            if "(2/" in line and line.startswith("round") or time.monotonic() > deadline:
                 break
         children = _processes_mentioning(str(workdir))
         assert len(children) >= 5, children  # broker, coordinator, edge, 3 agents
@@ -152,7 +152,7 @@ def _start_endless_demo(workdir: Path) -> tuple[subprocess.Popen, set[int]]:
     assert demo.stderr is not None
     deadline = time.monotonic() + 90
     for line in demo.stderr:
-        if "round   2/" in line or time.monotonic() > deadline:
+        if "(2/" in line and line.startswith("round") or time.monotonic() > deadline:
             break
     children = _descendants(demo.pid)
     # reaper, broker, coordinator, edge, 3 agents
@@ -230,9 +230,9 @@ def test_privacy_demo_prints_the_plan_epsilon_per_round_and_the_comparison(tmp_p
     assert re.search(r"cell-a\s+trusted\s+its 2 devices send clear updates over TLS", err)
     assert re.search(r"cell-b\s+untrusted\s+each of its 2 devices adds noise", err)
     private = err.split("--compare:")[0]
-    assert len(re.findall(r"^round\s+\d/3 .* epsilon [0-9.]+ of [0-9.]+ \(delta 1e-06\)", private, re.M)) == 3
+    assert len(re.findall(r"^round\s+\d+ \(\d/3\) .* epsilon [0-9.]+ of [0-9.]+ \(delta 1e-06\)", private, re.M)) == 3
     plain = err.split("--compare:")[1]
-    assert len(re.findall(r"^round\s+\d/3 ", plain, re.M)) == 3 and "epsilon" not in plain
+    assert len(re.findall(r"^round\s+\d+ \(\d/3\) ", plain, re.M)) == 3 and "epsilon" not in plain
     assert re.search(r"epsilon \(ledger\)\s+[0-9.]+ of 4 at delta 1e-06", out)
     assert re.search(r"final accuracy\s+[0-9.]+ after 3 rounds", out)
     assert re.search(r"accuracy without privacy\s+0\.[0-9]{4} after 3 rounds \(same seeds", out)

@@ -126,7 +126,7 @@ def test_edge_killed_mid_round_resumes_with_every_accepted_update(mosquitto, tmp
     assert cell_update.reported == MEMBERS
     for name, p in PARAMS.items():
         np.testing.assert_allclose(cell_update.delta[name], np.full_like(p, 2.5), rtol=0, atol=1e-7)
-    assert "resumed from state: replayed 4 accepted messages" in log.read_text()
+    assert f"resumed rollout {ROLLOUT} from state: round 0, 3 updates" in log.read_text()
     # After the restart only dev-3 was new; dev-0's resend was recognised as a duplicate.
     assert 'fedtier_accepted_total{kind="device_update",node="cell-a",role="edge"} 1' in metrics_after
     assert 'fedtier_dropped_total{node="cell-a",reason="duplicate",role="edge"} 1' in metrics_after

@@ -332,8 +332,9 @@ def test_an_agent_publishing_under_another_id_is_refused_and_logs_it(
             while not tx.denials and time.monotonic() < deadline:
                 time.sleep(0.02)
         assert tx.denials == [("publish", NOT_AUTHORIZED)]  # only the forged one
-        assert any("broker refused publish" in r.getMessage() and "reason code 135" in r.getMessage()
-                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert any("broker refused 'd0' publishing on" in r.getMessage() and "reason code 135" in r.getMessage()
+                   and "ACL" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
     finally:
         tx.stop()
 

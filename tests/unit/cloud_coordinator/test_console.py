@@ -25,7 +25,7 @@ from cloud_coordinator.report import round_line, summary
 
 ESC = "\x1b"
 ROUNDS = 4
-ROUND_LINE = re.compile(r"^round\s+(\d+)/4  accuracy [0-9.]+  loss [0-9.]+  epsilon [0-9.]+ of [0-9.]+ "
+ROUND_LINE = re.compile(r"^round\s+\d+ \((\d+)/4\)  accuracy [0-9.]+  loss [0-9.]+  epsilon [0-9.]+ of [0-9.]+ "
                         r"\(delta 1e-05\)", re.M)
 BAR = re.compile(r"round\s+\d/4 .*remaining")
 

@@ -216,7 +216,7 @@ def test_a_deeper_tree_is_planned_with_trust_by_closure(tmp_path: Path, artifact
 def test_plan_predicts_the_budget_stop(ran: dict[str, Any]) -> None:
     doc = run_json("plan", "--config", ran["stopped"]["config"])
     assert doc["tiers"]["device"]["rounds_within_budget"] == 1 == len(ran["stopped"]["rounds"])
-    assert any("will stop before round 2 (1 of 3 rounds run)" in w for w in doc["warnings"])
+    assert any("will stop before round 1 (1 of 3 rounds run)" in w for w in doc["warnings"])
 
 
 def test_plan_without_a_privacy_section_is_a_usage_error_naming_it(tmp_path: Path, artifact_store: Path) -> None:

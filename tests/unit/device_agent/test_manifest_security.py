@@ -138,3 +138,34 @@ def test_a_model_failing_its_health_check_is_not_installed(rig: Rig, artifact_st
     rig.publish_manifest(sign(dataclasses.replace(rig.v1, version=2, bundle=other.to_json()), KEY))
     assert rig.node.metrics.get(REJECTED, reason="unusable_artifacts") == 1
     _still_on_v1(rig)
+
+
+def test_a_restarted_device_installs_its_signed_manifest_again_from_its_state(rig: Rig, tmp_path: Path) -> None:
+    """The edge's retained copy is the same v1 the device installed: a restart must not refuse it as stale."""
+    rollout = rig.prepared.config.rollout
+    rig.node.tx.close()
+    rig.node.state.close()
+    x, y = rig.prepared.data.train[rig.device]
+    node = DeviceNode(device_id=rig.device, cell=rig.cell, transport=rig.broker.connect(rig.device),
+                      data=LocalData(x=x, y=y), trainer_provider=lambda b: make_trainer("ort", b),
+                      state=DeviceState(tmp_path / "agent.db"), cache=ArtifactCache(tmp_path / "cache"),
+                      bundles_dir=tmp_path / "bundles", trusted_keys={key_id(KEY.public_key()): KEY.public_key()})
+    node.gate.clock = lambda: 2000.0
+    node.tx.set_handler(lambda inbound: node.handle(inbound, rig.broker.now))
+    rig.node = node
+    node.start(0.0)
+    node.tx.subscribe(topics.cell_down_filter(rig.cell))
+    rig.broker.run_until_idle()  # the retained v1 arrives again
+    assert node.metrics.get(REJECTED, reason="stale_manifest") == 0
+    assert node.manifests[rollout].version == 1 and rollout in node.trainers
+    [update] = rig.updates_for_round(1)  # and it trains
+    assert any(np.abs(d).max() > 0 for d in update.delta.values())
+
+
+def test_a_cleared_manifest_ends_the_rollout_on_the_device(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    rollout = rig.prepared.config.rollout
+    with caplog.at_level("INFO", logger="fedtier.agent"):
+        rig.publish_manifest(b"")  # the edge clears its retained copy: the rollout ended
+    assert rollout not in rig.node.trainers and rollout not in rig.node.manifests
+    assert rig.node.state.installed_manifests() == {}
+    assert f"rollout {rollout} ended; idle until the next rollout" in caplog.text

@@ -123,10 +123,12 @@ def test_a_restarted_edge_replays_its_accepted_inputs(tmp_path: Path) -> None:
     rig.edge.store.close()
     rig.edge.cell_tx.close()
     rig.edge.cloud_tx.close()
-    # "Restart": a new edge node over the same database.
+    # "Restart": a new edge node over the same database. Its state waits for a sign that the
+    # rollout still runs (here: the next update of the open round), then is replayed.
     rig.edge = rig.new_edge(tmp_path, db)
-    assert rig.edge.roles[ROLLOUT].reported == ("dev-0", "dev-1")
+    assert ROLLOUT not in rig.edge.roles
     rig.update("dev-2", 6.0)
+    assert rig.edge.roles[ROLLOUT].round == 0
     [(_, cell_update)] = [(t, m) for t, m in decoded(rig.at_cloud) if isinstance(m, CellUpdate)]
     assert cell_update.reported == MEMBERS
     np.testing.assert_allclose(cell_update.delta["w"], np.full((2, 2), 3.0), rtol=0, atol=1e-7)
@@ -138,6 +140,7 @@ def test_a_trusted_edge_restarted_after_forwarding_republishes_the_same_noisy_ag
                      rounds=2, require_tls=False, cells={CELL: CellPlan(True, len(MEMBERS), 0.0, 2.0)})
     db = tmp_path / "edge.db"
     rig = Rig(tmp_path, db)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)  # the rollout runs
     rig.task(FedAvgConfig(privacy=plan.to_dict()))
     for i, device in enumerate(MEMBERS):
         rig.update(device, float(i))
@@ -197,3 +200,60 @@ def test_many_requests_at_once_cost_one_broadcast(tmp_path: Path) -> None:
     rig.devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-1", again.KIND), again.encode())
     rig.broker.run_until_idle()
     assert len([m for _, m in decoded(rig.at_cell) if isinstance(m, ArtifactBlob)]) == 2
+
+
+def test_an_ended_rollout_is_cleared_in_the_cell_and_never_replayed(tmp_path: Path) -> None:
+    # Prepare: a round in progress, the cell's manifest relayed (retained).
+    db = tmp_path / "edge.db"
+    rig = Rig(tmp_path, db)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.task()
+    for device in MEMBERS:
+        rig.update(device, 1.0)
+    assert any(i.topic == topics.cell_manifest(ROLLOUT, CELL) for i in rig.at_cell)
+    # Execute: the coordinator clears its retained manifest (the rollout ended).
+    rig.cloud.publish(topics.manifest(ROLLOUT), b"", retain=True)
+    rig.broker.run_until_idle()
+    # Assert: the cell's copy is cleared (a late device finds no manifest), the state is gone ...
+    late: list = []
+    rig.broker.connect("late", late.append).subscribe(topics.cell_down_filter(CELL))
+    rig.broker.run_until_idle()
+    assert late == [] and ROLLOUT not in rig.edge.roles
+    assert rig.edge.store.inputs() == [] and rig.edge.store.manifests() == {}
+    # ... and a restarted edge sends nothing of it to the cloud again.
+    sent = len(rig.at_cloud)
+    rig.edge.store.close()
+    rig.edge.cell_tx.close()
+    rig.edge.cloud_tx.close()
+    rig.edge = rig.new_edge(tmp_path, db)
+    assert len(rig.at_cloud) == sent and rig.edge.roles == {}
+
+
+def test_a_restarted_edge_does_not_replay_a_rollout_that_ended_while_it_was_down(tmp_path: Path) -> None:
+    db = tmp_path / "edge.db"
+    rig = Rig(tmp_path, db)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.task()
+    for device in MEMBERS:
+        rig.update(device, 1.0)
+    sent = len(rig.at_cloud)
+    rig.edge.store.close()
+    rig.edge.cell_tx.close()
+    rig.edge.cloud_tx.close()
+    rig.cloud.publish(topics.manifest(ROLLOUT), b"", retain=True)  # the rollout ends while the edge is down
+    rig.broker.run_until_idle()
+    rig.edge = rig.new_edge(tmp_path, db)
+    assert len(rig.at_cloud) == sent and rig.edge.roles == {}
+
+
+def test_a_round_past_its_deadline_names_the_devices_it_waits_for_again_at_intervals(tmp_path: Path, caplog) -> None:
+    rig = Rig(tmp_path)
+    rig.edge.overdue_interval_s = 30.0
+    rig.task(FedAvgConfig(deadline_s=10.0))
+    rig.update("dev-0", 1.0)
+    with caplog.at_level("WARNING", logger="fedtier.edge"):
+        for now in (5.0, 11.0, 20.0, 42.0):
+            rig.edge.tick(rig.broker.now + now)
+    lines = [r.getMessage() for r in caplog.records if "past its deadline" in r.getMessage()]
+    assert len(lines) == 2  # at 11 s, then again 30 s later
+    assert all("dev-1, dev-2" in line and "dev-0" not in line for line in lines)

@@ -1,0 +1,55 @@
+"""The trained model as an inference ONNX file: the global parameters of a rollout's round, in
+the rollout's own architecture, through onnxruntime-training's inference export.
+
+The parameters come from the coordinator's store (every closed round keeps its model
+version); the graph from the rollout's artifacts (rebuilt from the config if the artifact
+store no longer has them: they are content-addressed, so the same bundle comes back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from cloud_coordinator.config import RolloutConfig
+from cloud_coordinator.store import CoordinatorStore
+from fedtier.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What ``export_model`` wrote."""
+
+    path: Path
+    rollout: str
+    round: int
+    version: int
+    sha256: str
+
+
+def export_model(cfg: RolloutConfig, out: Path | str, *, version: int | None = None) -> Exported:
+    """Write the rollout's model (the newest version, or ``version``) as an inference ONNX model.
+
+    Raises:
+        ConfigError: the coordinator's state has no such rollout or version.
+    """
+    from cloud_coordinator.rollout import prepare
+    from device_agent.trainers.ort import OrtTrainer
+    from models.export import OUTPUT_NAME
+
+    db = cfg.state_dir / "coordinator.db"
+    if not db.is_file():
+        raise ConfigError(f"no coordinator state at {db}: run the rollout first", key="state_dir")
+    store = CoordinatorStore(db)
+    try:
+        model = store.latest_model(cfg.rollout) if version is None else store.model(cfg.rollout, version)
+    finally:
+        store.close()
+    if model is None:
+        what = "no model" if version is None else f"no model version {version}"
+        raise ConfigError(f"{db} holds {what} of rollout {cfg.rollout!r}", key="rollout")
+    prepared = prepare(cfg)
+    trainer = OrtTrainer(prepared.bundle)
+    trainer.set_parameters(model.params)
+    path = trainer.export_inference(out, [OUTPUT_NAME])
+    return Exported(path=path, rollout=cfg.rollout, round=model.round, version=model.version, sha256=model.sha256)

@@ -1,0 +1,392 @@
+"""``fedtier provision fleet``: every node a rollout's topology names, provisioned in one step.
+
+From a rollout config (its ``[topology]`` names the cells and devices, its ``[broker]`` is
+where the coordinator connects) this writes, under ``OUT``::
+
+    OUT/
+      ca/                  the fleet directory: CA, manifest-signing key, CRL, inventory (created if
+                           absent; --fleet for another)
+      coordinator/         the coordinator's bundle, and <rollout>.toml: the rollout config merged
+                           with the bundle's settings (TLS, signing key, state directory), ready
+                           for `fedtier coordinator run --config OUT/coordinator/<rollout>.toml`
+      gateways/<cell>/     each edge's bundle (edge.toml)
+      devices/<device>/    each device's bundle (device.toml; its data goes into data/)
+      brokers/<name>/      each broker's Mosquitto config: mosquitto.conf, fedtier.acl,
+                           broker.pem, broker.key, ca.pem, crl.pem
+      fleet.json           what was written (what ``--json`` prints)
+
+Brokers, in the two layouts a fleet uses (mixed is fine too):
+
+* **one shared broker** (default): ``brokers/shared`` at the rollout's ``[broker]`` serves the
+  coordinator, every edge (one connection each, for both of its sides) and every device;
+* **a broker per gateway** (``--cell-broker CELL=HOST:PORT``): ``brokers/CELL`` on that cell's
+  gateway serves its devices and its edge; ``brokers/cloud`` at the rollout's ``[broker]``
+  serves the coordinator and the edges' cloud side.
+
+Every ACL comes from the one writer, :func:`provisioning.broker_config.broker_acl`, with each
+device bound to its own cell by name; every broker maps the certificate's name to the MQTT
+username and client id.
+
+Running it again keeps what still holds — the CA, each bundle whose certificate is active and
+was issued for the same cell and brokers, each broker certificate valid for its host — and
+issues what is new (a second rollout with the same topology issues nothing). Configs and ACLs
+are rewritten. Nodes that left the topology are listed, not revoked (``provision revoke``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import ipaddress
+import json
+import logging
+import os
+import shutil
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fedtier.errors import ConfigError
+from fedtier.runtime.config import Section, dumps_toml, load, read_toml
+from fedtier.security import pki
+from provisioning import ca
+from provisioning.broker_config import (
+    _check_server_identity,
+    _prepare_key_for,
+    _user,
+    broker_acl,
+    current_user,
+    mosquitto_conf,
+)
+from provisioning.bundles import (
+    CONFIG_NAMES,
+    _format_endpoint,
+    issue_broker,
+    issue_coordinator,
+    issue_device,
+    issue_gateway,
+)
+from provisioning.errors import FleetNotFoundError
+from provisioning.fleet import CertRecord, Fleet
+
+log = logging.getLogger("fedtier.provisioning")
+
+Endpoint = tuple[str, int]
+SHARED, CLOUD = "shared", "cloud"
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass(frozen=True)
+class BrokerPlan:
+    """One broker of the fleet and who connects to it."""
+
+    name: str
+    endpoint: Endpoint
+    cell_side: tuple[str, ...]
+    cloud_side: tuple[str, ...]
+    coordinator: bool
+
+    def serves(self) -> str:
+        parts = ["the coordinator"] if self.coordinator else []
+        if self.cell_side:
+            parts.append(f"cell{'s' if len(self.cell_side) > 1 else ''} {', '.join(self.cell_side)} "
+                         "(devices and edge)")
+        others = [c for c in self.cloud_side if c not in self.cell_side]
+        if others:
+            parts.append(f"the cloud side of edge{'s' if len(others) > 1 else ''} {', '.join(others)}")
+        return "; ".join(parts)
+
+
+@dataclass
+class FleetResult:
+    """What ``provision_fleet`` wrote (``to_json`` is ``fleet.json``)."""
+
+    out: Path
+    fleet: Path
+    rollout: str
+    rollout_config: Path
+    coordinator: Path
+    gateways: dict[str, Path]
+    devices: dict[str, Path]
+    brokers: dict[str, dict[str, Any]]
+    issued: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    departed: list[str] = field(default_factory=list)
+    data: dict[str, int] = field(default_factory=dict)
+    run_as: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"out": str(self.out), "fleet": str(self.fleet), "rollout": self.rollout,
+                "rollout_config": str(self.rollout_config), "coordinator": str(self.coordinator),
+                "gateways": {c: str(p) for c, p in self.gateways.items()},
+                "devices": {d: str(p) for d, p in self.devices.items()}, "brokers": self.brokers,
+                "issued": self.issued, "kept": self.kept, "departed": self.departed, "data": self.data,
+                "broker_user": self.run_as}
+
+
+def plan_brokers(cells: Sequence[str], cloud: Endpoint, cell_brokers: Mapping[str, Endpoint]) -> list[BrokerPlan]:
+    """The brokers of a fleet: one shared broker, or a cloud broker plus one per listed gateway.
+
+    Raises:
+        ConfigError: a ``--cell-broker`` names a cell the topology does not have, or two brokers
+            share an address.
+    """
+    unknown = sorted(set(cell_brokers) - set(cells))
+    if unknown:
+        raise ConfigError(f"--cell-broker names {', '.join(unknown)}, which the rollout's topology does not have "
+                          f"(cells: {', '.join(cells)})")
+    addresses = [cloud, *cell_brokers.values()]
+    if len(set(addresses)) != len(addresses):
+        raise ConfigError("two brokers share an address: give each --cell-broker its own host:port, different "
+                          "from the rollout's [broker]")
+    on_cloud = tuple(c for c in cells if c not in cell_brokers)
+    plans = [BrokerPlan(SHARED if not cell_brokers else CLOUD, cloud, on_cloud, tuple(cells), True)]
+    plans += [BrokerPlan(cell, endpoint, (cell,), (), False) for cell, endpoint in sorted(cell_brokers.items())]
+    return plans
+
+
+def _hosts(host: str) -> list[str]:
+    """The names a broker certificate must list: the host, and its loopback twin for local trials."""
+    if host in LOOPBACK:
+        return sorted({host, "127.0.0.1", "localhost"})
+    return [host]
+
+
+def _bind(host: str) -> str:
+    try:
+        return "127.0.0.1" if ipaddress.ip_address(host).is_loopback else "0.0.0.0"
+    except ValueError:
+        return "127.0.0.1" if host == "localhost" else "0.0.0.0"
+
+
+# --- bundles: keep what holds, issue what is new -------------------------------------------------
+
+
+def _kept(fleet: Fleet, kind: str, name: str, directory: Path, *, cell: str | None, broker: Endpoint,
+          cloud_broker: Endpoint | None = None, parent: str | None = None) -> bool:
+    """Whether the bundle in ``directory`` is this node's current identity for these brokers."""
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    if not (cert_path.is_file() and key_path.is_file() and (directory / CONFIG_NAMES[kind]).is_file()):
+        return False
+    found = fleet.find(name, kind=kind)
+    if not found:
+        return False
+    record: CertRecord = found[-1]
+    try:
+        cert = pki.load_certificate(cert_path)
+        key = pki.load_private_key(key_path)
+    except ConfigError:
+        return False
+    return (cert.serial_number == record.serial and not record.revoked
+            and record.not_after - ca.utcnow() > dt.timedelta(days=1)
+            and pki.same_public_key(key.public_key(), cert.public_key())  # type: ignore[arg-type]
+            and record.cell == cell and record.broker == _format_endpoint(*broker)
+            and (kind != "gateway" or (record.cloud_broker == _format_endpoint(*(cloud_broker or broker))
+                                       and record.parent == parent)))
+
+
+def _broker_dir(fleet: Fleet, plan: BrokerPlan, directory: Path, *, cloud_id: str, devices: Mapping[str, str],
+                run_as: str, days: float | None, result: FleetResult) -> dict[str, Any]:
+    """Write one broker's directory: its certificate (kept if still valid), CA, CRL, ACL, config."""
+    directory.mkdir(parents=True, exist_ok=True)
+    host, port = plan.endpoint
+    hosts = _hosts(host)
+    cert, key = directory / "broker.pem", directory / "broker.key"
+    problem = _check_server_identity(fleet, cert, key, hosts) if cert.is_file() and key.is_file() else "missing"
+    label = f"broker {plan.name}"
+    if problem:
+        issue_broker(fleet, f"broker-{plan.name}", hosts, directory, days=days, force=True)
+        result.issued.append(label)
+    else:
+        result.kept.append(label)
+    ca_copy, crl_copy = directory / "ca.pem", directory / "crl.pem"
+    shutil.copyfile(fleet.ca_cert_path, ca_copy)
+    shutil.copyfile(fleet.crl_path, crl_copy)
+    key_used = _prepare_key_for(run_as, key, directory)
+    header = (f"fedtier ACL of broker {plan.name} ({host}:{port}), written by `fedtier provision fleet`.\n"
+              f"Serves {plan.serves()}.\n"
+              "Clients authenticate with fleet certificates; the CN is the username and the client id.\n"
+              "Anything not granted here is denied. Mosquitto re-reads this file on SIGHUP.")
+    acl_text = broker_acl(cell_side=plan.cell_side, cloud_side=plan.cloud_side,
+                          cloud_id=cloud_id if plan.coordinator else None, devices=devices, header=header)
+    acl = directory / "fedtier.acl"
+    pki.write_atomic(acl, acl_text.encode(), 0o644, overwrite=True)
+    conf = directory / "mosquitto.conf"
+    text = mosquitto_conf(port=port, bind=_bind(host), cafile=ca_copy, certfile=cert, keyfile=key_used,
+                          crlfile=crl_copy, acl_file=acl, run_as=run_as)
+    pki.write_atomic(conf, text.encode(), 0o644, overwrite=True)
+    return {"dir": str(directory), "conf": str(conf), "host": host, "port": port, "serves": plan.serves(),
+            "command": ["mosquitto", "-c", str(conf)]}
+
+
+# --- the coordinator's rollout file ----------------------------------------------------------------
+
+
+def _path_fields(cls: type[Section]) -> dict[str, Any]:
+    """Field name -> ``"path"``, ``"paths"`` or a nested Section class, for every path-valued field."""
+    out: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        for arg in args:
+            if arg is Path:
+                out[f.name] = "path"
+            elif typing.get_origin(arg) is tuple and typing.get_args(arg)[:1] == (Path,):
+                out[f.name] = "paths"
+            elif isinstance(arg, type) and issubclass(arg, Section):
+                out[f.name] = arg
+    return out
+
+
+def rebase_paths(cls: type[Section], table: Mapping[str, Any], base: Path) -> dict[str, Any]:
+    """``table`` (raw TOML of section ``cls``) with every relative path made absolute against ``base``.
+
+    A config's relative paths are relative to the file's own directory; a copy of it written
+    elsewhere keeps meaning the same files this way.
+    """
+    kinds = _path_fields(cls)
+    out = dict(table)
+
+    def absolute(value: Any) -> Any:
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            return os.path.normpath(base / value)
+        return value
+
+    for key, kind in kinds.items():
+        if key not in out:
+            continue
+        if kind == "path":
+            out[key] = absolute(out[key])
+        elif kind == "paths" and isinstance(out[key], list):
+            out[key] = [absolute(v) for v in out[key]]
+        elif isinstance(kind, type) and isinstance(out[key], Mapping):
+            out[key] = rebase_paths(kind, out[key], base)
+    return out
+
+
+def merged_rollout(source: Path, coordinator_dir: Path, *, signing_key: Path, cloud: Endpoint,
+                   cloud_id: str) -> dict[str, Any]:
+    """The user's rollout config with the coordinator bundle's settings, to live in ``coordinator_dir``.
+
+    TLS files are the bundle's (relative to it); the signing key is the fleet's; the state
+    and the metrics live in the coordinator's directory unless the config says otherwise —
+    every rollout of this coordinator shares its state (one manifest version counter) and
+    writes its own metrics file.
+    """
+    from cloud_coordinator.config import RolloutConfig
+
+    raw = rebase_paths(RolloutConfig, read_toml(source), source.resolve().parent)
+    rollout = str(raw.get("rollout", "default"))
+    host, port = cloud
+    broker = {k: v for k, v in dict(raw.get("broker", {})).items() if k not in ("host", "port")}
+    broker.update({"host": host, "port": port, "tls_ca": "ca.pem", "tls_cert": "cert.pem", "tls_key": "key.pem"})
+    merged = {**raw, "cloud_id": cloud_id, "signing_key": str(signing_key), "broker": broker}
+    merged.setdefault("state_dir", "state")
+    merged.setdefault("metrics_file", f"metrics/{rollout}.json")
+    return merged
+
+
+# --- the whole fleet -----------------------------------------------------------------------------
+
+
+def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str | Path | None = None,
+                    cell_brokers: Mapping[str, Endpoint] | None = None, run_as: str | None = None,
+                    sample_data: bool = False, days: float | None = None) -> FleetResult:
+    """Provision every node of a rollout's topology (see the module docstring).
+
+    Args:
+        rollout_path: the rollout config (``rollout.toml``).
+        out: the output directory.
+        fleet_dir: the fleet (CA, signing key) to issue from; created if it holds none.
+            Default ``OUT/ca``.
+        cell_brokers: cell -> the broker on its gateway; other cells use the rollout's broker.
+        run_as: the user Mosquitto switches to when started as root (the brokers' ``user``);
+            default the user running this. The broker keys are made readable by that user
+            where this process can (see ``provisioning.broker_config``).
+        sample_data: write each device's share of the rollout's built-in dataset into its
+            bundle's ``data/`` (for trials; real devices bring their own data).
+        days: validity of newly issued node certificates.
+
+    Returns:
+        What was written.
+
+    Raises:
+        ConfigError: the rollout config does not load, or a ``--cell-broker`` is wrong.
+        NameConflictError, InvalidNameError: a node name the fleet cannot issue.
+        ProvisioningError: ``run_as`` is not a user of this machine.
+    """
+    from cloud_coordinator.config import RolloutConfig
+
+    source = Path(rollout_path).expanduser().resolve()
+    cfg = load(RolloutConfig, source)
+    out = Path(out).expanduser().resolve()
+    cells = cfg.topology.layout()
+    cloud = (cfg.broker.host, cfg.broker.port)
+    cell_brokers = dict(cell_brokers or {})
+    plans = plan_brokers(list(cells), cloud, cell_brokers)
+    run_as = run_as or current_user()
+    _user(run_as)
+    fleet_root = Path(fleet_dir).expanduser().resolve() if fleet_dir else out / "ca"
+    try:
+        fleet = Fleet(fleet_root)
+    except FleetNotFoundError:
+        if (fleet_root / "ca.key").exists() or (fleet_root / "inventory.json").exists():
+            raise  # a damaged fleet: never replace its CA
+        fleet = Fleet.init(fleet_root)
+        log.info("created the fleet's CA and signing key in %s", fleet_root)
+    result = FleetResult(out=out, fleet=fleet.root, rollout=cfg.rollout, rollout_config=Path(),
+                         coordinator=out / "coordinator", gateways={}, devices={}, brokers={}, run_as=run_as)
+    cell_endpoint = {cell: cell_brokers.get(cell, cloud) for cell in cells}
+
+    coordinator_dir = out / "coordinator"
+    if _kept(fleet, "coordinator", cfg.cloud_id, coordinator_dir, cell=None, broker=cloud):
+        result.kept.append(f"coordinator {cfg.cloud_id}")
+    else:
+        issue_coordinator(fleet, cloud, coordinator_dir, cloud_id=cfg.cloud_id, days=days, force=True)
+        result.issued.append(f"coordinator {cfg.cloud_id}")
+    for cell, members in cells.items():
+        directory = out / "gateways" / cell
+        if _kept(fleet, "gateway", cell, directory, cell=cell, broker=cell_endpoint[cell], cloud_broker=cloud,
+                 parent=cfg.cloud_id):
+            result.kept.append(f"gateway {cell}")
+        else:
+            issue_gateway(fleet, cell, cell_endpoint[cell], directory, cloud_broker=cloud, cloud_id=cfg.cloud_id,
+                          days=days, force=True)
+            result.issued.append(f"gateway {cell}")
+        result.gateways[cell] = directory
+        for device in members:
+            directory = out / "devices" / device
+            if _kept(fleet, "device", device, directory, cell=cell, broker=cell_endpoint[cell]):
+                result.kept.append(f"device {device}")
+            else:
+                issue_device(fleet, device, cell, cell_endpoint[cell], directory, data_dir="data", days=days,
+                             force=True)
+                result.issued.append(f"device {device}")
+            result.devices[device] = directory
+    membership = {d: c for c, ds in cells.items() for d in ds}
+    result.departed = sorted(d for d in fleet.active_devices() if d not in membership)
+
+    for plan in plans:
+        result.brokers[plan.name] = _broker_dir(fleet, plan, out / "brokers" / plan.name, cloud_id=cfg.cloud_id,
+                                                devices=membership, run_as=run_as, days=None, result=result)
+
+    merged = merged_rollout(source, coordinator_dir, signing_key=fleet.signing_key_path, cloud=cloud,
+                            cloud_id=cfg.cloud_id)
+    target = coordinator_dir / f"{cfg.rollout}.toml"
+    header = (f"# Rollout {cfg.rollout}: {source}, merged with the coordinator's bundle by `fedtier provision fleet`.\n"
+              "# Run: fedtier coordinator run --config THIS_FILE\n")
+    pki.write_atomic(target, (header + dumps_toml(merged)).encode(), 0o644, overwrite=True)
+    load(RolloutConfig, target)  # a file that is written is a file that loads
+    result.rollout_config = target
+
+    if sample_data:
+        from cloud_coordinator.fleet import write_device_data
+
+        result.data = write_device_data(cfg, {d: p / "data" for d, p in result.devices.items()})
+    pki.write_atomic(out / "fleet.json", (json.dumps(result.to_json(), indent=1) + "\n").encode(), 0o644,
+                     overwrite=True)
+    log.info("provisioned rollout %s in %s: %d issued, %d kept", cfg.rollout, out, len(result.issued),
+             len(result.kept))
+    return result

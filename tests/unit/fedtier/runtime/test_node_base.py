@@ -1,0 +1,66 @@
+"""What every shell shares: presence (and identity conflicts), the diagnostics' log levels."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from fedtier.algorithms.base import Dropped
+from fedtier.runtime.metrics import Metrics
+from fedtier.runtime.node_base import DROPPED, IDENTITY_CONFLICTS, NodeBase
+from fedtier.transport import topics
+from fedtier.transport.base import Inbound
+
+log = logging.getLogger("test.node")
+
+
+def presence(node: str, instance: str, since: float, state: str = "online") -> Inbound:
+    doc = {"node": node, "state": state, "since": since, "instance": instance}
+    return Inbound("cell", topics.status(node), json.dumps(doc).encode())
+
+
+def online(base: NodeBase, *events: tuple[str, float]) -> list[str | None]:
+    out = []
+    for instance, since in events:
+        inbound = presence("dev-0", instance, since)
+        parsed = topics.parse(inbound.topic)
+        assert parsed is not None
+        out.append(base.came_online(inbound, parsed))
+    return out
+
+
+def test_a_restart_is_a_new_instance_once_and_not_a_conflict() -> None:
+    base = NodeBase("cell-a", Metrics(node="cell-a", role="edge"), log, 1 << 20)
+    assert online(base, ("A", 1.0), ("B", 2.0), ("B", 3.0)) == ["dev-0", "dev-0", "dev-0"]
+    assert base.metrics.get(IDENTITY_CONFLICTS, node="dev-0") == 0
+
+
+def test_two_instances_taking_turns_are_counted_and_named_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    base = NodeBase("cell-a", Metrics(node="cell-a", role="edge"), log, 1 << 20)
+    with caplog.at_level(logging.ERROR, logger="test.node"):
+        online(base, ("A", 1.0), ("B", 2.0), ("A", 3.0), ("B", 4.0), ("A", 5.0))
+    assert base.metrics.get(IDENTITY_CONFLICTS, node="dev-0") == 3
+    [line] = [r.getMessage() for r in caplog.records]  # one line a minute, however often they flap
+    assert "two clients use the identity dev-0" in line and "copied bundle" in line
+
+
+def test_expected_redeliveries_log_at_debug_other_drops_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    base = NodeBase("cell-a", Metrics(node="cell-a", role="edge"), log, 1 << 20)
+    with caplog.at_level(logging.DEBUG, logger="test.node"):
+        base.diagnostics([Dropped("duplicate", "k1"), Dropped("late", "k2")])
+    assert [(r.levelname, "k1" in r.getMessage()) for r in caplog.records] == [("DEBUG", True), ("INFO", False)]
+    assert base.metrics.get(DROPPED, reason="duplicate") == 1
+
+
+def test_a_round_past_its_deadline_is_reported_then_repeated_at_intervals(caplog: pytest.LogCaptureFixture) -> None:
+    base = NodeBase("cloud", Metrics(node="cloud", role="cloud"), log, 1 << 20)
+    base.overdue_interval_s = 30.0
+    with caplog.at_level(logging.WARNING, logger="test.node"):
+        for now in (100.0, 110.0, 131.0):
+            base.report_overdue("round 3 of rollout r", (3,), ["cell cell-b"], now)
+        base.report_overdue("round 4 of rollout r", (4,), ["cell cell-a"], 132.0)  # a new round: at once
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all("past its deadline and still waits for" in m for m in lines)
+    assert "cell cell-a" in lines[-1]

@@ -1,0 +1,205 @@
+"""`fedtier provision fleet`: every node of a rollout's topology, its brokers and a ready rollout file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from test_fleet_cli import allowed
+
+from cloud_coordinator.config import RolloutConfig
+from device_agent.config import DeviceConfig
+from edge_broker.config import EdgeConfig
+from fedtier.errors import ConfigError
+from fedtier.runtime.config import load
+from fedtier.transport import topics
+from provisioning import broker_config
+from provisioning.cli import provision
+from provisioning.errors import NameConflictError
+from provisioning.fleet import Fleet
+from provisioning.rollout import provision_fleet, rebase_paths
+
+ROLLOUT = """rollout = "r1"
+rounds = 2
+artifact_store = "store"
+[model]
+kind = "mlp"
+hidden = [8]
+[data]
+dataset = "digits"
+[topology.members]
+{members}
+[broker]
+host = "cloud.example"
+port = 8883
+keepalive_s = 20
+"""
+TWO_CELLS = 'cell-a = ["d0", "d1"]\ncell-b = ["d2"]'
+
+
+def rollout_file(directory: Path, members: str = TWO_CELLS, name: str = "rollout.toml") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(ROLLOUT.format(members=members))
+    return path
+
+
+def rules(acl: str) -> list[str]:
+    return [line for line in acl.splitlines() if line and not line.startswith("#")]
+
+
+def test_one_shared_broker_serves_every_node_with_one_acl(tmp_path: Path) -> None:
+    result = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")
+    assert sorted(result.brokers) == ["shared"]
+    acl = (Path(result.brokers["shared"]["dir"]) / "fedtier.acl").read_text()
+    demo = broker_config.combined_acl(["cell-a", "cell-b"], "cloud", {"d0": "cell-a", "d1": "cell-a", "d2": "cell-b"})
+    assert rules(acl) == rules(demo)  # the same writer as `fedtier demo --secure`'s shared broker
+    r = "r1"
+    # The coordinator's topics, which a per-cell ACL lacks (what made one shared broker hang).
+    assert allowed(acl, "cloud", "write", topics.manifest(r))
+    assert allowed(acl, "cloud", "write", topics.cloud_down(r, "cell-b", "cell_task"))
+    assert allowed(acl, "cloud", "read", topics.edge_up(r, "cell-a", "cell_update"))
+    # Each edge on both of its sides, over its one connection; each device in its own cell only.
+    for cell, device in (("cell-a", "d0"), ("cell-b", "d2")):
+        assert allowed(acl, cell, "read", topics.manifest(r))
+        assert allowed(acl, cell, "write", topics.edge_up(r, cell, "cell_update"))
+        assert allowed(acl, cell, "write", topics.cell_down(r, cell, "device_task"))
+        assert allowed(acl, device, "write", topics.cell_up(r, cell, device, "device_update"))
+    assert not allowed(acl, "d0", "write", topics.cell_up(r, "cell-b", "d0", "device_update"))
+    assert not allowed(acl, "d0", "read", topics.cell_down(r, "cell-b", "device_task"))
+    assert allowed(acl, "d0", "read", topics.status("d0")) and not allowed(acl, "d0", "read", topics.status("d1"))
+    conf = Path(result.brokers["shared"]["conf"]).read_text()
+    assert "use_identity_as_username true" in conf and "use_username_as_clientid true" in conf
+    assert "listener 8883 0.0.0.0" in conf
+    # Every node's config points at the shared broker; an edge then uses one connection.
+    edge = load(EdgeConfig, result.gateways["cell-a"] / "edge.toml")
+    assert edge.cell_broker == edge.cloud_broker and edge.cell_broker.host == "cloud.example"
+    assert load(DeviceConfig, result.devices["d2"] / "device.toml").cell == "cell-b"
+
+
+def test_a_broker_per_gateway_gets_its_cell_and_the_cloud_broker_the_rest(tmp_path: Path) -> None:
+    result = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site",
+                             cell_brokers={"cell-a": ("10.0.0.5", 8883)})
+    assert sorted(result.brokers) == ["cell-a", "cloud"]
+    cell_acl = (Path(result.brokers["cell-a"]["dir"]) / "fedtier.acl").read_text()
+    cloud_acl = (Path(result.brokers["cloud"]["dir"]) / "fedtier.acl").read_text()
+    r = "r1"
+    assert allowed(cell_acl, "d0", "write", topics.cell_up(r, "cell-a", "d0", "device_update"))
+    assert not allowed(cell_acl, "cloud", "write", topics.manifest(r)) and "user d2" not in cell_acl
+    assert allowed(cloud_acl, "cloud", "write", topics.manifest(r))
+    assert allowed(cloud_acl, "cell-a", "write", topics.edge_up(r, "cell-a", "cell_update"))
+    assert not allowed(cloud_acl, "cell-a", "write", topics.cell_down(r, "cell-a", "device_task"))
+    assert allowed(cloud_acl, "d2", "write", topics.cell_up(r, "cell-b", "d2", "x"))  # cell-b has no broker of its own
+    assert "user d0" not in cloud_acl
+    edge = load(EdgeConfig, result.gateways["cell-a"] / "edge.toml")
+    assert (edge.cell_broker.host, edge.cloud_broker.host) == ("10.0.0.5", "cloud.example")
+    assert load(DeviceConfig, result.devices["d0"] / "device.toml").broker.host == "10.0.0.5"
+
+
+def test_the_coordinators_rollout_file_is_ready_and_keeps_meaning_the_same_files(tmp_path: Path) -> None:
+    source = rollout_file(tmp_path / "cfg")
+    result = provision_fleet(source, tmp_path / "site")
+    cfg = load(RolloutConfig, result.rollout_config)
+    assert result.rollout_config == tmp_path / "site" / "coordinator" / "r1.toml"
+    assert cfg.signing_key == result.fleet / "signing.key" and cfg.cloud_id == "cloud"
+    assert cfg.broker.tls_cert == tmp_path / "site" / "coordinator" / "cert.pem"
+    assert (cfg.broker.host, cfg.broker.port, cfg.broker.keepalive_s) == ("cloud.example", 8883, 20)
+    assert cfg.artifact_store == tmp_path / "cfg" / "store"  # relative to the original file, as before
+    assert cfg.state_dir == tmp_path / "site" / "coordinator" / "state"
+    assert cfg.metrics_path == tmp_path / "site" / "coordinator" / "metrics" / "r1.json"
+
+
+def test_rebase_paths_follows_nested_sections_and_lists() -> None:
+    raw = {"state_dir": "s", "signing_key": "/abs/k", "broker": {"tls_ca": "ca.pem", "host": "h"}, "rounds": 3}
+    out = rebase_paths(RolloutConfig, raw, Path("/base"))
+    assert out == {"state_dir": "/base/s", "signing_key": "/abs/k", "broker": {"tls_ca": "/base/ca.pem", "host": "h"},
+                   "rounds": 3}
+
+
+def test_running_it_again_keeps_every_identity_and_issues_only_what_is_new(tmp_path: Path) -> None:
+    first = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")
+    assert len(first.issued) == 1 + 2 + 3 + 1  # coordinator, gateways, devices, broker
+    serial = (first.devices["d0"] / "cert.pem").read_bytes()
+    second = provision_fleet(rollout_file(tmp_path / "cfg", name="r2.toml"), tmp_path / "site")
+    assert second.issued == [] and len(second.kept) == 7
+    assert (second.devices["d0"] / "cert.pem").read_bytes() == serial
+    third = provision_fleet(rollout_file(tmp_path / "cfg", 'cell-a = ["d0", "d1", "d3"]\ncell-b = ["d2"]'),
+                            tmp_path / "site")
+    assert third.issued == ["device d3"]
+    assert "user d3" in (Path(third.brokers["shared"]["dir"]) / "fedtier.acl").read_text()
+    fourth = provision_fleet(rollout_file(tmp_path / "cfg", 'cell-a = ["d0"]\ncell-b = ["d2"]'), tmp_path / "site")
+    assert fourth.departed == ["d1", "d3"]  # listed, not revoked
+    assert not any(r.revoked for r in Fleet(fourth.fleet).records())
+
+
+def test_moving_an_active_device_to_another_cell_is_refused(tmp_path: Path) -> None:
+    provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")
+    with pytest.raises(NameConflictError, match="revoke it before moving"):
+        provision_fleet(rollout_file(tmp_path / "cfg", 'cell-a = ["d1"]\ncell-b = ["d2", "d0"]'), tmp_path / "site")
+
+
+def test_bad_cell_brokers_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cell-z"):
+        provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site", cell_brokers={"cell-z": ("h", 1)})
+    with pytest.raises(ConfigError, match="share an address"):
+        provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site",
+                        cell_brokers={"cell-a": ("cloud.example", 8883)})
+
+
+def test_sample_data_is_each_devices_share_of_the_coordinators_split(tmp_path: Path) -> None:
+    from cloud_coordinator.datasets import make_federated
+
+    source = rollout_file(tmp_path / "cfg")
+    result = provision_fleet(source, tmp_path / "site", sample_data=True)
+    cfg = load(RolloutConfig, source)
+    cells = cfg.topology.layout()
+    expected = make_federated(cfg.data, [d for ds in cells.values() for d in ds], cells)
+    for device, directory in result.devices.items():
+        with np.load(directory / "data" / "train.npz") as got:
+            np.testing.assert_array_equal(got["y"], expected.train[device][1])
+    assert sum(result.data.values()) == sum(len(y) for _, y in expected.train.values())
+
+
+def test_the_command_prints_what_runs_where_and_json_for_machines(tmp_path: Path) -> None:
+    source = rollout_file(tmp_path / "cfg")
+    runner = CliRunner()
+    out = runner.invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "site"),
+                                    "--cell-broker", "cell-a=10.0.0.5:8884"])
+    assert out.exit_code == 0, out.output
+    assert f"mosquitto -c {tmp_path / 'site' / 'brokers' / 'cell-a' / 'mosquitto.conf'}" in out.output
+    assert f"fedtier coordinator run --config {tmp_path / 'site' / 'coordinator' / 'r1.toml'}" in out.output
+    assert "BEGIN" not in out.output  # never key material
+    doc = json.loads(runner.invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "site"),
+                                               "--cell-broker", "cell-a=10.0.0.5:8884", "--json"]).output)
+    assert doc["issued"] == [] and doc == json.loads((tmp_path / "site" / "fleet.json").read_text())
+    bad = runner.invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "x"),
+                                    "--cell-broker", "cell-a"])
+    assert bad.exit_code == 2 and "CELL=HOST:PORT" in bad.output
+
+
+def test_a_broker_user_gets_its_0600_key_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    import os
+    import pwd
+    import stat
+
+    from provisioning.errors import ProvisioningError
+
+    with pytest.raises(ProvisioningError, match="no such user"):
+        provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "bad", run_as="no-such-user-here")
+    result = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")
+    conf = Path(result.brokers["shared"]["conf"]).read_text()
+    assert f"user {broker_config.current_user()}\n" in conf  # works as written where it was generated
+    if os.geteuid() != 0:
+        return  # handing a key to another user needs root; the command says how instead
+    try:
+        mosquitto = pwd.getpwnam("mosquitto")
+    except KeyError:
+        return
+    result = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site", run_as="mosquitto")
+    directory = Path(result.brokers["shared"]["dir"])
+    assert "user mosquitto\n" in (directory / "mosquitto.conf").read_text()
+    st = (directory / "broker.key").stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == mosquitto.pw_uid
