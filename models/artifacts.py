@@ -5,6 +5,8 @@ Store layout::
     store_dir/
       <bundle_id>/            training_model.onnx eval_model.onnx optimizer_model.onnx
                               checkpoint bundle.json arch.json layout.json
+                              portable_training_model.onnx portable_checkpoint.f32
+                                (the portable training path, ``models.portable``)
       by-arch/<arch.sha256>   {"arch": {...}, "bundles": {"<seed>": "<bundle_id>"}}
       .build-XXXX/            in-progress builds (renamed to <bundle_id> when complete)
 
@@ -20,6 +22,8 @@ The artifacts: SGD optimizer (``SGDOptimizerV2``, stateless), mean cross-entropy
 ``logits`` output with int64 ``labels``, every parameter trainable, and
 ``additional_output_names=["logits"]`` so both the training and the eval graph return
 ``(loss, logits)``. The checkpoint holds the seeded initial weights; rounds ship parameters.
+Next to them, ``models.portable`` writes the training graph lowered to standard ONNX ops (for
+devices with only the stock onnxruntime) and records in the descriptor whether it could.
 
 torch, onnx and onnxruntime are imported inside functions. ``generate_artifacts`` prints
 hundreds of INFO lines from C++ straight to file descriptor 2 (``set_default_logger_severity``
@@ -51,6 +55,7 @@ from fedtier.artifacts.bundle import (
 from fedtier.errors import ArtifactError, LocalProtocolError
 from fedtier.training.layout import ArchSpec
 from models.export import INPUT_NAME, OUTPUT_NAME, export_forward
+from models.portable import write_portable
 from models.zoo import layout_of
 
 logger = logging.getLogger(__name__)
@@ -137,6 +142,9 @@ def _lookup(store: Path, arch: ArchSpec, seed: int) -> ArtifactBundle | None:
         bundle = ArtifactBundle.load(store / bundle_id, verify=True)
     except ArtifactError as exc:
         logger.warning("artifact store entry %s is unusable, rebuilding: %s", bundle_id, exc)
+        return None
+    if bundle.portable is None:
+        logger.info("artifact store entry %s predates portable graphs; rebuilding", bundle_id[:12])
         return None
     if bundle.arch.sha256 != arch.sha256 or bundle.seed != seed or bundle.bundle_id != bundle_id:
         logger.warning("artifact index %s points at a bundle of another arch/seed; rebuilding",
@@ -229,14 +237,16 @@ def _build_into(tmp: Path, arch: ArchSpec, seed: int) -> ArtifactBundle:
                                    encoding="utf-8")
     (tmp / "layout.json").write_text(json.dumps(layout.to_json(), indent=2) + "\n",
                                      encoding="utf-8")
+    portable_files, portable = write_portable(tmp, forward, models["training_model"], layout)
     bundle = ArtifactBundle(
         directory=tmp,
-        files={role: BundleFile.of(tmp / name) for role, name in FILENAMES.items()},
+        files={**{role: BundleFile.of(tmp / name) for role, name in FILENAMES.items()}, **portable_files},
         arch=arch,
         layout=layout,
         opset=opset,
         ir_version=ir_version,
         seed=seed,
+        portable=portable,
     )
     bundle.save()
     return bundle

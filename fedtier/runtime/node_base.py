@@ -14,7 +14,7 @@ import math
 import queue
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from fedtier.algorithms.base import Action, Dropped, Note
 from fedtier.errors import RemoteProtocolError, SenderMismatchError, UnexpectedMessageError
@@ -44,6 +44,9 @@ class NodeBase:
         self.log = logger
         self.max_message_bytes = max_message_bytes
         self._presence: dict[str, float] = {}
+        self.presence_docs: dict[str, dict[str, Any]] = {}
+        """The last online presence document of each node (optional fields such as a device's
+        ``trainer`` are there for logs and operators; the protocol needs only ``state``/``since``)."""
 
     def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
         """Log and count a rejected message, by its typed reason."""
@@ -77,6 +80,7 @@ class NodeBase:
         if self._presence.get(node) == stamp:
             return None
         self._presence[node] = stamp
+        self.presence_docs[node] = doc
         return node
 
     def decode_inbound(self, inbound: Inbound, parsed: topics.Topic) -> Message | None:

@@ -44,7 +44,8 @@ def test_bundle_contents(mlp_bundle: ArtifactBundle, shared_store: Path) -> None
     assert mlp_bundle.directory == shared_store / mlp_bundle.bundle_id
     names = {p.name for p in mlp_bundle.directory.iterdir()}
     assert names == {"training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
-                     "checkpoint", "bundle.json", "arch.json", "layout.json"}
+                     "checkpoint", "bundle.json", "arch.json", "layout.json",
+                     "portable_training_model.onnx", "portable_checkpoint.f32"}
     assert mlp_bundle.arch == MLP
     assert mlp_bundle.layout == layout_of(MLP)
     assert mlp_bundle.seed == 0
@@ -101,9 +102,9 @@ def test_different_arch_or_seed_gives_different_bundle(
     assert len(ids) == 4
     index = json.loads((shared_store / "by-arch" / MLP.sha256).read_text())
     assert index["bundles"] == {"0": mlp_bundle.bundle_id, "1": seeded.bundle_id}
-    # Only the checkpoint (initial weights) differs between seeds.
+    # Only the checkpoints (initial weights, both formats) differ between seeds.
     differing = {r for r in mlp_bundle.files if mlp_bundle.files[r] != seeded.files[r]}
-    assert differing == {"checkpoint"}
+    assert differing == {"checkpoint", "portable_checkpoint"}
 
 
 def test_builds_are_reproducible(mlp_bundle: ArtifactBundle, cnn_bundle: ArtifactBundle,
