@@ -37,6 +37,13 @@ import click
 @click.option("--secure", is_flag=True,
               help="Provision a throwaway fleet first (CA, per-node certificates, signed manifests) and run "
                    "over Mosquitto with mutual TLS and per-role ACLs, as a production fleet would.")
+@click.option("--trainer", type=click.Choice(["auto", "ort", "portable", "torch"]), default="auto", show_default=True,
+              help="The agents' training backend: auto = onnxruntime-training where installed, else stock "
+                   "onnxruntime on the bundle's portable graph; portable forces the latter (as on an aarch64 "
+                   "board or Python 3.13).")
+@click.option("--agent-python", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="Run the agents with this Python instead of this one, e.g. .venv-portable/bin/python "
+                   "(stock onnxruntime, no torch; made by install.sh).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of data split, init and minibatches.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep configs, data, state and logs here (default: a temporary directory, "
@@ -46,7 +53,8 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
-         seed: int, workdir: Path | None, timeout_s: float, as_json: bool) -> None:
+         trainer: str, agent_python: Path | None, seed: int, workdir: Path | None, timeout_s: float,
+         as_json: bool) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
@@ -72,7 +80,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
                        local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
-                       secure=secure)
+                       secure=secure, trainer=trainer, agent_python=agent_python)
     runner = Demo(opts, say, progress)
     try:
         result = runner.run()
@@ -87,7 +95,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     if as_json:
         json.dump({"algorithm": algorithm, "rounds": result.rounds, "bytes": totals(result.rounds),
                    "wall_s": result.wall_s,
-                   "broker": result.broker, "processes": result.processes, "secure": secure,
+                   "broker": result.broker, "processes": result.processes, "secure": secure, "trainer": trainer,
                    "final_accuracy": result.rounds[-1]["accuracy"] if result.rounds else None},
                   sys.stdout, indent=1, default=float)
         click.echo()
