@@ -187,7 +187,7 @@ class Demo:
 
     def write_configs(self, port: int, bundles: dict[str, Path] | None = None) -> FleetPaths:
         return write_fleet(self.rollout_config(), self.workdir, self._broker_section(port), bundles,
-                           device={"trainer": self.opts.trainer})
+                           device_settings={"trainer": self.opts.trainer})
 
     def provision(self, port: int) -> tuple[dict[str, Path], list[str]]:
         """A throwaway fleet under ``workdir/fleet``: bundles per node and the broker's config.

@@ -67,7 +67,8 @@ def bundle_settings(bundle: Path) -> dict[str, Any]:
 
 
 def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, Any],
-                bundles: Mapping[str, Path] | None = None, device: Mapping[str, Any] | None = None) -> FleetPaths:
+                bundles: Mapping[str, Path] | None = None,
+                device_settings: Mapping[str, Any] | None = None) -> FleetPaths:
     """Write every node's config and every device's data under ``workdir``.
 
     Args:
@@ -77,13 +78,12 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
         broker: the ``[broker]`` table every node uses (host, port, ...).
         bundles: node id (the cloud id, cell ids, device ids) -> its enrollment bundle; the
             node's broker tables, trusted keys and signing key then come from the bundle.
-        device: extra keys for every ``device.toml`` (e.g. ``{"trainer": "portable"}``).
+        device_settings: extra keys for every ``device.toml`` (e.g. ``{"trainer": "portable"}``).
 
     Returns:
         Paths of the written configs.
     """
     bundles = bundles or {}
-    device_extra = device
 
     def secured(node: str, config: dict[str, Any]) -> dict[str, Any]:
         return {**config, **bundle_settings(bundles[node])} if node in bundles else config
@@ -112,7 +112,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
             x, y = data.train[device]
             np.savez(data_dir / "train.npz", x=x, y=y)
             dev = {"device_id": device, "cell": cell, "data_dir": str(data_dir),
-                   "state_dir": str(workdir / "devices" / device), "broker": dict(broker), **(device_extra or {})}
+                   "state_dir": str(workdir / "devices" / device), "broker": dict(broker), **(device_settings or {})}
             devices[device] = cfg_dir / f"device-{device}.toml"
             devices[device].write_text(dumps_toml(secured(device, dev)))
             load(DeviceConfig, devices[device])
