@@ -241,25 +241,66 @@ def lower_conv_grad(node: Any, ctx: LoweringContext) -> list[Any]:
     if d_w:
         if group != 1:
             raise NotLowerable(f"group={group}")
-        swap = [1, 0, *range(2, 2 + rank)]
-        x_t, dy_t, dw_t = ctx.fresh(f"{d_w}/x_t"), ctx.fresh(f"{d_w}/dy_t"), ctx.fresh(f"{d_w}/dw_t")
-        nodes += [
-            _node("Transpose", [x], [x_t], node, "x_t", perm=swap),
-            _node("Transpose", [d_y], [dy_t], node, "dy_t", perm=swap),
-            # (C, N, L) convolved with the "kernel" (O, N, Lo): strides and dilations trade places.
-            _node("Conv", [x_t, dy_t], [dw_t], node, "dw", pads=pads, strides=dilations, dilations=strides),
-        ]
-        if any(s != 1 for s in strides):  # the correlation may reach past the kernel: keep its extent
-            sliced = ctx.fresh(f"{d_w}/dw_sliced")
-            nodes.append(_node("Slice", [dw_t, ctx.const(f"{d_w}/starts", np.zeros(rank, np.int64)),
-                                         ctx.const(f"{d_w}/ends", np.array(kernel, np.int64)),
-                                         ctx.const(f"{d_w}/axes", np.arange(2, 2 + rank, dtype=np.int64))],
-                               [sliced], node, "dw_slice"))
-            dw_t = sliced
-        nodes.append(_node("Transpose", [dw_t], [d_w], node, "dw_t", perm=swap))
+        nodes += _conv_weight_grad(node, ctx, d_y, x, w, d_w, kernel, strides, dilations, pads)
     if d_b:
         axes = ctx.const(f"{d_b}/axes", np.array([0, *range(2, 2 + rank)], np.int64))
         nodes.append(_node("ReduceSum", [d_y, axes], [d_b], node, "db", keepdims=0))
+    return nodes
+
+
+def _conv_weight_grad(node: Any, ctx: LoweringContext, d_y: str, x: str, w: str, d_w: str, kernel: list[int],
+                      strides: list[int], dilations: list[int], pads: list[int]) -> list[Any]:
+    """``dW[o, c, k] = sum over batch and positions of dY[n, o, l] * Xpad[n, c, l*s + k*d]`` as one GEMM.
+
+    im2col, as onnxruntime's ConvGrad kernel does it: one strided ``Slice`` of the padded,
+    channel-major input per kernel offset gives the window each weight saw, ``(C, N, Lo...)``;
+    stacked along a kernel axis and flattened to ``(C*K, N*L)``, they meet ``dY`` flattened to
+    ``(O, N*L)`` in one ``Gemm``. (A ``Conv`` of X against dY with batch and channels swapped
+    computes the same, but MLAS runs such a long "kernel" 2-3x slower.) Output sizes are
+    read from ``dY``'s shape at run time, so any batch and input length work.
+    """
+    rank = len(kernel)
+    spatial = list(range(2, 2 + rank))
+    t = ctx.fresh
+    x_pad, x_t, dy_shape, lo, lo_m1, span_m1, span = (t(f"{d_w}/{n}") for n in (
+        "x_pad", "x_t", "dy_shape", "lo", "lo_m1", "span_m1", "span"))
+    one = ctx.const(f"{d_w}/one", np.ones(rank, np.int64))
+    axes = ctx.const(f"{d_w}/axes", np.array(spatial, np.int64))
+    steps = ctx.const(f"{d_w}/steps", np.array(strides, np.int64))
+    nodes = [
+        _node("Pad", [x, ctx.const(f"{d_w}/pads", np.array([0, 0, *pads[:rank], 0, 0, *pads[rank:]], np.int64))],
+              [x_pad], node, "dw_pad"),
+        _node("Transpose", [x_pad], [x_t], node, "dw_x_t", perm=[1, 0, *spatial]),  # (C, N, Lp...)
+        _node("Shape", [d_y], [dy_shape], node, "dw_dy_shape"),
+        _node("Slice", [dy_shape, ctx.const(f"{d_w}/from", np.array([2], np.int64)),
+                        ctx.const(f"{d_w}/to", np.array([2 + rank], np.int64))], [lo], node, "dw_lo"),
+        _node("Sub", [lo, one], [lo_m1], node, "dw_lo_m1"),
+        _node("Mul", [lo_m1, steps], [span_m1], node, "dw_span_m1"),
+        _node("Add", [span_m1, one], [span], node, "dw_span"),  # extent of one window's positions
+    ]
+    windows = []
+    for offset in np.ndindex(*kernel):  # row-major: the flattened kernel index
+        tag = "_".join(map(str, offset))
+        starts = ctx.const(f"{d_w}/starts_{tag}", np.array(offset, np.int64) * np.array(dilations, np.int64))
+        ends, window, lifted = t(f"{d_w}/ends_{tag}"), t(f"{d_w}/window_{tag}"), t(f"{d_w}/lifted_{tag}")
+        nodes += [
+            _node("Add", [starts, span], [ends], node, f"dw_ends_{tag}"),
+            _node("Slice", [x_t, starts, ends, axes, steps], [window], node, f"dw_window_{tag}"),
+            _node("Unsqueeze", [window, ctx.const(f"{d_w}/kaxis_{tag}", np.array([1], np.int64))], [lifted], node,
+                  f"dw_lift_{tag}"),
+        ]
+        windows.append(lifted)
+    patches, cols, dy_t, dy_2d, w_shape, flat = (t(f"{d_w}/{n}") for n in (
+        "patches", "cols", "dy_t", "dy_2d", "w_shape", "flat"))
+    nodes += [
+        _node("Concat", windows, [patches], node, "dw_patches", axis=1),  # (C, K, N, Lo...)
+        _node("Flatten", [patches], [cols], node, "dw_cols", axis=2),  # (C*K, N*L)
+        _node("Transpose", [d_y], [dy_t], node, "dw_dy_t", perm=[1, 0, *spatial]),  # (O, N, Lo...)
+        _node("Flatten", [dy_t], [dy_2d], node, "dw_dy_2d", axis=1),  # (O, N*L)
+        _node("Gemm", [dy_2d, cols], [flat], node, "dw_gemm", transB=1),  # (O, C*K)
+        _node("Shape", [w], [w_shape], node, "dw_w_shape"),
+        _node("Reshape", [flat, w_shape], [d_w], node, "dw_reshape"),
+    ]
     return nodes
 
 
