@@ -13,12 +13,13 @@ Backends, each measured in its own fresh process, as a device would run it:
 * ``torch`` — torch eager (this environment).
 
 Per backend and model (the MLP 64-64-10 and the 1-D CNN of the tests, batch 32, one thread):
-the time of one SGD step and the process's peak RSS (``VmHWM``) after loading the bundle and
-training with the agent stack imported (``device_agent.run``). Each repetition starts a fresh
-process per backend, and the backends take turns within a repetition, so a busy machine
-slows them alike; reported: the median over repetitions, and min and max as the spread.
-Install size: the bytes on disk of the backend's runtime, its dependency closure and the
-agent's other dependencies.
+the time of one SGD step, as wall clock and as the process's CPU time (a busy shared machine
+disturbs CPU time less: one thread computes, so CPU time is the compute), and the process's
+peak RSS (``VmHWM``) after loading the bundle, training and evaluating with the agent stack
+imported (``device_agent.run``). Each repetition starts a fresh process per backend, and the
+backends take turns within a repetition, so a busy machine slows them alike; reported: the
+median over repetitions, with min and max as the spread. Install size: the bytes on disk of
+the backend's runtime, its dependency closure and the agent's other dependencies.
 
 Usage: ``python benchmarks/bench_backends.py [--reps 7 --steps 300]``; writes
 benchmarks/results/backends.json.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -63,12 +65,13 @@ STEP_SCRIPT = textwrap.dedent("""
     y = rng.integers(0, bundle.arch.num_classes, size=batch).astype(np.int64)
     trainer.train_steps([(x, y)] * 30, 0.01)  # warm up
     trainer.evaluate(x, y)  # the agent's health check loads the eval path too
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.train_steps([(x, y)] * steps, 0.01)
     us = (time.perf_counter() - t0) / steps * 1e6
+    cpu_us = (time.process_time() - c0) / steps * 1e6
     hwm = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
     ort = sys.modules.get("onnxruntime")
-    print(json.dumps({"us": us, "peak_rss_mb": hwm / 1024, "torch_imported": "torch" in sys.modules,
+    print(json.dumps({"us": us, "cpu_us": cpu_us, "peak_rss_mb": hwm / 1024, "torch_imported": "torch" in sys.modules,
                       "trainer": type(trainer).__name__, "onnxruntime": getattr(ort, "__version__", None)}))
 """)
 
@@ -109,6 +112,27 @@ SIZE_SCRIPT = textwrap.dedent("""
     print(json.dumps(out))
 """)
 
+BREAKDOWN_SCRIPT = textwrap.dedent("""
+    import json, sys
+    def rss():
+        return [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")][0] / 1024
+    import device_agent.run
+    from device_agent.trainers.ort_runtime import import_onnxruntime
+    from fedtier.artifacts.bundle import ArtifactBundle
+    bundle = ArtifactBundle.load(sys.argv[1])
+    stack = rss()
+    ort = import_onnxruntime()
+    imported = rss()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    first = ort.InferenceSession(str(bundle.path("portable_model")), options, providers=["CPUExecutionProvider"])
+    one = rss()
+    second = ort.InferenceSession(str(bundle.path("eval_model")), options, providers=["CPUExecutionProvider"])
+    two = rss()
+    print(json.dumps({"onnxruntime": ort.__version__, "agent_stack_mb": stack, "import_mb": imported - stack,
+                      "first_session_mb": one - imported, "second_session_mb": two - one}))
+""")
+
 AGENT_DEPS = ["numpy", "msgpack", "click", "cryptography", "paho-mqtt"]
 RUNTIME = {"ort": "onnxruntime-training-cpu", "portable": "onnxruntime", "torch": "torch"}
 BACKENDS = {  # name -> (trainer kind, interpreter)
@@ -138,10 +162,22 @@ def measure(directory: Path, reps: int, steps: int) -> dict[str, dict]:
                                         str(steps)]))
     out = {}
     for name, got in runs.items():
-        out[name] = {"step_us": summary([g["us"] for g in got]),
+        out[name] = {"step_us": summary([g["us"] for g in got]), "step_cpu_us": summary([g["cpu_us"] for g in got]),
                      "peak_rss_mb": summary([g["peak_rss_mb"] for g in got]),
                      "reps": reps, "steps_per_rep": steps, "trainer": got[0]["trainer"],
                      "onnxruntime": got[0]["onnxruntime"], "torch_imported": any(g["torch_imported"] for g in got)}
+    return out
+
+
+def rss_breakdown(directory: Path, reps: int) -> dict[str, dict]:
+    """Where an onnxruntime's memory goes: import, first session, second session (per release)."""
+    out = {}
+    for name, python in (("onnxruntime 1.19.2 (training build)", Path(sys.executable)),
+                         ("onnxruntime (stock, .venv-portable)", PORTABLE_PYTHON)):
+        runs = [run_json([str(python), "-c", BREAKDOWN_SCRIPT, str(directory)]) for _ in range(reps)]
+        out[name] = {"onnxruntime": runs[0]["onnxruntime"],
+                     **{key: round(statistics.median(r[key] for r in runs), 1)
+                        for key in ("agent_stack_mb", "import_mb", "first_session_mb", "second_session_mb")}}
     return out
 
 
@@ -166,25 +202,33 @@ def main() -> None:
 
     if not PORTABLE_PYTHON.exists():
         raise SystemExit(f"{PORTABLE_PYTHON} is missing: run ./install.sh")
+    load_start = list(os.getloadavg())  # the machine may be shared: say how busy it was
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as store:
         for model, spec in MODELS.items():
-            bundle = build_artifacts(ArchSpec.from_json(spec), Path(store))
-            row: dict = measure(bundle.directory, args.reps, args.steps)
+            directory = build_artifacts(ArchSpec.from_json(spec), Path(store)).directory
+            assert directory is not None
+            row: dict = measure(directory, args.reps, args.steps)
             for name in BACKENDS:
                 print(model, name, row[name], flush=True)
             ort = row["ort"]
             for name in ("portable", "portable@1.19.2", "torch"):
                 row[name]["time_over_ort"] = round(row[name]["step_us"]["median"] / ort["step_us"]["median"], 2)
+                row[name]["cpu_time_over_ort"] = round(row[name]["step_cpu_us"]["median"]
+                                                       / ort["step_cpu_us"]["median"], 2)
                 row[name]["rss_minus_ort_mb"] = round(row[name]["peak_rss_mb"]["median"]
                                                       - ort["peak_rss_mb"]["median"], 1)
             rows[model] = row
+            if model.startswith("cnn1d"):
+                breakdown = rss_breakdown(directory, args.reps)
     sizes = {"ort": install_size(RUNTIME["ort"], Path(sys.executable)),
              "portable": install_size(RUNTIME["portable"], PORTABLE_PYTHON),
              "torch": install_size(RUNTIME["torch"], Path(sys.executable))}
     print(json.dumps(sizes, indent=1))
     path = write("backends", {"command": "python benchmarks/bench_backends.py " + " ".join(sys.argv[1:]),
-                              "batch": BATCH, "threads": 1, "models": rows, "install_size": sizes})
+                              "batch": BATCH, "threads": 1, "load_average": {"start": load_start,
+                                                                             "end": list(os.getloadavg())},
+                              "models": rows, "rss_breakdown_cnn1d": breakdown, "install_size": sizes})
     print(f"wrote {path}")
 
 

@@ -20,9 +20,9 @@ The lowerings (``LOWERINGS``):
 * ``ReluGrad(dY, Y)`` -> ``Where(Y > 0, dY, 0)``;
 * ``Scale(A, s)`` -> ``A * s`` (``A * (1/s)`` with ``scale_down``), as the kernel computes it;
 * ``ConvGrad(dY, X, W)`` -> ``dX = ConvTranspose(dY, W)`` with the forward's pads, strides,
-  dilations and group; ``dW = Conv`` of X against dY with batch and channels swapped (the
-  batch becomes the reduction axis; ``group = 1``); ``dB = ReduceSum(dY)`` over batch and
-  space;
+  dilations and group; ``dW`` by im2col (one strided ``Slice`` of the padded input per kernel
+  offset) and one ``Gemm`` against ``dY``, as the contrib kernel computes it (``group = 1``);
+  ``dB = ReduceSum(dY)`` over batch and space;
 * ``InPlaceAccumulatorV2(buffer, grad, reset)`` -> nothing: the gradient becomes a graph
   output. The trainers reset gradients after every step (``lazy_reset_grad``), so the
   accumulator always overwrites; the portable trainer gets the same fresh gradient.
@@ -70,7 +70,6 @@ STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 _ACCUMULATOR_SUFFIX = "_grad.accumulation.buffer"
 _MIN_OPSET = 15  # CastLike (opset 15) keeps the lowerings dtype-generic
-_FLOAT = 1  # onnx.TensorProto.FLOAT
 
 
 class NotLowerable(Exception):
