@@ -65,6 +65,9 @@ FILENAMES = {
 GRAD_SUFFIX = "_grad"
 """Portable gradient outputs are named ``<param>_grad``."""
 
+PORTABLE_INPUT, PORTABLE_LABELS = "input", "labels"
+"""The portable graph's first two inputs (then the trained parameters, in layout order)."""
+
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 """Domains every onnxruntime build implements."""
 
@@ -464,6 +467,16 @@ def write_portable(directory: Path, forward: "onnx.ModelProto", training: "onnx.
     from onnx import numpy_helper
 
     lowered = lower_training_graph(training, list(layout.names))
+    if lowered.model is not None:
+        # The portable interface feeds data, integer labels and the trained parameters, nothing
+        # else; a graph that wants more (frozen tensors, a regression target) is recorded, not shipped.
+        inputs = [i.name for i in lowered.model.graph.input]
+        interface = [PORTABLE_INPUT, PORTABLE_LABELS, *layout.names]
+        if inputs != interface:
+            extra = [name for name in inputs if name not in interface] or inputs
+            lowered = Lowered(model=None, unsupported_ops=(
+                f"graph inputs {extra} (the portable graph takes {PORTABLE_INPUT}, {PORTABLE_LABELS} and the "
+                "trained parameters)",))
     info = PortableInfo(format=PORTABLE_FORMAT, unsupported_ops=lowered.unsupported_ops)
     if lowered.model is None:
         logger.warning("no portable training graph: no lowering for %s; devices without "

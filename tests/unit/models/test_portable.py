@@ -237,3 +237,22 @@ def test_a_graph_with_an_unlowerable_op_is_recorded_and_refused_by_name(
     with pytest.raises(ArtifactError, match=r"no lowering to standard ONNX \(ConvGrad\)"):
         make_trainer("portable", bundle)
     make_trainer("ort", bundle).train_steps([(np.zeros((2, 3, 32), np.float32), np.array([0, 1]))], 0.1)
+
+
+def test_a_graph_wanting_other_inputs_is_recorded_not_shipped(store: Path, tmp_path: Path) -> None:
+    """The portable interface is (input, labels, trained parameters): a graph that needs anything
+    else (a regression target, frozen tensors) gets a record instead of a graph devices cannot feed."""
+    from models.portable import write_portable
+
+    bundle = build_artifacts(MLP, store, seed=0)
+    training = onnx.load(str(bundle.path("training_model")))
+    for node in training.graph.node:
+        node.input[:] = ["target" if name == "labels" else name for name in node.input]
+    for graph_input in training.graph.input:
+        if graph_input.name == "labels":
+            graph_input.name = "target"
+    forward = onnx.load(str(bundle.path("eval_model")))  # initial weights are only read if it lowers
+    files, info = write_portable(tmp_path, forward, training, bundle.layout)
+    assert files == {} and not info.lowered
+    assert info.unsupported_ops == ("graph inputs ['target'] (the portable graph takes input, labels and the "
+                                    "trained parameters)",)
