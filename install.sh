@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install fedtier for development on this machine: Mosquitto (if missing, via apt-get),
 # the CPU build of torch 2.13.0 (any other torch pulls several GB of CUDA packages),
-# then fedtier with every extra. Safe to run again.
+# then fedtier with every extra; and .venv-portable/, a small second environment set up as
+# a board without onnxruntime-training has it (stock onnxruntime, no torch), in which tests
+# run the portable trainer and demo agents. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -16,4 +18,17 @@ fi
 PYTHON="${PYTHON:-python3}"
 "$PYTHON" -m pip install -q torch==2.13.0
 "$PYTHON" -m pip install -q -e ".[all,dev]"
+
+# The device environment of a board without an onnxruntime-training wheel (Linux aarch64,
+# Python 3.13+), on this machine: the stock onnxruntime and the agent's other dependencies
+# (what `pip install fedtier[agent]` resolves to there; tests/unit/device_agent/test_portable_env.py
+# checks that against pyproject.toml), fedtier itself without dependencies. Never torch,
+# never onnxruntime-training (both provide the `onnxruntime` package).
+PORTABLE_VENV=.venv-portable
+if [ ! -x "$PORTABLE_VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$PORTABLE_VENV"
+fi
+"$PORTABLE_VENV/bin/python" -m pip install -q "onnxruntime>=1.17" "numpy>=1.24" "msgpack>=1.0" "click>=8.1" \
+  "cryptography>=42" "paho-mqtt>=2.1,<3"
+"$PORTABLE_VENV/bin/python" -m pip install -q --no-deps -e .
 echo "install.sh: done ($("$PYTHON" -c 'import fedtier; print("fedtier", fedtier.__version__)'))" >&2

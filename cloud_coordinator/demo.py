@@ -186,6 +186,8 @@ class DemoOptions:
     max_packet_size: int = 0
     secure: bool = False  # provision a fleet: mutual TLS, ACLs, signed manifests
     privacy: PrivacyDemo | None = None  # differential privacy with trust labels (--privacy)
+    trainer: str = "auto"  # the agents' training backend (device.toml ``trainer``)
+    agent_python: Path | None = None  # run the agents with this interpreter (e.g. a stock-onnxruntime venv)
 
 
 @dataclass
@@ -315,7 +317,8 @@ class Demo:
         return section
 
     def write_configs(self, port: int, bundles: dict[str, Path] | None = None) -> FleetPaths:
-        return write_fleet(self.rollout_config(), self.workdir, self._broker_section(port), bundles)
+        return write_fleet(self.rollout_config(), self.workdir, self._broker_section(port), bundles,
+                           device_settings={"trainer": self.opts.trainer})
 
     def provision(self, port: int) -> tuple[dict[str, Path], list[str]]:
         """A throwaway fleet under ``workdir/fleet``: bundles per node and the broker's config.
@@ -435,8 +438,11 @@ class Demo:
         self._spawn("coordinator", "coordinator", [*fedtier, "coordinator", "run", "--config", str(paths.coordinator)])
         for cell, path in paths.edges.items():
             self._spawn(f"edge-{cell}", "edge", [*fedtier, "edge", "run", "--config", str(path)])
+        # absolute() but not resolve(): a venv's python is a symlink to the base interpreter
+        agent = [str(Path(self.opts.agent_python).absolute()) if self.opts.agent_python else sys.executable,
+                 "-m", "fedtier"]
         for device, path in paths.devices.items():
-            self._spawn(device, "agent", [*fedtier, "agent", "run", "--config", str(path)])
+            self._spawn(device, "agent", [*agent, "agent", "run", "--config", str(path)])
 
     def stop_all(self, grace_s: float = 5.0) -> None:
         """SIGTERM every node (devices, edges, coordinator), wait for them, then the broker; SIGKILL what

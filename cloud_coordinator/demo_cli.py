@@ -59,6 +59,13 @@ import click
 @click.option("--compare", is_flag=True,
               help="With --privacy: run the demo a second time without privacy (same seeds) and show both "
                    "accuracies.")
+@click.option("--trainer", type=click.Choice(["auto", "ort", "portable", "torch"]), default="auto", show_default=True,
+              help="The agents' training backend: auto = onnxruntime-training where installed, else stock "
+                   "onnxruntime on the bundle's portable graph; portable forces the latter (as on an aarch64 "
+                   "board or Python 3.13).")
+@click.option("--agent-python", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="Run the agents with this Python instead of this one, e.g. .venv-portable/bin/python "
+                   "(stock onnxruntime, no torch; made by install.sh).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of data split, init and minibatches.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep configs, data, state and logs here (default: a temporary directory, "
@@ -69,7 +76,8 @@ import click
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
          privacy: bool, epsilon: float | None, delta: float | None, clip: float | None, trusted: str | None,
-         compare: bool, seed: int, workdir: Path | None, timeout_s: float, as_json: bool) -> None:
+         compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
+         timeout_s: float, as_json: bool) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
@@ -100,7 +108,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
                        local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
-                       secure=secure, privacy=dp)
+                       secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python)
     view = ConsoleView(enabled=not as_json)
     try:
         runner = Demo(opts, view)
@@ -178,7 +186,7 @@ def _document(opts: Any, result: Any, baseline: Any) -> dict[str, Any]:
 
     doc: dict[str, Any] = {
         "algorithm": opts.algorithm, "rounds": result.rounds, "bytes": totals(result.rounds), "wall_s": result.wall_s,
-        "broker": result.broker, "processes": result.processes, "secure": result.secure,
+        "broker": result.broker, "processes": result.processes, "secure": result.secure, "trainer": opts.trainer,
         "final_accuracy": result.rounds[-1]["accuracy"] if result.rounds else None,
         "stopped": result.stopped, "privacy": jsonable(result.privacy) if result.privacy is not None else None,
     }

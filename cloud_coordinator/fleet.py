@@ -95,7 +95,8 @@ def write_device_data(cfg: RolloutConfig, data_dirs: Mapping[str, Path]) -> dict
 
 
 def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, Any],
-                bundles: Mapping[str, Path] | None = None) -> FleetPaths:
+                bundles: Mapping[str, Path] | None = None,
+                device_settings: Mapping[str, Any] | None = None) -> FleetPaths:
     """Write every node's config and every device's data under ``workdir``.
 
     Args:
@@ -105,6 +106,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
         broker: the ``[broker]`` table every node uses (host, port, ...).
         bundles: node id (the cloud id, cell ids, device ids) -> its enrollment bundle; the
             node's broker tables, trusted keys and signing key then come from the bundle.
+        device_settings: extra keys for every ``device.toml`` (e.g. ``{"trainer": "portable"}``).
 
     Returns:
         Paths of the written configs.
@@ -143,7 +145,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
             else:
                 data_dir = workdir / "data" / device
             dev = {"device_id": device, "cell": cell, "data_dir": str(data_dir),
-                   "state_dir": str(workdir / "devices" / device), "broker": dict(broker)}
+                   "state_dir": str(workdir / "devices" / device), "broker": dict(broker), **(device_settings or {})}
             devices[device] = cfg_dir / f"device-{device}.toml"
             devices[device].write_text(dumps_toml(secured(device, dev)))
             load(DeviceConfig, devices[device])

@@ -7,9 +7,31 @@ from pathlib import Path
 import click
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``fedtier agent --version``: the version, and the training backend this machine would use."""
+    if not value or ctx.resilient_parsing:
+        return
+    import platform
+
+    from device_agent.trainers import describe_backend
+    from fedtier import __version__
+
+    click.echo(f"fedtier {__version__} (agent), Python {platform.python_version()} on "
+               f"{platform.system()} {platform.machine()}")
+    click.echo(f"trainer: {describe_backend('auto')}")
+    ctx.exit()
+
+
 @click.group()
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and the training backend 'auto' picks on this machine, then exit.")
 def agent() -> None:
-    """Device agent: trains locally with onnxruntime-training, talks MQTT to its cell's edge."""
+    """Device agent: trains locally, talks MQTT to its cell's edge.
+
+    The training backend (device.toml `trainer`) is onnxruntime-training where it is
+    installed, otherwise stock onnxruntime on the bundle's portable graph; `fedtier agent
+    --version` shows which one this machine uses.
+    """
 
 
 @agent.command("run")

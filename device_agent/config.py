@@ -20,8 +20,11 @@ class DeviceConfig(Section):
     eval_dir: Path | None = opt(None, help="Held-out rows (same formats) the device evaluates each round's global "
                                            "model on, never trains on (federated evaluation); default "
                                            "<data_dir>/eval if it exists.")
-    trainer: str = opt("ort", choices=("ort", "torch"),
-                       help="Training backend: onnxruntime-training, or torch for boards without an ORT wheel.")
+    trainer: str = opt("auto", choices=("auto", "ort", "portable", "torch"),
+                       help="Training backend: 'ort' = onnxruntime-training; 'portable' = stock onnxruntime on the "
+                            "bundle's portable graph (boards without an onnxruntime-training wheel: aarch64, "
+                            "Python 3.13+); 'torch' = torch eager; 'auto' = 'ort' where onnxruntime-training is "
+                            "installed, else 'portable'. All give the same weights.")
     threads: int = opt(1, min=1, max=64, help="Threads for local training.")
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="The cell broker (on the gateway).")
     trusted_keys: tuple[Path, ...] = opt((), help="Ed25519 public keys (PEM) whose signatures on rollout manifests "

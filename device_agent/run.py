@@ -10,6 +10,7 @@ from device_agent.config import DeviceConfig
 from device_agent.data import load_data_dir, load_eval_dir
 from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
+from device_agent.trainers import describe_backend, make_trainer, resolve_kind
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.artifacts.cache import ArtifactCache
 from fedtier.runtime import identity, mqtt_service
@@ -21,20 +22,29 @@ log = logging.getLogger("fedtier.agent")
 
 
 def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Queue"]:
-    """The node and its connection, not yet started (tests drive these directly)."""
+    """The node and its connection, not yet started (tests drive these directly).
+
+    The training backend is chosen here, once (``trainer = "auto"``: onnxruntime-training if
+    installed, else the portable graph on stock onnxruntime), logged, and announced in the
+    retained presence document (``trainer``), so the edge and operators see what each
+    device trains with.
+
+    Raises:
+        ConfigError: ``trainer = "auto"`` and no onnxruntime is installed.
+    """
+    backend = resolve_kind(cfg.trainer)  # before touching anything: a device that cannot train says so now
+    log.info("device %s: trainer %s", cfg.device_id, describe_backend(cfg.trainer))
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     data = load_data_dir(cfg.data_dir)
     held_out = load_eval_dir(cfg.data_dir, cfg.eval_dir)
     inbox: queue.Queue = queue.Queue()
     max_bytes = int(cfg.max_message_mb * (1 << 20))
     tx = mqtt.from_config(cfg.broker, name="cell", client_id=cfg.device_id, inbox=inbox,
-                          status={"node": cfg.device_id, "role": "device", "cell": cfg.cell},
+                          status={"node": cfg.device_id, "role": "device", "cell": cfg.cell, "trainer": backend},
                           max_message_bytes=max_bytes)
 
     def provider(bundle: ArtifactBundle) -> Trainer:
-        from device_agent.trainers import make_trainer  # the torch backend imports torch only if chosen
-
-        return make_trainer(cfg.trainer, bundle, threads=cfg.threads)
+        return make_trainer(backend, bundle, threads=cfg.threads)  # torch is imported only if chosen
 
     node = DeviceNode(device_id=cfg.device_id, cell=cfg.cell, transport=tx, data=data, trainer_provider=provider,
                       state=DeviceState(cfg.state_dir / "agent.db"), cache=ArtifactCache(cfg.state_dir / "artifacts"),

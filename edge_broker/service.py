@@ -280,6 +280,9 @@ class EdgeNode(NodeBase):
         if node is None:
             return
         self._online.add(node)
+        trainer = self.presence_docs.get(node, {}).get("trainer")
+        if trainer is not None:  # optional: devices announce their training backend (older ones do not)
+            log.info("%s came online (trainer: %s)", node, trainer)
         for rollout, role in list(self.roles.items()):
             self._execute(rollout, role.resend(node, now))
 

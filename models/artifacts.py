@@ -5,6 +5,8 @@ Store layout::
     store_dir/
       <bundle_id>/            training_model.onnx eval_model.onnx optimizer_model.onnx
                               checkpoint bundle.json arch.json layout.json
+                              portable_training_model.onnx portable_checkpoint.f32
+                                (the portable training path, ``models.portable``)
       by-arch/<arch.sha256>   {"arch": {...}, "bundles": {"<seed>": "<bundle_id>"}}
       .build-XXXX/            in-progress builds (renamed to <bundle_id> when complete)
 
@@ -25,6 +27,8 @@ tensor trainable (a user's ONNX graph may keep other float initializers frozen),
 
 What is built comes from a ``models.source.ModelSource`` (built-in zoo model, torch factory or
 ONNX file), resolved once by the caller; an ``ArchSpec`` of the zoo is resolved here.
+Next to them, ``models.portable`` writes the training graph lowered to standard ONNX ops (for
+devices with only the stock onnxruntime) and records in the descriptor whether it could.
 
 torch, onnx and onnxruntime are imported inside functions. ``generate_artifacts`` prints
 hundreds of INFO lines from C++ straight to file descriptor 2 (``set_default_logger_severity``
@@ -56,6 +60,7 @@ from fedtier.artifacts.bundle import (
 from fedtier.errors import ArtifactError, LocalProtocolError
 from fedtier.training.layout import ArchSpec
 from models.export import INPUT_NAME, OUTPUT_NAME
+from models.portable import write_portable
 from models.source import ModelSource, builtin_source
 
 logger = logging.getLogger(__name__)
@@ -151,6 +156,9 @@ def _lookup(store: Path, arch: ArchSpec, seed: int) -> ArtifactBundle | None:
     except ArtifactError as exc:
         logger.warning("artifact store entry %s is unusable, rebuilding: %s", bundle_id, exc)
         return None
+    if bundle.portable is None:
+        logger.info("artifact store entry %s predates portable graphs; rebuilding", bundle_id[:12])
+        return None
     if bundle.arch.sha256 != arch.sha256 or bundle.seed != seed or bundle.bundle_id != bundle_id:
         logger.warning("artifact index %s points at a bundle of another arch/seed; rebuilding",
                        arch.sha256[:12])
@@ -242,14 +250,16 @@ def _build_into(tmp: Path, source: ModelSource) -> ArtifactBundle:
                                    encoding="utf-8")
     (tmp / "layout.json").write_text(json.dumps(layout.to_json(), indent=2) + "\n",
                                      encoding="utf-8")
+    portable_files, portable = write_portable(tmp, forward, models["training_model"], layout)
     bundle = ArtifactBundle(
         directory=tmp,
-        files={role: BundleFile.of(tmp / name) for role, name in FILENAMES.items()},
+        files={**{role: BundleFile.of(tmp / name) for role, name in FILENAMES.items()}, **portable_files},
         arch=arch,
         layout=layout,
         opset=opset,
         ir_version=ir_version,
         seed=seed,
+        portable=portable,
     )
     bundle.save()
     return bundle

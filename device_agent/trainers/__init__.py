@@ -1,43 +1,120 @@
 """Local training backends implementing ``fedtier.training.trainer.Trainer``.
 
 * ``"ort"`` — :class:`device_agent.trainers.ort.OrtTrainer`, onnxruntime-training on the
-  bundle's artifacts (default; torch-free).
+  bundle's artifacts (torch-free).
+* ``"portable"`` — :class:`device_agent.trainers.portable.PortableTrainer`, stock onnxruntime
+  on the bundle's portable training graph (standard ONNX ops) with SGD in numpy: boards
+  without an onnxruntime-training wheel (Linux aarch64, Python 3.13+). Torch-free.
 * ``"torch"`` — :class:`device_agent.trainers.torch_backend.TorchTrainer`, plain torch SGD on
-  the zoo model (boards with torch but without an ORT training wheel). It rebuilds the model
+  the zoo model (only where configured: torch is hundreds of MB). It rebuilds the model
   from ``(arch, seed)``, so it trains the built-in models only, not a user's model.
+* ``"auto"`` (the default) — ``"ort"`` where onnxruntime-training is installed, otherwise
+  ``"portable"`` where the stock onnxruntime is (:func:`resolve_kind`).
 
-Backends are imported lazily by :func:`make_trainer`, so importing this package pulls in
-neither onnxruntime nor torch. The input/parameter validation both backends share lives
-here too, so they reject exactly the same things with the same ``LocalProtocolError``.
+All give the same weights for the same inputs (to float rounding). Backends are imported
+lazily by :func:`make_trainer`, so importing this package pulls in neither onnxruntime nor
+torch. The input/parameter validation the backends share lives here too, so they reject
+exactly the same things with the same ``LocalProtocolError``.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from fedtier.errors import ArtifactError, LocalProtocolError
+from fedtier.errors import ArtifactError, ConfigError, LocalProtocolError
 from fedtier.training.layout import ArchSpec, Layout
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from fedtier.artifacts.bundle import ArtifactBundle
     from fedtier.training.trainer import Trainer
 
-TRAINER_KINDS = ("ort", "torch")
+TRAINER_KINDS = ("auto", "ort", "portable", "torch")
+"""What ``trainer`` in device.toml may say."""
+
+BACKENDS = ("ort", "portable", "torch")
+"""The backends ``auto`` resolves to (one of the first two)."""
+
+_DISTRIBUTIONS = {
+    "ort": ("onnxruntime-training-cpu", "onnxruntime-training"),
+    "portable": ("onnxruntime", "onnxruntime-training-cpu", "onnxruntime-training"),
+    "torch": ("torch",),
+}
 
 EVAL_CHUNK = 1024
 """Rows per forward pass in ``evaluate``/``predict`` (bounds memory on small devices)."""
+
+
+def resolve_kind(kind: str) -> str:
+    """The backend ``kind`` stands for: ``auto`` becomes what is installed; others stay.
+
+    Checks what is installed without importing it (cheap, and no torch).
+
+    Args:
+        kind: One of :data:`TRAINER_KINDS`.
+
+    Returns:
+        One of :data:`BACKENDS`.
+
+    Raises:
+        ValueError: Unknown ``kind``.
+        ConfigError: ``auto`` and no onnxruntime of either build is installed.
+    """
+    from device_agent.trainers.ort_runtime import installed_build
+
+    if kind not in TRAINER_KINDS:
+        raise ValueError(f"unknown trainer kind {kind!r}; choose one of {', '.join(TRAINER_KINDS)}")
+    if kind != "auto":
+        return kind
+    build = installed_build()
+    if build == "training":
+        return "ort"
+    if build == "stock":
+        return "portable"
+    raise ConfigError("trainer = 'auto' found no onnxruntime: install fedtier[agent] (it brings "
+                      "onnxruntime-training or the stock onnxruntime, whichever has a wheel here), or set "
+                      "trainer = 'torch' where torch is installed", key="trainer")
+
+
+def describe_backend(kind: str) -> str:
+    """One line saying which backend ``kind`` runs on, with the runtime and its version.
+
+    For logs, ``fedtier agent --version`` and presence. Does not import the runtime.
+
+    Args:
+        kind: One of :data:`TRAINER_KINDS`.
+
+    Returns:
+        E.g. ``"auto -> portable (onnxruntime 1.32.0; standard ONNX ops + numpy SGD)"``, or a line
+        saying nothing usable is installed.
+    """
+    try:
+        backend = resolve_kind(kind)
+    except ConfigError:
+        return "none (no onnxruntime installed; trainer = 'torch' needs torch)"
+    runtime = "not installed"
+    for dist in _DISTRIBUTIONS[backend]:
+        try:
+            runtime = f"{dist} {importlib.metadata.version(dist)}"
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    what = {"ort": "onnxruntime-training artifacts", "portable": "standard ONNX ops + numpy SGD",
+            "torch": "torch eager"}[backend]
+    chosen = "auto -> " if kind == "auto" else ""
+    return f"{chosen}{backend} ({runtime}; {what})"
 
 
 def make_trainer(kind: str, bundle: "ArtifactBundle", *, threads: int = 1) -> "Trainer":
     """Create the local training backend ``kind`` for ``bundle``.
 
     Args:
-        kind: ``"ort"`` or ``"torch"``.
+        kind: One of :data:`TRAINER_KINDS` (``auto`` is resolved with :func:`resolve_kind`).
         bundle: The artifact bundle of the rollout (the torch backend uses only its
-            ``arch`` and ``seed``).
+            ``arch`` and ``seed``; the portable one needs its portable graph).
         threads: Intra-op threads; keep 1 where runs must be bit-reproducible.
 
     Returns:
@@ -45,13 +122,21 @@ def make_trainer(kind: str, bundle: "ArtifactBundle", *, threads: int = 1) -> "T
 
     Raises:
         ValueError: Unknown ``kind``.
-        ArtifactError: ``torch`` for a user's model (kind ``onnx``), which it cannot rebuild.
-        ImportError: The backend's runtime (onnxruntime-training or torch) is missing.
+        ConfigError: ``auto`` and no onnxruntime is installed.
+        ArtifactError: The backend cannot train this bundle: ``torch`` for a user's model (kind
+            ``onnx``), which it cannot rebuild; ``portable`` and a bundle whose training graph holds
+            an op without lowering (the message names it).
+        ImportError: The backend's runtime (onnxruntime(-training) or torch) is missing.
     """
+    kind = resolve_kind(kind)
     if kind == "ort":
         from device_agent.trainers.ort import OrtTrainer
 
         return OrtTrainer(bundle, threads=threads)
+    if kind == "portable":
+        from device_agent.trainers.portable import PortableTrainer
+
+        return PortableTrainer(bundle, threads=threads)
     if kind == "torch":
         if not bundle.arch.builtin:
             raise ArtifactError("the torch trainer rebuilds the built-in models (mlp, cnn1d) only; this rollout "
@@ -187,6 +272,7 @@ def correct_predictions(loss: str, logits: np.ndarray, y: np.ndarray) -> float:
 
 
 __all__ = [
+    "BACKENDS",
     "EVAL_CHUNK",
     "TRAINER_KINDS",
     "check_batch",
@@ -195,5 +281,7 @@ __all__ = [
     "check_tensors",
     "check_threads",
     "correct_predictions",
+    "describe_backend",
     "make_trainer",
+    "resolve_kind",
 ]

@@ -26,6 +26,9 @@ imported first, the shim is a no-op. Both orders are exercised by the tests.
 
 Call :func:`install_shim` as early as possible in a device process (importing
 ``device_agent.trainers.ort`` does it); :func:`training_api` installs it and returns the API.
+:func:`import_onnxruntime` imports whichever onnxruntime is installed (the portable trainer
+runs on both builds), through the shim when it is the training build; :func:`installed_build`
+tells which build is installed without importing it (for choosing a backend).
 """
 
 from __future__ import annotations
@@ -116,3 +119,35 @@ def training_api() -> types.ModuleType:
         # A module placed directly in sys.modules is not bound on its parent automatically.
         onnxruntime.training = training  # type: ignore[attr-defined]
     return importlib.import_module(f"{_TRAINING}.api")
+
+
+def installed_build() -> str | None:
+    """Which onnxruntime is installed, found without importing it.
+
+    Returns:
+        ``"training"`` for an onnxruntime-training build (it has ``onnxruntime/training/api``),
+        ``"stock"`` for the plain ``onnxruntime`` wheel, ``None`` if there is no onnxruntime.
+    """
+    try:
+        directory = _onnxruntime_dir()
+    except (ImportError, ValueError):
+        return None
+    return "training" if (directory / "training" / "api" / "__init__.py").is_file() else "stock"
+
+
+def import_onnxruntime() -> types.ModuleType:
+    """``import onnxruntime``, through the torch-free shim when it is the training build.
+
+    Returns:
+        The ``onnxruntime`` module.
+
+    Raises:
+        ImportError: No onnxruntime is installed.
+    """
+    if installed_build() == "training":
+        install_shim()
+    try:
+        return importlib.import_module("onnxruntime")
+    except ImportError as exc:
+        raise ImportError("onnxruntime is not installed: the portable trainer needs the stock onnxruntime "
+                          "wheel (pip install 'fedtier[agent]') or an onnxruntime-training build") from exc

@@ -1,11 +1,19 @@
 """Descriptor of one built set of onnxruntime-training artifacts (``ArtifactBundle``).
 
 A bundle is a directory holding the four files a device needs to train one architecture
-(training, eval and optimizer graphs plus the initial checkpoint) and a ``bundle.json``
-that lists them with their sha256 and size. The descriptor is content-addressed: its
-``bundle_id`` is the sha256 of its canonical JSON (everything except the local directory),
-so the same id names the same bytes on the coordinator, in a rollout manifest and on a
-device, and a device can refuse a bundle whose files were altered or truncated.
+with onnxruntime-training (training, eval and optimizer graphs plus the initial checkpoint)
+and a ``bundle.json`` that lists them with their sha256 and size. Bundles built since the
+portable graphs exist also hold the two files a device with only the stock ``onnxruntime``
+trains from (:data:`PORTABLE_ROLES`): the training graph with every contrib op lowered to
+standard ONNX ops (``models.portable``), and the initial parameters as raw little-endian
+float32 in layout order (onnxruntime-training's checkpoint format needs its runtime to
+read). The ``portable`` record says whether the lowering succeeded and, if not, which ops
+had no lowering; a bundle without it (built before) loads as before, with the same id.
+
+The descriptor is content-addressed: its ``bundle_id`` is the sha256 of its canonical JSON
+(everything except the local directory), so the same id names the same bytes on the
+coordinator, in a rollout manifest and on a device, and a device can refuse a bundle whose
+files were altered or truncated.
 
 This module is deliberately torch-free and onnxruntime-free (it only reads JSON and hashes
 files), so gateways and devices can check bundles without the heavy stacks. It does not
@@ -38,6 +46,12 @@ BUNDLE_JSON = "bundle.json"
 
 ROLES: tuple[str, ...] = ("training_model", "eval_model", "optimizer_model", "checkpoint")
 """The files every bundle has, by role."""
+
+PORTABLE_ROLES: tuple[str, ...] = ("portable_model", "portable_checkpoint")
+"""The files of the portable training path: a bundle has both (lowering succeeded) or neither."""
+
+PORTABLE_FORMAT = 1
+"""Version of the portable graph's interface (inputs, outputs, checkpoint layout). Bump on change."""
 
 MAX_OPSET = 21
 """Highest ai.onnx opset onnxruntime-training 1.19.2 accepts (22+ fail in generate_artifacts)."""
@@ -116,6 +130,39 @@ class BundleFile:
 
 
 @dataclass(frozen=True, slots=True)
+class PortableInfo:
+    """What the bundle's builder recorded about the portable training graph.
+
+    ``unsupported_ops`` is empty when the graph was lowered (the bundle then has both
+    :data:`PORTABLE_ROLES` files); otherwise it names the ops of the generated training graph
+    that have no lowering, and devices without onnxruntime-training refuse the bundle
+    with that list in the message.
+    """
+
+    format: int = PORTABLE_FORMAT
+    unsupported_ops: tuple[str, ...] = ()
+
+    @property
+    def lowered(self) -> bool:
+        return not self.unsupported_ops
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": int(self.format), "unsupported_ops": list(self.unsupported_ops)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "PortableInfo":
+        if not isinstance(obj, Mapping):
+            raise ArtifactError(f"bundle 'portable' must be a JSON object, got {obj!r}")
+        ops = obj.get("unsupported_ops", [])
+        fmt = obj.get("format")
+        if isinstance(fmt, bool) or not isinstance(fmt, int):
+            raise ArtifactError(f"bundle 'portable.format' must be an int, got {fmt!r}")
+        if not isinstance(ops, list) or not all(isinstance(op, str) for op in ops):
+            raise ArtifactError(f"bundle 'portable.unsupported_ops' must be a list of strings, got {ops!r}")
+        return cls(format=fmt, unsupported_ops=tuple(ops))
+
+
+@dataclass(frozen=True, slots=True)
 class ArtifactBundle:
     """One built artifact set: where it is, what files it has, and which model they train.
 
@@ -126,6 +173,9 @@ class ArtifactBundle:
     ``seed`` is the seed of the initial weights stored in the checkpoint. They only matter
     for the first round (rounds ship parameters), but a torch-backed device rebuilds them
     from ``(arch, seed)``, so the seed is part of the identity.
+
+    ``portable`` is ``None`` for bundles built before portable graphs existed; the
+    descriptor then has no ``portable`` key, so such bundles keep their ``bundle_id``.
     """
 
     directory: Path | None
@@ -135,12 +185,26 @@ class ArtifactBundle:
     opset: int
     ir_version: int
     seed: int = 0
+    portable: PortableInfo | None = None
     bundle_id: str = field(init=False)
 
     def __post_init__(self) -> None:
-        if set(self.files) != set(ROLES):
+        extra = set(self.files) - set(ROLES)
+        if not set(ROLES) <= set(self.files) or extra - set(PORTABLE_ROLES):
             raise ArtifactError(
-                f"bundle roles {sorted(self.files)} differ from the required {sorted(ROLES)}")
+                f"bundle roles {sorted(self.files)} differ from the required {sorted(ROLES)} "
+                f"(plus optionally {sorted(PORTABLE_ROLES)})")
+        has_portable_files = bool(extra)
+        if has_portable_files and extra != set(PORTABLE_ROLES):
+            raise ArtifactError(f"bundle has {sorted(extra)} but not all of {sorted(PORTABLE_ROLES)}")
+        lowered = self.portable is not None and self.portable.lowered
+        if has_portable_files != lowered:
+            raise ArtifactError(
+                f"bundle portable record {self.portable!r} disagrees with its files {sorted(self.files)}: "
+                "a lowered graph comes with both portable files, an unlowered one with neither")
+        if self.portable is not None and self.portable.format != PORTABLE_FORMAT:
+            raise ArtifactError(f"unsupported portable graph format {self.portable.format}; this build "
+                                f"reads {PORTABLE_FORMAT}")
         for role, entry in self.files.items():
             _check_filename(role, entry.filename)
         names = [entry.filename for entry in self.files.values()]
@@ -158,7 +222,7 @@ class ArtifactBundle:
             object.__setattr__(self, "directory", Path(self.directory))
         # Freeze the role map so the descriptor cannot drift away from its id.
         object.__setattr__(self, "files", MappingProxyType(
-            {role: self.files[role] for role in ROLES}))
+            {role: self.files[role] for role in (*ROLES, *PORTABLE_ROLES) if role in self.files}))
         object.__setattr__(self, "bundle_id",
                            hashlib.sha256(canonical_json(self.descriptor())).hexdigest())
 
@@ -170,15 +234,23 @@ class ArtifactBundle:
 
     def descriptor(self) -> dict[str, Any]:
         """Everything that identifies the bundle (no local directory, no id): what is hashed."""
-        return {
+        descriptor: dict[str, Any] = {
             "format": BUNDLE_FORMAT,
-            "files": {role: self.files[role].to_json() for role in ROLES},
+            "files": {role: entry.to_json() for role, entry in self.files.items()},
             "arch": self.arch.to_json(),
             "layout": self.layout.to_json(),
             "opset": int(self.opset),
             "ir_version": int(self.ir_version),
             "seed": int(self.seed),
         }
+        if self.portable is not None:  # absent for older bundles: their ids must not change
+            descriptor["portable"] = self.portable.to_json()
+        return descriptor
+
+    @property
+    def has_portable_graph(self) -> bool:
+        """True when the bundle holds the portable training graph and its checkpoint."""
+        return self.portable is not None and self.portable.lowered
 
     def to_json(self) -> dict[str, Any]:
         """The descriptor plus its ``bundle_id``: what goes into ``bundle.json`` or a manifest."""
@@ -215,6 +287,7 @@ class ArtifactBundle:
                 opset=int(obj["opset"]),
                 ir_version=int(obj["ir_version"]),
                 seed=int(obj["seed"]),
+                portable=PortableInfo.from_json(obj["portable"]) if "portable" in obj else None,
             )
         except ArtifactError:
             raise
@@ -264,8 +337,7 @@ class ArtifactBundle:
             ArtifactError: Naming the first file that is missing or differs, or if the
                 bundle has no local directory.
         """
-        for role in ROLES:
-            entry = self.files[role]
+        for role, entry in self.files.items():
             path = self.path(role)
             try:
                 size = path.stat().st_size
@@ -286,7 +358,7 @@ class ArtifactBundle:
         """Absolute-or-relative path of a role's file in the local directory.
 
         Args:
-            role: One of :data:`ROLES`.
+            role: One of :data:`ROLES`, or of :data:`PORTABLE_ROLES` if the bundle has them.
 
         Returns:
             ``directory / filename``.
@@ -296,7 +368,7 @@ class ArtifactBundle:
             ArtifactError: The bundle has no local directory.
         """
         if role not in self.files:
-            raise KeyError(f"unknown bundle role {role!r}; expected one of {ROLES}")
+            raise KeyError(f"unknown bundle role {role!r}; this bundle has {tuple(self.files)}")
         if self.directory is None:
             raise ArtifactError(f"bundle {self.bundle_id[:12]} has no local directory")
         return self.directory / self.files[role].filename

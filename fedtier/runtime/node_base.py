@@ -14,7 +14,7 @@ import math
 import queue
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from fedtier.algorithms.base import Action, Dropped, Note
 from fedtier.errors import RemoteProtocolError, SenderMismatchError, UnexpectedMessageError
@@ -54,6 +54,9 @@ class NodeBase:
         self.overdue_interval_s = 60.0
         """How often a round past its deadline is reported again while it waits."""
         self._overdue: dict[tuple[object, ...], float] = {}
+        self.presence_docs: dict[str, dict[str, Any]] = {}
+        """The last online presence document of each node (optional fields such as a device's
+        ``trainer`` are there for logs and operators; the protocol needs only ``state``/``since``)."""
 
     def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
         """Log and count a rejected message, by its typed reason."""
@@ -90,6 +93,7 @@ class NodeBase:
         instance = doc.get("instance")
         if isinstance(instance, str):
             self._track_instance(node, instance)
+        self.presence_docs[node] = doc
         return node
 
     def _track_instance(self, node: str, instance: str) -> None:

@@ -24,9 +24,15 @@ def run_demo(*args: str, timeout: float = 240) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_demo_with_defaults_reaches_090_accuracy() -> None:
+@pytest.fixture(scope="module")
+def default_demo() -> dict:
+    """``fedtier demo`` with its defaults (onnxruntime-training agents), run once for the module."""
     require(mosquitto_binary() is not None, "Mosquitto")
-    result = run_demo()
+    return run_demo()
+
+
+def test_demo_with_defaults_reaches_090_accuracy(default_demo: dict) -> None:
+    result = default_demo
     accuracies = [r["accuracy"] for r in result["rounds"]]
     assert len(accuracies) == 30
     assert result["final_accuracy"] >= 0.90, accuracies
@@ -34,6 +40,22 @@ def test_demo_with_defaults_reaches_090_accuracy() -> None:
     assert result["processes"] == 1 + 1 + 2 + 12  # broker, coordinator, edges, agents
     assert all(r["devices_reported"] == 12 for r in result["rounds"])
     assert all(v > 0 for v in result["bytes"].values())
+
+
+def test_agents_without_onnxruntime_training_reach_the_same_accuracy(default_demo: dict, tmp_path: Path) -> None:
+    """Every agent runs in .venv-portable (stock onnxruntime, no torch) on the portable graph."""
+    agent_python = Path(__file__).resolve().parents[2] / ".venv-portable" / "bin" / "python"
+    require(agent_python.exists(), f"the stock-onnxruntime device environment {agent_python.parent.parent} "
+                                   "(run ./install.sh)")
+    result = run_demo("--trainer", "portable", "--agent-python", str(agent_python), "--workdir", str(tmp_path))
+    assert result["trainer"] == "portable" and result["broker"] == "mosquitto"
+    assert len(result["rounds"]) == len(default_demo["rounds"]) == 30
+    assert all(r["devices_reported"] == 12 for r in result["rounds"])
+    for portable, ort in zip(result["rounds"], default_demo["rounds"], strict=True):
+        assert portable["accuracy"] == pytest.approx(ort["accuracy"], abs=1e-4), (portable, ort)
+    agent_log = (tmp_path / "logs" / "dev-00.log").read_text()
+    assert "trainer portable (onnxruntime " in agent_log  # chosen, logged at start
+    assert "(trainer: portable)" in (tmp_path / "logs" / "edge-cell-a.log").read_text()  # reported to the edge
 
 
 def test_demo_over_the_embedded_broker_with_chunked_messages() -> None:

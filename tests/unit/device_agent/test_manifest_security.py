@@ -100,7 +100,8 @@ def test_artifact_bytes_that_do_not_match_their_digest(rig: Rig) -> None:
     files = dict(bundle.files)
     files["checkpoint"] = BundleFile("checkpoint", hashlib.sha256(fake).hexdigest(), len(fake))
     new_bundle = ArtifactBundle(directory=None, files=files, arch=bundle.arch, layout=bundle.layout,
-                                opset=bundle.opset, ir_version=bundle.ir_version, seed=bundle.seed)
+                                opset=bundle.opset, ir_version=bundle.ir_version, seed=bundle.seed,
+                                portable=bundle.portable)
     v2 = dataclasses.replace(rig.v1, version=2, bundle=new_bundle.to_json())
     rig.publish_manifest(sign(v2, KEY))
     blob = ArtifactBlob(rollout=v2.rollout, round=0, sender=rig.cell, sha256=files["checkpoint"].sha256,

@@ -1,4 +1,9 @@
-"""Trainer backends (ORT and torch) against a plain-torch reference, and the protocol contract."""
+"""Trainer backends (ORT, portable, torch) against a plain-torch reference, and the protocol contract.
+
+The portable backend runs here on the onnxruntime of this environment (the training build,
+which runs standard ops too); ``test_portable_env.py`` runs it in an environment with only
+the stock onnxruntime.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ ARCHS = {
     "cnn1d": ArchSpec("cnn1d", {"channels": 3, "length": 32, "classes": 5, "filters": [8, 16],
                                 "kernel": 5}),
 }
-BACKENDS = ("ort", "torch")
+BACKENDS = ("ort", "portable", "torch")
 TOL = 1e-5
 
 Params = dict[str, np.ndarray]
@@ -389,11 +394,15 @@ def test_ort_trainer_is_deterministic_across_instances(bundles: dict[str, Artifa
 
 
 def test_make_trainer_kinds(bundles: dict[str, ArtifactBundle]) -> None:
+    from device_agent.trainers.portable import PortableTrainer
     from device_agent.trainers.torch_backend import TorchTrainer
 
     assert isinstance(make_trainer("ort", bundles["mlp-64"]), OrtTrainer)
+    assert isinstance(make_trainer("portable", bundles["mlp-64"]), PortableTrainer)
     assert isinstance(make_trainer("torch", bundles["mlp-64"], threads=1), TorchTrainer)
-    with pytest.raises(ValueError, match="ort, torch"):
+    # this environment has onnxruntime-training: "auto" keeps today's backend
+    assert isinstance(make_trainer("auto", bundles["mlp-64"]), OrtTrainer)
+    with pytest.raises(ValueError, match="auto, ort, portable, torch"):
         make_trainer("tflite", bundles["mlp-64"])
     with pytest.raises(LocalProtocolError, match="threads"):
         OrtTrainer(bundles["mlp-64"], threads=0)

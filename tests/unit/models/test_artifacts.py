@@ -44,7 +44,8 @@ def test_bundle_contents(mlp_bundle: ArtifactBundle, shared_store: Path) -> None
     assert mlp_bundle.directory == shared_store / mlp_bundle.bundle_id
     names = {p.name for p in mlp_bundle.directory.iterdir()}
     assert names == {"training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
-                     "checkpoint", "bundle.json", "arch.json", "layout.json"}
+                     "checkpoint", "bundle.json", "arch.json", "layout.json",
+                     "portable_training_model.onnx", "portable_checkpoint.f32"}
     assert mlp_bundle.arch == MLP
     assert mlp_bundle.layout == layout_of(MLP)
     assert mlp_bundle.seed == 0
@@ -101,9 +102,9 @@ def test_different_arch_or_seed_gives_different_bundle(
     assert len(ids) == 4
     index = json.loads((shared_store / "by-arch" / MLP.sha256).read_text())
     assert index["bundles"] == {"0": mlp_bundle.bundle_id, "1": seeded.bundle_id}
-    # Only the checkpoint (initial weights) differs between seeds.
+    # Only the checkpoints (initial weights, both formats) differ between seeds.
     differing = {r for r in mlp_bundle.files if mlp_bundle.files[r] != seeded.files[r]}
-    assert differing == {"checkpoint"}
+    assert differing == {"checkpoint", "portable_checkpoint"}
 
 
 def test_builds_are_reproducible(mlp_bundle: ArtifactBundle, cnn_bundle: ArtifactBundle,
@@ -216,3 +217,27 @@ def test_store_dir_is_created_and_foreign_entries_ignored(tmp_path: Path) -> Non
     assert json.loads((store / "by-arch" / MLP.sha256).read_text())["bundles"]["0"] == bundle.bundle_id
     shutil.rmtree(store / bundle.bundle_id)
     assert build_artifacts(MLP, store).bundle_id == bundle.bundle_id  # missing dir -> rebuild
+
+
+def test_a_store_entry_from_before_portable_graphs_is_rebuilt_with_one(tmp_path: Path) -> None:
+    """A coordinator upgraded in place: its store's bundles lack the portable graph, so the next
+    build of that (arch, seed) makes a new bundle that has one (the old one stays loadable)."""
+    import dataclasses
+
+    from fedtier.artifacts.bundle import ROLES
+
+    current = build_artifacts(MLP, tmp_path)
+    old_dir = tmp_path / "old"
+    old_dir.mkdir()
+    for role in ROLES:
+        shutil.copy(current.path(role), old_dir / current.files[role].filename)
+    old = dataclasses.replace(current, directory=old_dir, files={r: current.files[r] for r in ROLES},
+                              portable=None)
+    old.save()
+    old_dir.rename(tmp_path / old.bundle_id)
+    old = ArtifactBundle.load(tmp_path / old.bundle_id)  # what an older fedtier wrote: loads as is
+    assert old.portable is None
+    artifacts_mod._record(tmp_path, MLP, 0, old.bundle_id)
+    rebuilt = build_artifacts(MLP, tmp_path)
+    assert rebuilt.bundle_id == current.bundle_id and rebuilt.has_portable_graph
+    assert ArtifactBundle.load(tmp_path / old.bundle_id).portable is None

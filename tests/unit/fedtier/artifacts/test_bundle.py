@@ -14,9 +14,12 @@ from fedtier.artifacts.bundle import (
     BUNDLE_JSON,
     MAX_IR_VERSION,
     MAX_OPSET,
+    PORTABLE_FORMAT,
+    PORTABLE_ROLES,
     ROLES,
     ArtifactBundle,
     BundleFile,
+    PortableInfo,
     file_sha256,
 )
 from fedtier.errors import ArtifactError
@@ -200,3 +203,84 @@ def test_bundle_module_is_torch_and_ort_free() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- the portable training path (optional files, recorded in the descriptor) -------------------
+
+PORTABLE_FILENAMES = {"portable_model": "portable_training_model.onnx",
+                      "portable_checkpoint": "portable_checkpoint.f32"}
+
+
+def make_portable_bundle(directory: Path, **overrides: object) -> ArtifactBundle:
+    """A bundle with the two portable files and a record saying the lowering succeeded."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for role, name in PORTABLE_FILENAMES.items():
+        (directory / name).write_bytes(role.encode() * 5)
+    base = make_bundle(directory)
+    files = {**base.files, **{role: BundleFile.of(directory / name) for role, name in PORTABLE_FILENAMES.items()}}
+    return make_bundle(directory, **{"files": files, "portable": PortableInfo(), **overrides})
+
+
+def test_a_bundle_written_before_portable_graphs_loads_with_its_id(tmp_path: Path) -> None:
+    """An older bundle.json (no ``portable`` key, four files) keeps loading, under the same id."""
+    bundle = make_bundle(tmp_path / "b")
+    descriptor = json.loads((tmp_path / "b" / BUNDLE_JSON).read_text())
+    assert "portable" not in descriptor and set(descriptor["files"]) == set(ROLES)
+    claimed = descriptor.pop("bundle_id")
+    assert claimed == hashlib.sha256(canonical_json(descriptor)).hexdigest()  # the old formula
+    loaded = ArtifactBundle.load(tmp_path / "b")
+    assert loaded.bundle_id == claimed == bundle.bundle_id
+    assert loaded.portable is None and not loaded.has_portable_graph
+
+
+def test_portable_files_are_listed_hashed_and_verified(tmp_path: Path) -> None:
+    bundle = make_portable_bundle(tmp_path / "b")
+    assert bundle.has_portable_graph
+    loaded = ArtifactBundle.load(tmp_path / "b")
+    assert loaded == bundle and set(loaded.files) == set(ROLES) | set(PORTABLE_ROLES)
+    assert loaded.to_json()["portable"] == {"format": PORTABLE_FORMAT, "unsupported_ops": []}
+    assert loaded.path("portable_model") == tmp_path / "b" / "portable_training_model.onnx"
+    target = tmp_path / "b" / "portable_checkpoint.f32"
+    target.write_bytes(target.read_bytes()[:-1] + b"!")  # same size, other bytes
+    with pytest.raises(ArtifactError, match="portable_checkpoint.*sha256"):
+        ArtifactBundle.load(tmp_path / "b")
+
+
+def test_the_portable_record_is_part_of_the_identity(tmp_path: Path) -> None:
+    plain = make_bundle(tmp_path / "a")
+    blocked = make_bundle(tmp_path / "b", portable=PortableInfo(unsupported_ops=("GeluGrad",)))
+    assert blocked.bundle_id != plain.bundle_id
+    assert not blocked.has_portable_graph
+    assert ArtifactBundle.load(tmp_path / "b").portable == PortableInfo(unsupported_ops=("GeluGrad",))
+    wire = blocked.to_json()
+    wire["portable"] = {"format": PORTABLE_FORMAT, "unsupported_ops": ["ReluGrad"]}  # rewritten on the way
+    with pytest.raises(ArtifactError, match="bundle_id"):
+        ArtifactBundle.from_json(wire)
+
+
+@pytest.mark.parametrize("case", ["files-without-record", "record-without-files", "blocked-with-files",
+                                  "one-portable-file", "unknown-role", "future-format"])
+def test_portable_files_and_record_must_agree(tmp_path: Path, case: str) -> None:
+    full = make_portable_bundle(tmp_path / "b")
+    four = {role: full.files[role] for role in ROLES}
+    fields: dict[str, object] = {
+        "files-without-record": {"files": dict(full.files), "portable": None},
+        "record-without-files": {"files": four, "portable": PortableInfo()},
+        "blocked-with-files": {"files": dict(full.files), "portable": PortableInfo(unsupported_ops=("X",))},
+        "one-portable-file": {"files": {**four, "portable_model": full.files["portable_model"]},
+                              "portable": PortableInfo()},
+        "unknown-role": {"files": {**full.files, "extra": full.files["checkpoint"]}, "portable": PortableInfo()},
+        "future-format": {"files": dict(full.files), "portable": PortableInfo(format=PORTABLE_FORMAT + 1)},
+    }[case]
+    with pytest.raises(ArtifactError):
+        ArtifactBundle(directory=tmp_path / "b", arch=ARCH, layout=LAYOUT, opset=17, ir_version=10,
+                       **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [[], "GeluGrad", {"unsupported_ops": "GeluGrad", "format": 1},
+                                 {"unsupported_ops": [], "format": "1"}])
+def test_malformed_portable_record_is_rejected(tmp_path: Path, bad: object) -> None:
+    make_bundle(tmp_path / "b")
+    rewrite_descriptor(tmp_path / "b", portable=bad)
+    with pytest.raises(ArtifactError, match="portable"):
+        ArtifactBundle.load(tmp_path / "b", verify=False)
