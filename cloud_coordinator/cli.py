@@ -54,7 +54,8 @@ def coordinator_run(config_path: Path, log_level: str | None) -> None:
 
 def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None:
     """The demo's summary, for a rollout that ended (nothing if it was interrupted)."""
-    from cloud_coordinator.report import summary_table
+    from cloud_coordinator.console import make_console
+    from cloud_coordinator.report import epsilon_spent, summary
 
     try:
         doc = json.loads(cfg.metrics_path.read_text())
@@ -62,12 +63,18 @@ def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None
         return
     if not doc.get("finished"):
         return
-    click.echo(summary_table(doc.get("rounds", []), wall_s, f"rollout {cfg.rollout}: {cfg.algorithm}, "
-                                                            f"{len(cfg.topology.layout())} cells"))
+    rows = doc.get("rounds", [])
+    facts: list[tuple[str, str]] = []
     if doc.get("stopped"):
-        click.echo(f"stopped early:     {doc['stopped']}")
-    click.echo(f"metrics:           {cfg.metrics_path}")
-    click.echo(f"export the model:  fedtier coordinator export --config {config_path} --out {cfg.rollout}.onnx")
+        facts.append(("stopped early", str(doc["stopped"])))
+    if rows and rows[-1].get("privacy"):
+        spent = epsilon_spent(rows[-1], ".4g").removeprefix("epsilon ")
+        facts.append(("epsilon (ledger)", f"{spent} at delta {rows[-1]['privacy']['delta']:g} (largest over "
+                                          "devices; `fedtier privacy report` audits it)"))
+    facts += [("metrics", str(cfg.metrics_path)),
+              ("export the model", f"fedtier coordinator export --config {config_path} --out {cfg.rollout}.onnx")]
+    make_console().print(summary(rows, wall_s, f"rollout {cfg.rollout}: {cfg.algorithm}, "
+                                                f"{len(cfg.topology.layout())} cells", facts=facts))
 
 
 @coordinator.command("export")

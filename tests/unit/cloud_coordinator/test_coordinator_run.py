@@ -3,13 +3,16 @@ finished (and leaves nothing retained), round numbers a person reads."""
 
 from __future__ import annotations
 
+import io
+import re
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
 
 from cloud_coordinator.node import CloudNode
-from cloud_coordinator.report import round_line, summary_table
+from cloud_coordinator.report import round_line, rounds_table, summary
 from cloud_coordinator.rollout import prepare
 from cloud_coordinator.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
@@ -55,5 +58,10 @@ def test_a_finished_rollout_restarted_reopens_nothing_and_clears_its_retained_ma
 def test_round_numbers_are_the_same_in_lines_tables_and_metrics() -> None:
     row = {"round": 29, "accuracy": 0.95, "loss": 0.2, "devices_reported": 12, "bytes": {}, "round_s": 0.1}
     assert round_line(row, 30).startswith("round  29 (30/30)")
-    table = summary_table([row], 1.0, "t")
-    assert "\n   29  " in table and "after 1 rounds (round 29)" in table
+    console = Console(file=io.StringIO(), width=200)
+    console.print(rounds_table([row]))
+    table = console.file.getvalue()
+    assert re.search(r"^\s+29\s+0\.9500", table, re.M), table
+    console = Console(file=io.StringIO(), width=200)
+    console.print(summary([row], 1.0, "t"))
+    assert "after 1 rounds (round 29)" in console.file.getvalue()
