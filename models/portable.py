@@ -392,7 +392,10 @@ def lower_training_graph(model: "onnx.ModelProto", params: Sequence[str]) -> Low
     nodes: list[Any] = []
     unsupported: set[str] = set()
     for node in graph.node:
-        if node.domain in STANDARD_DOMAINS:
+        # onnxruntime registers some gradient kernels (MaxPoolGrad, ...) in the standard domain
+        # although ONNX defines no such op: only what the ONNX schema knows is standard.
+        if node.domain in STANDARD_DOMAINS and onnx.defs.has(node.op_type, "" if node.domain == "ai.onnx"
+                                                              else node.domain):
             nodes.append(node)
             continue
         lowering = LOWERINGS.get((node.domain, node.op_type))

@@ -161,6 +161,8 @@ STATUS: Mapping[str, Field] = {
     "cell": Field(PUBLIC, "the node's cell (topology)"),
     "state": Field(PUBLIC, "online or offline"),
     "since": Field(PUBLIC, "when the node connected (wall clock; nothing about data)"),
+    "instance": Field(PUBLIC, "a random id drawn per process at start (detects two processes under one identity)"),
+    "trainer": Field(PUBLIC, "the device's training backend (ort, portable or torch): software, not data"),
 }
 """The retained presence document (JSON) every MQTT node publishes on ``ft/v1/status/<node>``."""
 

@@ -23,8 +23,15 @@ FORBIDDEN = {
 }
 
 
-def offences(text: str) -> list[str]:
-    return [f"{why}: {m.group(0)!r}" for pattern, why in FORBIDDEN.items() for m in re.finditer(pattern, text)]
+PUBLIC_SECTIONS = {"docs/broker.md": 'OASIS standard\n"MQTT Version 5.0"'}
+"""Pages that cite sections (§) of a public standard, and the words that name it on the page."""
+
+
+def offences(text: str, page: str = "") -> list[str]:
+    rules = dict(FORBIDDEN)
+    if page in PUBLIC_SECTIONS and PUBLIC_SECTIONS[page] in text:
+        del rules[r"§"]
+    return [f"{why}: {m.group(0)!r}" for pattern, why in rules.items() for m in re.finditer(pattern, text)]
 
 
 def help_texts() -> dict[str, str]:
@@ -45,7 +52,7 @@ def help_texts() -> dict[str, str]:
 
 def test_the_docs_cite_papers_by_title_and_need_no_history() -> None:
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "experiments" / "README.md"]
-    found = {str(p.relative_to(ROOT)): offences(p.read_text()) for p in pages}
+    found = {str(p.relative_to(ROOT)): offences(p.read_text(), str(p.relative_to(ROOT))) for p in pages}
     assert {k: v for k, v in found.items() if v} == {}
 
 

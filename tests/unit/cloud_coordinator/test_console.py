@@ -191,7 +191,7 @@ def test_the_summary_is_rich_tables_with_the_comparison_beside_each_round() -> N
     assert ESC not in text
     header = next(line for line in text.splitlines() if "accuracy" in line and "round" in line)
     assert re.search(r"round\s+accuracy\s+without privacy\s+loss\s+epsilon", header), header
-    assert re.search(r"\b2\s+0\.5100\s+0\.9500\s+1\.0000\s+3\b", text), text
+    assert re.search(r"\b1\s+0\.5100\s+0\.9500\s+1\.0000\s+3\b", text), text  # rounds from 0
     assert re.search(r"final accuracy\s+0\.5100 after 2 rounds", text)
     assert re.search(r"epsilon \(ledger\)\s+3 of 8", text) and re.search(r"wall time\s+12\.5 s", text)
     assert "uplink device -> edge: 8.0 KiB quantized vs 16.0 KiB in float32: saved 8.0 KiB (50 %)" in text

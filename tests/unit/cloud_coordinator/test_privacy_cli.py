@@ -284,7 +284,7 @@ def test_report_shows_accuracy_beside_epsilon_per_round(ran: dict[str, Any]) -> 
     header = table.splitlines()[1].split()
     assert header[:3] == ["round", "accuracy", "releases"]
     first = table.splitlines()[2].split()
-    assert first[:2] == ["1", f"{rounds[0]['accuracy']:.4f}"]
+    assert first[:2] == ["0", f"{rounds[0]['accuracy']:.4f}"]  # rounds from 0
 
 
 def test_report_writes_the_epsilon_plot(ran: dict[str, Any]) -> None:

@@ -165,4 +165,5 @@ def test_the_presence_document_is_classified() -> None:
         assert keys <= set(disclosure.STATUS), (module.__name__, keys)
     mqtt_source = inspect.getsource(__import__("fedtier.transport.mqtt", fromlist=["x"]))
     assert '"state": "online", "since": time.time()' in mqtt_source
-    assert {"state", "since"} <= set(disclosure.STATUS)
+    assert '"instance": self.instance' in mqtt_source
+    assert {"state", "since", "instance"} <= set(disclosure.STATUS)
