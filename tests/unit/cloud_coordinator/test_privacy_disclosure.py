@@ -158,10 +158,18 @@ def test_the_presence_document_is_classified() -> None:
     from device_agent import run as device_run
     from edge_broker import run as edge_run
 
+    import ast
+
     for module in (device_run, edge_run, cloud_run):
-        source = inspect.getsource(module)
-        start = source.index("status={") + len("status={")
-        keys = {part.split(":")[0].strip().strip('"') for part in source[start:source.index("}", start)].split(",")}
+        # Every dict literal passed as ``status=`` or assigned to ``status``: its keys are the document's.
+        tree = ast.parse(inspect.getsource(module))
+        literals = [node.value for node in ast.walk(tree)
+                    if isinstance(node, ast.keyword) and node.arg == "status" and isinstance(node.value, ast.Dict)]
+        literals += [node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id == "status" for t in node.targets)
+                     and isinstance(node.value, ast.Dict)]
+        assert literals, module.__name__
+        keys = {k.value for d in literals for k in d.keys if isinstance(k, ast.Constant)}
         assert keys <= set(disclosure.STATUS), (module.__name__, keys)
     mqtt_source = inspect.getsource(__import__("fedtier.transport.mqtt", fromlist=["x"]))
     assert '"state": "online", "since": time.time()' in mqtt_source
