@@ -48,7 +48,9 @@ def test_the_default_limits_are_fedtiers_safe_ones(broker: RunningBroker, check:
     raw.send(Publish("just/under", b"x" * (MIB - 64)))
     raw.send(PingReq())
     check.same("a packet just under the limit is accepted", raw.recv(), PingResp())
-    raw.send(Publish("just/over", b"x" * MIB))
+    # Only the head of the packet: both brokers refuse on the announced length, and a refusal that races
+    # the rest of a 1 MiB body would reset the socket before the DISCONNECT is read (seen under load).
+    raw.send_raw(encode_packet(Publish("just/over", b"x" * MIB), raw.protocol)[:64])
     check.same("one just over it is refused", raw.packets_until_closed(), [Disconnect(0x95)])
 
 
