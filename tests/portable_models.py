@@ -48,11 +48,15 @@ MODELS = {
     "cross_entropy": ("user.py:cross_entropy", "cross_entropy"),
     "bce": ("user.py:bce", "bce"),
     "mse": ("user.py:mse", "mse"),
+    "onnx_head_only": ("user.py:cross_entropy", "cross_entropy"),  # exported to a file; trainable = the head
 }
 """name -> (factory in the models directory, loss)."""
 
+HEAD = ["head.weight", "head.bias"]
+"""``[model] trainable`` of the ``onnx_head_only`` model: the rest of its float initializers stay frozen."""
+
 FROZEN = {"starter": (), "cross_entropy": ("scale", "body.bias"), "bce": ("scale", "body.bias"),
-          "mse": ("scale", "body.bias")}
+          "mse": ("scale", "body.bias"), "onnx_head_only": ("scale", "body.weight", "body.bias")}
 """The frozen tensors of each model, in the generated graph's order."""
 
 
@@ -70,8 +74,31 @@ def build_user_bundles(directory: Path, store: Path) -> dict[str, ArtifactBundle
     from models.source import model_source
 
     write_models(directory)
-    return {name: build_artifacts(model_source(factory=f"{directory / factory}", loss=loss, seed=0), store)
-            for name, (factory, loss) in MODELS.items()}
+    bundles = {}
+    for name, (factory, loss) in MODELS.items():
+        if name == "onnx_head_only":
+            source = model_source(onnx_path=export_as_a_user_would(directory, factory), loss=loss, trainable=HEAD)
+        else:
+            source = model_source(factory=f"{directory / factory}", loss=loss, seed=0)
+        bundles[name] = build_artifacts(source, store)
+    return bundles
+
+
+def export_as_a_user_would(directory: Path, factory: str) -> Path:
+    """The factory's module exported with torch's own exporter (not fedtier's), dynamic batch axis."""
+    import warnings
+
+    import torch
+
+    from models.source import call_factory
+
+    module, example = call_factory(f"{directory / factory}", 0)
+    path = directory / "exported.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter's notice
+        torch.onnx.export(module, (example,), str(path), dynamo=False, input_names=["readings"],
+                          output_names=["scores"], dynamic_axes={"readings": {0: "n"}, "scores": {0: "n"}})
+    return path
 
 
 def batches_for(arch: ArchSpec, steps: int, seed: int, batch: int = 16) -> tuple[np.ndarray, np.ndarray]:

@@ -156,7 +156,8 @@ def test_agent_without_onnxruntime_training_trains_like_onnxruntime_training(
 
 def test_agent_without_onnxruntime_training_trains_users_models_like_onnxruntime_training(
         tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    """fedtier init's starter (MaxPool) and a model per loss (cross_entropy, bce, mse), with frozen tensors."""
+    """fedtier init's starter (MaxPool), a model per loss (cross_entropy, bce, mse) with frozen tensors, and an
+    ONNX file with only its head trainable."""
     from portable_models import batches_for as user_batches
     from portable_models import build_user_bundles
 

@@ -3,8 +3,9 @@ onnxruntime-training.
 
 In this process (the training build of onnxruntime runs the standard-op graphs too); the same
 bundles train in the stock-onnxruntime environment in ``test_portable_env.py``. The per-loss models
-have frozen tensors (a buffer and a parameter with ``requires_grad = False``): they must reach the
-portable graph with the values onnxruntime-training's checkpoint has, and never move.
+have frozen tensors (a buffer and a parameter with ``requires_grad = False``), and an ONNX file
+trains only its head (``[model] trainable``): the frozen tensors must reach the portable graph
+with the values onnxruntime-training's checkpoint has, and never move.
 """
 
 from __future__ import annotations

@@ -369,6 +369,7 @@ USER_CONTRIB = {
     "cross_entropy": {"SoftmaxCrossEntropyLossGrad", "TanhGrad", "InPlaceAccumulatorV2"},
     "bce": {"SigmoidGrad", "Scale", "TanhGrad", "InPlaceAccumulatorV2"},
     "mse": {"Scale", "TanhGrad", "InPlaceAccumulatorV2"},
+    "onnx_head_only": {"SoftmaxCrossEntropyLossGrad", "InPlaceAccumulatorV2"},  # no gradient below the head
 }
 
 
@@ -386,7 +387,8 @@ def _not_onnx(graph: Any) -> set[str]:
 @pytest.mark.parametrize("name", sorted(USER_CONTRIB))
 def test_user_models_carry_a_portable_graph_with_their_frozen_tensors(
         name: str, user_bundles: dict[str, ArtifactBundle]) -> None:
-    """fedtier init's starter (MaxPool) and one model per loss, with frozen tensors: all lowered; the graph
+    """fedtier init's starter (MaxPool), one model per loss with frozen tensors, and an ONNX file of which only
+    the head is trainable: all lowered; the graph
     takes the loss's label input and the frozen tensors after the parameters, whose values end the checkpoint."""
     from portable_models import FROZEN
 
