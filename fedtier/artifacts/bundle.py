@@ -7,8 +7,9 @@ portable graphs exist also hold the two files a device with only the stock ``onn
 trains from (:data:`PORTABLE_ROLES`): the training graph with every contrib op lowered to
 standard ONNX ops (``models.portable``), and the initial parameters as raw little-endian
 float32 in layout order, followed by a user model's frozen tensors if it has any
-(onnxruntime-training's checkpoint format needs its runtime to read). The ``portable`` record says whether the lowering succeeded and, if not, which ops
-had no lowering; a bundle without it (built before) loads as before, with the same id.
+(onnxruntime-training's checkpoint format needs its runtime to read). The ``portable``
+record says whether the lowering succeeded and, if not, which ops had no lowering; a bundle
+without it (built before) loads as before, with the same id.
 
 The descriptor is content-addressed: its ``bundle_id`` is the sha256 of its canonical JSON
 (everything except the local directory), so the same id names the same bytes on the
