@@ -114,7 +114,11 @@ def coordinator_export(config_path: Path, out: Path, version: int | None, as_jso
               help="Write per-round metrics JSON here (default: the config's metrics_file).")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON instead of a table.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="warning", show_default=True)
-def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json: bool, log_level: str) -> None:
+@click.option("--trainer", type=click.Choice(["ort", "portable"]), default=None,
+              help="The devices' training backend (overrides [simulation] trainer, default ort): portable trains "
+                   "from the bundle's standard-ONNX graph, as a board without onnxruntime-training does.")
+def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json: bool, log_level: str,
+             trainer: str | None) -> None:
     """Run a rollout with every device, edge and the cloud in this process (in-memory transport).
 
     The same roles and node code as a real deployment; one shared ORT session per
@@ -123,6 +127,7 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
 
     \b
         fedtier simulate --config experiments/digits_fedavg.toml --rounds 5
+        fedtier simulate --config experiments/digits_fedavg.toml --rounds 5 --trainer portable
     """
     import dataclasses
 
@@ -139,6 +144,8 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
         cfg = dataclasses.replace(cfg, rounds=rounds)
     if output is not None:
         cfg = dataclasses.replace(cfg, metrics_file=output)
+    if trainer is not None:
+        cfg = dataclasses.replace(cfg, simulation=dataclasses.replace(cfg.simulation, trainer=trainer))
     started = time.perf_counter()
     with RoundProgress(make_console(stderr=True), cfg.rounds, enabled=not as_json) as progress:
         def on_round(row: dict) -> None:

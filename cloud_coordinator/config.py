@@ -376,6 +376,10 @@ class PrivacySection(Section):
                                            "with the seed can remove the noise; `coordinator run` refuses it.")
 
 
+SIMULATION_TRAINERS = ("ort", "portable")
+"""The device backends ``fedtier simulate`` can run (``device_agent.trainers``): both train user models."""
+
+
 @dataclass(frozen=True)
 class SimulationConfig(Section):
     """In-process simulation knobs."""
@@ -385,6 +389,10 @@ class SimulationConfig(Section):
                                           "to exercise chunking as a broker limit would.")
     train_objective: bool = opt(False, help="Also report the device-uniform training objective (1/N) sum_n F_n(w) "
                                             "every round (the simulator holds every device's data).")
+    trainer: str = opt("ort", choices=SIMULATION_TRAINERS,
+                       help="The simulated devices' training backend: ort (onnxruntime-training) or portable (the "
+                            "bundle's portable graph with numpy SGD, as a board without onnxruntime-training trains; "
+                            "same weights to float rounding). The coordinator's own evaluation uses ort either way.")
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         if self.max_payload and self.max_payload < 4096:

@@ -8,7 +8,9 @@ things differ, all outside the algorithms:
 * time is virtual: when the hierarchy goes idle before the rollout finished (a quorum
   waits for a deadline), the clock jumps to the next deadline;
 * every device shares one ORT session per architecture and swaps parameters in
-  (``set_parameters`` before each local run), so thousands of devices fit in memory.
+  (``set_parameters`` before each local run), so thousands of devices fit in memory; the
+  devices' backend is ``[simulation] trainer`` (``ort``, or ``portable``: the bundle's
+  portable graph, as on a board without onnxruntime-training).
 
 With the same config and seeds, the final model equals that of a run over MQTT (to float
 tolerance); a test checks it.
@@ -35,7 +37,7 @@ from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.artifacts.cache import ArtifactCache
-from fedtier.errors import ConfigError
+from fedtier.errors import ArtifactError, ConfigError
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.training.trainer import Trainer
 from fedtier.transport.memory import MemoryBroker
@@ -62,10 +64,15 @@ def noise_source(cfg: RolloutConfig, node: str) -> NoiseSource:
 
 
 class SharedTrainers:
-    """One trainer per artifact bundle, shared by every simulated device."""
+    """One trainer per artifact bundle, shared by every simulated device.
 
-    def __init__(self, threads: int = 1) -> None:
+    ``kind`` is the devices' backend (``[simulation] trainer``): ``ort``, or ``portable`` to
+    train as a board without onnxruntime-training does.
+    """
+
+    def __init__(self, threads: int = 1, kind: str = "ort") -> None:
         self.threads = threads
+        self.kind = kind
         self._trainers: dict[str, Trainer] = {}
 
     def __call__(self, bundle: ArtifactBundle) -> Trainer:
@@ -73,7 +80,7 @@ class SharedTrainers:
         if trainer is None:
             from device_agent.trainers import make_trainer
 
-            trainer = make_trainer("ort", bundle, threads=self.threads)
+            trainer = make_trainer(self.kind, bundle, threads=self.threads)
             self._trainers[bundle.bundle_id] = trainer
         return trainer
 
@@ -108,6 +115,8 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
     """
     t0 = time.perf_counter()
     prepared = prepared or prepare(cfg)
+    if cfg.simulation.trainer == "portable":
+        _require_portable_graphs(prepared)
     absent = [d for d in prepared.devices if d not in prepared.data.train]
     if absent:
         raise ConfigError(f"the simulator trains every device on its data, and {len(absent)} device(s) have none "
@@ -120,7 +129,7 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         cache = ArtifactCache(root / "artifact-cache")
         for sha, path in prepared.artifact_files().items():
             cache.put(sha, path.read_bytes())
-        trainers = SharedTrainers(cfg.simulation.threads)
+        trainers = SharedTrainers(cfg.simulation.threads, cfg.simulation.trainer)
 
         nodes: list[Any] = []
         for cell, members in prepared.cells.items():
@@ -155,6 +164,22 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         finally:
             store.close()
     return result
+
+
+def _require_portable_graphs(prepared: PreparedRollout) -> None:
+    """Refuse up front what every simulated device would refuse (rather than stall in round 0).
+
+    Raises:
+        ConfigError: A bundle of the rollout has no portable graph; the message names its ops.
+    """
+    from device_agent.trainers.portable import require_portable_graph
+
+    for bundle in (prepared.bundle, *prepared.cell_bundles.values()):
+        try:
+            require_portable_graph(bundle)
+        except ArtifactError as exc:
+            raise ConfigError(f"the simulated devices train on the portable backend, but {exc}",
+                              key="simulation.trainer") from None
 
 
 def _run(cfg: RolloutConfig, broker: MemoryBroker, nodes: list[Any], cloud: CloudNode, prepared: PreparedRollout,

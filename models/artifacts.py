@@ -159,11 +159,29 @@ def _lookup(store: Path, arch: ArchSpec, seed: int) -> ArtifactBundle | None:
     if bundle.portable is None:
         logger.info("artifact store entry %s predates portable graphs; rebuilding", bundle_id[:12])
         return None
+    if bundle.portable.unsupported_ops and _lowers_now(bundle):
+        logger.info("artifact store entry %s has no portable graph (%s), which this build can lower; rebuilding",
+                    bundle_id[:12], ", ".join(bundle.portable.unsupported_ops))
+        return None
     if bundle.arch.sha256 != arch.sha256 or bundle.seed != seed or bundle.bundle_id != bundle_id:
         logger.warning("artifact index %s points at a bundle of another arch/seed; rebuilding",
                        arch.sha256[:12])
         return None
     return bundle
+
+
+def _lowers_now(bundle: ArtifactBundle) -> bool:
+    """Whether the lowerings of this build cover a stored training graph an older build could not lower."""
+    import onnx
+
+    from models.portable import lower_training_graph
+
+    try:
+        training = onnx.load(str(bundle.path("training_model")))
+        return lower_training_graph(training, list(bundle.layout.names)).model is not None
+    except Exception as exc:  # noqa: BLE001 - a graph that does not load is rebuilt anyway
+        logger.warning("cannot re-check the training graph of %s: %s", bundle.bundle_id[:12], exc)
+        return True
 
 
 def _is_hex_digest(text: str) -> bool:

@@ -25,17 +25,35 @@ The lowerings (``LOWERINGS``):
   ``dB = ReduceSum(dY)`` over batch and space;
 * ``InPlaceAccumulatorV2(buffer, grad, reset)`` -> nothing: the gradient becomes a graph
   output. The trainers reset gradients after every step (``lazy_reset_grad``), so the
-  accumulator always overwrites; the portable trainer gets the same fresh gradient.
+  accumulator always overwrites; the portable trainer gets the same fresh gradient;
+* ``SigmoidGrad(dY, Y)`` -> ``dY * Y * (1 - Y)`` (bce's loss, Sigmoid layers);
+  ``TanhGrad(dY, Y)`` -> ``dY * (1 - Y * Y)``; ``LeakyReluGrad(dY, Y)`` -> ``Where(Y > 0, dY,
+  alpha * dY)``; ``SoftmaxGrad_13(dY, Y)`` -> ``Y * (dY - ReduceSum(dY * Y, axis))``;
+  ``LogSoftmaxGrad_13(dY, Y)`` -> ``dY - Exp(Y) * ReduceSum(dY, axis)``;
+* ``MaxPoolGrad(dY, indices)`` (registered by onnxruntime in the *standard* domain, but not an
+  ONNX op) -> ``ScatterElements(zeros, indices, dY, reduction = add)`` over the flattened input
+  of the forward ``MaxPool`` (which returns those indices), reshaped to that input's shape:
+  any padding, stride, dilation, ``ceil_mode`` and overlapping windows (not
+  ``storage_order = 1``).
+
+An op counts as standard when the ONNX schema defines it (``onnx.defs.has``), not by its domain.
 
 A contrib op without a lowering (or a variant outside the above) is not an error at build
 time: the bundle records it (``PortableInfo.unsupported_ops``) and ships without the portable
 files; devices with onnxruntime-training still train it, devices without refuse it by name.
 
-The portable graph's interface (``PORTABLE_FORMAT`` 1): inputs ``input``, ``labels``, then
-every parameter in layout order; outputs the loss, ``logits``, then ``<param>_grad`` for
-every parameter in layout order. The initial parameters go into a separate file of raw
-little-endian float32, concatenated in layout order (onnxruntime-training's checkpoint is a
-format only its runtime reads).
+The portable graph's interface (``PORTABLE_FORMAT`` 1): inputs ``input``, the loss's label
+input (int64 ``labels`` for cross-entropy, float ``target`` for bce and mse), every trained
+parameter in layout order, then the model's frozen tensors (float initializers that are not
+trained: a torch module's buffers and parameters without ``requires_grad``, an ONNX model's
+initializers left out of ``trainable``), in the generated graph's order and with static
+shapes; outputs the loss, ``logits``, then ``<param>_grad`` for every parameter in layout
+order (frozen tensors get no gradient). The checkpoint is a separate file of raw
+little-endian float32: the parameters in layout order, then the frozen tensors in input order
+(onnxruntime-training's checkpoint is a format only its runtime reads). A model of the built-in
+zoo has no frozen tensors and trains with ``labels``, so its portable files are what they were
+before frozen tensors and targets were supported (same ``bundle_id``s); an agent built before
+that refuses a graph with a ``target`` or frozen inputs at its interface check, by name.
 
 onnx is imported inside functions: only the coordinator, which builds bundles, needs it.
 """
@@ -65,8 +83,9 @@ FILENAMES = {
 GRAD_SUFFIX = "_grad"
 """Portable gradient outputs are named ``<param>_grad``."""
 
-PORTABLE_INPUT, PORTABLE_LABELS = "input", "labels"
-"""The portable graph's first two inputs (then the trained parameters, in layout order)."""
+PORTABLE_INPUT, PORTABLE_LABELS, PORTABLE_TARGET = "input", "labels", "target"
+"""The portable graph's first input, and its second: int64 ``labels`` (cross-entropy) or float ``target``
+(bce, mse); then the trained parameters in layout order, then any frozen tensors."""
 
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 """Domains every onnxruntime build implements."""
@@ -88,11 +107,14 @@ class LoweringContext:
         shapes: Static shapes known for tensor names (graph inputs, value_info); ``None``
             for a dimension that is symbolic.
         taken: Every name already used in the graph (new names avoid them).
+        producers: The node of the generated graph that outputs each tensor name (a
+            gradient op may need what its forward op saw, e.g. MaxPool's input shape).
     """
 
     opset: int
     shapes: dict[str, list[int | None]]
     taken: set[str]
+    producers: dict[str, Any] = field(default_factory=dict)
     initializers: list[Any] = field(default_factory=list)
     gradients: dict[str, str] = field(default_factory=dict)
     gradient_buffers: dict[str, str] = field(default_factory=dict)
@@ -334,12 +356,147 @@ def lower_accumulator(node: Any, ctx: LoweringContext) -> list[Any]:
     return []
 
 
+def _one_like(node: Any, ctx: LoweringContext, like: str, hint: str) -> tuple[str, list[Any]]:
+    """A scalar 1 of ``like``'s element type."""
+    one = ctx.fresh(f"{hint}/one")
+    return one, [_node("CastLike", [ctx.const(f"{hint}/one_f", np.ones((), np.float32)), like], [one], node, "one")]
+
+
+def lower_sigmoid_grad(node: Any, ctx: LoweringContext) -> list[Any]:
+    """``SigmoidGrad(dY, Y) = dY * Y * (1 - Y)`` (``Y`` is Sigmoid's output), in the kernel's order."""
+    d_y, y = node.input[0], node.input[1]
+    (d_x,) = node.output
+    one, nodes = _one_like(node, ctx, y, d_x)
+    dy_y, one_m_y = ctx.fresh(f"{d_x}/dy_y"), ctx.fresh(f"{d_x}/one_minus_y")
+    return [
+        *nodes,
+        _node("Mul", [d_y, y], [dy_y], node, "dy_y"),
+        _node("Sub", [one, y], [one_m_y], node, "one_minus_y"),
+        _node("Mul", [dy_y, one_m_y], [d_x], node, "mul"),
+    ]
+
+
+def lower_tanh_grad(node: Any, ctx: LoweringContext) -> list[Any]:
+    """``TanhGrad(dY, Y) = dY * (1 - Y * Y)`` (``Y`` is Tanh's output)."""
+    d_y, y = node.input[0], node.input[1]
+    (d_x,) = node.output
+    one, nodes = _one_like(node, ctx, y, d_x)
+    y_sq, one_m = ctx.fresh(f"{d_x}/y_sq"), ctx.fresh(f"{d_x}/one_minus_y_sq")
+    return [
+        *nodes,
+        _node("Mul", [y, y], [y_sq], node, "y_sq"),
+        _node("Sub", [one, y_sq], [one_m], node, "one_minus_y_sq"),
+        _node("Mul", [d_y, one_m], [d_x], node, "mul"),
+    ]
+
+
+def lower_leaky_relu_grad(node: Any, ctx: LoweringContext) -> list[Any]:
+    """``LeakyReluGrad(dY, Y) = dY where Y > 0 else alpha * dY`` (``Y`` is LeakyRelu's output)."""
+    d_y, y = node.input[0], node.input[1]
+    (d_x,) = node.output
+    alpha = float(_attrs(node).get("alpha", 0.01))
+    zero = ctx.const(f"{d_x}/zero", np.zeros((), np.float32))
+    slope = ctx.const(f"{d_x}/alpha", np.array(alpha, np.float32))
+    zero_y, slope_t, scaled, positive = (ctx.fresh(f"{d_x}/{n}") for n in ("zero_y", "alpha_t", "scaled", "pos"))
+    return [
+        _node("CastLike", [zero, y], [zero_y], node, "zero_y"),
+        _node("CastLike", [slope, d_y], [slope_t], node, "alpha"),
+        _node("Mul", [d_y, slope_t], [scaled], node, "scaled"),
+        _node("Greater", [y, zero_y], [positive], node, "positive"),
+        _node("Where", [positive, d_y, scaled], [d_x], node, "where"),
+    ]
+
+
+def _axis(node: Any, ctx: LoweringContext, hint: str) -> str:
+    return ctx.const(f"{hint}/axis", np.array([int(_attrs(node).get("axis", -1))], np.int64))
+
+
+def lower_softmax_grad_13(node: Any, ctx: LoweringContext) -> list[Any]:
+    """``SoftmaxGrad_13(dY, Y) = Y * (dY - sum(dY * Y, axis))`` (opset-13 Softmax: one axis)."""
+    d_y, y = node.input[0], node.input[1]
+    (d_x,) = node.output
+    prod, total, diff = ctx.fresh(f"{d_x}/dy_y"), ctx.fresh(f"{d_x}/sum"), ctx.fresh(f"{d_x}/diff")
+    return [
+        _node("Mul", [d_y, y], [prod], node, "dy_y"),
+        _node("ReduceSum", [prod, _axis(node, ctx, d_x)], [total], node, "sum", keepdims=1),
+        _node("Sub", [d_y, total], [diff], node, "diff"),
+        _node("Mul", [y, diff], [d_x], node, "mul"),
+    ]
+
+
+def lower_log_softmax_grad_13(node: Any, ctx: LoweringContext) -> list[Any]:
+    """``LogSoftmaxGrad_13(dY, Y) = dY - exp(Y) * sum(dY, axis)`` (``Y`` is LogSoftmax's output)."""
+    d_y, y = node.input[0], node.input[1]
+    (d_x,) = node.output
+    prob, total, scaled = ctx.fresh(f"{d_x}/prob"), ctx.fresh(f"{d_x}/sum"), ctx.fresh(f"{d_x}/scaled")
+    return [
+        _node("Exp", [y], [prob], node, "exp"),
+        _node("ReduceSum", [d_y, _axis(node, ctx, d_x)], [total], node, "sum", keepdims=1),
+        _node("Mul", [prob, total], [scaled], node, "scaled"),
+        _node("Sub", [d_y, scaled], [d_x], node, "sub"),
+    ]
+
+
+_SCATTER_ADD_OPSET = 16  # ScatterElements' reduction attribute
+
+
+def lower_max_pool_grad(node: Any, ctx: LoweringContext) -> list[Any]:
+    """``MaxPoolGrad(dY, indices)``: ``dX`` of MaxPool's input shape, ``dX.flat[indices[i]] += dY.flat[i]``.
+
+    onnxruntime registers MaxPoolGrad in the standard domain, but ONNX defines no such op. Its
+    kernel reads only the indices the forward ``MaxPool`` returned (flat positions in the
+    whole row-major input, batch and channel included), so padding, strides, dilations,
+    ``ceil_mode`` and overlapping windows need nothing here: a ``ScatterElements`` with
+    ``reduction = add`` over the flattened input adds each incoming gradient where its
+    maximum was, in the kernel's order. ``dX``'s shape is the forward input's (read with
+    ``Shape`` on it; the kernel takes the statically inferred one).
+
+    Not lowered: ``storage_order = 1`` (column-major indices, which the kernel would scatter as
+    row-major ones), indices that no ``MaxPool`` of the graph produced, and graphs below opset 16.
+    """
+    attrs = _attrs(node)
+    if int(attrs.get("storage_order", 0)) != 0:
+        raise NotLowerable("storage_order=1")
+    if ctx.opset < _SCATTER_ADD_OPSET:
+        raise NotLowerable(f"opset {ctx.opset} < {_SCATTER_ADD_OPSET}")
+    d_y, indices = node.input[0], node.input[1]
+    (d_x,) = node.output
+    forward = ctx.producers.get(indices)
+    if (forward is None or forward.op_type != "MaxPool" or forward.domain not in ("", "ai.onnx")
+            or len(forward.output) < 2 or forward.output[1] != indices):
+        raise NotLowerable("indices not from a MaxPool")
+    x = forward.input[0]
+    t = ctx.fresh
+    shape, count, size, zeros, flat_i, flat_dy, summed = (t(f"{d_x}/{n}") for n in (
+        "shape", "count", "size", "zeros", "flat_indices", "flat_dy", "scattered"))
+    flat = ctx.const(f"{d_x}/flat", np.array([-1], np.int64))
+    from onnx import helper
+
+    return [
+        _node("Shape", [x], [shape], node, "shape"),
+        _node("Size", [x], [count], node, "count"),
+        _node("Reshape", [count, ctx.const(f"{d_x}/one_dim", np.array([1], np.int64))], [size], node, "size"),
+        _node("ConstantOfShape", [size], [zeros], node, "zeros",
+              value=helper.make_tensor("zero", 1, [1], [0.0])),  # float32, the kernel's only type
+        _node("Reshape", [indices, flat], [flat_i], node, "flat_indices"),
+        _node("Reshape", [d_y, flat], [flat_dy], node, "flat_dy"),
+        _node("ScatterElements", [zeros, flat_i, flat_dy], [summed], node, "scatter", axis=0, reduction="add"),
+        _node("Reshape", [summed, shape], [d_x], node, "dx"),
+    ]
+
+
 LOWERINGS: dict[tuple[str, str], Lowering] = {
     ("com.microsoft", "ReluGrad"): lower_relu_grad,
     ("com.microsoft", "Scale"): lower_scale,
     ("com.microsoft", "SoftmaxCrossEntropyLossGrad"): lower_softmax_cross_entropy_loss_grad,
     ("com.microsoft", "ConvGrad"): lower_conv_grad,
     ("com.microsoft", "InPlaceAccumulatorV2"): lower_accumulator,
+    ("com.microsoft", "SigmoidGrad"): lower_sigmoid_grad,
+    ("com.microsoft", "TanhGrad"): lower_tanh_grad,
+    ("com.microsoft", "LeakyReluGrad"): lower_leaky_relu_grad,
+    ("com.microsoft", "SoftmaxGrad_13"): lower_softmax_grad_13,
+    ("com.microsoft", "LogSoftmaxGrad_13"): lower_log_softmax_grad_13,
+    ("", "MaxPoolGrad"): lower_max_pool_grad,  # ORT's kernel in the standard domain; not an ONNX op
 }
 """(domain, op type) -> lowering. Each entry has an op-by-op test against the contrib kernel."""
 
@@ -388,7 +545,8 @@ def lower_training_graph(model: "onnx.ModelProto", params: Sequence[str]) -> Low
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     taken = {name for n in graph.node for name in (*n.input, *n.output)}
     taken |= {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    ctx = LoweringContext(opset=opset, shapes=_static_shapes(graph), taken=taken)
+    producers = {name: n for n in graph.node for name in n.output if name}
+    ctx = LoweringContext(opset=opset, shapes=_static_shapes(graph), taken=taken, producers=producers)
     nodes: list[Any] = []
     unsupported: set[str] = set()
     for node in graph.node:
@@ -398,7 +556,7 @@ def lower_training_graph(model: "onnx.ModelProto", params: Sequence[str]) -> Low
                                                               else node.domain):
             nodes.append(node)
             continue
-        lowering = LOWERINGS.get((node.domain, node.op_type))
+        lowering = LOWERINGS.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type))
         if lowering is None:
             unsupported.add(node.op_type)
             continue
@@ -453,8 +611,8 @@ def write_portable(directory: Path, forward: "onnx.ModelProto", training: "onnx.
 
     Args:
         directory: The bundle's build directory.
-        forward: The exported forward model (its initializers are the initial weights, the
-            same values ``generate_artifacts`` put into the checkpoint).
+        forward: The exported forward model (its initializers are the initial weights and the
+            frozen tensors' values, the same values ``generate_artifacts`` put into the checkpoint).
         training: The generated training graph.
         layout: The bundle's parameter layout.
 
@@ -470,16 +628,11 @@ def write_portable(directory: Path, forward: "onnx.ModelProto", training: "onnx.
     from onnx import numpy_helper
 
     lowered = lower_training_graph(training, list(layout.names))
+    frozen: list[str] = []
     if lowered.model is not None:
-        # The portable interface feeds data, integer labels and the trained parameters, nothing
-        # else; a graph that wants more (frozen tensors, a regression target) is recorded, not shipped.
-        inputs = [i.name for i in lowered.model.graph.input]
-        interface = [PORTABLE_INPUT, PORTABLE_LABELS, *layout.names]
-        if inputs != interface:
-            extra = [name for name in inputs if name not in interface] or inputs
-            lowered = Lowered(model=None, unsupported_ops=(
-                f"graph inputs {extra} (the portable graph takes {PORTABLE_INPUT}, {PORTABLE_LABELS} and the "
-                "trained parameters)",))
+        blocked, frozen = _fit_interface(lowered.model, training, forward, layout)
+        if blocked:
+            lowered = Lowered(model=None, unsupported_ops=(blocked,))
     info = PortableInfo(format=PORTABLE_FORMAT, unsupported_ops=lowered.unsupported_ops)
     if lowered.model is None:
         logger.warning("no portable training graph: no lowering for %s; devices without "
@@ -493,11 +646,50 @@ def write_portable(directory: Path, forward: "onnx.ModelProto", training: "onnx.
             raise ArtifactError(f"forward model initializer {spec.name!r} does not match the layout "
                                 f"({None if value is None else (value.shape, value.dtype)} vs {spec.shape})")
         chunks.append(np.ascontiguousarray(value, dtype="<f4").tobytes())
+    chunks += [np.ascontiguousarray(weights[name], dtype="<f4").tobytes() for name in frozen]
     model_path = Path(directory) / FILENAMES["portable_model"]
     checkpoint_path = Path(directory) / FILENAMES["portable_checkpoint"]
     onnx.save(lowered.model, str(model_path))
     checkpoint_path.write_bytes(b"".join(chunks))
     return {role: BundleFile.of(Path(directory) / name) for role, name in FILENAMES.items()}, info
+
+
+def _fit_interface(portable: "onnx.ModelProto", training: "onnx.ModelProto", forward: "onnx.ModelProto",
+                   layout: Layout) -> tuple[str, list[str]]:
+    """Order the portable graph's inputs as the interface says; return ``(why not, frozen names)``.
+
+    The interface: ``input``, the loss's label input (``labels`` or ``target``), the trained
+    parameters in layout order, then the frozen tensors in the generated graph's order, each
+    with its static shape (the device reads their values from the checkpoint's tail, and
+    feeds them to the eval graph too, which takes them as inputs like the training graph).
+    Anything else the graph wants is reported as the reason it cannot ship.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = portable.graph
+    by_name = {i.name: i for i in graph.input}
+    names = set(layout.names)
+    label = next((n for n in (PORTABLE_LABELS, PORTABLE_TARGET) if n in by_name), None)
+    weights = {init.name: init for init in forward.graph.initializer}
+    generated = [i.name for i in training.graph.input]
+    frozen = [n for n in generated if n not in names and n in weights and weights[n].data_type == TensorProto.FLOAT]
+    head = [PORTABLE_INPUT, label, *layout.names]
+    extra = [n for n in by_name if n not in head and n not in frozen]
+    if label is None or PORTABLE_INPUT not in by_name or extra or not names <= set(by_name):
+        wanted = extra or [n for n in head if n not in by_name]
+        return (f"graph inputs {wanted} (the portable graph takes {PORTABLE_INPUT}, {PORTABLE_LABELS} or "
+                f"{PORTABLE_TARGET}, the trained parameters and frozen initializers)"), []
+    ordered = []
+    for name in head:
+        kept = onnx.ValueInfoProto()
+        kept.CopyFrom(by_name[name])  # copied before the inputs are cleared below
+        ordered.append(kept)
+    # A frozen tensor the lowered graph no longer reads stays an input: the eval graph takes it.
+    ordered += [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(weights[n].dims)) for n in frozen]
+    del graph.input[:]
+    graph.input.extend(ordered)
+    return "", frozen
 
 
 __all__ = [

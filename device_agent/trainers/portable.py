@@ -8,6 +8,11 @@ graph at every step and applies plain SGD itself (``w <- w - lr * g`` in float32
 ``SGDOptimizerV2`` computes). Evaluation runs the bundle's ``eval_model.onnx``, which uses
 standard ops only.
 
+Users' models too: the label input is ``labels`` (cross-entropy) or ``target`` (bce, mse),
+and a model's frozen tensors (untrained initializers) are graph inputs after the parameters,
+whose values follow the parameters in the portable checkpoint. They are fed to both graphs,
+never updated, and are not parameters of the ``Trainer`` interface (as with ``OrtTrainer``).
+
 It runs on any onnxruntime, the training build included (that is how the main development
 environment exercises it); with the training build installed the torch-free shim is put in
 place first, so importing onnxruntime does not drag torch in.
@@ -34,17 +39,19 @@ from device_agent.trainers import (
     check_lr,
     check_tensors,
     check_threads,
+    correct_predictions,
 )
 from device_agent.trainers.ort_runtime import import_onnxruntime
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.errors import ArtifactError
-from fedtier.training.layout import Layout
+from fedtier.training.layout import Layout, ParamSpec
 from fedtier.training.trainer import Batch, EvalResult, TrainStats
 
 logger = logging.getLogger(__name__)
 
 INPUT_NAME = "input"
 LABELS_NAME = "labels"
+TARGET_NAME = "target"
 LOGITS_NAME = "logits"
 GRAD_SUFFIX = "_grad"  # models.portable.GRAD_SUFFIX (the device does not import models)
 _ORT_LOG_ERROR = 3
@@ -69,26 +76,41 @@ def require_portable_graph(bundle: ArtifactBundle) -> None:
             "onnxruntime-training, so it cannot take part in this rollout")
 
 
-def read_checkpoint(path: Path, layout: Layout) -> dict[str, np.ndarray]:
-    """Parameters from a portable checkpoint: raw little-endian float32 in layout order.
+def label_input(loss: str) -> str:
+    """The graphs' label input for ``loss``: int64 ``labels`` (cross-entropy) or float ``target``."""
+    return LABELS_NAME if loss == "cross_entropy" else TARGET_NAME
+
+
+def read_checkpoint(path: Path, layout: Layout, frozen: Layout | None = None
+                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Parameters and frozen tensors from a portable checkpoint.
+
+    The file is raw little-endian float32: the trained parameters in layout order, then the
+    frozen tensors (a user model's untrained initializers) in the portable graph's input order.
+
+    Returns:
+        ``(parameters, frozen tensors)``, by name.
 
     Raises:
-        ArtifactError: The file cannot be read or its size is not the layout's.
+        ArtifactError: The file cannot be read or its size is not the one both need.
     """
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
         raise ArtifactError(f"cannot read the portable checkpoint {path}: {exc}") from exc
-    expected = 4 * layout.num_parameters
+    frozen = frozen or Layout(params=())
+    expected = 4 * (layout.num_parameters + frozen.num_parameters)
     if len(raw) != expected:
-        raise ArtifactError(f"portable checkpoint {path} has {len(raw)} bytes; the layout needs {expected}")
+        what = "the layout needs" if not frozen.params else "the layout and the frozen tensors need"
+        raise ArtifactError(f"portable checkpoint {path} has {len(raw)} bytes; {what} {expected}")
     flat = np.frombuffer(raw, dtype="<f4")
-    out: dict[str, np.ndarray] = {}
+    parts: list[dict[str, np.ndarray]] = [{}, {}]
     offset = 0
-    for spec in layout.params:
-        out[spec.name] = np.array(flat[offset:offset + spec.size], dtype=np.float32).reshape(spec.shape)
-        offset += spec.size
-    return out
+    for part, specs in zip(parts, (layout.params, frozen.params), strict=True):
+        for spec in specs:
+            part[spec.name] = np.array(flat[offset:offset + spec.size], dtype=np.float32).reshape(spec.shape)
+            offset += spec.size
+    return parts[0], parts[1]
 
 
 class PortableTrainer:
@@ -124,20 +146,37 @@ class PortableTrainer:
             self._eval = ort.InferenceSession(str(bundle.path("eval_model")), options, providers=providers)
         except Exception as exc:  # onnxruntime's pybind errors derive from Exception only
             raise ArtifactError(f"onnxruntime cannot load bundle {bundle.bundle_id[:12]}: {exc}") from exc
-        self._train_outputs = self._check_interface()
-        self._params = read_checkpoint(bundle.path("portable_checkpoint"), self._layout)
+        self._label = label_input(self._arch.loss)
+        self._train_outputs, frozen = self._check_interface()
+        self._params, self._frozen = read_checkpoint(bundle.path("portable_checkpoint"), self._layout, frozen)
         logger.debug("PortableTrainer for bundle %s (%s, %d parameters, %d thread(s), onnxruntime %s)",
                      bundle.bundle_id[:12], self._arch.kind, self._layout.num_parameters, self._threads,
                      ort.__version__)
 
-    def _check_interface(self) -> list[str]:
-        """The graphs must take ``(input, labels, *params)``; return the training outputs to fetch."""
+    def _check_interface(self) -> tuple[list[str], Layout]:
+        """The training graph must take ``(input, label, *params, *frozen)`` and return
+        ``(loss, logits, *grads)``; the eval graph may take only what it feeds.
+
+        Returns:
+            The training outputs to fetch, and the frozen tensors' names and static shapes.
+        """
         names = list(self._layout.names)
-        expected_inputs = [INPUT_NAME, LABELS_NAME, *names]
-        for what, session in (("portable training", self._train), ("eval", self._eval)):
-            inputs = [i.name for i in session.get_inputs()]
-            if inputs != expected_inputs:
-                raise ArtifactError(f"{what} graph inputs {inputs} are not {expected_inputs}")
+        head = [INPUT_NAME, self._label, *names]
+        inputs = self._train.get_inputs()
+        if [i.name for i in inputs[:len(head)]] != head:
+            raise ArtifactError(f"portable training graph inputs {[i.name for i in inputs]} do not start with {head}")
+        frozen = []
+        for arg in inputs[len(head):]:
+            if arg.type != "tensor(float)" or not all(isinstance(d, int) and d >= 0 for d in arg.shape):
+                raise ArtifactError(f"portable training graph input {arg.name!r} ({arg.type} {arg.shape}) is not a "
+                                    "frozen float tensor of static shape")
+            frozen.append(ParamSpec(arg.name, tuple(int(d) for d in arg.shape)))
+        eval_inputs = [i.name for i in self._eval.get_inputs()]
+        fed = {*head, *(spec.name for spec in frozen)}
+        if eval_inputs[:2] != head[:2] or not set(eval_inputs) <= fed:
+            raise ArtifactError(f"eval graph inputs {eval_inputs} are not {head[:2]} followed by parameters and "
+                                "frozen tensors of the portable graph")
+        self._eval_inputs = eval_inputs
         outputs = [o.name for o in self._train.get_outputs()]
         grads = [f"{name}{GRAD_SUFFIX}" for name in names]
         if len(outputs) != 2 + len(names) or outputs[1] != LOGITS_NAME or outputs[2:] != grads:
@@ -146,7 +185,7 @@ class PortableTrainer:
         eval_outputs = [o.name for o in self._eval.get_outputs()]
         if len(eval_outputs) < 2 or eval_outputs[1] != LOGITS_NAME:
             raise ArtifactError(f"eval graph outputs {eval_outputs} are not (loss, {LOGITS_NAME}, ...)")
-        return [outputs[0], *grads]  # logits are computed anyway, but not copied out
+        return [outputs[0], *grads], Layout(params=tuple(frozen))  # logits are computed anyway, but not copied out
 
     # --- Trainer protocol --------------------------------------------------------------------
 
@@ -197,7 +236,7 @@ class PortableTrainer:
         return TrainStats(steps=steps, samples=samples, mean_loss=mean_loss)
 
     def compute_gradient(self, x: np.ndarray, y: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
-        """Gradient of the mean cross-entropy on ``(x, y)``; parameters unchanged.
+        """Gradient of the mean loss on ``(x, y)``; parameters unchanged.
 
         Raises:
             LocalProtocolError: Invalid batch.
@@ -226,13 +265,14 @@ class PortableTrainer:
         xs, ys = check_batch(self._arch, x, y)
         n = xs.shape[0]
         loss_sum = 0.0
-        correct = 0
+        correct = 0.0
         for start in range(0, n, EVAL_CHUNK):
             xc, yc = xs[start:start + EVAL_CHUNK], ys[start:start + EVAL_CHUNK]
             loss, logits = self._eval_step(xc, yc)
             loss_sum += loss * xc.shape[0]
-            correct += int(np.count_nonzero(np.argmax(logits, axis=1) == yc))
-        return EvalResult(loss=loss_sum / n, accuracy=correct / n, samples=n)
+            correct += correct_predictions(self._arch.loss, logits, yc)
+        accuracy = None if self._arch.loss == "mse" else correct / n
+        return EvalResult(loss=loss_sum / n, accuracy=accuracy, samples=n)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Logits ``(b, classes)`` for ``x`` with the eval graph (labels are dummies).
@@ -246,14 +286,19 @@ class PortableTrainer:
         chunks = []
         for start in range(0, xs.shape[0], EVAL_CHUNK):
             xc = xs[start:start + EVAL_CHUNK]
-            _loss, logits = self._eval_step(xc, np.zeros(xc.shape[0], dtype=np.int64))
+            _loss, logits = self._eval_step(xc, self._dummy_labels(xc.shape[0]))
             chunks.append(logits)
         return np.ascontiguousarray(np.concatenate(chunks, axis=0), dtype=np.float32)
 
     # --- internals ----------------------------------------------------------------------------
 
     def _feeds(self, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-        return {INPUT_NAME: x, LABELS_NAME: y, **self._params}
+        return {INPUT_NAME: x, self._label: y, **self._params, **self._frozen}
+
+    def _dummy_labels(self, batch: int) -> np.ndarray:
+        if self._arch.loss == "cross_entropy":
+            return np.zeros(batch, dtype=np.int64)
+        return np.zeros((batch, self._arch.num_classes), dtype=np.float32)
 
     def _forward_backward(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         loss, *grads = self._train.run(self._train_outputs, self._feeds(x, y))
@@ -261,7 +306,8 @@ class PortableTrainer:
                              for name, g in zip(self._layout.names, grads, strict=True)}
 
     def _eval_step(self, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-        loss, logits = self._eval.run(None, self._feeds(x, y))[:2]
+        feeds = self._feeds(x, y)
+        loss, logits = self._eval.run(None, {name: feeds[name] for name in self._eval_inputs})[:2]
         if logits.shape != (x.shape[0], self._arch.num_classes):
             raise ArtifactError(f"eval model returned logits of shape {logits.shape}")
         return float(loss), np.asarray(logits, dtype=np.float32)

@@ -6,9 +6,10 @@ and a ``bundle.json`` that lists them with their sha256 and size. Bundles built 
 portable graphs exist also hold the two files a device with only the stock ``onnxruntime``
 trains from (:data:`PORTABLE_ROLES`): the training graph with every contrib op lowered to
 standard ONNX ops (``models.portable``), and the initial parameters as raw little-endian
-float32 in layout order (onnxruntime-training's checkpoint format needs its runtime to
-read). The ``portable`` record says whether the lowering succeeded and, if not, which ops
-had no lowering; a bundle without it (built before) loads as before, with the same id.
+float32 in layout order, followed by a user model's frozen tensors if it has any
+(onnxruntime-training's checkpoint format needs its runtime to read). The ``portable``
+record says whether the lowering succeeded and, if not, which ops had no lowering; a bundle
+without it (built before) loads as before, with the same id.
 
 The descriptor is content-addressed: its ``bundle_id`` is the sha256 of its canonical JSON
 (everything except the local directory), so the same id names the same bytes on the
@@ -51,7 +52,12 @@ PORTABLE_ROLES: tuple[str, ...] = ("portable_model", "portable_checkpoint")
 """The files of the portable training path: a bundle has both (lowering succeeded) or neither."""
 
 PORTABLE_FORMAT = 1
-"""Version of the portable graph's interface (inputs, outputs, checkpoint layout). Bump on change."""
+"""Version of the portable graph's interface (inputs, outputs, checkpoint layout). Bump on change.
+
+Format 1 graphs of users' models may take a float ``target`` instead of ``labels`` and frozen
+tensors after the parameters (their values after the parameters in the checkpoint); the
+built-in models' graphs have neither, so their bundles did not change when this was added,
+and a reader that expects neither refuses such a graph at its input check."""
 
 MAX_OPSET = 21
 """Highest ai.onnx opset onnxruntime-training 1.19.2 accepts (22+ fail in generate_artifacts)."""

@@ -222,3 +222,59 @@ def test_simulating_needs_every_devices_data(model_file: Path, tmp_path: Path, a
     with pytest.raises(ConfigError, match="set \\[data\\] dir") as caught:
         simulate(cfg)
     assert caught.value.key == "data.dir"
+
+
+def test_simulated_devices_on_the_portable_backend_train_a_bce_model_with_frozen_tensors_like_ort(
+        tmp_path: Path, artifact_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[simulation] trainer = "portable": the devices train from the bundle's standard-ONNX graph, as boards
+    without onnxruntime-training do; a model with 3 bce outputs and frozen tensors ends where ort's does."""
+    # Prepare: soft targets of 3 outputs from 12 readings, split iid over 4 devices with held-out rows.
+    from cloud_coordinator.split import SplitOptions, split_table
+    from cloud_coordinator.tables import read_table
+    from portable_models import write_models
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((320, 12)).astype(np.float32)
+    y = (1 / (1 + np.exp(-x[:, :3] @ rng.standard_normal((3, 3))))).astype(np.float32)
+    np.savez(tmp_path / "readings.npz", x=x, y=y)
+    split_table(read_table(tmp_path / "readings.npz"), SplitOptions(devices=4, holdout=0.2, test_fraction=0.2),
+                tmp_path / "shards")
+    models = write_models(tmp_path / "models")
+
+    def config(trainer: str) -> RolloutConfig:
+        return RolloutConfig.from_mapping(base(
+            tmp_path / trainer, artifact_store, rounds=3, simulation={"trainer": trainer},
+            model={"kind": "torch", "factory": f"{models}/user.py:bce", "loss": "bce"},
+            data={"dataset": "files", "dir": str(tmp_path / "shards"), "eval_file": str(tmp_path / "shards/test.npz"),
+                  "partition": "iid", "holdout": 0.0}))
+
+    from device_agent.trainers.portable import PortableTrainer
+
+    portable_steps = []
+    real_train_steps = PortableTrainer.train_steps
+
+    def counted(self: PortableTrainer, batches: Any, lr: float) -> Any:
+        stats = real_train_steps(self, batches, lr)
+        portable_steps.append(stats.steps)
+        return stats
+
+    monkeypatch.setattr(PortableTrainer, "train_steps", counted)
+    # Execute
+    ort = simulate(config("ort"))
+    assert portable_steps == []
+    portable = simulate(config("portable"))
+    # Assert: the portable backend trained every device's every round ...
+    assert len(portable_steps) == 3 * 4 and set(portable_steps) == {8}
+    # ... to the same model (which learnt), the same central and federated evaluations every round.
+    assert portable.prepared.bundle.bundle_id == ort.prepared.bundle.bundle_id
+    assert portable.prepared.bundle.has_portable_graph
+    assert portable.prepared.bundle.layout.names == ("body.weight", "head.weight", "head.bias")  # the rest is frozen
+    for name, value in ort.params.items():
+        np.testing.assert_allclose(portable.params[name], value, rtol=0, atol=1e-5, err_msg=name)
+        assert not np.allclose(value, ort.prepared.initial_params[name])
+    for ours, theirs in zip(portable.rounds, ort.rounds, strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert ours["accuracy"] == pytest.approx(theirs["accuracy"], abs=1e-6)
+        assert ours["federated"]["loss"] == pytest.approx(theirs["federated"]["loss"], rel=1e-5)
+        assert ours["federated"]["accuracy"] == pytest.approx(theirs["federated"]["accuracy"], abs=1e-6)
+    assert ort.rounds[-1]["loss"] < ort.rounds[0]["loss"]

@@ -93,3 +93,27 @@ def test_hist_sends_each_device_a_submodel_and_the_cloud_about_one_model(small_r
     full = sum(int(np.prod(p.shape)) for p in result.params.values())
     assert set(sizes.values()) == {64 * 10 + 10 + 10 * 10 + 10}  # a third of the 30 hidden neurons
     assert sum(sizes.values()) == full + 2 * 10
+
+
+def test_devices_on_the_portable_backend_reach_the_same_model(small_rollout) -> None:
+    """[simulation] trainer = "portable": the built-in MLP and HIST's submodel bundles, like ort's devices."""
+    for overrides in ({}, {"algorithm": "hist", "topology": {"cells": 2, "devices_per_cell": 2},
+                           "hist": {"local_steps": 5, "edge_rounds": 2, "lr": 0.1}}):
+        ort = simulate(small_rollout(rounds=2, **overrides))
+        portable = simulate(small_rollout(rounds=2, simulation={"trainer": "portable"}, **overrides))
+        for name in ort.params:
+            np.testing.assert_allclose(portable.params[name], ort.params[name], rtol=0, atol=1e-5)
+        assert [r["accuracy"] for r in portable.rounds] == pytest.approx([r["accuracy"] for r in ort.rounds], abs=1e-6)
+
+
+def test_a_rollout_without_portable_graph_is_refused_before_it_starts(
+        small_rollout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every simulated device would refuse it: say so, naming the key and the op, instead of stalling."""
+    import models.portable as portable_mod
+    from fedtier.errors import ConfigError
+
+    monkeypatch.delitem(portable_mod.LOWERINGS, ("com.microsoft", "ReluGrad"))
+    cfg = small_rollout(rounds=1, artifact_store=str(tmp_path / "store"), simulation={"trainer": "portable"})
+    with pytest.raises(ConfigError, match=r"portable backend.*no lowering to standard ONNX \(ReluGrad\)") as caught:
+        simulate(cfg)
+    assert caught.value.key == "simulation.trainer"

@@ -115,13 +115,14 @@ def test_the_device_env_has_what_fedtier_agent_needs_on_a_board_and_nothing_heav
     assert heavy == set()
 
 
-def test_agent_without_onnxruntime_training_trains_like_onnxruntime_training(
-        bundles: dict[str, ArtifactBundle], tmp_path: Path) -> None:
-    """20 steps of the MLP and the 1-D CNN: same weights (1e-5) as the in-process ORT-training run."""
+def assert_trains_like_onnxruntime_training(bundles: dict[str, ArtifactBundle],
+                                            batches: dict[str, tuple[np.ndarray, np.ndarray]], tmp_path: Path) -> None:
+    """Train each bundle 20 steps here with onnxruntime-training and there with the agent's own choice;
+    the weights must agree to 1e-5 (and have moved)."""
     job: dict = {"lr": LR, "bundles": {}}
     expected = {}
-    for seed, (name, bundle) in enumerate(bundles.items()):
-        x, y = batches_for(ARCHS[name], seed)
+    for name, bundle in bundles.items():
+        x, y = batches[name]
         np.savez(tmp_path / f"{name}-batches.npz", x=x, y=y)
         job["bundles"][name] = {"directory": str(bundle.directory), "batches": str(tmp_path / f"{name}-batches.npz"),
                                 "out": str(tmp_path / f"{name}-portable.npz")}
@@ -144,6 +145,26 @@ def test_agent_without_onnxruntime_training_trains_like_onnxruntime_training(
             moved = max(float(np.abs(got[p] - v).max())
                         for p, v in make_trainer("ort", bundles[name]).get_parameters().items())
             assert moved > 100 * TOL  # the weights really trained away from the start
+
+
+def test_agent_without_onnxruntime_training_trains_like_onnxruntime_training(
+        bundles: dict[str, ArtifactBundle], tmp_path: Path) -> None:
+    """20 steps of the MLP and the 1-D CNN: same weights (1e-5) as the in-process ORT-training run."""
+    batches = {name: batches_for(ARCHS[name], seed) for seed, name in enumerate(bundles)}
+    assert_trains_like_onnxruntime_training(bundles, batches, tmp_path)
+
+
+def test_agent_without_onnxruntime_training_trains_users_models_like_onnxruntime_training(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """fedtier init's starter (MaxPool), a model per loss (cross_entropy, bce, mse) with frozen tensors, and an
+    ONNX file with only its head trainable."""
+    from portable_models import batches_for as user_batches
+    from portable_models import build_user_bundles
+
+    users = build_user_bundles(tmp_path_factory.mktemp("user-models"),
+                               tmp_path_factory.getbasetemp() / "fedtier-artifact-store")
+    batches = {name: user_batches(bundle.arch, STEPS, seed) for seed, (name, bundle) in enumerate(users.items())}
+    assert_trains_like_onnxruntime_training(users, batches, tmp_path)
 
 
 def test_agent_version_in_the_device_env_names_the_portable_backend(tmp_path: Path) -> None:
