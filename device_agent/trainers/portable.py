@@ -32,13 +32,17 @@ from device_agent.trainers import (
     check_batch,
     check_inputs,
     check_lr,
+    check_score_model,
     check_tensors,
     check_threads,
+    check_weights,
+    correct_predictions,
+    score_loss,
 )
 from device_agent.trainers.ort_runtime import import_onnxruntime
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.errors import ArtifactError
-from fedtier.training.layout import Layout
+from fedtier.training.layout import SCORE_LOSSES, Layout
 from fedtier.training.trainer import Batch, EvalResult, TrainStats
 
 logger = logging.getLogger(__name__)
@@ -206,6 +210,17 @@ class PortableTrainer:
         loss, grads = self._forward_backward(xs, ys)
         return grads, loss
 
+    def score_gradient(self, x: np.ndarray, weights: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """Gradient of ``sum_n weights[n] * output(x[n])`` (a ``weighted_score`` bundle); parameters unchanged.
+
+        Raises:
+            LocalProtocolError: Not a score model, invalid inputs or weights.
+        """
+        check_score_model(self._arch)
+        xs = check_inputs(self._arch, x)
+        loss, grads = self._forward_backward(xs, check_weights(xs.shape[0], weights))
+        return grads, loss
+
     def apply_step(self, direction: Mapping[str, np.ndarray], lr: float) -> None:
         """Apply ``w[name] <- w[name] - lr * direction[name]`` in float32 for each given name.
 
@@ -226,12 +241,12 @@ class PortableTrainer:
         xs, ys = check_batch(self._arch, x, y)
         n = xs.shape[0]
         loss_sum = 0.0
-        correct = 0
+        correct = 0.0
         for start in range(0, n, EVAL_CHUNK):
             xc, yc = xs[start:start + EVAL_CHUNK], ys[start:start + EVAL_CHUNK]
             loss, logits = self._eval_step(xc, yc)
             loss_sum += loss * xc.shape[0]
-            correct += int(np.count_nonzero(np.argmax(logits, axis=1) == yc))
+            correct += correct_predictions(self._arch.loss, logits, yc)
         return EvalResult(loss=loss_sum / n, accuracy=correct / n, samples=n)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
@@ -246,7 +261,7 @@ class PortableTrainer:
         chunks = []
         for start in range(0, xs.shape[0], EVAL_CHUNK):
             xc = xs[start:start + EVAL_CHUNK]
-            _loss, logits = self._eval_step(xc, np.zeros(xc.shape[0], dtype=np.int64))
+            _loss, logits = self._eval_step(xc, np.zeros(xc.shape[0], dtype=np.int64), with_loss=False)
             chunks.append(logits)
         return np.ascontiguousarray(np.concatenate(chunks, axis=0), dtype=np.float32)
 
@@ -260,8 +275,11 @@ class PortableTrainer:
         return float(loss), {name: np.asarray(g, dtype=np.float32)
                              for name, g in zip(self._layout.names, grads, strict=True)}
 
-    def _eval_step(self, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-        loss, logits = self._eval.run(None, self._feeds(x, y))[:2]
+    def _eval_step(self, x: np.ndarray, y: np.ndarray, with_loss: bool = True) -> tuple[float, np.ndarray]:
+        scorer = self._arch.loss in SCORE_LOSSES
+        # A scorer's graph takes coefficients where labels go: zeros, and the loss is computed here.
+        feeds = self._feeds(x, np.zeros((x.shape[0], 1), np.float32) if scorer else y)
+        loss, logits = self._eval.run(None, feeds)[:2]
         if logits.shape != (x.shape[0], self._arch.num_classes):
             raise ArtifactError(f"eval model returned logits of shape {logits.shape}")
-        return float(loss), np.asarray(logits, dtype=np.float32)
+        return (score_loss(logits, y) if scorer and with_loss else float(loss)), np.asarray(logits, dtype=np.float32)
