@@ -89,7 +89,7 @@ RARE_EVENT_SIGNAL = 5
 
 
 def rare_event(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
-    """A binary task with rare positives (the acceptance generator of FeDXL's digest, §8): negatives
+    """A binary task with rare positives (the synthetic setting FeDXL's acceptance checks use): negatives
     ``N(0, noise^2 I)`` and positives ``N(delta, noise^2 I)`` in ``features`` dimensions, ``delta`` of norm
     ``separation`` spread evenly over the first 5 coordinates (with the defaults the Bayes AUROC is
     ``Phi(separation / (noise sqrt 2)) = 0.921``); positives at ``positive_rate`` (default 1/6: 1 to 5)."""

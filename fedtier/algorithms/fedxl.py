@@ -231,9 +231,8 @@ class Device(_DeviceBase):
         super().__init__(**kwargs)
         self._u: dict[int, float] = {}
         """FeDXL2's persistent table: local positive row -> u (kept across rounds, never sent whole)."""
-        self.consumed: list[tuple[int, int, int]] = []
-        """Provenance of the current round's passive draws: (step, pool round, pool index of each passive
-        positive) — a diagnostic the tests read (check 5); reset every round."""
+        self._pending = False
+        """A step's gradient was requested and has not come back."""
 
     def _max_start_step(self, config: Any) -> int:
         return 0
@@ -257,7 +256,6 @@ class Device(_DeviceBase):
                 self._state = RoleState.IDLE
                 raise ScoreListError("the pool of a pauc rollout carries no u values")
         self._passive = PassivePool(pool, stream(c.seed, "xrisk-pool", self.rollout, self.device_id, message.round))
-        self._pool_round = pool.round
         if c.loss.compositional:
             if message.momentum:
                 check_like(self._params, message.momentum, "task momentum")
@@ -268,8 +266,7 @@ class Device(_DeviceBase):
         self._k = 0
         self._hist: dict[str, list[np.ndarray]] = {"pos": [], "neg": [], "u": []}
         self._values: list[float] = []
-        self._pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self.consumed = []
+        self._pending = False
         self._state = RoleState.TRAINING
         return [*self._evaluate_request(), self._score_request()]
 
@@ -285,9 +282,11 @@ class Device(_DeviceBase):
     def scored(self, round: int, step: int, result: RowScores) -> list[Action]:
         """The shell scored the step's rows: update ``u``, compute the coefficients, ask for the gradient."""
         self._guard()
+        if self._state is not RoleState.TRAINING:
+            raise self._misuse("scored() called while no scoring was requested")
         if round != self._round:
             return [Dropped("superseded", f"scores/{round}/{step}", f"now at round {self._round}")]
-        if self._state is not RoleState.TRAINING or self._pending is not None or step != self._k:
+        if self._pending or step != self._k:
             raise self._misuse(f"scored() for step {step} while no scoring of it was requested")
         c: FedXLConfig = self._config
         obj = c.loss
@@ -303,9 +302,7 @@ class Device(_DeviceBase):
             return self._upload(s_pos, s_neg, u_now)
         if c.uses_pool:
             q_neg = self._passive.take_neg(c.b2)
-            q_pos, q_u, idx = self._passive.take_pos(c.b1)
-            self.consumed.append((self._k, self._pool_round, len(idx)))
-            self._last_passive = (q_pos, q_u, idx)
+            q_pos, q_u, _ = self._passive.take_pos(c.b1)
         else:  # Local Pair: the device's own active scores are the "passive" ones
             q_neg, q_pos, q_u = s_neg, s_pos, None
         if obj.compositional:
@@ -331,7 +328,7 @@ class Device(_DeviceBase):
             self._hist["u"].append(u_now)
         rows = np.concatenate([rows_pos, rows_neg])
         weights = xrisk.score_weights(np.concatenate([coef.coef_pos, coef.coef_neg]), np.concatenate([s_pos, s_neg]))
-        self._pending = (rows, weights.astype(np.float32), np.zeros(0))
+        self._pending = True
         if not np.any(weights):  # no pair this step (a one-class device without partners): no gradient
             zero = {n: np.zeros_like(p) for n, p in self._params.items()}
             return self.gradient_done(self._round, self._k, GradientResult(grad=zero, loss=0.0,
@@ -342,9 +339,11 @@ class Device(_DeviceBase):
     def gradient_done(self, round: int, step: int, result: GradientResult) -> list[Action]:
         """The gradient of the step's weighted scores: apply it (FeDXL2 through the momentum)."""
         self._guard()
+        if self._state is not RoleState.TRAINING:
+            raise self._misuse("gradient_done() called while no gradient was requested")
         if round != self._round:
             return [Dropped("superseded", f"gradient/{round}/{step}", f"now at round {self._round}")]
-        if self._state is not RoleState.TRAINING or self._pending is None or step != self._k:
+        if not self._pending or step != self._k:
             raise self._misuse(f"gradient_done() for step {step} while no gradient of it was requested")
         check_like(self._params, result.grad, "score gradient")
         c: FedXLConfig = self._config
@@ -358,7 +357,7 @@ class Device(_DeviceBase):
         else:
             direction = {n: np.asarray(g, np.float32) for n, g in result.grad.items()}
         self._params = {n: (p - lr * direction[n]).astype(np.float32) for n, p in self._params.items()}
-        self._pending = None
+        self._pending = False
         self._k += 1
         if self._k < c.local_steps:
             return [self._score_request()]

@@ -446,3 +446,14 @@ def test_the_round_closed_reports_every_reporter(trainer: Any, init: dict) -> No
     h.run()
     assert all(isinstance(c, RoundClosed) and sorted(d for ds in c.reported.values() for d in ds) == DEVICES
                for c in h.closed)
+
+
+def test_results_nobody_asked_for_are_misuse(trainer: Any, init: dict) -> None:
+    from fedtier.algorithms.base import GradientResult, RowScores
+    from fedtier.errors import LocalProtocolError
+
+    device = fedxl.Device(device_id="dev-00", cell="cell-a", rollout="r")
+    with pytest.raises(LocalProtocolError):
+        device.scored(0, 0, RowScores(rows={}, outputs={}, num_samples=1))
+    with pytest.raises(LocalProtocolError):  # ERROR is terminal
+        device.gradient_done(0, 0, GradientResult(grad={}, loss=0.0, num_samples=1))
