@@ -232,9 +232,9 @@ class Demo:
         if opts.devices < opts.cells or opts.cells < 1:
             raise ValueError(f"need at least one device per cell (devices={opts.devices}, cells={opts.cells})")
         if opts.privacy is not None and opts.algorithm in SCORE_ALGORITHMS:
-            raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm} shares every device's "
-                             "scores, data-dependent releases the privacy layer does not cover yet (docs/privacy.md, "
-                             "Limitations)")
+            raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm} shares every "
+                             "device's scores, data-dependent releases the privacy layer does not cover yet "
+                             "(docs/privacy.md, Limitations)")
         if opts.privacy is not None and opts.algorithm not in PRIVATE_ALGORITHMS:
             raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm}'s in-cell "
                              "gradient exchange is not covered by the privacy layer yet (docs/privacy.md, "
