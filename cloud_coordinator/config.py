@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from fedtier.algorithms.fedavg import FedAvgConfig
+from fedtier.algorithms.fedxl import FedXLConfig
 from fedtier.algorithms.hier_qsgd import HierConfig
 from fedtier.algorithms.hist import HistConfig
 from fedtier.algorithms.qhetfed import QHetFedConfig
@@ -21,10 +22,11 @@ from fedtier.runtime.config import LOG_LEVELS, BrokerConfig, Section, node_id, o
 from fedtier.training.layout import LOSSES, ArchSpec
 from fedtier.transport.topics import check_id
 
-DATASETS = ("digits", "breast_cancer", "synthetic", "files")
+DATASETS = ("digits", "breast_cancer", "synthetic", "rare_event", "files")
 MODEL_KINDS = ("mlp", "cnn1d", "torch", "onnx")
 BUILTIN_MODELS = ("mlp", "cnn1d")
-ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist")
+ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl")
+SCORE_ALGORITHMS = ("fedxl",)  # X-risk algorithms: a one-output scorer trained through weighted scores
 PRIVATE_ALGORITHMS = ("fedavg", "hier_qsgd", "hist")  # the ones whose uplinks pass the DP mechanism
 
 
@@ -32,7 +34,7 @@ def _bits(value: int) -> None:
     """0 (float32) or a QSGD width 2..8 (1 bit leaves no level: s = 2^0 - 1 = 0)."""
     if value == 1:
         raise ValueError("1 bit leaves QSGD no level (s = 2^(b-1) - 1 = 0); use 0 (float32) or 2..8")
-PARTITIONS = ("iid", "shards", "dirichlet", "cell_shards")
+PARTITIONS = ("iid", "shards", "dirichlet", "cell_shards", "one_class")
 
 
 def _factory_spec(value: str) -> None:
@@ -68,7 +70,8 @@ class ModelConfig(Section):
                                        "(batch, outputs) output).")
     loss: str = opt("cross_entropy", choices=LOSSES,
                     help="torch/onnx: cross_entropy (integer class labels), bce (targets in [0, 1] per output) "
-                         "or mse (float targets). Built-in models use cross_entropy.")
+                         "or mse (float targets). Built-in models use cross_entropy. fedxl trains every model as a "
+                         "one-output scorer with weighted_score (set by the algorithm).")
     trainable: tuple[str, ...] | None = opt(None, help="onnx: the float initializers to train (default: all); "
                                                        "the others stay frozen.")
 
@@ -97,7 +100,7 @@ class ModelConfig(Section):
             if getattr(self, key) is not None and self.kind != kind:
                 raise self.error(f"is for kind = {kind!r}; this model is kind = {self.kind!r}", key,
                                  prefix=prefix, source=source)
-        if self.builtin and self.loss != "cross_entropy":
+        if self.builtin and self.loss not in ("cross_entropy", "weighted_score"):
             raise self.error(f"the built-in {self.kind} trains with cross_entropy; use kind = 'torch' or 'onnx' "
                              f"for {self.loss}", "loss", prefix=prefix, source=source)
         if self.kind == "torch":
@@ -117,18 +120,26 @@ class ModelConfig(Section):
             raise self.error("an empty list trains nothing; leave it out to train every float initializer",
                              "trainable", prefix=prefix, source=source)
 
-    def source(self, num_features: int, num_classes: int) -> Any:
+    def source(self, num_features: int, num_classes: int, loss: str | None = None) -> Any:
         """The resolved model (``models.source.ModelSource``); imports torch for built-in and torch models.
+
+        Args:
+            num_features, num_classes: the data's sizes (a built-in model's input and output widths).
+            loss: the algorithm's loss when it imposes one (``weighted_score`` for fedxl: a built-in model
+                then gets one output); default this section's ``loss``.
 
         Raises:
             ConfigError: The user's model cannot be loaded or does not fit its loss (naming the key).
         """
         from models.source import model_source  # torch/onnx: only here, only on the coordinator
 
+        loss = loss or self.loss
         if self.kind == "torch":
-            return model_source(factory=self.factory, loss=self.loss, seed=self.init_seed)
+            return model_source(factory=self.factory, loss=loss, seed=self.init_seed)
         if self.kind == "onnx":
-            return model_source(onnx_path=self.path, loss=self.loss, trainable=self.trainable)
+            return model_source(onnx_path=self.path, loss=loss, trainable=self.trainable)
+        if loss == "weighted_score":
+            return model_source(arch=self.arch(num_features, 1), loss=loss, seed=self.init_seed)
         return model_source(arch=self.arch(num_features, num_classes), seed=self.init_seed)
 
     def arch(self, num_features: int, num_classes: int) -> ArchSpec:
@@ -148,7 +159,9 @@ class DataConfig(Section):
     """
 
     dataset: str = opt("digits", choices=DATASETS,
-                       help="scikit-learn bundled set, a synthetic mixture, or files (your shards in dir).")
+                       help="scikit-learn bundled set, a synthetic mixture, rare_event (a binary task with rare "
+                            "positives: Gaussian classes in `features` dimensions, separated by `separation` on 5 of "
+                            "them), or files (your shards in dir).")
     dir: Path | None = opt(None, help="files: the directory `fedtier data split` wrote (one sub-directory per device "
                                       "id, with train.npz and eval/). Needed to simulate, and to size a built-in "
                                       "model; a coordinator of a torch/onnx model runs without it.")
@@ -161,8 +174,9 @@ class DataConfig(Section):
                               "evaluates the incoming global model on (federated evaluation; 0 = off). For files, "
                               "the shards' eval/ directories play this part.")
     partition: str = opt("shards", choices=PARTITIONS,
-                         help="How training data is split across devices: iid, label shards, Dirichlet, or "
-                              "cell_shards (iid across cells, label shards within each cell).")
+                         help="How training data is split across devices: iid, label shards, Dirichlet, "
+                              "cell_shards (iid across cells, label shards within each cell), or one_class (binary "
+                              "tasks: every other device holds only negatives, the others only positives).")
     classes_per_device: int = opt(2, min=1, help="Label classes per device for partition = shards.")
     alpha: float = opt(0.5, gt=0, help="Dirichlet concentration for partition = dirichlet (small = skewed).")
     test_fraction: float = opt(0.2, gt=0, max=0.9, help="Held-out share evaluated by the coordinator.")
@@ -176,6 +190,17 @@ class DataConfig(Section):
     modes: int = opt(1, min=1, help="synthetic: Gaussian blobs per class (> 1 needs a hidden layer to separate).")
     noise: float = opt(1.0, gt=0, help="synthetic: standard deviation of the noise around each blob.")
     standardize: bool = opt(False, help="Scale features to zero mean, unit variance (training statistics).")
+    positive_rate: float = opt(0.0, min=0, max=0.99,
+                               help="Binary tasks: the share of positives (label 1). rare_event draws them at this "
+                                    "rate (0 = 1/6, pos:neg 1:5); other datasets keep a random subset of their "
+                                    "positives so they are this share (0 = as loaded).")
+    device_shift: float = opt(0.0, min=0,
+                              help="rare_event: device i's features move by (i - (N-1)/2) x device_shift along 5 "
+                                   "coordinates the classes do not use (per-device nuisance shift; the test set "
+                                   "mixes every device's shift).")
+    label_noise: float = opt(0.0, min=0, max=0.5,
+                             help="Binary tasks: the share of each class's training labels flipped (test labels stay "
+                                  "clean).")
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         files = self.dataset == "files"
@@ -183,6 +208,16 @@ class DataConfig(Section):
             if getattr(self, key) is not None and not files:
                 raise self.error(f"is for dataset = 'files'; the {self.dataset} dataset brings its own data",
                                  key, prefix=prefix, source=source)
+        if self.dataset == "rare_event" and self.features < 10 and self.device_shift:
+            raise self.error("rare_event separates the classes on 5 features and shifts devices on 5 others: "
+                             "device_shift needs features >= 10", "features", prefix=prefix, source=source)
+        if self.dataset == "rare_event" and self.features < 5:
+            raise self.error("rare_event separates the classes on 5 features: it needs features >= 5", "features",
+                             prefix=prefix, source=source)
+        if files and (self.positive_rate or self.label_noise):
+            key = "positive_rate" if self.positive_rate else "label_noise"
+            raise self.error("is for the built-in datasets; your shards bring their own labels", key, prefix=prefix,
+                             source=source)
         if files and self.holdout:
             raise self.error("files: each device's held-out rows are its shard's eval/ directory "
                              "(fedtier data split --holdout)", "holdout", prefix=prefix, source=source)
@@ -342,6 +377,48 @@ class HistSection(QuantizedSection):
         return HistConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, **self.common(seed))
 
 
+def _unit_interval(value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"must be in (0, 1]; got {value!r}")
+
+
+@dataclass(frozen=True)
+class FedXLSection(RoundSection):
+    """FeDXL ("FeDXL: Provable Federated Learning for Deep X-Risk Optimization"): AUROC or partial AUROC
+    trained with pairs across devices; devices share scores, never data (see fedtier.algorithms.fedxl).
+
+    Needs a binary task (labels 0 and 1, 1 the positive class). The model is built with one output,
+    its score, and trained through a weighted sum of scores. Round 0 collects the first pool of scores;
+    training starts in round 1.
+    """
+
+    objective: str = opt("auroc", choices=("auroc", "pauc"),
+                         help="auroc: FeDXL1, the pairwise squared hinge (AUROC); pauc: FeDXL2, KL-OPAUC (one-way "
+                              "partial AUROC) with moving averages u and momentum.")
+    batch_size: int = opt(32, min=1, help="B1: positives drawn per local step.")
+    batch_neg: int = opt(0, min=0, help="B2: negatives drawn per local step (0 = batch_size).")
+    local_steps: int = opt(32, min=1, help="K: local steps per round (the communication interval).")
+    lr: float = opt(0.1, min=0, help="Learning rate.")
+    margin: float = opt(1.0, gt=0, help="m of the pairwise hinge (m - score_pos + score_neg)_+ on sigmoid scores.")
+    lam: float = opt(1.0, gt=0, help="pauc: lambda of KL-OPAUC (smaller focuses on the highest-scored negatives).")
+    gamma: float = opt(0.1, check=_unit_interval, help="pauc: moving-average rate of each positive's u, in (0, 1].")
+    beta: float = opt(0.1, check=_unit_interval,
+                      help="pauc: momentum rate, G <- (1 - beta) G + beta g, in (0, 1] (1 = none).")
+    pairs: str = opt("global", choices=("global", "local"),
+                     help="global: pairs across devices through the shared scores (FeDXL); local: each device pairs "
+                          "its own rows only (the paper's Local Pair baseline; no scores are shared).")
+    upload_scores: int = opt(0, min=0, help="Scores of each class a device uploads per round: a random subset of the "
+                                            "K x B it computed (0 = all).")
+    participation: float = opt(1.0, check=_unit_interval,
+                               help="Share of devices sampled for each training round (partial participation); "
+                                    "1 = every device.")
+
+    def algorithm_config(self, seed: int) -> FedXLConfig:
+        return FedXLConfig(objective=self.objective, local_steps=self.local_steps, batch_neg=self.batch_neg,
+                           margin=self.margin, lam=self.lam, gamma=self.gamma, beta=self.beta, pairs=self.pairs,
+                           upload_scores=self.upload_scores, participation=self.participation, **self.common(seed))
+
+
 def _open_unit(value: float) -> None:
     if not 0 < value < 1:
         raise ValueError(f"must be in (0, 1); got {value!r}")
@@ -405,7 +482,7 @@ class RolloutConfig(Section):
     """A training campaign (``fedtier coordinator run``, ``fedtier simulate``)."""
 
     rollout: str = opt("default", check=node_id, help="Rollout id (appears in every topic).")
-    algorithm: str = opt("fedavg", choices=ALGORITHMS, help="Algorithm: fedavg, hier_qsgd, qhetfed or hist.")
+    algorithm: str = opt("fedavg", choices=ALGORITHMS, help="Algorithm: fedavg, hier_qsgd, qhetfed, hist or fedxl.")
     rounds: int = opt(20, min=1, help="Global rounds.")
     seed: int = opt(0, help="Rollout seed: names every RNG stream (minibatches, ...).")
     state_dir: Path = opt(Path("fedtier-state"), help="Coordinator state: SQLite database and artifact store.")
@@ -424,6 +501,7 @@ class RolloutConfig(Section):
     hier_qsgd: HierQsgdSection = opt(default_factory=HierQsgdSection, help="Hier-Local-QSGD settings.")
     qhetfed: QHetFedSection = opt(default_factory=QHetFedSection, help="QHetFed settings.")
     hist: HistSection = opt(default_factory=HistSection, help="HIST settings.")
+    fedxl: FedXLSection = opt(default_factory=FedXLSection, help="FeDXL settings.")
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="Cloud broker (coordinator run).")
     simulation: SimulationConfig = opt(default_factory=SimulationConfig, help="Simulator knobs.")
     privacy: PrivacySection | None = opt(None, help="Differential privacy (off when absent).")
@@ -455,7 +533,18 @@ class RolloutConfig(Section):
                     raise self.error(f"hidden layer of {self.model.hidden[k]} neurons cannot be split over "
                                      f"{cells} cells", "model.hidden", prefix=prefix, source=source)
         self._check_trust(prefix=prefix, source=source)
+        if self.algorithm in SCORE_ALGORITHMS:
+            self._check_scorer(prefix=prefix, source=source)
+        elif self.model.loss == "weighted_score":
+            raise self.error(f"weighted_score trains a scorer through X-risk coefficients, which only "
+                             f"{', '.join(SCORE_ALGORITHMS)} computes; {self.algorithm} trains on labels", "model.loss",
+                             prefix=prefix, source=source)
         if self.privacy is not None:
+            if self.algorithm in SCORE_ALGORITHMS:
+                raise self.error(f"{self.algorithm} shares every device's scores (and u values) with the other devices "
+                                 "through the cloud: data-dependent releases the differential-privacy mechanism does "
+                                 "not cover yet, so a private rollout cannot run it (docs/privacy.md)", "privacy",
+                                 prefix=prefix, source=source)
             if self.algorithm not in PRIVATE_ALGORITHMS:
                 raise self.error(f"differential privacy covers {', '.join(PRIVATE_ALGORITHMS)}; "
                                  f"{self.algorithm}'s gradient exchange is not covered yet", "privacy",
@@ -472,6 +561,15 @@ class RolloutConfig(Section):
                 self.replanner()(None)
             except InfeasiblePlanError as exc:
                 raise self.error(str(exc), "qhetfed.plan.round_budget_s", prefix=prefix, source=source) from None
+
+    def _check_scorer(self, *, prefix: str, source: str | None) -> None:
+        """An X-risk algorithm trains a one-output scorer with loss weighted_score; quantization is not for it."""
+        if self.model.loss not in ("cross_entropy", "weighted_score"):
+            raise self.error(f"{self.algorithm} trains a score with its own pairwise loss (loss weighted_score); leave "
+                             f"loss unset, not {self.model.loss}", "model.loss", prefix=prefix, source=source)
+        if self.model.kind == "cnn1d":
+            raise self.error(f"{self.algorithm} trains a one-output scorer: use kind = 'mlp', or your own model "
+                             "(kind = 'torch' or 'onnx' with one output)", "model.kind", prefix=prefix, source=source)
 
     def _check_trust(self, *, prefix: str, source: str | None) -> None:
         if not (self.topology.trusted or self.topology.parents):

@@ -68,6 +68,8 @@ def load_dataset(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
         x = d.data.astype(np.float64)
         x = (x - x.mean(axis=0)) / (x.std(axis=0) + 1e-12)
         return x.astype(np.float32), d.target.astype(np.int64)
+    if cfg.dataset == "rare_event":
+        return rare_event(cfg)
     if cfg.dataset == "synthetic":
         gen = stream(cfg.seed, "synthetic-data")
         means = gen.normal(size=(cfg.classes, cfg.modes, cfg.features))
@@ -80,6 +82,65 @@ def load_dataset(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
         x = means[y, mode] + cfg.noise * gen.normal(size=(cfg.samples, cfg.features))
         return x.astype(np.float32), y.astype(np.int64)
     raise ValueError(f"unknown dataset {cfg.dataset!r}")
+
+
+RARE_EVENT_SIGNAL = 5
+"""rare_event: the classes differ on this many coordinates, and devices are shifted on as many others."""
+
+
+def rare_event(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+    """A binary task with rare positives (the synthetic setting FeDXL's acceptance checks use): negatives
+    ``N(0, noise^2 I)`` and positives ``N(delta, noise^2 I)`` in ``features`` dimensions, ``delta`` of norm
+    ``separation`` spread evenly over the first 5 coordinates (with the defaults the Bayes AUROC is
+    ``Phi(separation / (noise sqrt 2)) = 0.921``); positives at ``positive_rate`` (default 1/6: 1 to 5)."""
+    gen = stream(cfg.seed, "rare-event-data")
+    rate = cfg.positive_rate or 1.0 / 6.0
+    y = (gen.random(cfg.samples) < rate).astype(np.int64)
+    x = cfg.noise * gen.normal(size=(cfg.samples, cfg.features))
+    x[y == 1, :RARE_EVENT_SIGNAL] += cfg.separation / np.sqrt(RARE_EVENT_SIGNAL)
+    return x.astype(np.float32), y
+
+
+def _binary(y: np.ndarray, what: str) -> None:
+    if not np.isin(y, (0, 1)).all():
+        raise ConfigError(f"{what} is for binary tasks (labels 0 and 1); this dataset has labels "
+                          f"{sorted(np.unique(y).tolist())[:10]}", key=f"data.{what}")
+
+
+def keep_positive_rate(x: np.ndarray, y: np.ndarray, rate: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random subset of the positives (label 1), all negatives, so that positives are ``rate`` of the rows
+    (stream ``(seed, "positive-rate")``); unchanged when there are too few positives for it."""
+    _binary(y, "positive_rate")
+    pos, neg = np.flatnonzero(y == 1), np.flatnonzero(y == 0)
+    keep = int(round(rate / (1.0 - rate) * len(neg)))
+    if keep >= len(pos):
+        return x, y
+    chosen = stream(seed, "positive-rate").choice(pos, size=max(1, keep), replace=False)
+    rows = np.sort(np.concatenate([neg, chosen]))
+    return x[rows], y[rows]
+
+
+def flip_labels(y: np.ndarray, share: float, seed: int) -> np.ndarray:
+    """``share`` of each class's labels flipped (0 <-> 1) at random (stream ``(seed, "label-noise")``): the
+    paper's corrupted-label setting flips 20 % of the positives and 20 % of the negatives."""
+    _binary(y, "label_noise")
+    gen = stream(seed, "label-noise")
+    out = y.copy()
+    for c in (0, 1):
+        idx = np.flatnonzero(y == c)
+        flip = gen.choice(idx, size=int(round(share * len(idx))), replace=False) if len(idx) else idx
+        out[flip] = 1 - c
+    return out
+
+
+def device_shifts(cfg: DataConfig, count: int) -> np.ndarray:
+    """``(count, features)``: device ``i``'s nuisance shift ``(i - (count-1)/2) * device_shift`` on the 5
+    coordinates after the signal's (the paper's per-machine noise mean, made a feature shift)."""
+    shifts = np.zeros((count, cfg.features), np.float32)
+    span = slice(RARE_EVENT_SIGNAL, 2 * RARE_EVENT_SIGNAL)
+    for i in range(count):
+        shifts[i, span] = (i - (count - 1) / 2.0) * cfg.device_shift
+    return shifts
 
 
 def train_test_split(x: np.ndarray, y: np.ndarray, fraction: float, seed: int
@@ -131,6 +192,8 @@ def partition(y: np.ndarray, devices: Sequence[str], cfg: DataConfig,
                             strict=True):
                 by_device[d] = p
         parts = [by_device[d] for d in devices]
+    elif cfg.partition == "one_class":
+        parts = _one_class(y, n_dev, gen)
     else:
         buckets: list[list[np.ndarray]] = [[] for _ in range(n_dev)]
         for c in np.unique(y):
@@ -146,6 +209,24 @@ def partition(y: np.ndarray, devices: Sequence[str], cfg: DataConfig,
                 j = int(np.argmax([len(q) for q in parts]))
                 parts[i], parts[j] = parts[j][:1], parts[j][1:]
     return {d: np.sort(p) for d, p in zip(devices, parts, strict=True)}
+
+
+def _one_class(y: np.ndarray, n_dev: int, gen: np.random.Generator) -> list[np.ndarray]:
+    """Devices 1, 3, 5, ... hold only positives, devices 0, 2, 4, ... only negatives (consecutive devices —
+    one cell — get both kinds); each class is shuffled and split evenly over its devices."""
+    _binary(y, "partition")
+    if n_dev < 2:
+        raise ConfigError("the one_class partition needs at least 2 devices (one per class)", key="data.partition")
+    holders = {1: list(range(1, n_dev, 2)), 0: list(range(0, n_dev, 2))}
+    parts: list[np.ndarray] = [np.zeros(0, np.int64)] * n_dev
+    for c, devices in holders.items():
+        idx = gen.permutation(np.flatnonzero(y == c))
+        if len(idx) < len(devices):
+            raise ConfigError(f"{len(idx)} rows of class {c} cannot be spread over {len(devices)} devices",
+                              key="data.partition")
+        for d, chunk in zip(devices, np.array_split(idx, len(devices)), strict=True):
+            parts[d] = chunk
+    return parts
 
 
 def holdout_split(n: int, fraction: float, seed: int, device: str) -> tuple[np.ndarray, np.ndarray]:
@@ -164,12 +245,23 @@ def make_federated(cfg: DataConfig, devices: Sequence[str],
     if cfg.dataset == "files":
         return load_files(cfg, devices)
     x, y = load_dataset(cfg)
+    if cfg.positive_rate and cfg.dataset != "rare_event":
+        x, y = keep_positive_rate(x, y, cfg.positive_rate, cfg.seed)
     (xtr, ytr), (xte, yte) = train_test_split(x, y, cfg.test_fraction, cfg.seed)
     if cfg.standardize:
         mu, sd = xtr.mean(axis=0), xtr.std(axis=0) + 1e-6
         xtr, xte = ((xtr - mu) / sd).astype(np.float32), ((xte - mu) / sd).astype(np.float32)
-    test = (xte, yte)
+    if cfg.label_noise:
+        ytr = flip_labels(ytr, cfg.label_noise, cfg.seed)
     parts = partition(ytr, devices, cfg, cells)
+    if cfg.dataset == "rare_event" and cfg.device_shift:
+        shifts = device_shifts(cfg, len(devices))
+        xtr = xtr.copy()
+        for i, d in enumerate(devices):
+            xtr[parts[d]] += shifts[i]
+        xte = (xte + shifts[stream(cfg.seed, "rare-event-test-shift").integers(0, len(devices), len(xte))]
+               ).astype(np.float32)
+    test = (xte, yte)
     train: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     holdout: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for d, idx in parts.items():

@@ -1,7 +1,8 @@
 """``fedtier demo``: a whole hierarchy on this machine, as separate processes, over real MQTT.
 
 1. start a broker on a free port: Mosquitto when it is on PATH, else the embedded one;
-2. split scikit-learn's bundled ``digits`` non-iid (Dirichlet) across the devices and write
+2. split scikit-learn's bundled ``digits`` non-iid (Dirichlet) across the devices — for
+   ``--algorithm fedxl`` a binary task with rare positives, one class per device — and write
    each device's ``.npz`` into its own data directory;
 3. write one config per node (coordinator, one edge per cell, one agent per device) and
    start each with the real command: ``fedtier coordinator|edge|agent run --config ...``;
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from cloud_coordinator.config import PRIVATE_ALGORITHMS
+from cloud_coordinator.config import PRIVATE_ALGORITHMS, SCORE_ALGORITHMS
 from cloud_coordinator.fleet import FleetPaths, write_fleet
 
 READY_TIMEOUT_S = 15.0
@@ -57,7 +58,13 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "hier_qsgd": {"edge_rounds": 2, "local_steps": 10, "lr": 0.1},
     "qhetfed": {"tau": 4, "gamma": 10, "lr": 0.2},
     "hist": {"local_steps": 10, "edge_rounds": 2, "lr": 0.2},
+    # FeDXL2 (KL-OPAUC): K = 16 steps of 8 positives and 32 negatives; AUROC 0.90 from the first training round.
+    "fedxl": {"objective": "pauc", "local_steps": 16, "lr": 0.5, "batch_size": 8, "batch_neg": 32},
 }
+# FeDXL trains a score on a binary task: the rare-event generator, one class per device (positives on
+# every other device), a linear scorer (the task's Bayes-optimal score is linear).
+SCORE_DATA = {"dataset": "rare_event", "partition": "one_class", "samples": 2400}
+SCORE_HIDDEN: list[int] = []
 # HIST splits the hidden layer across cells: give each cell's submodel room (64 per cell for 2 cells).
 HIDDEN = {"hist": 128}
 
@@ -224,6 +231,10 @@ class Demo:
     def __init__(self, opts: DemoOptions, view: DemoView) -> None:
         if opts.devices < opts.cells or opts.cells < 1:
             raise ValueError(f"need at least one device per cell (devices={opts.devices}, cells={opts.cells})")
+        if opts.privacy is not None and opts.algorithm in SCORE_ALGORITHMS:
+            raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm} shares every "
+                             "device's scores, data-dependent releases the privacy layer does not cover yet "
+                             "(docs/privacy.md, Limitations)")
         if opts.privacy is not None and opts.algorithm not in PRIVATE_ALGORITHMS:
             raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm}'s in-cell "
                              "gradient exchange is not covered by the privacy layer yet (docs/privacy.md, "
@@ -289,6 +300,7 @@ class Demo:
             "log_level": "info",
             "model": {"kind": "mlp", "hidden": [o.hidden or HIDDEN.get(o.algorithm, 64)]},
             "data": {"dataset": "digits", "partition": "dirichlet", "alpha": o.alpha, "seed": o.seed},
+            **(self.score_task() if o.algorithm in SCORE_ALGORITHMS else {}),
             "topology": topology,
             o.algorithm: self.algorithm_section(),
         }
@@ -299,9 +311,22 @@ class Demo:
                                  "require_tls": self.require_tls}
         return config
 
+    def score_task(self) -> dict[str, Any]:
+        """``--algorithm fedxl``: the model and data of a binary task with rare positives (``SCORE_DATA``)."""
+        o = self.opts
+        return {"model": {"kind": "mlp", "hidden": [o.hidden] if o.hidden else SCORE_HIDDEN},
+                "data": {**SCORE_DATA, "seed": o.seed}}
+
+    def task_description(self) -> str:
+        """What the demo trains on, for its first line."""
+        if self.opts.algorithm in SCORE_ALGORITHMS:
+            return ("a rare-event task (1 positive in 6; every other device holds only positives, the rest only "
+                    "negatives), ranked by AUROC and partial AUROC")
+        return f"digits (non-iid, Dirichlet alpha={self.opts.alpha})"
+
     def algorithm_section(self) -> dict[str, Any]:
         o = self.opts
-        section: dict[str, Any] = {**ALGORITHM_DEFAULTS[o.algorithm], "batch_size": o.batch_size, "deadline_s": 60.0}
+        section: dict[str, Any] = {"batch_size": o.batch_size, **ALGORITHM_DEFAULTS[o.algorithm], "deadline_s": 60.0}
         if o.lr is not None:
             section["lr"] = o.lr
         if o.local_steps is not None:
@@ -489,7 +514,7 @@ class Demo:
                 self.start_broker(port)
                 paths = self.write_configs(port)
             self.say(f"fedtier demo: {o.devices} devices in {o.cells} cells, {o.rounds} rounds of {o.algorithm} on "
-                     f"digits (non-iid, Dirichlet alpha={o.alpha}); {self.broker_kind} broker on 127.0.0.1:{port}")
+                     f"{self.task_description()}; {self.broker_kind} broker on 127.0.0.1:{port}")
             plan = None
             if o.privacy is not None:
                 plan = self.privacy_plan(paths.coordinator)

@@ -19,15 +19,17 @@ import click
 @click.option("--rounds", type=click.IntRange(1), default=30, show_default=True, help="Global rounds.")
 @click.option("--broker", type=click.Choice(["auto", "mosquitto", "embedded"]), default="auto", show_default=True,
               help="auto = Mosquitto when it is on PATH, otherwise the embedded pure-Python broker.")
-@click.option("--algorithm", type=click.Choice(["fedavg", "hier_qsgd", "qhetfed", "hist"]), default="fedavg",
+@click.option("--algorithm", type=click.Choice(["fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl"]), default="fedavg",
               show_default=True,
               help="fedavg: hierarchical FedAvg; hier_qsgd: Hier-Local-QSGD (quantized, 2 edge rounds per round); "
                    "qhetfed: QHetFed (4 quantized gradient aggregations in each cell, then local steps); "
-                   "hist: HIST (each cell trains its own slice of the hidden neurons, 2 edge rounds per round).")
+                   "hist: HIST (each cell trains its own slice of the hidden neurons, 2 edge rounds per round); "
+                   "fedxl: FeDXL (partial AUROC with pairs across devices, on a rare-event task where every device "
+                   "holds one class; reports AUROC and pAUC per round).")
 @click.option("--local-steps", type=click.IntRange(1), default=None,
-              help="Local SGD steps (QHetFed: gamma) [default: 20 fedavg, 10 hier_qsgd and qhetfed].")
+              help="Local SGD steps (QHetFed: gamma) [default: 20 fedavg, 10 hier_qsgd and qhetfed, 16 fedxl].")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Learning rate [default: 0.1; 0.2 for qhetfed].")
+              help="Learning rate [default: 0.1; 0.2 for qhetfed and hist; 0.5 for fedxl].")
 @click.option("--bits-device", type=click.IntRange(2, 8), default=4, show_default=True,
               help="QSGD bits of device uploads (hier_qsgd, qhetfed; hist sends float32 like the paper).")
 @click.option("--bits-edge", type=click.IntRange(2, 8), default=8, show_default=True,
@@ -86,11 +88,15 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     each round's accuracy (a live bar on a terminal), and ends with a summary: accuracy per
     round, bytes per tier, wall time. Ctrl-C or SIGTERM stops every process it started.
 
+    With --algorithm fedxl the task is binary with rare positives, every device holding one
+    class, and each round also shows AUROC and partial AUROC (FPR <= 0.3, 0.5).
+
     With --privacy, cell-a is trusted and cell-b untrusted: the demo prints the noise plan,
     the epsilon spent after each round, and the final epsilon and delta from the ledger.
 
     \b
         fedtier demo
+        fedtier demo --algorithm fedxl
         fedtier demo --privacy --compare
         fedtier demo --privacy --epsilon 4 --trusted cell-a,cell-b --workdir /tmp/dp-demo
     """
@@ -188,6 +194,8 @@ def _document(opts: Any, result: Any, baseline: Any) -> dict[str, Any]:
         "algorithm": opts.algorithm, "rounds": result.rounds, "bytes": totals(result.rounds), "wall_s": result.wall_s,
         "broker": result.broker, "processes": result.processes, "secure": result.secure, "trainer": opts.trainer,
         "final_accuracy": result.rounds[-1]["accuracy"] if result.rounds else None,
+        "final_ranking": ({k: result.rounds[-1].get(k) for k in ("auroc", "pauc_0.3", "pauc_0.5")}
+                          if result.rounds and result.rounds[-1].get("auroc") is not None else None),
         "stopped": result.stopped, "privacy": jsonable(result.privacy) if result.privacy is not None else None,
     }
     if baseline is not None:

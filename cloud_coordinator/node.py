@@ -10,7 +10,8 @@ Start (or restart):
    owes the round gets its task again.
 
 Each closed round is evaluated on the central test set (if the rollout has one) with the ORT
-eval model, committed to SQLite together with its model version and the devices' federated
+eval model — and, on a binary task, ranked (AUROC, pAUC at FPR <= 0.3 and 0.5:
+``cloud_coordinator.metrics_eval``) — committed to SQLite together with its model version and the devices' federated
 evaluation of the model the round started from (``federated``, if devices hold out rows), and
 appended to the metrics file.
 
@@ -32,6 +33,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
+
+from cloud_coordinator import metrics_eval
 from cloud_coordinator.report import epsilon_spent
 from cloud_coordinator.rollout import PreparedRollout
 from cloud_coordinator.store import CoordinatorStore
@@ -71,6 +75,10 @@ class OrtEvaluator:
         x, y = prepared.data.test
         fitted = fit_to_model(LocalData(x=x, y=y), prepared.arch)
         self.x, self.y = fitted.x, fitted.y
+        labels = np.asarray(y)
+        labels = labels.reshape(len(labels)) if labels.ndim == 2 and labels.shape[1] == 1 else labels
+        self.binary_labels = labels if metrics_eval.is_binary(labels) else None
+        """The test labels when the task is binary (then every round also reports AUROC and pAUC)."""
 
     @classmethod
     def for_rollout(cls, prepared: PreparedRollout, threads: int = 1) -> "OrtEvaluator | None":
@@ -80,6 +88,15 @@ class OrtEvaluator:
     def __call__(self, params: dict[str, Any]) -> EvalResult:
         self.trainer.set_parameters(params)
         return self.trainer.evaluate(self.x, self.y)
+
+    def ranking(self, params: dict[str, Any]) -> dict[str, float] | None:
+        """AUROC and pAUC at FPR <= 0.3 and 0.5 on the test set (``cloud_coordinator.metrics_eval``), for a
+        binary task whatever the algorithm; ``None`` otherwise."""
+        if self.binary_labels is None:
+            return None
+        self.trainer.set_parameters(params)
+        scores = metrics_eval.binary_scores(self.trainer.predict(self.x))
+        return None if scores is None else metrics_eval.ranking_metrics(self.binary_labels, scores)
 
 
 def _fmt(value: float | None) -> str:
@@ -308,6 +325,8 @@ class CloudNode(NodeBase):
 
     def _close(self, closed: RoundClosed) -> None:
         result = self.evaluator(dict(closed.params)) if self.evaluator is not None else None
+        ranking = getattr(self.evaluator, "ranking", None)
+        ranks = ranking(dict(closed.params)) if callable(ranking) else None
         wall = self.wall_clock()
         cells = closed.metrics.get("cells", {})
         traffic = self._round_bytes.pop(closed.round, {})
@@ -316,6 +335,7 @@ class CloudNode(NodeBase):
             "round": closed.round,
             "accuracy": result.accuracy if result else None,
             "loss": result.loss if result else None,
+            **(ranks or {}),
             "federated": federated,
             "train_loss": closed.metrics.get("train_loss"),
             "model_version": closed.metrics.get("model_version"),
@@ -355,8 +375,12 @@ class CloudNode(NodeBase):
             self.metrics.set("fedtier_accuracy", result.accuracy)
         if federated is not None and federated.get("accuracy") is not None:
             self.metrics.set("fedtier_federated_accuracy", federated["accuracy"])
-        log.info("round %d closed: accuracy %s loss %s%s (%d devices)%s", closed.round,
+        if ranks:
+            self.metrics.set("fedtier_auroc", ranks["auroc"])
+        log.info("round %d closed: accuracy %s loss %s%s%s (%d devices)%s", closed.round,
                  _fmt(result.accuracy if result else None), _fmt(result.loss if result else None),
+                 "" if not ranks else f" auroc {_fmt(ranks['auroc'])} pauc@0.3 {_fmt(ranks['pauc_0.3'])} "
+                                      f"pauc@0.5 {_fmt(ranks['pauc_0.5'])}",
                  "" if federated is None else
                  f"; federated accuracy {_fmt(federated.get('accuracy'))} loss {_fmt(federated['loss'])} "
                  f"on {federated['examples']} held-out rows of {federated['devices']} devices",

@@ -54,6 +54,8 @@ def round_line(row: dict[str, Any], total_rounds: int) -> str:
     head = f"round {row['round']:>3} ({row['round'] + 1}/{total_rounds})"
     if row.get("loss") is not None:
         head += f"  accuracy {_num(row.get('accuracy'), '.4f')}  loss {_loss(row['loss'])}"
+    if row.get("auroc") is not None:
+        head += f"  {ranking_text(row)}"
     federated = row.get("federated")
     if federated:
         head += f"  federated accuracy {_num(federated.get('accuracy'), '.4f')} loss {_loss(federated['loss'])}"
@@ -61,6 +63,12 @@ def round_line(row: dict[str, Any], total_rounds: int) -> str:
         head += f"  {epsilon_spent(row)} (delta {row['privacy']['delta']:g})"
     return (f"{head}  devices {row.get('devices_reported', 0):>3}  up {human_bytes(b.get('device_up', 0))}"
             f"  {row.get('round_s', 0.0):.2f}s")
+
+
+def ranking_text(row: Mapping[str, Any]) -> str:
+    """``auroc 0.9123 pauc@0.3 0.8510 pauc@0.5 0.8790`` (binary tasks; ``cloud_coordinator.metrics_eval``)."""
+    return (f"auroc {_num(row.get('auroc'), '.4f')} pauc@0.3 {_num(row.get('pauc_0.3'), '.4f')} "
+            f"pauc@0.5 {_num(row.get('pauc_0.5'), '.4f')}")
 
 
 def totals(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
@@ -88,12 +96,16 @@ def rounds_table(rows: Sequence[dict[str, Any]], *, compare: Sequence[dict[str, 
     of a run without privacy), epsilon, bytes, time."""
     private = any(r.get("privacy") for r in rows)
     federated = any(r.get("federated") for r in rows)
+    ranked = any(r.get("auroc") is not None for r in rows)
     table = Table(title="per round", box=box.SIMPLE_HEAD, title_justify="left")
     table.add_column("round", justify="right", no_wrap=True)
     table.add_column("accuracy", justify="right")
     if compare is not None:
         table.add_column("without privacy", justify="right")
     table.add_column("loss", justify="right")
+    if ranked:
+        for name in ("auroc", "pauc@0.3", "pauc@0.5"):
+            table.add_column(name, justify="right")
     if federated:
         table.add_column("fed acc", justify="right")
         table.add_column("fed loss", justify="right")
@@ -108,6 +120,8 @@ def rounds_table(rows: Sequence[dict[str, Any]], *, compare: Sequence[dict[str, 
         if compare is not None:
             cells.append(_num(other.get(int(r["round"]), {}).get("accuracy"), ".4f"))
         cells.append(_loss(r.get("loss")))
+        if ranked:
+            cells += [_num(r.get(key), ".4f") for key in ("auroc", "pauc_0.3", "pauc_0.5")]
         if federated:
             fed = r.get("federated") or {}
             cells += [_num(fed.get("accuracy"), ".4f"), _loss(fed.get("loss"))]
@@ -175,6 +189,8 @@ def summary(rows: Sequence[dict[str, Any]], wall_s: float, title: str, *,
                      f"{rows[-1]['accuracy']:.4f} after {len(rows)} rounds (round {rows[-1]['round']})"))
     elif rows and rows[-1].get("loss") is not None:
         head.append(("final loss", f"{rows[-1]['loss']:.4f} after {len(rows)} rounds (round {rows[-1]['round']})"))
+    if rows and rows[-1].get("auroc") is not None:
+        head.append(("final ranking", f"{ranking_text(rows[-1])} (test set; pAUC McClish-standardized)"))
     last_fed = next((r["federated"] for r in reversed(rows) if r.get("federated")), None)
     if last_fed is not None:
         what = (f"accuracy {last_fed['accuracy']:.4f}" if last_fed.get("accuracy") is not None

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from cloud_coordinator.config import RolloutConfig
+from cloud_coordinator.config import SCORE_ALGORITHMS, RolloutConfig
 from cloud_coordinator.datasets import FederatedData, make_federated
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.errors import ConfigError
@@ -81,7 +81,11 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     if cfg.model.builtin and data.num_classes < 2:
         raise ConfigError(f"the built-in {cfg.model.kind} is a classifier: the labels must be class numbers 0, 1, "
                           "... (for regression targets use your own model with loss = 'mse')", key="model.kind")
-    source = cfg.model.source(data.num_features, data.num_classes)  # the model, resolved once
+    scorer = cfg.algorithm in SCORE_ALGORITHMS
+    if scorer:
+        _check_binary(data)
+    # The model, resolved once (an X-risk algorithm trains it as a one-output scorer).
+    source = cfg.model.source(data.num_features, data.num_classes, loss="weighted_score" if scorer else None)
     arch = source.arch
     _check_fits(arch, data)
     bundle = build_artifacts(source, cfg.artifacts_path)
@@ -106,6 +110,15 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
                         extra=extra, cell_bundles={c: b.to_json() for c, b in cell_bundles.items()})
     return PreparedRollout(config=cfg, arch=arch, bundle=bundle, initial_params=params, cells=cells, data=data,
                            manifest=manifest, cell_bundles=cell_bundles, noise_plan=noise_plan)
+
+
+def _check_binary(data: FederatedData) -> None:
+    """X-risk algorithms pair positives (label 1) with negatives (label 0): the labels must be those."""
+    parts = [*data.train.values(), *data.holdout.values(), *([data.test] if data.test is not None else [])]
+    labels = {float(v) for _, y in parts for v in np.unique(np.asarray(y))}
+    if not labels <= {0.0, 1.0} or any(np.asarray(y).ndim != 1 for _, y in parts):
+        raise ConfigError(f"fedxl trains on a binary task (labels 0 and 1, 1 the positive class); the data has "
+                          f"labels {sorted(labels)[:10]}", key="data")
 
 
 def _check_fits(arch: ArchSpec, data: FederatedData) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fedtier.errors import ConfigError
-from fedtier.training.layout import ArchSpec
+from fedtier.training.layout import SCORE_LOSSES, ArchSpec
 
 TRAIN_FILE = "train.npz"
 """A shard's training rows."""
@@ -170,8 +170,8 @@ def fit_to_model(data: LocalData, arch: ArchSpec) -> LocalData:
     """``data`` checked against the model and laid out as it takes it.
 
     Examples are reshaped to ``arch.input_shape``; labels become int64 classes in
-    ``[0, num_classes)`` (``cross_entropy``) or float32 targets ``(n, outputs)`` (``bce``, in
-    ``[0, 1]``; ``mse``).
+    ``[0, num_classes)`` (``cross_entropy``), classes 0/1 (``weighted_score``, an X-risk scorer) or
+    float32 targets ``(n, outputs)`` (``bce``, in ``[0, 1]``; ``mse``).
 
     Raises:
         ConfigError: no samples, examples of the wrong size, or labels that do not fit the loss.
@@ -184,6 +184,11 @@ def fit_to_model(data: LocalData, arch: ArchSpec) -> LocalData:
     if x.shape[1:] != shape:
         x = np.ascontiguousarray(x.reshape((len(x), *shape)))
     k = arch.num_classes
+    if arch.loss in SCORE_LOSSES:
+        # An X-risk scorer (FeDXL) trains on pairs of a positive (1) and a negative (0).
+        if y.ndim != 1 or not np.isin(y, (0, 1)).all():
+            raise ConfigError("labels must be 0 (negative) or 1 (positive) for a score model (fedxl)")
+        return LocalData(x=x, y=y.astype(np.int64))
     if arch.loss == "cross_entropy":
         if y.ndim != 1 or not np.array_equal(y, np.round(y)):
             raise ConfigError(f"labels must be class numbers (non-negative integers) for cross_entropy; got "

@@ -15,6 +15,10 @@ Flow for one rollout:
 A device with held-out rows (``eval_data``: its shard's ``eval/`` directory) tells its role so;
 the role then asks for an ``Evaluate`` of each round's incoming global model, which this shell
 runs on those rows before the round's training (federated evaluation).
+
+X-risk roles (FeDXL) ask instead for ``ScoreRows`` (score rows drawn by class with the named stream)
+and ``ScoreGradient`` (the gradient of a weighted sum of those scores), one pair per local step;
+the role keeps the model and does the arithmetic between them.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import logging
 import math
 import os
 import shutil
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 
 from device_agent.data import LocalData, fit_to_model
 from device_agent.state import DeviceState
@@ -38,6 +44,9 @@ from fedtier.algorithms.base import (
     GradientResult,
     LocalResult,
     LocalTrain,
+    RowScores,
+    ScoreGradient,
+    ScoreRows,
     SendToParent,
 )
 from fedtier.artifacts.bundle import ArtifactBundle
@@ -56,7 +65,7 @@ from fedtier.runtime.metrics import Metrics
 from fedtier.runtime.node_base import REJECTED, NodeBase
 from fedtier.security.manifest import Manifest
 from fedtier.security.signing import ManifestGate, open_manifest
-from fedtier.training.batching import minibatch_indices
+from fedtier.training.batching import class_rows, minibatch_indices
 from fedtier.training.layout import ArchSpec
 from fedtier.training.trainer import Trainer
 from fedtier.transport import topics
@@ -334,18 +343,27 @@ class DeviceNode(NodeBase):
                                         "[privacy] require_tls = false on the coordinator for a lab setup)")
 
     def _execute(self, actions: Sequence[Action], now: float, rollout: str) -> None:
+        """Run a role's actions in order; the actions local work answers with run before the rest (depth
+        first, as nested calls would), from a queue so that many local steps do not nest Python frames."""
         self.diagnostics(actions)
         role = self.roles[rollout]
-        for action in actions:
+        queue = deque(actions)
+        while queue:
+            action = queue.popleft()
+            follow: Sequence[Action] | None = None
             if isinstance(action, LocalTrain):
                 result = self.train(self.trainers[rollout], action)
-                self._execute(role.trained(action.round, result), now, rollout)
+                follow = role.trained(action.round, result)
             elif isinstance(action, ComputeGradient):
                 gradient = self.gradient(self.trainers[rollout], action)
-                self._execute(role.gradient_done(action.round, action.step, gradient), now, rollout)
+                follow = role.gradient_done(action.round, action.step, gradient)
             elif isinstance(action, Evaluate):
-                self._execute(role.evaluated(action.round, self.evaluate(self.trainers[rollout], action)), now,
-                              rollout)
+                follow = role.evaluated(action.round, self.evaluate(self.trainers[rollout], action))
+            elif isinstance(action, ScoreRows):
+                follow = role.scored(action.round, action.step, self.score_rows(self.trainers[rollout], action))
+            elif isinstance(action, ScoreGradient):
+                gradient = self.score_gradient(self.trainers[rollout], action)
+                follow = role.gradient_done(action.round, action.step, gradient)
             elif isinstance(action, SendToParent):
                 msg = action.message
                 topic = topics.cell_up(msg.rollout, self.cell, self.device_id, msg.KIND)
@@ -358,6 +376,9 @@ class DeviceNode(NodeBase):
                     self.rounds_done += 1
                 log.info("round %d step %d of %s: %s sent (%d bytes)", msg.round, msg.step, msg.rollout, msg.KIND,
                          len(payload))
+            if follow is not None:
+                self.diagnostics(follow)
+                queue.extendleft(reversed(follow))
 
     def train(self, trainer: Trainer, request: LocalTrain) -> LocalResult:
         """Execute a ``LocalTrain`` request: set params, run the steps, return the change."""
@@ -387,6 +408,22 @@ class DeviceNode(NodeBase):
         [idx] = minibatch_indices(len(self.data), request.batch_size, 1, rng.stream(*request.stream))
         grad, loss = trainer.compute_gradient(self.data.x[idx], self.data.y[idx])
         return GradientResult(grad=grad, loss=loss, num_samples=len(self.data))
+
+    def score_rows(self, trainer: Trainer, request: ScoreRows) -> RowScores:
+        """Execute a ``ScoreRows`` request: draw rows by class from the named stream, score them."""
+        trainer.set_parameters(request.params)
+        rows = class_rows(self.data.y, dict(request.per_class), rng.stream(*request.stream))
+        labels = sorted(rows)
+        scored = trainer.predict(self.data.x[np.concatenate([rows[label] for label in labels])])[:, 0]
+        bounds = np.cumsum([0, *(len(rows[label]) for label in labels)])
+        outputs = {label: scored[bounds[i]:bounds[i + 1]].copy() for i, label in enumerate(labels)}
+        return RowScores(rows=rows, outputs=outputs, num_samples=len(self.data))
+
+    def score_gradient(self, trainer: Trainer, request: ScoreGradient) -> GradientResult:
+        """Execute a ``ScoreGradient`` request: the gradient of the weighted sum of the rows' scores."""
+        trainer.set_parameters(request.params)
+        grad, value = trainer.score_gradient(self.data.x[request.rows], request.weights)
+        return GradientResult(grad=grad, loss=value, num_samples=len(self.data))
 
     def _publish_update(self, key: str, topic: str, payload: bytes) -> None:
         def done(ok: bool) -> None:

@@ -175,6 +175,20 @@ class LayoutMismatchError(RemoteProtocolError):
     reason = "layout_mismatch"
 
 
+class ScoreListError(RemoteProtocolError):
+    """An X-risk score list (FeDXL's ``pos_scores``/``neg_scores``/``pos_u``) of the wrong length,
+    out of its range, or not aligned with its partner list."""
+
+    reason = "bad_scores"
+
+
+class StaleScoresError(RemoteProtocolError):
+    """X-risk scores computed in another round than the one they are offered for (FeDXL's passive
+    pool must be exactly one round old; a device's uploaded scores are of the round it reports)."""
+
+    reason = "stale_scores"
+
+
 class MissingReleaseError(RemoteProtocolError):
     """A payload that the noise plan says must carry differential-privacy noise has no (or a
     too weak) release record: it may be a clear model, so it is refused (M2FDP audit)."""

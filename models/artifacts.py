@@ -20,7 +20,8 @@ deterministic, so the rebuild lands on the same ``bundle_id``).
 
 The artifacts: SGD optimizer (``SGDOptimizerV2``, stateless), the model's loss on the
 ``logits`` output — mean cross-entropy with int64 ``labels`` for the zoo, or a user model's
-``cross_entropy``, ``bce`` (``BCEWithLogitsLoss``) or ``mse`` (float ``target``) — every layout
+``cross_entropy``, ``bce`` (``BCEWithLogitsLoss``), ``mse`` (float ``target``) or ``weighted_score``
+(``sum labels * logits`` with float ``labels`` shaped like ``logits``: X-risk scorers) — every layout
 tensor trainable (a user's ONNX graph may keep other float initializers frozen), and
 ``additional_output_names=["logits"]`` so both the training and the eval graph return
 ``(loss, logits)``. The checkpoint holds the initial weights; rounds ship parameters.
@@ -284,8 +285,32 @@ def _build_into(tmp: Path, source: ModelSource) -> ArtifactBundle:
 
 
 def label_name(loss: str) -> str:
-    """The training graph's label input for ``loss``."""
-    return LABELS_NAME if loss == "cross_entropy" else TARGET_NAME
+    """The training graph's label input for ``loss`` (a ``weighted_score`` graph takes its coefficients there)."""
+    return LABELS_NAME if loss in ("cross_entropy", "weighted_score") else TARGET_NAME
+
+
+def _weighted_score_loss() -> Any:
+    """An onnxblock loss ``sum_n labels[n] * logits[n]``, the ``labels`` input shaped like ``logits``.
+
+    X-risk algorithms (FeDXL, ``fedtier.algorithms.xrisk``) compute a coefficient per scored row from
+    the current scores and the other devices' passive scores; the gradient they need is the gradient
+    of this weighted sum with the coefficients held constant. Its backward pass is Mul, ReduceSum,
+    Expand and the model's own ops, so the portable graph lowers as a classifier's does.
+    """
+    from onnxruntime.training.onnxblock import _graph_utils, blocks
+
+    class WeightedScore(blocks.Block):
+        def __init__(self) -> None:
+            super().__init__()
+            self._mul = blocks.Mul()
+            self._sum = blocks.ReduceSum(keepdims=False)
+
+        def build(self, scores_name: str, weights_name: str = LABELS_NAME) -> Any:
+            if not _graph_utils.node_arg_exists(self.base, weights_name):
+                weights_name = blocks.InputLike(scores_name)(weights_name)
+            return self._sum(self._mul(scores_name, weights_name))
+
+    return WeightedScore()
 
 
 def _generate(forward: Any, out_dir: Path, *, trainable: list[str] | None = None, frozen: list[str] | None = None,
@@ -299,7 +324,9 @@ def _generate(forward: Any, out_dir: Path, *, trainable: list[str] | None = None
 
     names = trainable if trainable is not None else [init.name for init in forward.graph.initializer]
     loss_type = {"cross_entropy": artifacts.LossType.CrossEntropyLoss, "bce": artifacts.LossType.BCEWithLogitsLoss,
-                 "mse": artifacts.LossType.MSELoss}[loss]
+                 "mse": artifacts.LossType.MSELoss}.get(loss)
+    if loss == "weighted_score":
+        loss_type = _weighted_score_loss()
     failure: Exception | None = None
     with _quiet_fd2() as captured, _no_root_basic_config():
         _reset_graph_name_counter()

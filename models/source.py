@@ -100,7 +100,8 @@ def model_source(*, arch: ArchSpec | None = None, factory: str | None = None, on
         arch: A zoo architecture (``mlp``, ``cnn1d``).
         factory: ``"package.module:function"`` or ``"path/to/file.py:function"``.
         onnx_path: An ONNX inference graph.
-        loss: ``cross_entropy``, ``bce`` or ``mse`` (built-in models: ``cross_entropy`` only).
+        loss: ``cross_entropy``, ``bce``, ``mse`` or ``weighted_score`` (built-in models: ``cross_entropy``, or
+            ``weighted_score`` for a one-output scorer, resolved as an ONNX model).
         trainable: ONNX only: the float initializers to train (default: all of them).
         seed: Seed of the initial weights (zoo models; the factory runs under it).
 
@@ -119,6 +120,8 @@ def model_source(*, arch: ArchSpec | None = None, factory: str | None = None, on
     if loss not in LOSSES:
         raise ConfigError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)}", key="model.loss")
     if arch is not None:
+        if loss == "weighted_score":
+            return builtin_scorer_source(arch, seed)
         if loss != "cross_entropy":
             raise ConfigError(f"the built-in {arch.kind} trains with cross_entropy", key="model.loss")
         return builtin_source(arch, seed)
@@ -142,6 +145,31 @@ def builtin_source(arch: ArchSpec, seed: int) -> ModelSource:
     params = initial_parameters(arch, seed)
     layout = Layout(params=tuple(ParamSpec(name, tuple(arr.shape)) for name, arr in params.items()))
     return ModelSource(arch=arch, layout=layout, initial_params=params, seed=int(seed))
+
+
+def builtin_scorer_source(arch: ArchSpec, seed: int) -> ModelSource:
+    """A zoo model with one output trained as an X-risk scorer (loss ``weighted_score``, FeDXL).
+
+    The zoo's classifiers train with cross-entropy only, and their identity says so; a scorer of
+    the same shape is the zoo's weights exported once and resolved like a user's ONNX model (kind
+    ``onnx``, named by its forward graph's sha256), so its artifacts never share a store entry with
+    the classifier's.
+
+    Raises:
+        ConfigError: The architecture has more than one output.
+        LocalProtocolError: Invalid architecture options or seed.
+    """
+    import tempfile
+
+    from models.export import export_forward
+
+    source = builtin_source(arch, seed)
+    if arch.num_classes != 1:
+        raise ConfigError(f"a score model has one output; this {arch.kind} has {arch.num_classes}", key="model")
+    with tempfile.TemporaryDirectory(prefix="fedtier-scorer-") as tmp:
+        proto = export_forward(arch, seed, Path(tmp) / "forward.onnx", params=dict(source.initial_params))
+    return _normalized_source(proto, "weighted_score", list(source.layout.names), key="model", what=f"the {arch.kind}",
+                              seed=seed)
 
 
 # --- torch factories ------------------------------------------------------------------------------
@@ -320,6 +348,9 @@ def _normalized_source(proto: "onnx.ModelProto", loss: str, trainable: list[str]
     if loss == "cross_entropy" and outputs < 2:
         raise ConfigError(f"{what} has {outputs} output; cross_entropy needs one output per class (>= 2); "
                           "a single output is a bce or mse model", key="model.loss")
+    if loss == "weighted_score" and outputs != 1:
+        raise ConfigError(f"{what} has {outputs} outputs; a score model (fedxl) has one: its score logit",
+                          key="model.loss")
     params = {name: np.ascontiguousarray(numpy_helper.to_array(inits[name]), dtype=np.float32) for name in ordered}
     layout = Layout(params=tuple(ParamSpec(name, tuple(arr.shape)) for name, arr in params.items()))
     arch = ArchSpec("onnx", {"sha256": hashlib.sha256(forward).hexdigest(), "input_shape": list(input_shape),

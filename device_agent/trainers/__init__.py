@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from fedtier.errors import ArtifactError, ConfigError, LocalProtocolError
-from fedtier.training.layout import ArchSpec, Layout
+from fedtier.training.layout import SCORE_LOSSES, ArchSpec, Layout
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from fedtier.artifacts.bundle import ArtifactBundle
@@ -200,17 +200,53 @@ def check_batch(arch: ArchSpec, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarra
     """
     xs = check_inputs(arch, x)
     ys = np.asarray(y)
+    if arch.loss in SCORE_LOSSES:
+        return xs, _check_classes(xs.shape[0], ys, 2)  # a scorer's rows are negatives (0) and positives (1)
     if arch.loss != "cross_entropy":
         return xs, _check_targets(arch, xs.shape[0], ys)
+    return xs, _check_classes(xs.shape[0], ys, arch.num_classes)
+
+
+def _check_classes(batch: int, ys: np.ndarray, num_classes: int) -> np.ndarray:
+    """int64 class labels ``(b,)`` in ``[0, num_classes)``."""
     if not np.issubdtype(ys.dtype, np.integer):
         raise LocalProtocolError(f"labels must be integers, got dtype {ys.dtype}")
-    if ys.shape != (xs.shape[0],):
-        raise LocalProtocolError(f"labels must have shape ({xs.shape[0]},), got {ys.shape}")
+    if ys.shape != (batch,):
+        raise LocalProtocolError(f"labels must have shape ({batch},), got {ys.shape}")
     lo, hi = int(ys.min()), int(ys.max())
-    if lo < 0 or hi >= arch.num_classes:
+    if lo < 0 or hi >= num_classes:
         raise LocalProtocolError(
-            f"labels must be in [0, {arch.num_classes}), got range [{lo}, {hi}]")
-    return xs, np.ascontiguousarray(ys, dtype=np.int64)
+            f"labels must be in [0, {num_classes}), got range [{lo}, {hi}]")
+    return np.ascontiguousarray(ys, dtype=np.int64)
+
+
+def check_score_model(arch: ArchSpec) -> None:
+    """Raise ``LocalProtocolError`` unless the bundle trains a scorer through weighted scores."""
+    if arch.loss not in SCORE_LOSSES:
+        raise LocalProtocolError(f"score_gradient needs a bundle built with loss weighted_score (X-risk "
+                                 f"algorithms such as fedxl); this one trains with {arch.loss}")
+
+
+def check_weights(batch: int, weights: np.ndarray) -> np.ndarray:
+    """The coefficients of a weighted-score step as the graph takes them: float32 ``(b, 1)``, finite.
+
+    Raises:
+        LocalProtocolError: Wrong length or non-finite values.
+    """
+    w = np.asarray(weights)
+    if w.shape not in ((batch,), (batch, 1)) or not np.issubdtype(w.dtype, np.floating):
+        raise LocalProtocolError(f"weights must be {batch} floats, got shape {w.shape} dtype {w.dtype}")
+    if not np.all(np.isfinite(w)):
+        raise LocalProtocolError("weights contain NaN or infinity")
+    return np.ascontiguousarray(w.reshape(batch, 1), dtype=np.float32)
+
+
+def score_loss(outputs: np.ndarray, labels: np.ndarray) -> float:
+    """Mean binary cross-entropy of a scorer's outputs (logits) against 0/1 labels: what ``evaluate``
+    reports for a ``weighted_score`` model, whose training loss is pairwise and has no per-row value."""
+    z = np.asarray(outputs, np.float64).reshape(len(labels), -1)[:, 0]
+    y = np.asarray(labels) == 1
+    return float(np.mean(np.where(y, np.logaddexp(0.0, -z), np.logaddexp(0.0, z)))) if len(z) else float("nan")
 
 
 def _check_targets(arch: ArchSpec, batch: int, ys: np.ndarray) -> np.ndarray:
@@ -268,6 +304,8 @@ def correct_predictions(loss: str, logits: np.ndarray, y: np.ndarray) -> float:
         return float(np.count_nonzero(np.argmax(logits, axis=1) == y))
     if loss == "bce":
         return float(np.mean((np.asarray(logits) > 0) == (np.asarray(y) > 0.5), axis=1).sum())
+    if loss in SCORE_LOSSES:
+        return float(np.count_nonzero((np.asarray(logits)[:, 0] > 0) == (np.asarray(y) == 1)))
     return 0.0
 
 
@@ -278,10 +316,13 @@ __all__ = [
     "check_batch",
     "check_inputs",
     "check_lr",
+    "check_score_model",
     "check_tensors",
+    "check_weights",
     "check_threads",
     "correct_predictions",
     "describe_backend",
     "make_trainer",
     "resolve_kind",
+    "score_loss",
 ]

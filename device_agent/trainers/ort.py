@@ -32,16 +32,19 @@ import numpy as np
 from device_agent.trainers import (
     EVAL_CHUNK,
     check_batch,
-    correct_predictions,
     check_inputs,
     check_lr,
+    check_score_model,
     check_tensors,
     check_threads,
+    check_weights,
+    correct_predictions,
+    score_loss,
 )
 from device_agent.trainers.ort_runtime import install_shim, training_api
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.errors import ArtifactError
-from fedtier.training.layout import Layout
+from fedtier.training.layout import SCORE_LOSSES, Layout
 from fedtier.training.trainer import Batch, EvalResult, TrainStats
 
 # Must run before anything imports onnxruntime, so that the import does not drag in torch.
@@ -234,6 +237,33 @@ class OrtTrainer:
             self._module.lazy_reset_grad()
         return grads, float(loss)
 
+    def score_gradient(self, x: np.ndarray, weights: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """Gradient of ``sum_n weights[n] * output(x[n])`` at the current parameters (a ``weighted_score``
+        bundle: the weights go in as the training graph's ``labels``); parameters unchanged.
+
+        Args:
+            x: Inputs ``(b, *input_shape)``.
+            weights: ``b`` finite coefficients.
+
+        Returns:
+            ``(gradients by name in layout order, the weighted sum)``.
+
+        Raises:
+            LocalProtocolError: Not a score model, invalid inputs or weights.
+        """
+        check_score_model(self._arch)
+        xs = check_inputs(self._arch, x)
+        ws = check_weights(xs.shape[0], weights)
+        self._module.train()
+        try:
+            loss, _logits = self._module(xs, ws)
+            params = self._state.parameters
+            grads = {name: np.array(params[name].grad, dtype=np.float32, copy=True)
+                     for name in self._layout.names}
+        finally:
+            self._module.lazy_reset_grad()
+        return grads, float(loss)
+
     def apply_step(self, direction: Mapping[str, np.ndarray], lr: float) -> None:
         """Apply ``w[name] <- w[name] - lr * direction[name]`` in float32 for each given name.
 
@@ -296,7 +326,7 @@ class OrtTrainer:
         chunks = []
         for start in range(0, xs.shape[0], EVAL_CHUNK):
             xc = xs[start:start + EVAL_CHUNK]
-            _loss, logits = self._eval_step(xc, self._dummy_labels(xc.shape[0]))
+            _loss, logits = self._eval_step(xc, self._dummy_labels(xc.shape[0]), with_loss=False)
             chunks.append(np.array(logits, dtype=np.float32, copy=True))
         return np.concatenate(chunks, axis=0)
 
@@ -324,14 +354,16 @@ class OrtTrainer:
     # --- internals ----------------------------------------------------------------------------
 
     def _dummy_labels(self, batch: int) -> np.ndarray:
-        if self._arch.loss == "cross_entropy":
+        if self._arch.loss in ("cross_entropy", *SCORE_LOSSES):
             return np.zeros(batch, dtype=np.int64)
         return np.zeros((batch, self._arch.num_classes), dtype=np.float32)
 
-    def _eval_step(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, np.ndarray]:
+    def _eval_step(self, x: np.ndarray, y: np.ndarray, with_loss: bool = True) -> tuple[Any, np.ndarray]:
+        scorer = self._arch.loss in SCORE_LOSSES
         self._module.eval()
         try:
-            outputs = self._module(x, y)
+            # A scorer's graph takes coefficients where labels go: zeros, and the loss is computed here.
+            outputs = self._module(x, np.zeros((x.shape[0], 1), np.float32) if scorer else y)
         finally:
             self._module.train()
         if not isinstance(outputs, tuple) or len(outputs) != 2:
@@ -341,4 +373,4 @@ class OrtTrainer:
         loss, logits = outputs
         if logits.shape != (x.shape[0], self._arch.num_classes):
             raise ArtifactError(f"eval model returned logits of shape {logits.shape}")
-        return loss, logits
+        return (score_loss(logits, y) if scorer and with_loss else loss), logits

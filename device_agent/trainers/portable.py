@@ -37,14 +37,17 @@ from device_agent.trainers import (
     check_batch,
     check_inputs,
     check_lr,
+    check_score_model,
     check_tensors,
     check_threads,
+    check_weights,
     correct_predictions,
+    score_loss,
 )
 from device_agent.trainers.ort_runtime import import_onnxruntime
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.errors import ArtifactError
-from fedtier.training.layout import Layout, ParamSpec
+from fedtier.training.layout import SCORE_LOSSES, Layout, ParamSpec
 from fedtier.training.trainer import Batch, EvalResult, TrainStats
 
 logger = logging.getLogger(__name__)
@@ -77,8 +80,9 @@ def require_portable_graph(bundle: ArtifactBundle) -> None:
 
 
 def label_input(loss: str) -> str:
-    """The graphs' label input for ``loss``: int64 ``labels`` (cross-entropy) or float ``target``."""
-    return LABELS_NAME if loss == "cross_entropy" else TARGET_NAME
+    """The graphs' label input for ``loss``: int64 ``labels`` (cross-entropy), float ``labels`` shaped
+    like the outputs (a scorer's coefficients, ``weighted_score``) or float ``target`` (bce, mse)."""
+    return LABELS_NAME if loss == "cross_entropy" or loss in SCORE_LOSSES else TARGET_NAME
 
 
 def read_checkpoint(path: Path, layout: Layout, frozen: Layout | None = None
@@ -245,6 +249,17 @@ class PortableTrainer:
         loss, grads = self._forward_backward(xs, ys)
         return grads, loss
 
+    def score_gradient(self, x: np.ndarray, weights: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """Gradient of ``sum_n weights[n] * output(x[n])`` (a ``weighted_score`` bundle); parameters unchanged.
+
+        Raises:
+            LocalProtocolError: Not a score model, invalid inputs or weights.
+        """
+        check_score_model(self._arch)
+        xs = check_inputs(self._arch, x)
+        loss, grads = self._forward_backward(xs, check_weights(xs.shape[0], weights))
+        return grads, loss
+
     def apply_step(self, direction: Mapping[str, np.ndarray], lr: float) -> None:
         """Apply ``w[name] <- w[name] - lr * direction[name]`` in float32 for each given name.
 
@@ -286,7 +301,7 @@ class PortableTrainer:
         chunks = []
         for start in range(0, xs.shape[0], EVAL_CHUNK):
             xc = xs[start:start + EVAL_CHUNK]
-            _loss, logits = self._eval_step(xc, self._dummy_labels(xc.shape[0]))
+            _loss, logits = self._eval_step(xc, self._dummy_labels(xc.shape[0]), with_loss=False)
             chunks.append(logits)
         return np.ascontiguousarray(np.concatenate(chunks, axis=0), dtype=np.float32)
 
@@ -296,6 +311,7 @@ class PortableTrainer:
         return {INPUT_NAME: x, self._label: y, **self._params, **self._frozen}
 
     def _dummy_labels(self, batch: int) -> np.ndarray:
+        """Labels the eval graph takes when only outputs matter (a scorer's zero coefficients)."""
         if self._arch.loss == "cross_entropy":
             return np.zeros(batch, dtype=np.int64)
         return np.zeros((batch, self._arch.num_classes), dtype=np.float32)
@@ -305,9 +321,11 @@ class PortableTrainer:
         return float(loss), {name: np.asarray(g, dtype=np.float32)
                              for name, g in zip(self._layout.names, grads, strict=True)}
 
-    def _eval_step(self, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-        feeds = self._feeds(x, y)
+    def _eval_step(self, x: np.ndarray, y: np.ndarray, with_loss: bool = True) -> tuple[float, np.ndarray]:
+        scorer = self._arch.loss in SCORE_LOSSES
+        # A scorer's graph takes coefficients where labels go: zeros, and the loss is computed here.
+        feeds = self._feeds(x, self._dummy_labels(x.shape[0]) if scorer else y)
         loss, logits = self._eval.run(None, {name: feeds[name] for name in self._eval_inputs})[:2]
         if logits.shape != (x.shape[0], self._arch.num_classes):
             raise ArtifactError(f"eval model returned logits of shape {logits.shape}")
-        return float(loss), np.asarray(logits, dtype=np.float32)
+        return (score_loss(logits, y) if scorer and with_loss else float(loss)), np.asarray(logits, dtype=np.float32)

@@ -28,6 +28,7 @@ from device_agent.trainers import (
     check_tensors,
     check_threads,
 )
+from fedtier.errors import LocalProtocolError
 from fedtier.training.layout import ArchSpec, Layout
 from fedtier.training.trainer import Batch, EvalResult, TrainStats
 
@@ -133,6 +134,16 @@ class TorchTrainer:
         finally:
             self._model.zero_grad(set_to_none=True)
         return grads, loss
+
+    def score_gradient(self, x: np.ndarray, weights: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """Not available: this backend rebuilds the built-in classifiers only, and a ``weighted_score``
+        model (an X-risk scorer) is resolved as a user model (``models.source``).
+
+        Raises:
+            LocalProtocolError: always.
+        """
+        raise LocalProtocolError("the torch trainer trains the built-in classifiers only; X-risk scorers "
+                                 '(fedxl) train with trainer = "ort" or "portable"')
 
     def apply_step(self, direction: Mapping[str, np.ndarray], lr: float) -> None:
         """Apply ``w[name] <- w[name] - lr * direction[name]`` in float32 for each given name.

@@ -16,6 +16,7 @@ ALGORITHMS: dict[str, str] = {
     "hier_qsgd": "fedtier.algorithms.hier_qsgd",
     "qhetfed": "fedtier.algorithms.qhetfed",
     "hist": "fedtier.algorithms.hist",
+    "fedxl": "fedtier.algorithms.fedxl",
 }
 
 

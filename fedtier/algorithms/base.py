@@ -11,8 +11,9 @@ socket, a clock, a thread or a logger. A shell (``device_agent``, ``edge_broker`
    role-specific verb such as ``device.trained(...)`` when local work finishes),
 3. executes the returned ``Action`` list in order: ``Send*`` actions are encoded and
    published, ``LocalTrain`` runs the trainer, ``Evaluate`` evaluates on the device's
-   held-out rows, ``RoundClosed`` is persisted and evaluated, ``Dropped``/``Note`` are logged
-   and counted.
+   held-out rows, ``ScoreRows``/``ScoreGradient`` score local rows and take the gradient of a
+   weighted sum of scores (X-risk algorithms), ``RoundClosed`` is persisted and evaluated,
+   ``Dropped``/``Note`` are logged and counted.
 
 Federated evaluation: a device role that was told its shell has held-out rows
 (``evaluate=True``) answers a round's first task with ``[Evaluate(...), <its first work>]``
@@ -140,6 +141,46 @@ class Evaluate:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class ScoreRows:
+    """Device: the model's output (its first column, a score logit) at ``params`` on rows of its local
+    data drawn by class: ``per_class[label]`` rows with that label, drawn uniformly with replacement
+    by ``fedtier.training.batching.class_rows`` from ``stream(*stream)`` (a class the device does not
+    hold gives none). The shell reports back with ``role.scored(round, step, result)``.
+
+    For X-risk algorithms (FeDXL), whose per-step coefficients depend on the current scores."""
+
+    round: int
+    step: int
+    params: Tensors
+    per_class: Mapping[int, int]
+    stream: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RowScores:
+    """What the shell hands back after ``ScoreRows``: per class label, the local row indices drawn
+    (they never leave the device) and the model's outputs on them (float32, ``(n,)``)."""
+
+    rows: Mapping[int, np.ndarray]
+    outputs: Mapping[int, np.ndarray]
+    num_samples: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ScoreGradient:
+    """Device: the gradient at ``params`` of ``sum_n weights[n] * output(x[rows[n]])`` — a weighted
+    sum of the model's scores on local rows, the weights held constant (a bundle built with loss
+    ``weighted_score``). The shell reports back with ``role.gradient_done(round, step, result)``,
+    ``result.loss`` being the weighted sum itself."""
+
+    round: int
+    step: int
+    params: Tensors
+    rows: np.ndarray
+    weights: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class GradientResult:
     grad: Tensors
     loss: float
@@ -193,8 +234,8 @@ class Note:
     fields: Mapping[str, Any] = field(default_factory=dict)
 
 
-Action = (SendToParent | Broadcast | SendToChild | LocalTrain | ComputeGradient | Evaluate | RoundClosed | Finished
-          | Dropped | Note)
+Action = (SendToParent | Broadcast | SendToChild | LocalTrain | ComputeGradient | Evaluate | ScoreRows | ScoreGradient
+          | RoundClosed | Finished | Dropped | Note)
 
 
 # --- role protocols -----------------------------------------------------------------------
@@ -226,6 +267,10 @@ class DeviceRole(Role, Protocol):
 
     def evaluated(self, round: int, stats: EvalStats | None) -> list[Action]:
         """The shell finished an ``Evaluate`` of ``round`` (only roles told they may evaluate)."""
+        ...
+
+    def scored(self, round: int, step: int, result: RowScores) -> list[Action]:
+        """The shell finished a ``ScoreRows`` (only algorithms that request them: FeDXL)."""
         ...
 
 

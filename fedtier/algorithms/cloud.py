@@ -108,6 +108,8 @@ class Cloud(StateGuard):
         self._state = RoleState.IDLE
         self._updates: dict[str, CellUpdate] = {}
         self._deadline = math.inf
+        self._round_cells: dict[str, tuple[str, ...]] = dict(self.cells)
+        """The cells taking part in the open round and their members in it (``_participants``)."""
 
     # --- hooks for algorithms whose cells train different parameters (HIST) -------------------
 
@@ -118,6 +120,12 @@ class Cloud(StateGuard):
     def _prepare_round(self) -> list[Action]:
         """Called when a round opens, before its tasks are built (HIST draws its partition)."""
         return []
+
+    def _participants(self) -> dict[str, tuple[str, ...]]:
+        """The cells taking part in the round that opens, each with its members in it: every cell and every
+        member here; an algorithm that samples devices (FeDXL's partial participation) returns fewer — a
+        cell left without a member gets no task, and the round does not wait for it."""
+        return dict(self.cells)
 
     def _aggregate(self, updates: Mapping[str, CellUpdate]) -> dict[str, Any]:
         """The new global model from the cells' changes: their weighted average, added (eq. (10))."""
@@ -138,7 +146,7 @@ class Cloud(StateGuard):
 
     def _cell_task(self, cell: str) -> CellTask:
         return CellTask(rollout=self.rollout, round=self.round, sender=self.cloud_id, params=self._cell_params(cell),
-                        members=self.cells[cell], config=self.config.to_dict(), model_version=self.model_version)
+                        members=self._round_cells[cell], config=self.config.to_dict(), model_version=self.model_version)
 
     def _open(self, now: float) -> list[Action]:
         notes: list[Action] = []
@@ -154,10 +162,11 @@ class Cloud(StateGuard):
                 notes.append(Note("replanned", {"round": self.round, "q1": self.q1_estimate, **new.to_dict()}))
             self.config = new
         notes.extend(self._prepare_round())
+        self._round_cells = self._participants()
         self._updates = {}
         self._deadline = now + self.config.deadline_s
         self._state = RoleState.COLLECTING
-        return [*notes, *(SendToChild(cell, self._cell_task(cell)) for cell in sorted(self.cells))]
+        return [*notes, *(SendToChild(cell, self._cell_task(cell)) for cell in sorted(self._round_cells))]
 
     def start(self, now: float) -> list[Action]:
         self._guard()
@@ -180,7 +189,9 @@ class Cloud(StateGuard):
             raise WrongRoundError(f"update for round {message.round}; cloud is at round {self.round}")
         if message.sender in self._updates:
             return [Dropped("duplicate", message.key)]
-        unknown = set(message.reported) - set(self.cells[message.sender])
+        if message.sender not in self._round_cells:
+            raise UnknownSenderError(f"cell {message.sender!r} has no member in round {message.round}")
+        unknown = set(message.reported) - set(self._round_cells[message.sender])
         if unknown:
             raise UnknownSenderError(f"cell {message.sender!r} reports non-members {sorted(unknown)}")
         check_like(self._cell_params(message.sender), message.delta, f"update from {message.sender}")
@@ -188,7 +199,7 @@ class Cloud(StateGuard):
         if plan is not None:
             audit.check_cell_update(plan, message.sender, message.round, message.privacy, message.reported)
         self._updates[message.sender] = message
-        if len(self._updates) == len(self.cells):
+        if len(self._updates) == len(self._round_cells):
             return self._close(now)
         return []
 
@@ -196,7 +207,7 @@ class Cloud(StateGuard):
         self._guard()
         if self._state is not RoleState.COLLECTING or now < self._deadline:
             return []
-        if len(self._updates) >= quorum_count(self.config.quorum, len(self.cells)):
+        if len(self._updates) >= quorum_count(self.config.quorum, len(self._round_cells)):
             return self._close(now)
         return []
 
@@ -204,11 +215,11 @@ class Cloud(StateGuard):
         """The cells the open round still waits for once its deadline has passed (else empty)."""
         if self._state is not RoleState.COLLECTING or now < self._deadline:
             return ()
-        return tuple(sorted(set(self.cells) - set(self._updates)))
+        return tuple(sorted(set(self._round_cells) - set(self._updates)))
 
     def resend(self, child: str, now: float) -> list[Action]:
         self._guard()
-        if self._state is RoleState.COLLECTING and child in self.cells and child not in self._updates:
+        if self._state is RoleState.COLLECTING and child in self._round_cells and child not in self._updates:
             return [SendToChild(child, self._cell_task(child))]
         return []
 
@@ -218,7 +229,7 @@ class Cloud(StateGuard):
         self.params = self._aggregate(self._updates)
         self.model_version += 1
         reported = {c: self._updates[c].reported for c in cells}
-        all_members = {d for m in self.cells.values() for d in m}
+        all_members = {d for m in self._round_cells.values() for d in m}
         missing = tuple(sorted(all_members - {d for r in reported.values() for d in r}))
         total_weight = sum(u.weight for u in updates)
         mean_loss = sum(u.mean_loss * u.weight for u in updates) / total_weight

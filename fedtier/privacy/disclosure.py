@@ -166,9 +166,15 @@ STATUS: Mapping[str, Field] = {
 }
 """The retained presence document (JSON) every MQTT node publishes on ``ft/v1/status/<node>``."""
 
+_XRISK = ("FeDXL's score lists (every positive's and negative's score, and u values) are data-dependent "
+          "releases the mechanism does not cover: a config with [privacy] and algorithm = fedxl is refused, and so "
+          "are its roles given a noise plan")
+
 REFUSED: Mapping[str, str] = {
     "device_gradient": "QHetFed's in-cell gradient exchange is not covered by the mechanism: a config with "
                        "[privacy] and algorithm = qhetfed is refused, and so are its roles given a noise plan",
+    "xrisk_device_update": _XRISK,
+    "xrisk_cell_update": _XRISK,
 }
 """Upward message types that never travel under a noise plan."""
 
@@ -177,6 +183,8 @@ DOWNWARD: Mapping[str, str] = {
     "device_task": "edge -> its devices: the cloud's model or the set model (a trusted cell's stays inside it)",
     "cell_step": "edge -> its devices: the edge round's average (a trusted cell's stays inside it)",
     "artifact": "parent -> children: artifact files listed in the signed manifest",
+    "xrisk_cell_task": "cloud -> edge (FeDXL, never under a noise plan): the model, momentum and the merged scores",
+    "xrisk_device_task": "edge -> its devices (FeDXL, never under a noise plan): the cloud's task, relayed",
 }
 """Message types that only travel down the tree: nothing of a device's data that has not passed the
 mechanism leaves a trusted subtree this way."""

@@ -33,3 +33,30 @@ def minibatch_indices(n: int, batch_size: int, steps: int, rng: np.random.Genera
         out.append(perm[pos:pos + b])
         pos += b
     return out
+
+
+def class_rows(labels: np.ndarray, per_class: dict[int, int], rng: np.random.Generator) -> dict[int, np.ndarray]:
+    """Row indices drawn by class: ``per_class[label]`` rows whose label is ``label``, uniformly with
+    replacement, classes in ascending label order from the one generator (so every shell draws the
+    same rows for the same stream). A label the data does not hold gives an empty array.
+
+    X-risk steps draw ``B1`` positives and ``B2`` negatives this way (FeDXL's mini-batch form); with
+    replacement, a device holding fewer rows of a class than a batch still gives unbiased batches.
+
+    Raises:
+        ValueError: A negative count, or labels that are not one-dimensional.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"class labels must be one-dimensional, got shape {labels.shape}")
+    out: dict[int, np.ndarray] = {}
+    for label in sorted(per_class):
+        count = int(per_class[label])
+        if count < 0:
+            raise ValueError(f"cannot draw {count} rows of class {label}")
+        members = np.flatnonzero(labels == label)
+        if len(members) == 0 or count == 0:
+            out[label] = np.zeros(0, dtype=np.int64)
+            continue
+        out[label] = members[rng.integers(0, len(members), size=count)].astype(np.int64)
+    return out

@@ -21,9 +21,15 @@ ARCH_KINDS = ("mlp", "cnn1d", "onnx")
 """``mlp`` and ``cnn1d`` are the built-in models; ``onnx`` is a user's model (a torch factory or an
 ONNX file), identified by the sha256 of its forward graph."""
 
-LOSSES = ("cross_entropy", "bce", "mse")
+LOSSES = ("cross_entropy", "bce", "mse", "weighted_score")
 """Training losses: ``cross_entropy`` on integer class labels, ``bce`` (binary cross-entropy on
-logits) and ``mse`` on float targets shaped like the model's output."""
+logits) and ``mse`` on float targets shaped like the model's output; ``weighted_score`` is the
+graph X-risk algorithms (FeDXL) train through: ``sum_n c_n * output_n`` for a one-output score
+model, the coefficients ``c`` fed as the graph's ``labels`` input (computed outside the graph from
+the current scores), the data's labels being classes 0 (negative) and 1 (positive)."""
+
+SCORE_LOSSES = ("weighted_score",)
+"""Losses whose model is a scorer trained by coefficients, not by labels (``Trainer.score_gradient``)."""
 
 _ONNX_OPTIONS = frozenset({"sha256", "input_shape", "outputs", "loss"})
 

@@ -72,6 +72,14 @@ class Trainer(Protocol):
         """
         ...
 
+    def score_gradient(self, x: np.ndarray, weights: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """Gradient of ``sum_n weights[n] * output(x[n])`` at the current parameters, and that sum.
+
+        Only for a scorer built with loss ``weighted_score`` (X-risk algorithms: FeDXL); parameters
+        unchanged. Others raise ``LocalProtocolError``.
+        """
+        ...
+
     def apply_step(self, direction: Mapping[str, np.ndarray], lr: float) -> None:
         """Apply an externally computed step: ``w[name] <- w[name] - lr * direction[name]``."""
         ...

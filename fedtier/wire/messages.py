@@ -15,13 +15,14 @@ compare them with ``messages_equal``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping, TypeVar
 
 import numpy as np
 
 from fedtier import wire
-from fedtier.errors import LocalProtocolError, MalformedHeaderError, UnknownMessageTypeError
+from fedtier.errors import LocalProtocolError, MalformedHeaderError, ScoreListError, UnknownMessageTypeError
 from fedtier.wire import Envelope, TensorEncoding
 
 Tensors = Mapping[str, np.ndarray]
@@ -420,10 +421,221 @@ class ArtifactBlob(Message):
                    data=data.tobytes())
 
 
+# --- FeDXL: X-risk scores travel with the model ---------------------------------------------------------
+#
+# "FeDXL: Provable Federated Learning for Deep X-Risk Optimization" (Guo, Jin, Luo, Yang, ICML 2023):
+# devices upload, besides their model, the scores they computed in the round (positives and negatives)
+# and, for the compositional objective, the inner-function estimates ``u`` of those positives; the
+# cloud merges them into a pool it sends down with the next round's model (the passive parts). These
+# four kinds extend the hierarchy's messages with those fields (new kinds: an older node rejects them
+# as unknown instead of reading half of them). Their extra tensors are named under ``xrisk/`` so they
+# cannot collide with the model's parameter names.
+
+XRISK_PREFIX = "xrisk/"
+POS_SCORES, NEG_SCORES, POS_U = "xrisk/pos_scores", "xrisk/neg_scores", "xrisk/pos_u"
+MOMENTUM_PREFIX = "xrisk/G/"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ScorePool:
+    """Scores of one round, concatenated by device (a device's upload, a cell's, or the merged pool).
+
+    Attributes:
+        round: the round the scores were computed in (``-1``: no scores yet).
+        pos: positive scores ``h(w, z)``, float32.
+        neg: negative scores.
+        u: the positives' inner-function estimates, aligned with ``pos`` (compositional objective), or
+            ``None``.
+        sources: ``(device, positives, negatives)`` per contributing device, in the order their scores
+            are concatenated (provenance: entry ``i`` of ``pos`` is the device whose running count
+            passes ``i``). Sums must equal the lengths.
+    """
+
+    round: int = -1
+    pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    neg: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    u: np.ndarray | None = None
+    sources: tuple[tuple[str, int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, arr in (("pos", self.pos), ("neg", self.neg), ("u", self.u)):
+            if arr is not None and np.asarray(arr).ndim != 1:
+                raise ScoreListError(f"score list {name} must be 1-D, got shape {np.shape(arr)}")
+        if self.u is not None and len(self.u) != len(self.pos):
+            raise ScoreListError(f"{len(self.u)} u values for {len(self.pos)} positive scores")
+        if sum(p for _, p, _ in self.sources) != len(self.pos) or sum(n for _, _, n in self.sources) != len(self.neg):
+            raise ScoreListError(f"sources count {sum(p for _, p, _ in self.sources)} positives and "
+                                 f"{sum(n for _, _, n in self.sources)} negatives; the lists hold {len(self.pos)} "
+                                 f"and {len(self.neg)}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ScorePool):
+            return NotImplemented
+        if (self.u is None) != (other.u is None):
+            return False
+        same_u = self.u is None or other.u is None or np.array_equal(self.u, other.u)
+        return (self.round == other.round and self.sources == other.sources and np.array_equal(self.pos, other.pos)
+                and np.array_equal(self.neg, other.neg) and same_u)
+
+    __hash__ = None  # type: ignore[assignment]  # holds arrays
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        out = {POS_SCORES: np.asarray(self.pos, np.float32), NEG_SCORES: np.asarray(self.neg, np.float32)}
+        if self.u is not None:
+            out[POS_U] = np.asarray(self.u, np.float32)
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        return {"round": int(self.round), "sources": [[d, int(p), int(n)] for d, p, n in self.sources]}
+
+    @classmethod
+    def parse(cls, meta: Any, tensors: Mapping[str, np.ndarray]) -> "ScorePool":
+        """From a header's ``pool`` map and the envelope's tensors; ``ScoreListError`` or
+        ``MalformedHeaderError`` if they do not fit together."""
+        if not isinstance(meta, Mapping):
+            raise MalformedHeaderError(f"field 'pool' has type {type(meta).__name__}")
+        rnd = _get(meta, "round", int)
+        raw = _get(meta, "sources", list)
+        sources = []
+        for item in raw:
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item[1:])):
+                raise MalformedHeaderError(f"pool source {item!r} is not [device, positives, negatives]")
+            sources.append((item[0], int(item[1]), int(item[2])))
+        if POS_SCORES not in tensors or NEG_SCORES not in tensors:
+            raise MalformedHeaderError(f"a score pool needs tensors {POS_SCORES!r} and {NEG_SCORES!r}")
+        return cls(round=rnd, pos=tensors[POS_SCORES], neg=tensors[NEG_SCORES], u=tensors.get(POS_U),
+                   sources=tuple(sources))
+
+
+def _with_xrisk(model: Tensors, momentum: Tensors, pool: ScorePool | None) -> dict[str, np.ndarray]:
+    out = dict(model)
+    out.update({f"{MOMENTUM_PREFIX}{n}": t for n, t in momentum.items()})
+    if pool is not None:
+        out.update(pool.tensors())
+    return out
+
+
+def _split_xrisk(tensors: Tensors) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(model tensors, momentum tensors by parameter name, score tensors)`` of an envelope."""
+    model, momentum, scores = {}, {}, {}
+    for name, arr in tensors.items():
+        if name.startswith(MOMENTUM_PREFIX):
+            momentum[name[len(MOMENTUM_PREFIX):]] = arr
+        elif name.startswith(XRISK_PREFIX):
+            scores[name] = arr
+        else:
+            model[name] = arr
+    if momentum and set(momentum) != set(model):
+        raise MalformedHeaderError("momentum tensors do not name the model's tensors")
+    return model, momentum, scores
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class XRiskCellTask(CellTask):
+    """Cloud -> edge (FeDXL): a ``cell_task`` plus the averaged momentum ``G`` (compositional objective;
+    empty otherwise) and the merged score pool of the previous round (``pool.round = round - 1``)."""
+
+    KIND: ClassVar[str] = "xrisk_cell_task"
+
+    momentum: Tensors = field(default_factory=dict)
+    pool: ScorePool = field(default_factory=ScorePool)
+
+    def tensors(self) -> Tensors:
+        return _with_xrisk(self.params, self.momentum, self.pool)
+
+    def _meta(self) -> dict[str, Any]:
+        return {**CellTask._meta(self), "pool": self.pool.meta()}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "XRiskCellTask":
+        params, momentum, scores = _split_xrisk(env.tensors)
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, params=params,
+                   members=_str_list(env.meta, "members"), config=_get(env.meta, "config", dict),
+                   model_version=_get(env.meta, "model_version", int), momentum=momentum,
+                   pool=ScorePool.parse(env.meta.get("pool"), scores))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class XRiskDeviceTask(DeviceTask):
+    """Edge -> devices (FeDXL): a ``device_task`` plus the cloud's momentum and score pool, relayed."""
+
+    KIND: ClassVar[str] = "xrisk_device_task"
+
+    momentum: Tensors = field(default_factory=dict)
+    pool: ScorePool = field(default_factory=ScorePool)
+
+    def tensors(self) -> Tensors:
+        return _with_xrisk(self.params, self.momentum, self.pool)
+
+    def _meta(self) -> dict[str, Any]:
+        return {**DeviceTask._meta(self), "pool": self.pool.meta()}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "XRiskDeviceTask":
+        params, momentum, scores = _split_xrisk(env.tensors)
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, params=params,
+                   config=_get(env.meta, "config", dict), members=_str_list(env.meta, "members"),
+                   momentum=momentum, pool=ScorePool.parse(env.meta.get("pool"), scores))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class XRiskDeviceUpdate(DeviceUpdate):
+    """Device -> edge (FeDXL): a ``device_update`` plus the device's momentum ``G`` (compositional
+    objective) and the scores it computed this round (``scores.sources`` names only itself)."""
+
+    KIND: ClassVar[str] = "xrisk_device_update"
+
+    momentum: Tensors = field(default_factory=dict)
+    scores: ScorePool = field(default_factory=ScorePool)
+
+    def tensors(self) -> Tensors:
+        return _with_xrisk(self.delta, self.momentum, self.scores)
+
+    def _meta(self) -> dict[str, Any]:
+        return {**DeviceUpdate._meta(self), "pool": self.scores.meta()}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "XRiskDeviceUpdate":
+        delta, momentum, scores = _split_xrisk(env.tensors)
+        base = DeviceUpdate.from_envelope(dataclasses.replace(env, tensors=delta))
+        return cls(rollout=base.rollout, round=base.round, sender=base.sender, step=base.step, delta=base.delta,
+                   num_samples=base.num_samples, train_loss=base.train_loss, steps=base.steps, q=base.q,
+                   release=base.release, evaluation=base.evaluation, momentum=momentum,
+                   scores=ScorePool.parse(env.meta.get("pool"), scores))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class XRiskCellUpdate(CellUpdate):
+    """Edge -> cloud (FeDXL): the cell's *weighted sums* of its devices' model changes (``delta``) and
+    momenta (``momentum``) with their total weight (``weight``), so the cloud forms the exact global
+    mean, and the devices' score lists concatenated (never averaged) with their sources."""
+
+    KIND: ClassVar[str] = "xrisk_cell_update"
+
+    momentum: Tensors = field(default_factory=dict)
+    scores: ScorePool = field(default_factory=ScorePool)
+
+    def tensors(self) -> Tensors:
+        return _with_xrisk(self.delta, self.momentum, self.scores)
+
+    def _meta(self) -> dict[str, Any]:
+        return {**CellUpdate._meta(self), "pool": self.scores.meta()}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "XRiskCellUpdate":
+        delta, momentum, scores = _split_xrisk(env.tensors)
+        base = CellUpdate.from_envelope(dataclasses.replace(env, tensors=delta))
+        return cls(rollout=base.rollout, round=base.round, sender=base.sender, delta=base.delta, weight=base.weight,
+                   reported=base.reported, mean_loss=base.mean_loss, stats=base.stats, q=base.q,
+                   privacy=base.privacy, evaluation=base.evaluation, momentum=momentum,
+                   scores=ScorePool.parse(env.meta.get("pool"), scores))
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (CellTask, DeviceTask, DeviceUpdate, CellUpdate, DeviceGradient, CellStep, ArtifactRequest,
-                ArtifactBlob)
+                ArtifactBlob, XRiskCellTask, XRiskDeviceTask, XRiskDeviceUpdate, XRiskCellUpdate)
 }
 
 M = TypeVar("M", bound=Message)

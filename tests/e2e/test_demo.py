@@ -260,3 +260,17 @@ def test_privacy_demo_prints_the_plan_epsilon_per_round_and_the_comparison(tmp_p
     assert re.search(r"accuracy without privacy\s+0\.[0-9]{4} after 3 rounds \(same seeds", out)
     header = next((line for line in out.splitlines() if re.search(r"^\s*round\s+accuracy", line)), "")
     assert re.search(r"accuracy\s+without privacy\s+loss\s+epsilon", header), out  # beside each round
+
+
+def test_demo_trains_fedxl_on_one_class_devices_and_reports_auroc_per_round() -> None:
+    """``fedtier demo --algorithm fedxl`` with its defaults: 12 devices, each holding one class of a rare-event
+    task, learn a ranking through shared scores (AUROC and partial AUROC every round)."""
+    require(mosquitto_binary() is not None, "Mosquitto")
+    result = run_demo("--algorithm", "fedxl")
+    rounds = result["rounds"]
+    assert result["algorithm"] == "fedxl" and len(rounds) == 30 and result["broker"] == "mosquitto"
+    assert all(r["devices_reported"] == 12 for r in rounds)
+    assert all({"auroc", "pauc_0.3", "pauc_0.5"} <= set(r) for r in rounds)
+    assert rounds[0]["auroc"] < rounds[1]["auroc"] - 0.2  # round 0 only collects scores; training starts in 1
+    assert min(r["auroc"] for r in rounds[1:]) >= 0.85, [r["auroc"] for r in rounds]
+    assert result["final_ranking"]["auroc"] >= 0.85 and result["final_ranking"]["pauc_0.5"] >= 0.8

@@ -81,6 +81,7 @@ def test_a_trusted_cell_turns_tls_on_when_mosquitto_is_there(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--privacy", "--algorithm", "qhetfed"], "qhetfed's in-cell gradient exchange is not covered"),
+    (["--privacy", "--algorithm", "fedxl"], "fedxl shares every device's scores, data-dependent releases"),
     (["--epsilon", "4"], "--epsilon only make sense with --privacy"),
     (["--compare", "--trusted", "cell-a"], "--trusted, --compare only make sense with --privacy"),
     (["--privacy", "--trusted", "cell-a,cell-z"], "--trusted names cell-z, but the demo's cells are cell-a, cell-b"),
@@ -129,3 +130,13 @@ def test_the_reaper_stops_the_groups_left_when_its_pipe_closes() -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_the_fedxl_demo_trains_a_scorer_on_one_class_devices(tmp_path: Path) -> None:
+    demo = Demo(DemoOptions(workdir=tmp_path, algorithm="fedxl"), Quiet())
+    config = demo.rollout_config()
+    assert config["data"]["dataset"] == "rare_event" and config["data"]["partition"] == "one_class"
+    assert config["model"] == {"kind": "mlp", "hidden": []}
+    assert config["fedxl"]["objective"] == "pauc" and config["fedxl"]["batch_size"] == 8
+    assert "rare-event task" in demo.task_description()
+    RolloutConfig.from_mapping({**config, "state_dir": str(tmp_path / "c")})  # a valid rollout

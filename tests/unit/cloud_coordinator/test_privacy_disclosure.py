@@ -131,10 +131,11 @@ def test_every_message_type_is_classified() -> None:
 
 
 def test_message_types_refused_under_privacy_are() -> None:
-    from fedtier.algorithms import qhetfed
+    from fedtier.algorithms import fedxl, qhetfed
 
     assert not qhetfed.Device.SUPPORTS_PRIVACY and not qhetfed.Edge.SUPPORTS_PRIVACY
-    assert set(disclosure.REFUSED) == {"device_gradient"}
+    assert not fedxl.Device.SUPPORTS_PRIVACY and not fedxl.Edge.SUPPORTS_PRIVACY
+    assert set(disclosure.REFUSED) == {"device_gradient", "xrisk_device_update", "xrisk_cell_update"}
 
 
 def test_chunk_headers_are_classified() -> None:

@@ -8,7 +8,7 @@ hand. Every message each role receives is recorded.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Mapping
@@ -26,6 +26,8 @@ from fedtier.algorithms.base import (
     LocalTrain,
     Note,
     RoundClosed,
+    ScoreGradient,
+    ScoreRows,
     SendToChild,
     SendToParent,
 )
@@ -145,8 +147,13 @@ class Hierarchy:
         self._run_device(device, actions)
 
     def _run_device(self, device: str, actions: list[Any]) -> None:
+        """Execute a device's actions depth first (what local work answers with runs before the rest), from a
+        queue: X-risk rounds answer every step with the next one, which nested calls would stack up."""
         cell = next(c for c, ds in self.cells.items() if device in ds)
-        for a in actions:
+        queue = deque(actions)
+        while queue:
+            a = queue.popleft()
+            follow: list[Any] = []
             if isinstance(a, LocalTrain):
                 if self.compute is not None:
                     delta, mean_loss = self.compute.local_sgd(a.params, device, a.steps, a.batch_size, a.lr, a.stream)
@@ -154,18 +161,23 @@ class Hierarchy:
                     delta, mean_loss = self.train(a.params, device, a.round), 1.0
                 result = LocalResult(delta=delta, num_samples=self.samples.get(device, 10), mean_loss=mean_loss,
                                      steps=a.steps)
-                self._run_device(device, self.devices[device].trained(a.round, result))
+                follow = self.devices[device].trained(a.round, result)
             elif isinstance(a, ComputeGradient):
                 grad, loss = self.compute.grad(a.params, device, a.batch_size, a.stream)
                 result_g = GradientResult(grad=grad, loss=loss, num_samples=self.samples.get(device, 10))
-                self._run_device(device, self.devices[device].gradient_done(a.round, a.step, result_g))
+                follow = self.devices[device].gradient_done(a.round, a.step, result_g)
+            elif isinstance(a, ScoreRows):
+                follow = self.devices[device].scored(a.round, a.step, self.compute.score_rows(device, a))
+            elif isinstance(a, ScoreGradient):
+                follow = self.devices[device].gradient_done(a.round, a.step, self.compute.score_gradient(device, a))
             elif isinstance(a, Evaluate):
                 self.evaluated.append((device, a.round, {k: np.array(v) for k, v in a.params.items()}))
-                self._run_device(device, self.devices[device].evaluated(a.round, self.evaluations[device]))
+                follow = self.devices[device].evaluated(a.round, self.evaluations[device])
             elif isinstance(a, SendToParent):
                 self.deliver_to_edge(cell, self._wire(a.message, a.encodings))
             elif isinstance(a, Dropped):
                 self.dropped.append(a)
+            queue.extendleft(reversed(follow))
 
     def tick(self, now: float) -> None:
         self.now = now

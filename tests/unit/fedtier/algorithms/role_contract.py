@@ -35,6 +35,11 @@ class RoleContract:
                             delta=tensors or {n: np.full_like(p, scale) for n, p in h.params.items()},
                             num_samples=10, train_loss=0.5, steps=1)
 
+    def cell_update(self, h: Hierarchy, cell: str, round: int) -> Message:
+        """A cell's upload of ``round`` with no change (algorithms with another cell upload override)."""
+        return CellUpdate(rollout="r", round=round, sender=cell,
+                          delta={n: np.zeros_like(p) for n, p in h.params.items()}, weight=1.0)
+
     # --- a whole rollout runs --------------------------------------------------------------------
 
     def test_all_rounds_close_and_finish(self) -> None:
@@ -112,8 +117,7 @@ class RoleContract:
         h = self.hierarchy(rounds=1)
         h.offline = set(h.devices)
         h.start()
-        update = CellUpdate(rollout="r", round=0, sender="cell-zz",
-                            delta={n: np.zeros_like(p) for n, p in h.params.items()}, weight=1.0)
+        update = self.cell_update(h, "cell-zz", 0)
         with pytest.raises(UnknownSenderError):
             h.cloud.receive(update, 0.0)
         assert h.cloud.state is RoleState.COLLECTING

@@ -24,6 +24,11 @@ from fedtier.wire.messages import (
     DeviceTask,
     DeviceUpdate,
     Message,
+    ScorePool,
+    XRiskCellTask,
+    XRiskCellUpdate,
+    XRiskDeviceTask,
+    XRiskDeviceUpdate,
     decode_message,
     make_key,
     messages_equal,
@@ -33,6 +38,8 @@ SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, database=N
                     suppress_health_check=[HealthCheck.too_slow])
 
 PARAMS = {"w": np.array([[1.0, 2.0], [-0.5, 0.25]], np.float32), "b": np.array([0.0, 3.0], np.float32)}
+POOL = ScorePool(round=1, pos=np.array([0.75, 0.5, 0.25], np.float32), neg=np.array([0.125, 0.0625], np.float32),
+                 u=np.array([1.0, 1.25, 2.0], np.float32), sources=(("d1", 2, 0), ("d3", 1, 2)))
 BLOB = b"\x00onnx-bytes\xff" * 3
 BLOB_SHA = hashlib.sha256(BLOB).hexdigest()
 
@@ -54,6 +61,16 @@ def examples() -> list[Message]:
                        num_samples=12, q=1.5),
         CellStep(rollout="r1", round=2, sender="edge-1", step=3, tensors_=PARAMS, kind="delta",
                  model_sha="cd" * 32, reported=("d1", "d2")),
+        XRiskCellTask(rollout="r1", round=2, sender="cloud", params=PARAMS, members=("d1", "d2"),
+                      config={"lr": 0.1}, model_version=7, momentum=PARAMS, pool=POOL),
+        XRiskDeviceTask(rollout="r1", round=2, sender="edge-1", params=PARAMS, config={"lr": 0.1},
+                        members=("d1", "d2"), pool=POOL),
+        XRiskDeviceUpdate(rollout="r1", round=2, sender="d1", delta=PARAMS, num_samples=40, train_loss=0.75, steps=5,
+                          momentum=PARAMS, scores=ScorePool(round=2, pos=np.array([0.5], np.float32),
+                                                            neg=np.array([0.25, 0.125], np.float32),
+                                                            u=np.array([1.5], np.float32), sources=(("d1", 1, 2),))),
+        XRiskCellUpdate(rollout="r1", round=2, sender="edge-1", delta=PARAMS, weight=3.0, reported=("d1", "d3"),
+                        mean_loss=0.5, scores=dataclasses.replace(POOL, u=None, round=2)),
     ]
 
 
@@ -71,7 +88,9 @@ def reencode(msg: Message, **meta_changes: Any) -> bytes:
 
 def test_every_message_type_is_registered_under_its_kind() -> None:
     assert set(messages.MESSAGE_TYPES) == {"cell_task", "device_task", "device_update", "cell_update",
-                                           "artifact_request", "artifact", "device_gradient", "cell_step"}
+                                           "artifact_request", "artifact", "device_gradient", "cell_step",
+                                           "xrisk_cell_task", "xrisk_device_task", "xrisk_device_update",
+                                           "xrisk_cell_update"}
     for kind, cls in messages.MESSAGE_TYPES.items():
         assert cls.KIND == kind
 
@@ -212,6 +231,10 @@ REQUIRED = {
     "ArtifactBlob": ["sha256", "name"],
     "DeviceGradient": ["model_sha", "loss", "num_samples", "q"],
     "CellStep": ["kind", "model_sha", "reported"],
+    "XRiskCellTask": ["members", "config", "model_version", "pool"],
+    "XRiskDeviceTask": ["config", "members", "pool"],
+    "XRiskDeviceUpdate": ["num_samples", "train_loss", "steps", "pool"],
+    "XRiskCellUpdate": ["weight", "reported", "mean_loss", "stats", "pool"],
 }
 
 
