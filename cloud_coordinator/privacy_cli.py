@@ -388,7 +388,12 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
         if delta is None:
             raise click.UsageError(f"{db}: rollout {rollout!r} records no delta (no round metrics); give --config")
         delta = float(delta)
-        recomputed = recompute(store, rollout, delta)
+        accounting = str(plan.get("accountant") or (p.accountant if p is not None else "rdp"))
+        recomputed = recompute(store, rollout, delta, accounting)
+        by_accountant = {accounting: max(recomputed.values(), default=0.0)}
+        for other in ("rdp", "pld"):
+            if other != accounting:
+                by_accountant[other] = max(recompute(store, rollout, delta, other).values(), default=0.0)
     finally:
         store.close()
     if "budget_epsilon" in live:
@@ -403,7 +408,7 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
     rounds_planned = metrics.get("rounds_planned", cfg.rounds if cfg is not None else None)
     doc = rep.build(rollout=rollout, db=db, releases=releases, clear=clear, rounds=rounds, recomputed=recomputed,
                     delta=delta, budget=budget, mode=",".join(modes), status=status, rounds_planned=rounds_planned,
-                    stopped=metrics.get("stopped"))
+                    stopped=metrics.get("stopped"), accounting=accounting, by_accountant=by_accountant)
     if p is not None:
         if not rep.agrees(p.delta, float(delta), 1e-12):
             doc["warnings"].append(f"{config_path} now says delta {p.delta:g}; the rollout ran with {delta:g} "

@@ -23,7 +23,8 @@ cell's ``2C (1/n + tau - 1)`` also in paper mode, whose noise is calibrated agai
 ``2C/n`` (``fedtier.privacy.plan``); the audited record carries that multiplier, and ``planned``
 (the budget check) uses it too.
 
-Per-device epsilon comes from the RDP accountant (``accountant.Accountant``) over the
+Per-device epsilon comes from the plan's accountant (``accountant.Accountant``: dp-accounting's RDP, or
+its PLD with ``[privacy] accountant = "pld"``) over the
 multipliers of the releases that protect it; later forwarding of noised data (untrusted
 edges, the cloud's broadcast) is post-processing and is not charged again. Before a round
 opens, ``admit`` adds that round's planned releases to every device's account and refuses
@@ -58,7 +59,7 @@ class PrivacyLedger:
         self.plan = plan
         self.cells = {c: tuple(sorted(m)) for c, m in cells.items()}
         self.cloud_id = cloud_id
-        self.accountant = Accountant(plan.delta)
+        self.accountant = Accountant(plan.delta, accounting=plan.accountant)
         for device in (d for members in self.cells.values() for d in members):
             self.accountant.add([device], 0.0, 0)  # every device listed, even before its first release
         self.last_charged = -1  # the last round whose rows are on the ledger
@@ -170,9 +171,9 @@ class PrivacyLedger:
                 "budget_epsilon": self.plan.budget_epsilon, "mode": self.plan.mode, "epsilon": eps}
 
 
-def recompute(store: CoordinatorStore, rollout: str, delta: float) -> dict[str, float]:
-    """Per-device epsilon from the ledger rows alone (offline audit of the live numbers)."""
-    acc = Accountant(delta)
+def recompute(store: CoordinatorStore, rollout: str, delta: float, accounting: str = "rdp") -> dict[str, float]:
+    """Per-device epsilon from the ledger rows alone (offline audit of the live numbers), by ``accounting``."""
+    acc = Accountant(delta, accounting=accounting)
     for row in store.privacy_releases(rollout):
         acc.add(row["protected"], row["noise_multiplier"], 1)
     return acc.epsilons()

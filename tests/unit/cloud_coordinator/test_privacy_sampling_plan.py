@@ -1,0 +1,81 @@
+"""Device sampling in the config, the calibration and the plan (issue 17 Part B.1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cloud_coordinator.config import RolloutConfig
+from cloud_coordinator.privacy import accountant, calibrate
+from fedtier.errors import ConfigError
+from fedtier.privacy.plan import NoisePlan, release_cap
+
+
+def _cfg(**privacy: object) -> RolloutConfig:
+    data = {"rounds": 40, "topology": {"cells": 2, "devices_per_cell": 50, "trusted": {"cell-a": True}},
+            "fedavg": {"edge_rounds": 1},
+            "privacy": {"epsilon": 4.0, "clip": 1.0, "delta": 1e-6, **privacy}}
+    return RolloutConfig.from_mapping(data)
+
+
+def test_config_keys_are_validated_with_the_key_named() -> None:
+    with pytest.raises(ConfigError, match="sample_rate"):
+        _cfg(device_sampling="poisson")
+    with pytest.raises(ConfigError, match="sample_rate"):
+        _cfg(sample_rate=0.1)
+    with pytest.raises(ConfigError, match="accountant"):
+        _cfg(device_sampling="fixed", sample_rate=0.1, accountant="pld")
+    with pytest.raises(ConfigError, match="device_sampling"):
+        RolloutConfig.from_mapping({"topology": {"cells": 1, "devices_per_cell": 4}, "fedavg": {"edge_rounds": 2},
+                                 "privacy": {"epsilon": 4.0, "clip": 1.0, "device_sampling": "poisson",
+                                             "sample_rate": 0.2}})
+    with pytest.raises(ConfigError, match="sample_rate"):
+        _cfg(device_sampling="poisson", sample_rate=1.5)
+    with pytest.raises(ConfigError, match="device_sampling"):
+        _cfg(device_sampling="everyone", sample_rate=0.1)
+
+
+@pytest.mark.parametrize("acct", ["rdp", "pld"])
+def test_poisson_plan_amplifies_the_trusted_edge_only(acct: str) -> None:
+    cfg = _cfg(device_sampling="poisson", sample_rate=0.1, accountant=acct)
+    plan = calibrate.make_plan(cfg, {})
+    assert plan.sampling == "poisson" and plan.sample_rate == 0.1 and plan.accountant == acct
+    a, b = plan.cells["cell-a"], plan.cells["cell-b"]
+    # trusted: z solved for 40 Poisson-sampled releases, the ledger's charge reaches the target
+    eps_edge = accountant.epsilon([(plan.edge_charged_z("cell-a"), 40, *plan.edge_event("cell-a"))], 1e-6,
+                                  accounting=acct)
+    assert eps_edge == pytest.approx(4.0, rel=0.01) and eps_edge <= 4.0
+    # fixed denominator q n: sigma = z C / (q n), whoever reported
+    assert plan.edge_sigma("cell-a") == pytest.approx(a.edge_z * 1.0 / (0.1 * 50))
+    assert plan.edge_sigma("cell-a", 3) == plan.edge_sigma("cell-a", 50)
+    assert plan.edge_denominator("cell-a") == pytest.approx(5.0)
+    # untrusted: no amplification, z for the release cap at full price
+    cap = release_cap(40, 0.1)
+    assert plan.device_release_cap == cap and 4 <= cap < 40
+    assert accountant.epsilon([(b.device_z, cap)], 1e-6, accounting=acct) == pytest.approx(4.0, rel=0.01)
+    unsampled = calibrate.make_plan(_cfg(accountant=acct), {})
+    assert b.device_z < unsampled.cells["cell-b"].device_z  # fewer releases per device
+    assert a.edge_z < unsampled.cells["cell-a"].edge_z  # amplification
+    # the plan survives its wire form
+    assert NoisePlan.from_dict(plan.to_dict()) == plan
+
+
+def test_fixed_size_plan_is_replace_one() -> None:
+    plan = calibrate.make_plan(_cfg(device_sampling="fixed", sample_rate=0.2), {})
+    q, n = plan.edge_event("cell-a")
+    assert (q, n) == (10 / 50, 50)
+    assert plan.edge_sensitivity(50) == pytest.approx(2.0 / 10)
+    eps = accountant.epsilon([(plan.cells["cell-a"].edge_z, 40, q, n)], 1e-6)
+    assert eps == pytest.approx(4.0, rel=0.01) and eps <= 4.0
+
+
+def test_pld_calibrates_less_noise_than_rdp() -> None:
+    rdp_plan = calibrate.make_plan(_cfg(device_sampling="poisson", sample_rate=0.1), {})
+    pld_plan = calibrate.make_plan(_cfg(device_sampling="poisson", sample_rate=0.1, accountant="pld"), {})
+    assert pld_plan.cells["cell-a"].edge_z < rdp_plan.cells["cell-a"].edge_z
+    assert pld_plan.cells["cell-b"].device_z < rdp_plan.cells["cell-b"].device_z
+
+
+def test_release_cap() -> None:
+    assert release_cap(40, 1.0) == 40
+    assert release_cap(100, 0.1) == 19  # 10 + 3 sqrt(9) = 19
+    assert release_cap(10, 0.9) == 10
