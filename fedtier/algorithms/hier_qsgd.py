@@ -311,7 +311,8 @@ class Device(_DeviceBase):
         if plan.cells[self.cell].trusted:
             return delta, None, result.mean_loss  # clear, to a trusted edge (over TLS)
         sigma = plan.device_sigma(self.cell)
-        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.device_id, self._round, self._step)
+        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.device_id, self._round, self._step,
+                                secure=plan.secure_noise)
         release = audit.release_record(plan=plan, node=self.device_id, event="device", round=self._round,
                                        step=self._step, sigma=sigma, sensitivity=plan.device_sensitivity,
                                        protected=[self.device_id])
@@ -484,7 +485,8 @@ class _EdgeBase(StateGuard):
             return delta, report
         reporters = min(len(s) for s in steps)
         sigma = plan.edge_sigma(self.cell, reporters)
-        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.cell, self._task.round)
+        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.cell, self._task.round,
+                                secure=plan.secure_noise)
         protected = sorted({d for s in steps for d in s})
         # Charged against the sound sensitivity, whatever sigma was calibrated against (paper mode: 2C/n).
         report["releases"] = [audit.release_record(plan=plan, node=self.cell, event="edge", round=self._task.round,
