@@ -82,20 +82,36 @@ def accuracy(w: np.ndarray, xt: np.ndarray, yt: np.ndarray) -> float:
 # --- one run ----------------------------------------------------------------------------------------
 
 
-def plan_for(spec: dict[str, Any], p: float, eps: float, seed: int) -> Any:
-    """The rollout's noise plan, from a real RolloutConfig (which cells are trusted: drawn by seed)."""
-    from cloud_coordinator.config import RolloutConfig, TopologyConfig
-    from cloud_coordinator.privacy.calibrate import make_plan
+def trusted_cells(spec: dict[str, Any], p: float, seed: int) -> list[str]:
+    from cloud_coordinator.config import TopologyConfig
 
     names = sorted(TopologyConfig(cells=spec["cells"], devices_per_cell=spec["devices_per_cell"]).layout())
-    trusted = list(np.random.default_rng(seed).permutation(names)[: round(p * len(names))])
-    cfg = RolloutConfig.from_mapping({
-        "rounds": spec["rounds"],
-        "topology": {"cells": spec["cells"], "devices_per_cell": spec["devices_per_cell"],
-                     "trusted": {str(c): True for c in trusted}},
-        "fedavg": {"edge_rounds": 1},
-        "privacy": {"epsilon": eps, "delta": spec["delta"], "clip": spec["clip"], "accountant": spec["accountant"],
-                    "device_sampling": "poisson", "sample_rate": spec["sample_rate"], "require_tls": False}})
+    return [str(c) for c in np.random.default_rng(seed).permutation(names)[: round(p * len(names))]]
+
+
+def rollout_mapping(spec: dict[str, Any], p: float, eps: float, seed: int) -> dict[str, Any]:
+    """The rollout config a private run's plan comes from (which cells are trusted: drawn by seed)."""
+    base = {k: dict(v) if isinstance(v, dict) else v for k, v in spec["rollout"].items()}
+    base.update(rounds=spec["rounds"], seed=seed,
+                topology={"cells": spec["cells"], "devices_per_cell": spec["devices_per_cell"],
+                          "trusted": {c: True for c in trusted_cells(spec, p, seed)}},
+                privacy={"epsilon": eps, "delta": spec["delta"], "clip": spec["clip"],
+                         "accountant": spec["accountant"], "device_sampling": "poisson",
+                         "sample_rate": spec["sample_rate"], "require_tls": False})
+    return base
+
+
+def all_mappings(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every private run's rollout config (tests/unit/test_docs.py loads them all)."""
+    return [rollout_mapping(spec, p, e, s) for e in spec["epsilons"] for p in spec["p_trusted"] for s in spec["seeds"]]
+
+
+def plan_for(spec: dict[str, Any], p: float, eps: float, seed: int) -> Any:
+    """The rollout's noise plan and cell layout, from a real RolloutConfig."""
+    from cloud_coordinator.config import RolloutConfig
+    from cloud_coordinator.privacy.calibrate import make_plan
+
+    cfg = RolloutConfig.from_mapping(rollout_mapping(spec, p, eps, seed))
     return make_plan(cfg, {}), {c: tuple(m) for c, m in cfg.topology.layout().items()}
 
 

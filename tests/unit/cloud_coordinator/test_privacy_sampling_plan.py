@@ -79,3 +79,30 @@ def test_release_cap() -> None:
     assert release_cap(40, 1.0) == 40
     assert release_cap(100, 0.1) == 19  # 10 + 3 sqrt(9) = 19
     assert release_cap(10, 0.9) == 10
+
+
+def test_sampling_overrides_cover_every_participation_field() -> None:
+    """Every upward field that reveals who took part (or a device's dataset size) says what a sampling rollout
+    sends instead: amplification holds only while the cloud cannot tell who was sampled."""
+    from fedtier.privacy import disclosure
+
+    for kind, fields in disclosure.UPWARD.items():
+        for path, field in fields.items():
+            reveals = field.disclosure == disclosure.PUBLIC and (
+                "participation" in field.why or "reported" in field.why or "sample count" in field.why)
+            if reveals and kind in ("cell_update", "device_update") and not path.startswith("m.release."):
+                assert path in disclosure.SAMPLED.get(kind, {}), (kind, path)
+    for kind, fields in disclosure.SAMPLED.items():
+        for path in fields:
+            assert path in disclosure.UPWARD[kind], (kind, path)  # overrides name real fields
+
+
+def test_rollouts_refuse_device_sampling(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cloud_coordinator.rollout import prepare
+
+    cfg = RolloutConfig.from_mapping({
+        "rounds": 2, "state_dir": str(tmp_path), "topology": {"cells": 1, "devices_per_cell": 2},
+        "fedavg": {"edge_rounds": 1},
+        "privacy": {"epsilon": 4.0, "clip": 1.0, "device_sampling": "poisson", "sample_rate": 0.5}})
+    with pytest.raises(ConfigError, match="device_sampling"):
+        prepare(cfg)
