@@ -113,7 +113,9 @@ def estimate(plan: NoisePlan, parameters: Mapping[str, int], *, cells_averaged: 
         if p.trusted:
             variance[cell] = plan.edge_sigma(cell) ** 2
         else:
-            variance[cell] = tau * plan.device_sigma(cell) ** 2 / p.members
+            # under device sampling an untrusted cell averages about q n devices a round
+            reporting = max(1.0, plan.sample_rate * p.members) if plan.sampled else p.members
+            variance[cell] = tau * plan.device_sigma(cell) ** 2 / reporting
     ratios = {c: Ratio(signal, math.sqrt(parameters[c] * v), c) for c, v in variance.items()}
 
     def worst(trusted: bool) -> Ratio | None:

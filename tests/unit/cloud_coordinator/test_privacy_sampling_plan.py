@@ -106,3 +106,27 @@ def test_rollouts_refuse_device_sampling(tmp_path) -> None:  # type: ignore[no-u
         "privacy": {"epsilon": 4.0, "clip": 1.0, "device_sampling": "poisson", "sample_rate": 0.5}})
     with pytest.raises(ConfigError, match="device_sampling"):
         prepare(cfg)
+
+
+def test_privacy_plan_cli_shows_sampling_and_amplification(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from click.testing import CliRunner
+
+    from cloud_coordinator.privacy_cli import privacy as main
+
+    path = tmp_path / "s.toml"
+    path.write_text('rounds = 20\n[topology]\ncells = 2\ndevices_per_cell = 40\ntrusted = { cell-a = true }\n'
+                    '[fedavg]\nedge_rounds = 1\n[privacy]\nepsilon = 4.0\nclip = 1.0\ndelta = 1e-6\n'
+                    'device_sampling = "poisson"\nsample_rate = 0.2\n')
+    out = CliRunner().invoke(main, ["plan", "--config", str(path), "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output[out.output.index("{"):])
+    edge, device = doc["tiers"]["edge"], doc["tiers"]["device"]
+    assert edge["amplified"] and not device["amplified"]
+    assert edge["epsilon"] == pytest.approx(4.0, rel=0.01) and edge["rounds_within_budget"] == 20
+    assert device["releases_per_device"] == release_cap(20, 0.2) < 20
+    assert device["epsilon"] == pytest.approx(4.0, rel=0.01) and device["rounds_within_budget"] == 20
+    assert edge["sensitivity_min"] == pytest.approx(1.0 / (0.2 * 40))
+    text = CliRunner().invoke(main, ["plan", "--config", str(path)]).output
+    assert "amplified" in text and "fixed-denominator" in text
