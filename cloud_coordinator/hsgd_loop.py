@@ -68,7 +68,8 @@ class LoopResult:
 def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], config: hsgd.HsgdConfig, rounds: int, *,
         rollout: str = "hsgd", silent: Sequence[str] = (),
         evaluate: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
-        inject: Callable[[str, Any], Any] | None = None, keep_trace: bool = False) -> LoopResult:
+        inject: Callable[[str, Any], Any] | None = None, keep_trace: bool = False,
+        make_trainer: Callable[[str, Mapping[str, np.ndarray], Mapping[str, int]], Any] | None = None) -> LoopResult:
     """Run ``rounds`` cloud rounds of HSGD.
 
     Args:
@@ -76,22 +77,28 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
         initial: the global model at round 0 (all three blocks).
         silent: node ids that receive but never send (stragglers that never answer).
         evaluate: called with the global model after each round; its value is stored in ``rounds``.
+        make_trainer: ``(side, rows, labels) -> trainer`` for each host (``"host"``) and device (``"device"``);
+            default the numpy ``SplitTrainer`` (``device_agent.trainers.ort_split.OrtSplitTrainer`` runs ORT).
         inject: test hook ``(sender, message) -> message or None`` applied to every upward message of a
             device or host before it is encoded (to corrupt or drop it).
     """
     edges = {c: hsgd.Edge(cell=c, rollout=rollout) for c in cells}
     hosts = {d.host: hsgd.Host(host_id=d.host, cell=c, rollout=rollout) for c, d in cells.items()}
     devices = {dev: hsgd.Device(device_id=dev, cell=c, rollout=rollout) for c, d in cells.items() for dev in d.devices}
-    trainers: dict[str, SplitTrainer] = {}
+    trainers: dict[str, Any] = {}
+
+    def trainer(side: str, x: Mapping[str, np.ndarray], y: Mapping[str, int]) -> Any:
+        return SplitTrainer(x, y) if make_trainer is None else make_trainer(side, x, y)
+
     cell_of: dict[str, str] = {}
     for c, d in cells.items():
         if config.hosts.get(c) != d.host:
             raise LocalProtocolError(f"config.hosts does not name {d.host!r} for cell {c!r}")
-        trainers[d.host] = SplitTrainer(dict(zip(d.devices, d.x1, strict=True)),
-                                       dict(zip(d.devices, d.y.tolist(), strict=True)))
+        trainers[d.host] = trainer("host", dict(zip(d.devices, d.x1, strict=True)),
+                                   dict(zip(d.devices, d.y.tolist(), strict=True)))
         cell_of[d.host] = c
         for n, dev in enumerate(d.devices):
-            trainers[dev] = SplitTrainer({dev: d.x2[n]}, {dev: int(d.y[n])})
+            trainers[dev] = trainer("device", {dev: d.x2[n]}, {dev: int(d.y[n])})
             cell_of[dev] = c
     cloud = hsgd.Cloud(rollout=rollout, cells={c: (*d.devices, d.host) for c, d in cells.items()},
                        initial_params=initial, config=cast(Any, config), rounds=rounds)
