@@ -69,7 +69,8 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
         rollout: str = "hsgd", silent: Sequence[str] = (),
         evaluate: Callable[[Mapping[str, np.ndarray]], Any] | None = None,
         inject: Callable[[str, Any], Any] | None = None, keep_trace: bool = False,
-        make_trainer: Callable[[str, Mapping[str, np.ndarray], Mapping[str, int]], Any] | None = None) -> LoopResult:
+        make_trainer: Callable[[str, Mapping[str, np.ndarray], Mapping[str, int]], Any] | None = None,
+        bus: Any = None) -> LoopResult:
     """Run ``rounds`` cloud rounds of HSGD.
 
     Args:
@@ -79,6 +80,8 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
         evaluate: called with the global model after each round; its value is stored in ``rounds``.
         make_trainer: ``(side, rows, labels) -> trainer`` for each host (``"host"``) and device (``"device"``);
             default the numpy ``SplitTrainer`` (``device_agent.trainers.ort_split.OrtSplitTrainer`` runs ORT).
+        bus: how messages travel: ``MemoryBus()`` (default; simulated time) or ``MqttBus`` (a real broker,
+            wall-clock time).
         inject: test hook ``(sender, message) -> message or None`` applied to every upward message of a
             device or host before it is encoded (to corrupt or drop it).
     """
@@ -104,9 +107,8 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
                        initial_params=initial, config=cast(Any, config), rounds=rounds)
     result = LoopResult(params={k: np.asarray(v, np.float32) for k, v in initial.items()}, edges=edges, hosts=hosts,
                         devices=devices)
-    queue: deque[tuple[str, str, bytes]] = deque()
+    bus = bus if bus is not None else MemoryBus()
     silent_set = set(silent)
-    now = 0.0
     finished = False
 
     def tier(node: str) -> str:
@@ -129,7 +131,7 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
             result.bytes["edge_down"] += len(data)
         if message.KIND in VERTICAL:
             result.bytes["vertical"] += len(data)
-        queue.append((sender, receiver, data))
+        bus.send(sender, receiver, message.KIND, data)
 
     def execute(node: str, actions: list[Any]) -> None:
         nonlocal finished
@@ -145,9 +147,10 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
                         post(node, "cloud", message, enc)
                     elif isinstance(action, SendToChild):
                         post(node, action.child, message, enc)
-                    else:
-                        for dev in cells[node].devices:
-                            post(node, dev, message, enc)
+                    else:  # one publish; counted once per device it reaches
+                        data = message.encode(enc)
+                        result.bytes["device_down"] += len(data) * len(cells[node].devices)
+                        bus.broadcast(node, cells[node].devices, message.KIND, data)
                 elif node == "cloud":
                     assert isinstance(action, SendToChild)
                     post(node, action.child, message, enc)
@@ -183,11 +186,27 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
             return cloud
         return edges.get(node) or hosts.get(node) or devices[node]
 
+    bus.start()
+    try:
+        _drive(bus, cloud, edges, execute, role_of, result, config, keep_trace, lambda: finished)
+    finally:
+        bus.close()
+    return result
+
+
+def _drive(bus: Any, cloud: Any, edges: Mapping[str, hsgd.Edge], execute: Callable[[str, list[Any]], None],
+           role_of: Callable[[str], Any], result: LoopResult, config: hsgd.HsgdConfig, keep_trace: bool,
+           finished: Callable[[], bool]) -> None:
+    now = bus.now()
     execute("cloud", cloud.start(now))
     stalls = 0
-    while not finished:
-        while queue:
-            sender, receiver, data = queue.popleft()
+    while not finished():
+        while True:
+            item = bus.get()
+            if item is None:
+                break
+            sender, receiver, data = item
+            now = bus.now()
             try:
                 message = decode_message(data)
                 if keep_trace:
@@ -197,14 +216,167 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
                 result.rejected[exc.reason] += 1
                 continue
             execute(receiver, actions)
-        if finished:
-            break
-        now += config.deadline_s + 1.0
+            if finished():
+                return
+        if finished():
+            return
+        now = bus.idle(config.deadline_s)
         before = len(result.rounds)
         for c, edge in edges.items():
             execute(c, edge.tick(now))
         execute("cloud", cloud.tick(now))
-        stalls = 0 if queue or len(result.rounds) > before else stalls + 1
-        if stalls > 3:
+        stalls = 0 if bus.pending() or len(result.rounds) > before else stalls + 1
+        if stalls > bus.max_stalls:
             raise LocalProtocolError(f"hsgd loop stalled at round {cloud.round}")
-    return result
+
+
+class MemoryBus:
+    """Messages in one FIFO queue; when it is empty the clock jumps past the deadline."""
+
+    max_stalls = 3
+
+    def __init__(self) -> None:
+        self.queue: deque[tuple[str, str, bytes]] = deque()
+        self.clock = 0.0
+
+    def start(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def now(self) -> float:
+        return self.clock
+
+    def send(self, sender: str, receiver: str, kind: str, data: bytes) -> None:
+        self.queue.append((sender, receiver, data))
+
+    def broadcast(self, sender: str, receivers: Sequence[str], kind: str, data: bytes) -> None:
+        self.queue.extend((sender, r, data) for r in receivers)
+
+    def get(self) -> tuple[str, str, bytes] | None:
+        return self.queue.popleft() if self.queue else None
+
+    def pending(self) -> bool:
+        return bool(self.queue)
+
+    def idle(self, deadline_s: float) -> float:
+        self.clock += deadline_s + 1.0
+        return self.clock
+
+
+class MqttBus:
+    """Every node its own MQTT connection to one broker, on fedtier's topic tree.
+
+    Cloud -> edge on ``cloud/down/{cell}/{kind}``, edge -> cloud on ``edge/{cell}/up/{kind}``, the edge's
+    broadcast on ``cell/{cell}/down/{kind}``, edge -> one host or device on ``cell/{cell}/down/{kind}/{node}``,
+    host or device -> edge on ``cell/{cell}/up/{node}/{kind}``. Time is the wall clock."""
+
+    max_stalls = 1
+
+    def __init__(self, host: str, port: int, rollout: str, cells: Mapping[str, HybridCell], *,
+                 timeout_s: float = 30.0) -> None:
+        import queue
+
+        from fedtier.transport.mqtt import MqttTransport
+
+        self.rollout, self.timeout_s = rollout, timeout_s
+        self.inbox: queue.Queue[Any] = queue.Queue()
+        self.cell_of: dict[str, str] = {}
+        self.clients: dict[str, Any] = {}
+        self._t0 = 0.0
+        subs: dict[str, list[str]] = {"cloud": [f"ft/v1/{rollout}/edge/+/up/#"]}
+        for c, d in cells.items():
+            subs[c] = [f"ft/v1/{rollout}/cloud/down/{c}/#", f"ft/v1/{rollout}/cell/{c}/up/+/#"]
+            for node in (d.host, *d.devices):
+                self.cell_of[node] = c
+                subs[node] = [f"ft/v1/{rollout}/cell/{c}/down/+", f"ft/v1/{rollout}/cell/{c}/down/+/{node}"]
+        for node, filters in subs.items():
+            client = MqttTransport(name=node, client_id=f"{rollout}-{node}", host=host, port=port, inbox=self.inbox)
+            for f in filters:
+                client.subscribe(f)
+            self.clients[node] = client
+
+    def start(self) -> None:
+        import time
+
+        for client in self.clients.values():
+            client.start()
+        for node, client in self.clients.items():
+            if not client.wait_connected(self.timeout_s):
+                raise LocalProtocolError(f"{node} did not connect to the broker")
+        waiting = set(self.clients)
+        deadline = time.monotonic() + self.timeout_s
+        while waiting and time.monotonic() < deadline:  # every subscription works: each node hears its probe
+            for node in list(waiting):
+                self.clients[node].publish(self._probe_topic(node), b"probe")
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                try:
+                    inbound = self.inbox.get(timeout=0.05)
+                except Exception:  # queue.Empty
+                    continue
+                inbound.confirm()
+                if inbound.payload == b"probe":
+                    waiting.discard(inbound.source)
+        if waiting:
+            raise LocalProtocolError(f"subscriptions of {sorted(waiting)[:5]} never took effect")
+        while not self.inbox.empty():  # duplicate probes
+            self.inbox.get().confirm()
+        self._t0 = time.monotonic()
+
+    def _probe_topic(self, node: str) -> str:
+        if node == "cloud":
+            return f"ft/v1/{self.rollout}/edge/probe/up/probe"
+        if node in self.cell_of:
+            return f"ft/v1/{self.rollout}/cell/{self.cell_of[node]}/down/probe/{node}"
+        return f"ft/v1/{self.rollout}/cloud/down/{node}/probe"
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.stop()
+
+    def now(self) -> float:
+        import time
+
+        return time.monotonic() - self._t0
+
+    def send(self, sender: str, receiver: str, kind: str, data: bytes) -> None:
+        r = self.rollout
+        if sender == "cloud":
+            topic = f"ft/v1/{r}/cloud/down/{receiver}/{kind}"
+        elif receiver == "cloud":
+            topic = f"ft/v1/{r}/edge/{sender}/up/{kind}"
+        elif sender in self.cell_of:
+            topic = f"ft/v1/{r}/cell/{receiver}/up/{sender}/{kind}"
+        else:
+            topic = f"ft/v1/{r}/cell/{sender}/down/{kind}/{receiver}"
+        self.clients[sender].publish(topic, data)
+
+    def broadcast(self, sender: str, receivers: Sequence[str], kind: str, data: bytes) -> None:
+        self.clients[sender].publish(f"ft/v1/{self.rollout}/cell/{sender}/down/{kind}", data)
+
+    def get(self) -> tuple[str, str, bytes] | None:
+        import queue
+
+        try:
+            inbound = self.inbox.get(timeout=self.timeout_s)
+        except queue.Empty:
+            return None
+        inbound.confirm()
+        if inbound.payload == b"probe":
+            return self.get()
+        parts = inbound.topic.split("/")  # ft/v1/{rollout}/{cloud|edge|cell}/...
+        if parts[3] == "cloud":
+            sender = "cloud"
+        elif parts[3] == "cell" and parts[5] == "up":
+            sender = parts[6]
+        else:
+            sender = parts[4]  # an edge: edge/{cell}/up/... or cell/{cell}/down/...
+        return sender, inbound.source, inbound.payload
+
+    def pending(self) -> bool:
+        return not self.inbox.empty()
+
+    def idle(self, deadline_s: float) -> float:
+        return self.now()
