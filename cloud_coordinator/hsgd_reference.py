@@ -91,3 +91,39 @@ def loss_and_accuracy(params: Mapping[str, np.ndarray], data: Group) -> tuple[fl
     prob = split.probabilities(params, x1, x2)
     loss = float(-np.log(np.maximum(prob[np.arange(len(y)), y], 1e-300)).mean())
     return loss, float((prob.argmax(1) == y).mean())
+
+
+HOST_COLUMNS = tuple(range(0, 20))
+"""breast_cancer's "mean" and "se" blocks: the host's features."""
+DEVICE_COLUMNS = tuple(range(20, 30))
+"""breast_cancer's "worst" block: each device's features of its one sample."""
+
+
+def breast_cancer(seed: int, *, groups: int = 4, skew: float = 0.8, test_fraction: float = 0.25,
+                  limit: int | None = None) -> tuple[list[Group], Group]:
+    """scikit-learn's breast_cancer split vertically (host: features 0-19, devices: 20-29) and horizontally
+    into ``groups`` with a label skew (a share ``skew`` of group ``m``'s samples has its favoured label:
+    0 in odd groups, 1 in even ones); standardized on the training rows; an iid test set. ``limit`` keeps
+    that many training samples (the first of a seeded permutation) for small fleets."""
+    from sklearn.datasets import load_breast_cancer
+
+    d = load_breast_cancer()
+    x, y = d.data, d.target
+    rng = stream(seed, "hsgd-breast-cancer")
+    perm = rng.permutation(len(y))
+    n_test = int(test_fraction * len(y))
+    test, train = perm[:n_test], perm[n_test:]
+    if limit is not None:
+        train = train[:limit]
+    x = (x - x[train].mean(0)) / x[train].std(0)
+    members: list[list[int]] = [[] for _ in range(groups)]
+    for i in train:
+        favoured = [m for m in range(groups) if m % 2 == 1 - y[i]]
+        pool = favoured if rng.random() < skew else [m for m in range(groups) if m not in favoured] or favoured
+        members[pool[int(rng.integers(len(pool)))]].append(int(i))
+
+    def part(idx: np.ndarray) -> Group:
+        return (x[idx][:, list(HOST_COLUMNS)].astype(np.float32), x[idx][:, list(DEVICE_COLUMNS)].astype(np.float32),
+                y[idx])
+
+    return [part(np.array(m)) for m in members], part(test)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 
 from report import IMG, arguments, md_table, print_table, progress, write_section  # noqa: E402
 
-HOST_COLS = list(range(0, 20))
+HOST_COLS = list(range(0, 20))  # as cloud_coordinator.hsgd_reference.HOST_COLUMNS
 DEVICE_COLS = list(range(20, 30))
 
 
@@ -37,29 +37,10 @@ def all_mappings(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def data(seed: int, r: dict[str, Any]) -> tuple[list[Any], Any]:
-    """breast_cancer standardized on the training rows; groups with a label skew; an iid test set."""
-    import numpy as np
-    from sklearn.datasets import load_breast_cancer
+    """breast_cancer split vertically and horizontally (``cloud_coordinator.hsgd_reference.breast_cancer``)."""
+    from cloud_coordinator.hsgd_reference import breast_cancer
 
-    from fedtier.rng import stream
-
-    d = load_breast_cancer()
-    x, y = d.data, d.target
-    rng = stream(seed, "hsgd-breast-cancer")
-    perm = rng.permutation(len(y))
-    n_test = int(r["test_fraction"] * len(y))
-    test, train = perm[:n_test], perm[n_test:]
-    x = (x - x[train].mean(0)) / x[train].std(0)
-    members: list[list[int]] = [[] for _ in range(r["groups"])]
-    for i in train:
-        favoured = [m for m in range(r["groups"]) if m % 2 == 1 - y[i]]
-        pool = favoured if rng.random() < r["skew"] else [m for m in range(r["groups"]) if m not in favoured]
-        members[pool[int(rng.integers(len(pool)))]].append(int(i))
-
-    def part(idx: Any) -> Any:
-        return (x[idx][:, HOST_COLS].astype(np.float32), x[idx][:, DEVICE_COLS].astype(np.float32), y[idx])
-
-    return [part(np.array(m)) for m in members], part(test)
+    return breast_cancer(seed, groups=r["groups"], skew=r["skew"], test_fraction=r["test_fraction"])
 
 
 def jfl(groups: list[Any], init: dict[str, Any], *, alpha: float, lr: float, T: int, seed: int,

@@ -43,3 +43,20 @@ def test_a_silent_device_over_mqtt_waits_for_the_deadline_only(mosquitto: Any) -
     assert len(res.rounds) == 1
     first = res.edges["cell0"].history[0]
     assert silent in first["selected"] and silent not in first["rows"]
+
+
+def test_hsgd_demo_refuses_privacy_and_runs_small_on_the_embedded_broker() -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from cloud_coordinator.demo_cli import demo
+
+    out = CliRunner().invoke(demo, ["--algorithm", "hsgd", "--privacy"])
+    assert out.exit_code == 2 and "hsgd does not run under --privacy" in out.output
+    out = CliRunner().invoke(demo, ["--algorithm", "hsgd", "--devices", "16", "--rounds", "3", "--broker", "embedded",
+                                    "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert doc["broker"] == "embedded" and doc["devices"] == 16 and len(doc["rounds"]) == 3
+    assert doc["bytes"]["vertical"] > 0 and doc["paper_bytes"] > 0
