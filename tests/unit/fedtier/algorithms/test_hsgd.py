@@ -422,3 +422,40 @@ def test_host_and_device_refuse_misuse_and_duplicates() -> None:
         dev.embedded(0, 0, np.ones((1, ARCH.d2), np.float32))
     host = hsgd.Host(host_id="h", cell="c", rollout="r")
     assert host.receive(task, 0.0)[0].reason == "not_for_host"  # type: ignore[union-attr]
+
+
+def test_edge_drops_duplicates_and_refuses_other_rounds_and_strangers() -> None:
+    from fedtier.errors import LateMessageError, UnknownSenderError, WrongRoundError
+
+    params = split.init_params(ARCH, 1)
+    devices = tuple(f"d{i}" for i in range(6))
+    config = hsgd.HsgdConfig(global_interval=2, local_interval=1, alpha=0.5, hosts={"c": "h"})
+    edge = hsgd.Edge(cell="c", rollout="r")
+    task = CellTask(rollout="r", round=1, sender="cloud", params=params, members=(*devices, "h"),
+                    config=config.to_dict())
+    first = edge.receive(task, 0.0)
+    assert len(first) == 2  # the host's task and the broadcast
+    assert [a.reason for a in edge.receive(task, 0.0)] == ["duplicate"]  # type: ignore[union-attr]
+    with pytest.raises(LateMessageError):
+        edge.receive(CellTask(rollout="r", round=0, sender="cloud", params=params, members=(*devices, "h"),
+                              config=config.to_dict()), 0.0)
+    zeta = np.ones((1, ARCH.d2), np.float32)
+    with pytest.raises(WrongRoundError):
+        edge.receive(Embeddings(rollout="r", round=2, sender=edge.selected[0], zeta=zeta,
+                                rows=(edge.selected[0],)), 0.0)
+    with pytest.raises(UnknownSenderError):
+        edge.receive(Embeddings(rollout="r", round=1, sender="stranger", zeta=zeta, rows=("stranger",)), 0.0)
+    with pytest.raises(UnknownSenderError):
+        edge.receive(CellTask(rollout="r", round=2, sender="impostor", params=params, members=devices), 0.0)
+    assert edge.rejected["wrong_round"] == 1 and edge.rejected["unknown_sender"] == 1
+
+
+def test_a_misused_role_stays_in_error() -> None:
+    dev = hsgd.Device(device_id="d", cell="c", rollout="r")
+    with pytest.raises(LocalProtocolError):
+        dev.split_trained(0, 0, {}, 0.0)
+    config = hsgd.HsgdConfig(hosts={"c": "h"})
+    task = DeviceTask(rollout="r", round=0, sender="c", params=split.block(split.init_params(ARCH, 0), "theta2"),
+                      config=config.to_dict(), members=("d",))
+    with pytest.raises(LocalProtocolError, match="ERROR"):
+        dev.receive(task, 0.0)
