@@ -545,7 +545,6 @@ class Edge(StateGuard):
         return out + self._maybe_close(now, deadline=False)
 
     def _update(self, msg: DeviceUpdate, now: float) -> list[Action]:
-        assert self.config is not None or self._state is not RoleState.COLLECTING
         if msg.sender == self.host:
             self._check_position(msg, ("host", "train"))
             if self.config is None or msg.step != self.config.intervals - 1:
