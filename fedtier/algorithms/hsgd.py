@@ -387,7 +387,8 @@ class Edge(StateGuard):
 
     SUPPORTS_PRIVACY: ClassVar[bool] = False  # embeddings are releases the mechanism does not cover
 
-    def __init__(self, *, cell: str, rollout: str, parent: str = "cloud") -> None:
+    def __init__(self, *, cell: str, rollout: str, parent: str = "cloud", noise: Any = None) -> None:
+        """``noise`` is accepted for the edge service's signature and unused: HSGD refuses noise plans."""
         self.cell = cell
         self.rollout = rollout
         self.parent = parent
@@ -415,6 +416,21 @@ class Edge(StateGuard):
         """The paper's communication meter for the open round (values, eq. (19)'s per-round terms)."""
         self.history: list[dict[str, Any]] = []
         """Per interval: round, step, selected, rows exchanged, theta2 reporters (A3's message counts)."""
+        self._host_task: DeviceTask | None = None
+        self._task: DeviceTask | None = None
+        self._to_host_msg: PartnerEmbeddings | None = None
+        self._partners: dict[str, PartnerEmbeddings] = {}
+        self._plan = None  # no noise plan, ever (the edge service checks it before publishing)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The cell's devices and its host in the open round."""
+        return (*self.devices, self.host) if self.host else self.devices
+
+    @property
+    def reported(self) -> tuple[str, ...]:
+        """The devices whose theta2 made it into eq. (1) so far this round."""
+        return tuple(sorted(self._reported))
 
     # --- rounds and intervals
 
@@ -457,6 +473,7 @@ class Edge(StateGuard):
         host_task = DeviceTask(rollout=self.rollout, round=task.round, sender=self.cell,
                                params={**blocks["theta0"], **blocks["theta1"]}, config=task.config,
                                members=(host,))
+        self._host_task, self._to_host_msg = host_task, None
         return [SendToChild(host, host_task), *self._open(0, now)]
 
     def _size(self, name: str) -> int:
@@ -471,6 +488,7 @@ class Edge(StateGuard):
         self._deadline = now + self.config.deadline_s
         task = DeviceTask(rollout=self.rollout, round=self.round, sender=self.cell, step=step, params=self.theta2,
                           config=self.config.to_dict(), members=self.selected)
+        self._task, self._partners = task, {}
         return [Broadcast(task)]
 
     def _check_position(self, message: Message, phases: tuple[str, ...]) -> None:
@@ -516,9 +534,9 @@ class Edge(StateGuard):
         missing = sorted(set(self.selected) - set(self._rows))
         notes: list[Action] = [Note("hsgd_embeddings_missing", {"round": self.round, "step": self.step,
                                                                 "devices": missing})] if missing else []
-        return [*notes, SendToChild(self.host, PartnerEmbeddings(rollout=self.rollout, round=self.round,
-                                                                 sender=self.cell, step=self.step, zeta=z2,
-                                                                 rows=self._rows))]
+        self._to_host_msg = PartnerEmbeddings(rollout=self.rollout, round=self.round, sender=self.cell,
+                                              step=self.step, zeta=z2, rows=self._rows)
+        return [*notes, SendToChild(self.host, self._to_host_msg)]
 
     def _host_rows(self, msg: Embeddings, now: float) -> list[Action]:
         width = self._global["theta1/w"].shape[0]
@@ -538,10 +556,11 @@ class Edge(StateGuard):
         self.paper_values += rows * self._size("theta2") + self._size("theta0") + rows * d1 + rows * d2
         self._phase = "train"
         self._deadline = now + self.config.deadline_s
-        out: list[Action] = [SendToChild(d, PartnerEmbeddings(rollout=self.rollout, round=self.round, sender=self.cell,
-                                                              step=self.step, zeta=msg.zeta[i:i + 1], rows=(d,),
-                                                              params=dict(msg.params)))
-                             for i, d in enumerate(self._rows)]
+        self._partners = {d: PartnerEmbeddings(rollout=self.rollout, round=self.round, sender=self.cell,
+                                               step=self.step, zeta=msg.zeta[i:i + 1], rows=(d,),
+                                               params=dict(msg.params))
+                          for i, d in enumerate(self._rows)}
+        out: list[Action] = [SendToChild(d, m) for d, m in self._partners.items()]
         return out + self._maybe_close(now, deadline=False)
 
     def _update(self, msg: DeviceUpdate, now: float) -> list[Action]:
@@ -616,5 +635,21 @@ class Edge(StateGuard):
         return []
 
     def resend(self, child: str, now: float) -> list[Action]:
+        """A child (re)appeared: give it what the open interval still expects from it (its task, the
+        host its rows, a device its partner row); nothing otherwise."""
+        self._guard()
+        if self._state is not RoleState.COLLECTING or self._task is None:
+            return []
+        if child == self.host:
+            out: list[Action] = []
+            if self._host_task is not None and self.step == 0 and self._phase == "embed":
+                out.append(SendToChild(child, self._host_task))
+            if self._phase == "host" and self._to_host_msg is not None:
+                out.append(SendToChild(child, self._to_host_msg))
+            return out
+        if self._phase == "embed" and child in self.selected and child not in self._zeta:
+            return [SendToChild(child, self._task)]
+        if self._phase == "train" and child in self._partners and child not in self._deltas:
+            return [SendToChild(child, self._partners[child])]
         return []
 

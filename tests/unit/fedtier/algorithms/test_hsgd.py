@@ -459,3 +459,25 @@ def test_a_misused_role_stays_in_error() -> None:
                       config=config.to_dict(), members=("d",))
     with pytest.raises(LocalProtocolError, match="ERROR"):
         dev.receive(task, 0.0)
+
+
+def test_resend_gives_a_returning_child_what_the_interval_still_expects_of_it() -> None:
+    from fedtier.algorithms.base import SendToChild
+
+    params = split.init_params(ARCH, 1)
+    devices = tuple(f"d{i}" for i in range(6))
+    config = hsgd.HsgdConfig(global_interval=2, local_interval=1, alpha=0.5, hosts={"c": "h"})
+    edge = hsgd.Edge(cell="c", rollout="r")
+    edge.receive(CellTask(rollout="r", round=0, sender="cloud", params=params, members=(*devices, "h"),
+                          config=config.to_dict()), 0.0)
+    chosen, other = edge.selected, next(d for d in devices if d not in edge.selected)
+    assert edge.members == (*devices, "h")
+    [again] = edge.resend(chosen[0], 0.0)
+    assert isinstance(again, SendToChild) and isinstance(again.message, DeviceTask) and again.message.step == 0
+    assert edge.resend(other, 0.0) == []
+    assert [type(a.message).__name__ for a in edge.resend("h", 0.0)] == ["DeviceTask"]  # type: ignore[union-attr]
+    for d in chosen:
+        edge.receive(Embeddings(rollout="r", round=0, sender=d, zeta=np.ones((1, ARCH.d2), np.float32), rows=(d,)), 0.0)
+    assert edge.resend(chosen[0], 0.0) == []  # it answered
+    [rows] = edge.resend("h", 0.0)
+    assert isinstance(rows.message, PartnerEmbeddings) and rows.message.rows == chosen  # type: ignore[union-attr]
