@@ -342,19 +342,23 @@ class MqttBus:
         return time.monotonic() - self._t0
 
     def send(self, sender: str, receiver: str, kind: str, data: bytes) -> None:
+        from fedtier.transport import topics
+
         r = self.rollout
         if sender == "cloud":
-            topic = f"ft/v1/{r}/cloud/down/{receiver}/{kind}"
+            topic = topics.cloud_down(r, receiver, kind)
         elif receiver == "cloud":
-            topic = f"ft/v1/{r}/edge/{sender}/up/{kind}"
+            topic = topics.edge_up(r, sender, kind)
         elif sender in self.cell_of:
-            topic = f"ft/v1/{r}/cell/{receiver}/up/{sender}/{kind}"
+            topic = topics.cell_up(r, receiver, sender, kind)
         else:
-            topic = f"ft/v1/{r}/cell/{sender}/down/{kind}/{receiver}"
+            topic = topics.cell_down(r, sender, kind, receiver)
         self.clients[sender].publish(topic, data)
 
     def broadcast(self, sender: str, receivers: Sequence[str], kind: str, data: bytes) -> None:
-        self.clients[sender].publish(f"ft/v1/{self.rollout}/cell/{sender}/down/{kind}", data)
+        from fedtier.transport import topics
+
+        self.clients[sender].publish(topics.cell_down(self.rollout, sender, kind), data)
 
     def get(self) -> tuple[str, str, bytes] | None:
         import queue
