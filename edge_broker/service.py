@@ -11,6 +11,8 @@ Per inbound message (on the node's single thread, see ``fedtier.runtime.node_bas
 * cloud ``artifact``      -> verify, cache, relay to the cell;
 * device ``device_update``-> role; the accepted update is recorded before it is acknowledged;
                              when the role closes the cell, the cell update goes to the cloud;
+* device/host ``hsgd_embeddings`` -> role (HSGD: a device's zeta2, the host's Z1 rows and head), recorded
+                             like an update; the role's relays go to the host or device on its own topic;
 * device ``artifact_request`` -> serve from the cache, or ask the cloud;
 * ``status`` (presence)   -> a member that comes online and still owes an update gets the
                              open round's task on its own topic.
@@ -54,6 +56,7 @@ from fedtier.wire.messages import (
     CellUpdate,
     DeviceGradient,
     DeviceUpdate,
+    Embeddings,
     Message,
 )
 
@@ -117,7 +120,7 @@ class EdgeNode(NodeBase):
             return
         for payload in payloads:
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
-            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient))
+            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, Embeddings))
             self._on_round_message(payload, msg, now, replay=True)
         role = self.roles.get(rollout)
         if role is None:
@@ -175,7 +178,7 @@ class EdgeNode(NodeBase):
                 self._on_artifact(msg, now)
             elif isinstance(msg, ArtifactRequest):
                 self._on_artifact_request(msg, now)
-            elif isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient)):
+            elif isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient)) or type(msg) is Embeddings:
                 self._on_round_message(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             else:
                 raise UnexpectedMessageError(f"edge does not accept {msg.KIND}")
@@ -221,7 +224,7 @@ class EdgeNode(NodeBase):
             return True
         return False
 
-    def _on_round_message(self, payload: bytes, msg: CellTask | DeviceUpdate | DeviceGradient, now: float,
+    def _on_round_message(self, payload: bytes, msg: CellTask | DeviceUpdate | DeviceGradient | Embeddings, now: float,
                           replay: bool = False, wire_bytes: int | None = None) -> None:
         if isinstance(msg, CellTask) and msg.sender != self.parent:
             raise UnexpectedMessageError(f"cell task from {msg.sender!r}, not from parent {self.parent!r}")
