@@ -26,8 +26,8 @@ POLL_MS = 1000
 """How often the page asks the API for fresh status."""
 
 
-def create_app(status: StoreStatus) -> Any:
-    """The dashboard as an ASGI app over ``status``."""
+def create_app(status: StoreStatus, poll_ms: int = POLL_MS) -> Any:
+    """The dashboard as an ASGI app over ``status``; the page polls the API every ``poll_ms``."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import HTMLResponse, JSONResponse
@@ -35,7 +35,7 @@ def create_app(status: StoreStatus) -> Any:
     from starlette.staticfiles import StaticFiles
 
     async def index(request: Request) -> HTMLResponse:
-        return HTMLResponse((STATIC / "index.html").read_text().replace("__POLL_MS__", str(POLL_MS)),
+        return HTMLResponse((STATIC / "index.html").read_text().replace("__POLL_MS__", str(int(poll_ms))),
                             headers={"Cache-Control": "no-store"})
 
     async def rollouts(request: Request) -> JSONResponse:
@@ -82,14 +82,14 @@ class Dashboard:
         self.thread.join(5)
 
 
-def start(status: StoreStatus, host: str = "127.0.0.1", port: int = 8080) -> Dashboard:
+def start(status: StoreStatus, host: str = "127.0.0.1", port: int = 8080, poll_ms: int = POLL_MS) -> Dashboard:
     """Serve the dashboard from a daemon thread; returns once it listens (port 0: a free one)."""
     import uvicorn
 
     if not _loopback(host):
         log.warning("the dashboard listens on %s, beyond this machine: it is read-only but has no login; "
                     "put it behind a reverse proxy with authentication", host)
-    server = uvicorn.Server(uvicorn.Config(create_app(status), host=host, port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(create_app(status, poll_ms), host=host, port=port, log_level="warning",
                                            access_log=False, lifespan="off"))
     thread = threading.Thread(target=server.run, name="dashboard-http", daemon=True)
     thread.start()
