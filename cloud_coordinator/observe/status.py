@@ -170,10 +170,11 @@ class StoreStatus:
 
 
 def cell_layout(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
-    """Cell -> devices, from a rollout's stored config (the coordinator's own topology)."""
-    from cloud_coordinator.config import RolloutConfig
+    """Cell -> devices, from a rollout's stored config: its ``[topology]`` alone (the rest may name
+    files that have moved since), as the coordinator resolved it."""
+    from cloud_coordinator.config import TopologyConfig
 
-    return RolloutConfig.from_mapping(dict(config)).topology.layout()
+    return TopologyConfig.from_mapping(dict(config.get("topology") or {}), prefix="topology").layout()
 
 
 def round_status(row: Mapping[str, Any], layout: Mapping[str, Sequence[str]]) -> RoundStatus:
