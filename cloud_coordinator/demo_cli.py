@@ -77,12 +77,15 @@ import click
                    "deleted after a successful run).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Give up after this many seconds.")
+@click.option("--dashboard", is_flag=True,
+              help="The coordinator also serves its read-only web dashboard on a free 127.0.0.1 port; the demo "
+                   "prints the URL (open it while the rounds run).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
          privacy: bool, epsilon: float | None, delta: float | None, clip: float | None, trusted: str | None,
          compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
-         timeout_s: float, as_json: bool) -> None:
+         timeout_s: float, dashboard: bool, as_json: bool) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
@@ -109,6 +112,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
         fedtier demo --algorithm hsgd
         fedtier demo --privacy --compare
         fedtier demo --privacy --epsilon 4 --trusted cell-a,cell-b --workdir /tmp/dp-demo
+        fedtier demo --dashboard --rounds 100
     """
     from cloud_coordinator.demo import Demo, DemoError, DemoOptions, PrivacyDemo, Terminated, raise_on_termination
 
@@ -129,7 +133,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
                        local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
-                       secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python)
+                       secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python, dashboard=dashboard)
     view = ConsoleView(enabled=not as_json)
     try:
         runner = Demo(opts, view)
@@ -212,6 +216,7 @@ def _document(opts: Any, result: Any, baseline: Any) -> dict[str, Any]:
         "final_ranking": ({k: result.rounds[-1].get(k) for k in ("auroc", "pauc_0.3", "pauc_0.5")}
                           if result.rounds and result.rounds[-1].get("auroc") is not None else None),
         "stopped": result.stopped, "privacy": jsonable(result.privacy) if result.privacy is not None else None,
+        "dashboard": result.extra.get("dashboard"),
     }
     if baseline is not None:
         doc["compare"] = {"privacy": None, "wall_s": baseline.wall_s,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
@@ -62,6 +63,9 @@ from fedtier.wire.messages import (
 
 log = logging.getLogger("fedtier.edge")
 
+AGGREGATION_SECONDS = "fedtier_edge_aggregation_seconds"
+"""Histogram: from a round's cell task arriving to the cell's update leaving for the cloud."""
+
 ARTIFACT_REREQUEST_S = 5.0
 ARTIFACT_RESERVE_S = 2.0
 """The cell downlink is a broadcast: one copy reaches every device, so a file asked for by
@@ -91,6 +95,8 @@ class EdgeNode(NodeBase):
         self._served: dict[str, float] = {}
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
+        self._task_arrived: dict[tuple[str, int], float] = {}
+        """When each open round's cell task arrived (monotonic), for ``AGGREGATION_SECONDS``."""
         self._online: set[str] = set()  # nodes seen coming online since this edge started
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -239,6 +245,8 @@ class EdgeNode(NodeBase):
                 if isinstance(msg, CellTask):
                     self.store.prune(msg.rollout, msg.round)
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
+            if isinstance(msg, CellTask):
+                self._task_arrived.setdefault((msg.rollout, msg.round), time.monotonic())
             if not isinstance(msg, CellTask):
                 counts = self._round_bytes[(msg.rollout, msg.round)]
                 size = len(payload) if wire_bytes is None else wire_bytes
@@ -273,6 +281,9 @@ class EdgeNode(NodeBase):
                     self.store.save_output(rollout, msg.round, msg.key, stored)
                 # else: a replay closed the cell again; the same bytes go out, never a second noisy release
                 self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), stored)
+                arrived = self._task_arrived.pop((rollout, msg.round), None)
+                if arrived is not None:
+                    self.metrics.observe(AGGREGATION_SECONDS, time.monotonic() - arrived)
                 log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,
                          len(getattr(msg, "reported", ())))
 
