@@ -25,7 +25,10 @@ def coordinator() -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Rollout config (same format as experiments/*.toml; see docs/configuration.md).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None, help="Override the config's log level.")
-def coordinator_run(config_path: Path, log_level: str | None) -> None:
+@click.option("--http", "http", metavar="HOST:PORT", default=None,
+              help="Also serve the read-only web dashboard and its JSON API (/api/) here, e.g. 127.0.0.1:8080; "
+                   "off by default. A host beyond loopback exposes it without a login.")
+def coordinator_run(config_path: Path, log_level: str | None, http: str | None) -> None:
     """Run the rollout over MQTT until its last round closes (or SIGINT/SIGTERM).
 
     State (rounds, model versions, accepted updates of the open round) is in
@@ -36,17 +39,24 @@ def coordinator_run(config_path: Path, log_level: str | None) -> None:
     Exit codes: 0 the rollout ended (or a signal stopped it); 2 a bad config; 77 this
     node's certificate or the broker's ACL does not let it work (the log says which).
 
+    \b
     Example: fedtier coordinator run --config fleet/coordinator/hand1.toml
+             fedtier coordinator run --config fleet/coordinator/hand1.toml --http 127.0.0.1:8080
     """
     from cloud_coordinator.config import RolloutConfig
+    from cloud_coordinator.observe.web import parse_bind
     from cloud_coordinator.run import run
     from fedtier.runtime import logs
     from fedtier.runtime.config import load
 
+    try:
+        bind = parse_bind(http) if http is not None else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--http") from None
     cfg = load(RolloutConfig, config_path)
     logs.setup(log_level or cfg.log_level, node=cfg.cloud_id)
     started = time.perf_counter()
-    code = run(cfg)
+    code = run(cfg, http=bind)
     if code == 0:
         _print_summary(cfg, config_path, time.perf_counter() - started)
     raise SystemExit(code)

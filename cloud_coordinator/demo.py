@@ -195,6 +195,7 @@ class DemoOptions:
     privacy: PrivacyDemo | None = None  # differential privacy with trust labels (--privacy)
     trainer: str = "auto"  # the agents' training backend (device.toml ``trainer``)
     agent_python: Path | None = None  # run the agents with this interpreter (e.g. a stock-onnxruntime venv)
+    dashboard: bool = False  # the coordinator also serves its web dashboard on a free localhost port
 
 
 @dataclass
@@ -241,6 +242,8 @@ class Demo:
                              "Limitations)")
         self.opts = opts
         self.view = view
+        self.dashboard_url: str | None = None
+        """Where the coordinator serves its dashboard (``opts.dashboard``)."""
         self.say = view.say
         self.procs: list[_Proc] = []
         self.trusted = self.trusted_cells()
@@ -460,7 +463,14 @@ class Demo:
 
     def start_nodes(self, paths: FleetPaths) -> None:
         fedtier = [sys.executable, "-m", "fedtier"]
-        self._spawn("coordinator", "coordinator", [*fedtier, "coordinator", "run", "--config", str(paths.coordinator)])
+        http: list[str] = []
+        if self.opts.dashboard:
+            port = free_port()
+            http = ["--http", f"127.0.0.1:{port}"]
+            self.dashboard_url = f"http://127.0.0.1:{port}/"
+            self.say(f"dashboard: {self.dashboard_url} (read-only; up while the coordinator runs)")
+        self._spawn("coordinator", "coordinator",
+                    [*fedtier, "coordinator", "run", "--config", str(paths.coordinator), *http])
         for cell, path in paths.edges.items():
             self._spawn(f"edge-{cell}", "edge", [*fedtier, "edge", "run", "--config", str(path)])
         # absolute() but not resolve(): a venv's python is a symlink to the base interpreter
@@ -536,7 +546,8 @@ class Demo:
             ok = True
             return DemoResult(rounds=rows, wall_s=time.perf_counter() - started, broker=self.broker_kind,
                               workdir=self.workdir, processes=len(self.procs), secure=self.secure,
-                              stopped=doc.get("stopped"), privacy=privacy)
+                              stopped=doc.get("stopped"), privacy=privacy,
+                              extra={"dashboard": self.dashboard_url} if self.dashboard_url else {})
         finally:
             self.stop_all()
             self.stop_reaper()

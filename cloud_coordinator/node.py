@@ -36,6 +36,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from cloud_coordinator import metrics_eval
+from cloud_coordinator.observe.prom import CoordinatorMetrics
 from cloud_coordinator.report import epsilon_spent
 from cloud_coordinator.rollout import PreparedRollout
 from cloud_coordinator.store import CoordinatorStore
@@ -142,6 +143,8 @@ class CloudNode(NodeBase):
         self._round_bytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._started_at = wall_clock()
         self._last_close = self._started_at
+        self.observed = CoordinatorMetrics(self.metrics, prepared.cells)
+        """Per-cell Prometheus series (devices online, dropouts, epsilon ...), docs/operations.md."""
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -283,6 +286,7 @@ class CloudNode(NodeBase):
         self._execute(actions, now)
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
+        self.observed.presence(parsed.device, inbound.payload)
         node = self.came_online(inbound, parsed)
         if node is None or node not in self.prepared.cells:
             return
@@ -377,6 +381,7 @@ class CloudNode(NodeBase):
             self.metrics.set("fedtier_federated_accuracy", federated["accuracy"])
         if ranks:
             self.metrics.set("fedtier_auroc", ranks["auroc"])
+        self.observed.round_closed(row, closed.reported)
         log.info("round %d closed: accuracy %s loss %s%s%s (%d devices)%s", closed.round,
                  _fmt(result.accuracy if result else None), _fmt(result.loss if result else None),
                  "" if not ranks else f" auroc {_fmt(ranks['auroc'])} pauc@0.3 {_fmt(ranks['pauc_0.3'])} "

@@ -30,4 +30,5 @@ class DeviceConfig(Section):
     trusted_keys: tuple[Path, ...] = opt((), help="Ed25519 public keys (PEM) whose signatures on rollout manifests "
                                                   "this device accepts; empty = manifests are not verified.")
     max_message_mb: float = opt(64.0, gt=0, help="Refuse messages (after reassembly) larger than this.")
+    metrics_port: int = opt(0, min=0, max=65535, help="Serve Prometheus /metrics on this port (127.0.0.1); 0 = off.")
     log_level: str = opt("info", choices=LOG_LEVELS, help="Logging level.")

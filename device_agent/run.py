@@ -57,6 +57,9 @@ def run(cfg: DeviceConfig, stop: threading.Event | None = None) -> int:
     if not identity.preflight(cfg.device_id, [cfg.broker]):
         return mqtt_service.EXIT_UNAUTHORIZED
     node, tx, inbox = build(cfg)
+    if cfg.metrics_port:
+        node.metrics.serve(cfg.metrics_port)
+        log.info("metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
     log.info("device %s of cell %s: %d local samples, %d held out; broker %s:%d", cfg.device_id, cfg.cell,
              len(node.data), len(node.eval_data) if node.eval_data is not None else 0, cfg.broker.host,
              cfg.broker.port)

@@ -91,6 +91,7 @@ from fedtier.errors import ConfigError
 from fedtier.security import pki
 from fedtier.transport import topics
 from provisioning import ca
+from provisioning.broker_bridge import Bridge, check_bridge_identity, mosquitto_bridge
 from provisioning.broker_limits import limits_for, mosquitto_global_limits, mosquitto_listener_limits
 from provisioning.bundles import issue_broker
 from provisioning.errors import BundleExistsError, NameConflictError, ProvisioningError
@@ -264,7 +265,8 @@ def combined_acl(cells: Sequence[str], cloud_id: str, devices: Mapping[str, str]
 
 
 def mosquitto_conf(*, port: int, bind: str, cafile: Path, certfile: Path, keyfile: Path, crlfile: Path,
-                   acl_file: Path, run_as: str | None = None, max_packet_size: int | None = None) -> str:
+                   acl_file: Path, run_as: str | None = None, max_packet_size: int | None = None,
+                   bridge: Bridge | None = None) -> str:
     """A Mosquitto 2.0 configuration with one mutual-TLS listener.
 
     Args:
@@ -277,6 +279,8 @@ def mosquitto_conf(*, port: int, bind: str, cafile: Path, certfile: Path, keyfil
             ``None`` leaves Mosquitto's default (``mosquitto``).
         max_packet_size: the broker's packet limit (fedtier reads it from CONNACK); ``None``:
             the default of ``provisioning.broker_limits`` (1 MiB), with the other limits there.
+        bridge: a bridge from this (gateway) broker to the cloud broker
+            (``provisioning.broker_bridge``), or ``None``.
 
     Returns:
         The configuration text (absolute paths: Mosquitto resolves relative ones against
@@ -313,7 +317,7 @@ use_identity_as_username true
 use_username_as_clientid true
 # Minimum version (TLS 1.2 and 1.3 are accepted).
 tls_version tlsv1.2
-"""
+""" + (mosquitto_bridge(bridge) if bridge is not None else "")
 
 
 @dataclass(frozen=True)
@@ -393,12 +397,12 @@ def _user(run_as: str) -> pwd.struct_passwd:
         raise ProvisioningError(f"no such user {run_as!r} (for Mosquitto's `user`)") from None
 
 
-def _prepare_key_for(run_as: str | None, key_src: Path, out: Path) -> Path:
+def _prepare_key_for(run_as: str | None, key_src: Path, out: Path, name: str = "broker.key") -> Path:
     """The key path the config should use, readable by ``run_as`` (see module docstring)."""
     if run_as is None or run_as == current_user():
         return key_src
     entry = _user(run_as)
-    target = out / "broker.key"
+    target = out / name
     if key_src.resolve() != target.resolve():
         pki.write_atomic(target, key_src.read_bytes(), pki.PRIVATE_MODE, overwrite=True)
     if os.geteuid() == 0:
@@ -417,7 +421,9 @@ def _prepare_key_for(run_as: str | None, key_src: Path, out: Path) -> Path:
 def write_cell_broker_config(fleet: Fleet | str | Path, cell: str, out: str | Path, *, port: int = 8883,
                              bind: str = "0.0.0.0", cert: str | Path | None = None, key: str | Path | None = None,
                              run_as: str | None = None, members_only: bool = False,
-                             max_packet_size: int | None = None, force: bool = False) -> BrokerSetup:
+                             max_packet_size: int | None = None, force: bool = False,
+                             bridge_to: tuple[str, int] | None = None, bridge_cert: str | Path | None = None,
+                             bridge_key: str | Path | None = None, cloud_id: str = "cloud") -> BrokerSetup:
     """Write ``mosquitto.conf`` + ``fedtier.acl`` (+ ca.pem, crl.pem) for the broker of ``cell``.
 
     Args:
@@ -433,6 +439,12 @@ def write_cell_broker_config(fleet: Fleet | str | Path, cell: str, out: str | Pa
             inventory get rights) instead of letting any fleet device act in the cell.
         max_packet_size: optional broker packet limit.
         force: overwrite an existing ``mosquitto.conf``/``fedtier.acl``.
+        bridge_to: the cloud broker ``(host, port)`` to bridge this broker to
+            (``provisioning.broker_bridge``); the gateway account then gets both the cell and
+            the cloud side here, and the edge connects to this broker alone.
+        bridge_cert, bridge_key: the gateway's client certificate and key, which the bridge
+            presents to the cloud broker (required with ``bridge_to``).
+        cloud_id: the coordinator's id (its presence is bridged in).
 
     Returns:
         The written setup.
@@ -440,7 +452,8 @@ def write_cell_broker_config(fleet: Fleet | str | Path, cell: str, out: str | Pa
     Raises:
         BundleExistsError: the config exists and ``force`` is false.
         ProvisioningError: the broker certificate/key are missing, not from this fleet, not a
-            server certificate, or do not match; or ``run_as`` is not a user.
+            server certificate, or do not match; ``run_as`` is not a user; or the bridge's
+            certificate is not the gateway's.
     """
     fleet = open_fleet(fleet)
     ca.check_node_name(cell, "cell id")
@@ -458,6 +471,15 @@ def write_cell_broker_config(fleet: Fleet | str | Path, cell: str, out: str | Pa
         raise ProvisioningError(problem)
     if run_as is not None:
         _user(run_as)
+    bridge_identity: tuple[Path, Path] | None = None
+    if bridge_to is not None:
+        if bridge_cert is None or bridge_key is None:
+            raise ProvisioningError("a bridge authenticates as the gateway: give its certificate and key "
+                                    "(--bridge-cert GATEWAY/cert.pem --bridge-key GATEWAY/key.pem)")
+        bridge_identity = (Path(bridge_cert).expanduser().resolve(), Path(bridge_key).expanduser().resolve())
+        problem = check_bridge_identity(fleet, cell, *bridge_identity)
+        if problem:
+            raise ProvisioningError(problem)
     out.mkdir(parents=True, exist_ok=True)
     ca_copy, crl_copy = out / "ca.pem", out / "crl.pem"
     if ca_copy.resolve() != fleet.ca_cert_path:
@@ -465,9 +487,19 @@ def write_cell_broker_config(fleet: Fleet | str | Path, cell: str, out: str | Pa
     shutil.copyfile(fleet.crl_path, crl_copy)
     key_used = _prepare_key_for(run_as, key_path, out)
     devices = fleet.active_devices([cell]) if members_only else None
-    pki.write_atomic(acl, cell_acl(cell, devices=devices).encode(), 0o644, overwrite=True)
+    bridge = None
+    if bridge_to is not None and bridge_identity is not None:
+        bridge = Bridge(cell=cell, remote=bridge_to, cafile=ca_copy, certfile=bridge_identity[0],
+                        keyfile=_prepare_key_for(run_as, bridge_identity[1], out, "bridge.key"), cloud_id=cloud_id)
+        header = (f"fedtier ACL for the broker of cell {cell}, bridged to the cloud broker {bridge_to[0]}:"
+                  f"{bridge_to[1]} (generated by `fedtier provision`).\n" + _ACL_FOOTER)
+        acl_text = broker_acl(cell_side=[cell], cloud_side=[cell], devices=devices, header=header)
+    else:
+        acl_text = cell_acl(cell, devices=devices)
+    pki.write_atomic(acl, acl_text.encode(), 0o644, overwrite=True)
     text = mosquitto_conf(port=port, bind=bind, cafile=ca_copy, certfile=cert_path, keyfile=key_used,
-                          crlfile=crl_copy, acl_file=acl, run_as=run_as, max_packet_size=max_packet_size)
+                          crlfile=crl_copy, acl_file=acl, run_as=run_as, max_packet_size=max_packet_size,
+                          bridge=bridge)
     pki.write_atomic(conf, text.encode(), 0o644, overwrite=True)
     log.info("wrote broker config for cell %s in %s", cell, out)
     return BrokerSetup(directory=out, conf=conf, acl=acl, port=port, bind=bind, ca=ca_copy, cert=cert_path,

@@ -369,23 +369,54 @@ def crl_cmd(fleet_dir: Path, days: float, broker_dirs: tuple[Path, ...]) -> None
 @click.option("--members-only", is_flag=True,
               help="Grant device rights only to devices of CELL in the inventory (regenerate + SIGHUP "
                    "after enrolling more), instead of to any fleet device.")
+@click.option("--bridge-to", default=None, metavar="HOST:PORT",
+              help="Bridge this broker to the cloud broker there (mutual TLS with the gateway's certificate; only "
+                   "this cell's edge topics cross); the edge then connects to this broker alone.")
+@click.option("--bridge-cert", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The gateway's certificate (its bundle's cert.pem), presented by the bridge.")
+@click.option("--bridge-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The gateway's private key (its bundle's key.pem).")
+@click.option("--cloud-id", default="cloud", show_default=True,
+              help="The coordinator's id, whose presence the bridge brings in.")
 @click.option("--force", is_flag=True, help="Overwrite an existing mosquitto.conf/fedtier.acl in --out.")
 def broker_config_cmd(cell: str, fleet_dir: Path, out: Path, port: int, bind: str, cert: Path | None,
-                      key: Path | None, run_as: str | None, members_only: bool, force: bool) -> None:
+                      key: Path | None, run_as: str | None, members_only: bool, bridge_to: str | None,
+                      bridge_cert: Path | None, bridge_key: Path | None, cloud_id: str, force: bool) -> None:
     """Write a Mosquitto 2.0 config (mutual TLS, CRL, ACL) for the broker of one cell.
 
     Clients must present a fleet certificate; its CN is the MQTT username and client id.
     Devices may publish only under their own id in this cell and read this cell's downlink;
     the gateway account (user CELL) reads the uplink and writes the downlink. This ACL has no
     rules for the coordinator: for a broker the coordinator uses too, use `provision fleet`.
+    With --bridge-to, this broker also carries the edge's cloud side to the cloud broker over a
+    Mosquitto bridge; point the edge's [cloud_broker] at this broker (same as [cell_broker]).
+
+    Example: fedtier provision broker-config --cell cell-a --fleet ca --out gw-a
+
+    Example: fedtier provision broker-config --cell cell-a --fleet ca --out gw-a --bridge-to cloud.example:8883
+    --bridge-cert gateways/cell-a/cert.pem --bridge-key gateways/cell-a/key.pem
     """
     from provisioning.broker_config import write_cell_broker_config
+    from provisioning.bundles import parse_endpoint
 
     if (cert is None) != (key is None):
         raise click.UsageError("--cert and --key go together")
+    remote = None
+    if bridge_to is not None:
+        if bridge_cert is None or bridge_key is None:
+            raise click.UsageError("--bridge-to needs --bridge-cert and --bridge-key (the gateway bundle's cert.pem "
+                                   "and key.pem: the bridge authenticates as the gateway)")
+        try:
+            remote = parse_endpoint(bridge_to)
+        except ValueError as exc:
+            raise click.BadParameter(f"{bridge_to!r}: {exc}", param_hint="--bridge-to") from None
+    elif bridge_cert is not None or bridge_key is not None:
+        raise click.UsageError("--bridge-cert and --bridge-key go with --bridge-to")
     with _errors(name_hint="--cell"):
         setup = write_cell_broker_config(fleet_dir, cell, out, port=port, bind=bind, cert=cert, key=key,
-                                         run_as=run_as, members_only=members_only, force=force)
+                                         run_as=run_as, members_only=members_only, force=force,
+                                         bridge_to=remote, bridge_cert=bridge_cert, bridge_key=bridge_key,
+                                         cloud_id=cloud_id)
     click.echo(f"config: {setup.conf}\nACL:    {setup.acl}\nCRL:    {setup.crl}")
     click.echo(f"run:    {' '.join(setup.command())}")
     if run_as is None:
@@ -418,6 +449,9 @@ def _cell_broker(ctx: click.Context, param: click.Parameter, values: tuple[str, 
               help="The fleet (CA, signing key) to issue from; created if it holds none. [default: OUT/ca]")
 @click.option("--cell-broker", "cell_brokers", multiple=True, callback=_cell_broker, metavar="CELL=HOST:PORT",
               help="CELL's gateway runs its own broker there (repeatable); other cells use the rollout's broker.")
+@click.option("--bridge", is_flag=True,
+              help="Bridge each --cell-broker to the rollout's broker (TLS with the gateway's certificate, only "
+                   "that cell's edge topics); its edge then connects to its gateway's broker alone.")
 @click.option("--broker-user", default=None,
               help="The user Mosquitto switches to when started as root. [default: the user running this]")
 @click.option("--sample-data", is_flag=True,
@@ -426,23 +460,26 @@ def _cell_broker(ctx: click.Context, param: click.Parameter, values: tuple[str, 
 @DAYS
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON (also in OUT/fleet.json).")
 def fleet_cmd(rollout_path: Path, out: Path, fleet_dir: Path | None, cell_brokers: dict[str, tuple[str, int]],
-              broker_user: str | None, sample_data: bool, days: float | None, as_json: bool) -> None:
+              bridge: bool, broker_user: str | None, sample_data: bool, days: float | None, as_json: bool) -> None:
     """Provision every node a rollout's topology names, in one step.
 
     Writes a bundle per device, gateway and the coordinator, a Mosquitto config per broker
     (mutual TLS, CRL, an ACL that grants each node its own topics and binds the client id to
     the certificate), and OUT/coordinator/<rollout>.toml: the rollout config merged with the
     coordinator's bundle, ready to run. One shared broker by default, at the rollout's
-    [broker]; --cell-broker for gateways with their own. Running it again keeps the CA and
-    every identity that still holds (a second rollout of the same fleet issues nothing).
+    [broker]; --cell-broker for gateways with their own, --bridge to bridge those to the
+    cloud's broker. Running it again keeps the CA and every identity that still holds (a
+    second rollout of the same fleet issues nothing).
 
     Example: fedtier provision fleet --rollout rollout.toml --out fleet --sample-data
+
+    Example: fedtier provision fleet --rollout rollout.toml --out fleet --cell-broker cell-a=gw-a:8883 --bridge
     """
     from provisioning.rollout import provision_fleet
 
     with _errors(name_hint="--rollout"):
         result = provision_fleet(rollout_path, out, fleet_dir=fleet_dir, cell_brokers=cell_brokers,
-                                 run_as=broker_user, sample_data=sample_data, days=days)
+                                 run_as=broker_user, sample_data=sample_data, days=days, bridge=bridge)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
         return

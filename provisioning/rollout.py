@@ -21,7 +21,11 @@ Brokers, in the two layouts a fleet uses (mixed is fine too):
   coordinator, every edge (one connection each, for both of its sides) and every device;
 * **a broker per gateway** (``--cell-broker CELL=HOST:PORT``): ``brokers/CELL`` on that cell's
   gateway serves its devices and its edge; ``brokers/cloud`` at the rollout's ``[broker]``
-  serves the coordinator and the edges' cloud side.
+  serves the coordinator and the edges' cloud side;
+* **gateway brokers bridged to the cloud's** (``--cell-broker ... --bridge``): as above, but each
+  gateway's broker carries its edge's cloud side over a Mosquitto bridge (the gateway's
+  certificate, only that cell's edge topics; ``provisioning.broker_bridge``), so the edge
+  connects to its local broker alone.
 
 Every ACL comes from the one writer, :func:`provisioning.broker_config.broker_acl`, with each
 device bound to its own cell by name; every broker maps the certificate's name to the MQTT
@@ -51,6 +55,7 @@ from fedtier.errors import ConfigError
 from fedtier.runtime.config import Section, dumps_toml, load, read_toml
 from fedtier.security import pki
 from provisioning import ca
+from provisioning.broker_bridge import Bridge
 from provisioning.broker_config import (
     _check_server_identity,
     _prepare_key_for,
@@ -86,6 +91,7 @@ class BrokerPlan:
     cell_side: tuple[str, ...]
     cloud_side: tuple[str, ...]
     coordinator: bool
+    bridge_to: Endpoint | None = None
 
     def serves(self) -> str:
         parts = ["the coordinator"] if self.coordinator else []
@@ -95,6 +101,8 @@ class BrokerPlan:
         others = [c for c in self.cloud_side if c not in self.cell_side]
         if others:
             parts.append(f"the cloud side of edge{'s' if len(others) > 1 else ''} {', '.join(others)}")
+        if self.bridge_to is not None:
+            parts.append(f"bridged to the cloud broker {_format_endpoint(*self.bridge_to)}")
         return "; ".join(parts)
 
 
@@ -125,13 +133,20 @@ class FleetResult:
                 "broker_user": self.run_as}
 
 
-def plan_brokers(cells: Sequence[str], cloud: Endpoint, cell_brokers: Mapping[str, Endpoint]) -> list[BrokerPlan]:
+def plan_brokers(cells: Sequence[str], cloud: Endpoint, cell_brokers: Mapping[str, Endpoint], *,
+                 bridge: bool = False) -> list[BrokerPlan]:
     """The brokers of a fleet: one shared broker, or a cloud broker plus one per listed gateway.
+
+    With ``bridge``, each gateway's broker is bridged to the cloud broker
+    (``provisioning.broker_bridge``): the edge's cloud side is on its local broker too.
 
     Raises:
         ConfigError: a ``--cell-broker`` names a cell the topology does not have, or two brokers
             share an address.
     """
+    if bridge and not cell_brokers:
+        raise ConfigError("--bridge bridges gateway brokers to the cloud broker: give each gateway's broker "
+                          "with --cell-broker CELL=HOST:PORT")
     unknown = sorted(set(cell_brokers) - set(cells))
     if unknown:
         raise ConfigError(f"--cell-broker names {', '.join(unknown)}, which the rollout's topology does not have "
@@ -142,7 +157,8 @@ def plan_brokers(cells: Sequence[str], cloud: Endpoint, cell_brokers: Mapping[st
                           "from the rollout's [broker]")
     on_cloud = tuple(c for c in cells if c not in cell_brokers)
     plans = [BrokerPlan(SHARED if not cell_brokers else CLOUD, cloud, on_cloud, tuple(cells), True)]
-    plans += [BrokerPlan(cell, endpoint, (cell,), (), False) for cell, endpoint in sorted(cell_brokers.items())]
+    plans += [BrokerPlan(cell, endpoint, (cell,), (cell,) if bridge else (), False, cloud if bridge else None)
+              for cell, endpoint in sorted(cell_brokers.items())]
     return plans
 
 
@@ -187,7 +203,8 @@ def _kept(fleet: Fleet, kind: str, name: str, directory: Path, *, cell: str | No
 
 
 def _broker_dir(fleet: Fleet, plan: BrokerPlan, directory: Path, *, cloud_id: str, devices: Mapping[str, str],
-                run_as: str, days: float | None, result: FleetResult) -> dict[str, Any]:
+                run_as: str, days: float | None, result: FleetResult,
+                gateway_bundle: Path | None = None) -> dict[str, Any]:
     """Write one broker's directory: its certificate (kept if still valid), CA, CRL, ACL, config."""
     directory.mkdir(parents=True, exist_ok=True)
     host, port = plan.endpoint
@@ -212,9 +229,17 @@ def _broker_dir(fleet: Fleet, plan: BrokerPlan, directory: Path, *, cloud_id: st
                           cloud_id=cloud_id if plan.coordinator else None, devices=devices, header=header)
     acl = directory / "fedtier.acl"
     pki.write_atomic(acl, acl_text.encode(), 0o644, overwrite=True)
+    bridge = None
+    if plan.bridge_to is not None and gateway_bundle is not None:
+        # The bridge presents the gateway's certificate; copies keep the broker directory whole.
+        bridge_cert, bridge_key = directory / "bridge.pem", directory / "bridge.key"
+        shutil.copyfile(gateway_bundle / "cert.pem", bridge_cert)
+        pki.write_atomic(bridge_key, (gateway_bundle / "key.pem").read_bytes(), pki.PRIVATE_MODE, overwrite=True)
+        bridge = Bridge(cell=plan.name, remote=plan.bridge_to, cafile=ca_copy, certfile=bridge_cert,
+                        keyfile=_prepare_key_for(run_as, bridge_key, directory, "bridge.key"), cloud_id=cloud_id)
     conf = directory / "mosquitto.conf"
     text = mosquitto_conf(port=port, bind=_bind(host), cafile=ca_copy, certfile=cert, keyfile=key_used,
-                          crlfile=crl_copy, acl_file=acl, run_as=run_as)
+                          crlfile=crl_copy, acl_file=acl, run_as=run_as, bridge=bridge)
     pki.write_atomic(conf, text.encode(), 0o644, overwrite=True)
     return {"dir": str(directory), "conf": str(conf), "host": host, "port": port, "serves": plan.serves(),
             "command": ["mosquitto", "-c", str(conf)]}
@@ -293,7 +318,7 @@ def merged_rollout(source: Path, coordinator_dir: Path, *, signing_key: Path, cl
 
 def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str | Path | None = None,
                     cell_brokers: Mapping[str, Endpoint] | None = None, run_as: str | None = None,
-                    sample_data: bool = False, days: float | None = None) -> FleetResult:
+                    sample_data: bool = False, days: float | None = None, bridge: bool = False) -> FleetResult:
     """Provision every node of a rollout's topology (see the module docstring).
 
     Args:
@@ -308,6 +333,8 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
         sample_data: write each device's share of the rollout's built-in dataset into its
             bundle's ``data/`` (for trials; real devices bring their own data).
         days: validity of newly issued node certificates.
+        bridge: bridge each ``cell_brokers`` broker to the rollout's broker; those edges then
+            connect to their gateway's broker alone (``provisioning.broker_bridge``).
 
     Returns:
         What was written.
@@ -325,7 +352,7 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
     cells = cfg.topology.layout()
     cloud = (cfg.broker.host, cfg.broker.port)
     cell_brokers = dict(cell_brokers or {})
-    plans = plan_brokers(list(cells), cloud, cell_brokers)
+    plans = plan_brokers(list(cells), cloud, cell_brokers, bridge=bridge)
     run_as = run_as or current_user()
     _user(run_as)
     fleet_root = Path(fleet_dir).expanduser().resolve() if fleet_dir else out / "ca"
@@ -339,6 +366,8 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
     result = FleetResult(out=out, fleet=fleet.root, rollout=cfg.rollout, rollout_config=Path(),
                          coordinator=out / "coordinator", gateways={}, devices={}, brokers={}, run_as=run_as)
     cell_endpoint = {cell: cell_brokers.get(cell, cloud) for cell in cells}
+    # Where each edge finds the coordinator: its own broker when that one is bridged.
+    edge_cloud = {cell: cell_endpoint[cell] if bridge else cloud for cell in cells}
 
     coordinator_dir = out / "coordinator"
     if _kept(fleet, "coordinator", cfg.cloud_id, coordinator_dir, cell=None, broker=cloud):
@@ -348,12 +377,12 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
         result.issued.append(f"coordinator {cfg.cloud_id}")
     for cell, members in cells.items():
         directory = out / "gateways" / cell
-        if _kept(fleet, "gateway", cell, directory, cell=cell, broker=cell_endpoint[cell], cloud_broker=cloud,
-                 parent=cfg.cloud_id):
+        if _kept(fleet, "gateway", cell, directory, cell=cell, broker=cell_endpoint[cell],
+                 cloud_broker=edge_cloud[cell], parent=cfg.cloud_id):
             result.kept.append(f"gateway {cell}")
         else:
-            issue_gateway(fleet, cell, cell_endpoint[cell], directory, cloud_broker=cloud, cloud_id=cfg.cloud_id,
-                          days=days, force=True)
+            issue_gateway(fleet, cell, cell_endpoint[cell], directory, cloud_broker=edge_cloud[cell],
+                          cloud_id=cfg.cloud_id, days=days, force=True)
             result.issued.append(f"gateway {cell}")
         result.gateways[cell] = directory
         for device in members:
@@ -370,7 +399,8 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
 
     for plan in plans:
         result.brokers[plan.name] = _broker_dir(fleet, plan, out / "brokers" / plan.name, cloud_id=cfg.cloud_id,
-                                                devices=membership, run_as=run_as, days=None, result=result)
+                                                devices=membership, run_as=run_as, days=None, result=result,
+                                                gateway_bundle=result.gateways.get(plan.name))
 
     merged = merged_rollout(source, coordinator_dir, signing_key=fleet.signing_key_path, cloud=cloud,
                             cloud_id=cfg.cloud_id)

@@ -67,3 +67,47 @@ def test_a_provisioned_fleet_completes_a_rollout_and_leaves_nothing_retained(
     finally:
         fleet.stop()
         procs.close()
+
+
+def test_edges_behind_bridged_gateway_brokers_talk_to_their_local_broker_alone(
+        tmp_path: Path, artifact_store: Path) -> None:
+    """``--cell-broker ... --bridge``: each gateway's Mosquitto bridges its cell to the cloud's over TLS."""
+    require(mosquitto_binary() is not None, "Mosquitto (apt-get install mosquitto)")
+    # Prepare: two gateway brokers bridged to a cloud broker, all three with mutual TLS.
+    cloud_port = free_port()
+    rollout = write_rollout(tmp_path / "rollout.toml", rollout="r1", port=cloud_port, cells=CELLS,
+                            artifact_store=artifact_store)
+    cell_brokers = {c: ("127.0.0.1", free_port()) for c in CELLS}
+    result = provision_fleet(rollout, tmp_path / "site", cell_brokers=cell_brokers, sample_data=True, bridge=True)
+    for cell, (_, port) in cell_brokers.items():
+        edge = (result.gateways[cell] / "edge.toml").read_text()
+        # The edge knows one broker, its gateway's: both of its sides use it (one connection).
+        assert edge.count(f"port = {port}") == 2 and f"port = {cloud_port}" not in edge
+        conf = Path(result.brokers[cell]["conf"]).read_text()
+        assert f"address 127.0.0.1:{cloud_port}" in conf and "bridge_certfile" in conf
+    procs = Procs(tmp_path)
+    fleet = ThreadFleet(paths_of(result))
+    try:
+        start_brokers(procs, result.brokers)
+        # Execute: every node from its bundle.
+        fleet.start_all()
+        coordinator = fleet.wait_finished(timeout=90)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not (
+                coordinator.cleared and all("r1" not in fleet.nodes[c].node.manifests for c in CELLS)):
+            time.sleep(0.05)
+        # Assert: every device in every round reached the coordinator across the bridges.
+        assert [row["devices_reported"] for row in coordinator.history] == [4, 4, 4]
+        fleet.stop()
+        # The bridges carried the coordinator's clean-up to the gateways: nothing of the rollout is
+        # left retained on a gateway's broker, nor on the cloud's (read with stopped nodes' identities).
+        for cell, (_, port) in cell_brokers.items():
+            left = [t for t, _ in retained("127.0.0.1", port, result.devices[CELLS[cell][0]], "ft/v1/#")
+                    if not t.startswith("ft/v1/status/")]
+            assert left == [], (cell, left)
+        left = [t for t, _ in retained("127.0.0.1", cloud_port, result.coordinator, "ft/v1/#")
+                if not t.startswith("ft/v1/status/")]
+        assert left == []
+    finally:
+        fleet.stop()
+        procs.close()

@@ -131,11 +131,13 @@ def test_every_message_type_is_classified() -> None:
 
 
 def test_message_types_refused_under_privacy_are() -> None:
-    from fedtier.algorithms import fedxl, qhetfed
+    from fedtier.algorithms import fedxl, hsgd, qhetfed
 
     assert not qhetfed.Device.SUPPORTS_PRIVACY and not qhetfed.Edge.SUPPORTS_PRIVACY
     assert not fedxl.Device.SUPPORTS_PRIVACY and not fedxl.Edge.SUPPORTS_PRIVACY
-    assert set(disclosure.REFUSED) == {"device_gradient", "xrisk_device_update", "xrisk_cell_update"}
+    assert not any(r.SUPPORTS_PRIVACY for r in (hsgd.Device, hsgd.Host, hsgd.Edge))
+    assert set(disclosure.REFUSED) == {"device_gradient", "xrisk_device_update", "xrisk_cell_update",
+                                       "hsgd_embeddings"}
 
 
 def test_chunk_headers_are_classified() -> None:
