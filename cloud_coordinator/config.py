@@ -458,7 +458,8 @@ class PrivacySection(Section):
                                help="Sample devices each round: poisson (each device with probability sample_rate; "
                                     "trusted edges sample in secret and release a fixed-denominator sum, so their "
                                     "noise is amplified) or fixed (round(sample_rate x members) per trusted cell; RDP "
-                                    "only). Device releases under untrusted edges get no amplification (docs/privacy.md).")
+                                    "only). Device releases under untrusted edges get no amplification "
+                                    "(docs/privacy.md).")
     sample_rate: float | None = opt(None, gt=0, max=1, help="q: the per-round device sampling rate (device_sampling).")
     secure_noise: bool = opt(False, help="Draw noise from the OS CSPRNG as a sum of Gaussians resistant to "
                                          "floating-point attacks (slower: docs/benchmarks.md).")

@@ -24,7 +24,6 @@ Usage: ``python experiments/dp_fleet.py [--config experiments/dp_fleet.toml] [--
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import sys
 import time
@@ -239,7 +238,8 @@ def main() -> None:
     results = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         for r in pool.map(run_cached, jobs):
-            tag = "non-DP" if r["eps"] is None else f"p={r['p']} eps={r['eps']}" + (" adaptive" if r["adaptive"] else "")
+            tag = ("non-DP" if r["eps"] is None
+                   else f"p={r['p']} eps={r['eps']}" + (" adaptive" if r["adaptive"] else ""))
             print(f"{tag} seed {r['seed']}: accuracy {r['accuracy']:.3f}"
                   + (f", ledger epsilon {r['epsilon']:.3f} (PLD {r['epsilon_pld']:.3f})" if r["eps"] else "")
                   + f" [{r['seconds']:.0f} s]", flush=True)
@@ -286,14 +286,16 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
         "",
         f"`python experiments/dp_fleet.py` ({args_line(spec)}; {len(results)} runs of "
         f"{statistics.median(r['seconds'] for r in results):.0f} s each (median), two at a time on the shared 2-core "
-        "machine; results are kept in runs/dp_fleet/, so a rerun only writes this section). Issue 17 Part B: does device sampling with trusted edges reach useful accuracy "
+        "machine; results are kept in runs/dp_fleet/, so a rerun only writes this section). "
+        "Issue 17 Part B: does device sampling with trusted edges reach useful accuracy "
         "at single-digit epsilon on a large fleet?",
         "",
         f"Setup: {spec['cells'] * spec['devices_per_cell']:,} devices in {spec['cells']} cells of "
         f"{spec['devices_per_cell']}, a linear softmax on a synthetic 10-class Gaussian mixture "
         f"({spec['data']['features']} features), {spec['data']['samples_per_device']} rows of "
         f"{spec['data']['classes_per_device']} classes per device (non-iid), {spec['rounds']} rounds, Poisson "
-        f"device sampling q = {spec['sample_rate']} (about {int(spec['sample_rate'] * spec['cells'] * spec['devices_per_cell'])} "
+        f"device sampling q = {spec['sample_rate']} "
+        f"(about {int(spec['sample_rate'] * spec['cells'] * spec['devices_per_cell'])} "
         f"devices a round), clip C = {spec['clip']}, delta = {spec['delta']:g}, {spec['accountant'].upper()} "
         f"calibration; {len(spec['seeds'])} seeds (data fixed; sampling, noise and which cells are trusted vary). "
         "A trusted edge samples its members in secret and releases their clipped sum over the fixed "
@@ -337,7 +339,8 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
     IMG.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for p in spec["p_trusted"]:
-        means = [statistics.mean(r["accuracy"] for r in fixed if r["p"] == p and r["eps"] == e) for e in spec["epsilons"]]
+        means = [statistics.mean(r["accuracy"] for r in fixed if r["p"] == p and r["eps"] == e)
+                 for e in spec["epsilons"]]
         axes[0].plot(spec["epsilons"], means, marker="o", label=f"p = {p:g}")
     axes[0].axhline(statistics.mean(base), color="k", ls="--", label="non-DP")
     axes[0].axhline(statistics.mean(base) - 0.03, color="grey", ls=":", label="non-DP - 3 points")

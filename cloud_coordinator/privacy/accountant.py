@@ -7,8 +7,9 @@ verifiable guarantee (digest §3.5). This module therefore *reports* epsilon fro
 ``dp_accounting``), and keeps the paper's closed form only as a reproduction aid.
 
 Two accountants, both dp-accounting's, never hand-rolled: ``rdp`` (its RDP accountant, default orders) and ``pld``
-(its privacy-loss-distribution accountant, default discretization), which is tighter — typically 10-30 % smaller
-epsilon for the same noise — and is what ``[privacy] accountant = "pld"`` calibrates and reports with.
+(its privacy-loss-distribution accountant, default discretization), which is tighter — 5-15 % smaller epsilon for
+the same releases in the runs measured (docs/privacy.md) — and is what ``[privacy] accountant = "pld"``
+calibrates and reports with.
 
 A release is ``(z, count)`` — ``count`` Gaussian mechanisms with multiplier ``z`` — or, with sampling,
 ``(z, count, q)``: each one a ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` (add/remove adjacency), or

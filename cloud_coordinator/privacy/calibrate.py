@@ -72,8 +72,11 @@ def sampling_rate(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> floa
 
 def sample_rate(cfg: RolloutConfig) -> float:
     """q of device sampling (1.0 without)."""
-    assert cfg.privacy is not None
-    return float(cfg.privacy.sample_rate) if cfg.privacy.device_sampling != "none" else 1.0
+    p = cfg.privacy
+    assert p is not None
+    if p.device_sampling == "none" or p.sample_rate is None:  # the config check requires one with the other
+        return 1.0
+    return float(p.sample_rate)
 
 
 def edge_multiplier(cfg: RolloutConfig, members: int | None = None) -> float:
