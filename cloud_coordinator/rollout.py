@@ -103,11 +103,13 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     if cfg.privacy is not None:
         from cloud_coordinator.privacy.calibrate import make_plan  # dp-accounting: coordinator only
 
-        if cfg.privacy.device_sampling != "none":
-            raise ConfigError("device sampling is calibrated and accounted (`fedtier privacy plan`, "
-                              "experiments/dp_fleet.py) but rollouts do not run it yet: the trusted edge's secret "
-                              "sampling and the withheld participation fields are not wired into the roles "
-                              "(docs/privacy.md)", key="privacy.device_sampling")
+        untrusted = sorted(c for c, node in cfg.trust_tree().items() if c in cells and not node.trusted)
+        if cfg.privacy.device_sampling != "none" and (untrusted or cfg.algorithm == "hist"):
+            raise ConfigError("rollouts run device sampling in trusted cells of fedavg and hier_qsgd only: the "
+                              "cloud does not yet sample devices under untrusted cells "
+                              f"({', '.join(untrusted) or 'hist'}) within their release cap; `fedtier privacy "
+                              "plan` and experiments/dp_fleet.py cover them (docs/privacy.md)",
+                              key="privacy.device_sampling")
         noise_plan = make_plan(cfg, {d: len(data.train[d][1]) for d in devices})
         extra["privacy"] = noise_plan.to_dict()  # signed with the manifest: an edge cannot weaken it
     manifest = Manifest(rollout=cfg.rollout, version=manifest_version, algorithm=cfg.algorithm,

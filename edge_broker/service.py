@@ -274,6 +274,9 @@ class EdgeNode(NodeBase):
                 stored = self.store.output(msg.key)
                 if stored is None:
                     if isinstance(msg, CellUpdate):
+                        if getattr(self.roles.get(rollout), "sampling_secretly", False):
+                            # byte counts count the sampled devices' messages: participation stays in the cell
+                            stats = dict.fromkeys(("device_up_bytes", "device_up_f32_bytes", "device_down_bytes"), 0)
                         msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
                         if self._refuse_clear_aggregate(rollout, msg):
                             continue

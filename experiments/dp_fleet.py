@@ -8,8 +8,9 @@ minute on two shared cores, not 10,000 per round — over the same privacy code 
 * the noise: ``fedtier.privacy.mechanism.NoiseSource.add`` for every release (each sampled device
   under an untrusted edge, each trusted edge every round);
 * a trusted edge samples its members in secret and releases the sum of their clipped deltas over
-  the fixed denominator ``q n`` plus noise (``NoisePlan.edge_denominator``/``edge_sigma``); the
-  cloud samples devices under untrusted edges, at most ``device_release_cap`` rounds each;
+  the fixed denominator ``q n`` plus noise (``NoisePlan.edge_denominator``/``edge_sigma``, as the
+  edge role does in rollouts); the cloud samples devices under untrusted edges, at most
+  ``device_release_cap`` rounds each (rollouts do not run that part yet);
 * the ledger: ``cloud_coordinator.privacy.accountant.Accountant`` charges every release made
   (trusted: a Poisson-sampled Gaussian to every member each round; untrusted: a full-price
   Gaussian to the device each round it was sampled); epsilon is its largest over devices, by RDP
@@ -309,7 +310,8 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
         "10,000 a round, on this machine): devices train in vectorized batches (5 full-batch steps, lr 0.5), "
         "but the plan (`make_plan` from a real `RolloutConfig`), every noise draw (`NoiseSource.add`), the "
         "fixed-denominator release (`NoisePlan.edge_denominator`, `edge_sigma`) and the accountant are the "
-        "rollout's code. Rollouts themselves refuse `device_sampling` for now (see docs/privacy.md).",
+        "rollout's code. Rollouts run the same sampling in trusted cells (the edge role) but refuse it under "
+        "untrusted ones for now (docs/privacy.md).",
         "",
         f"Non-DP (same sampling, no clip, no noise): accuracy {_ms(base)}.",
         "",

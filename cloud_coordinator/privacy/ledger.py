@@ -64,16 +64,20 @@ class PrivacyLedger:
             self.accountant.add([device], 0.0, 0)  # every device listed, even before its first release
         self.last_charged = -1  # the last round whose rows are on the ledger
         for row in store.privacy_releases(rollout):
-            self.accountant.add(row["protected"], row["noise_multiplier"], 1)
+            _charge(self.accountant, row)
             self.last_charged = max(self.last_charged, int(row["round"]))
 
     # --- before a round ---------------------------------------------------------------------------
 
-    def planned(self, device: str, rounds: int = 1) -> list[tuple[float, int]]:
-        """The releases ``rounds`` global rounds make that protect ``device``."""
+    def planned(self, device: str, rounds: int = 1) -> list[tuple[Any, ...]]:
+        """The releases ``rounds`` global rounds make that protect ``device``: ``(z, count)``, or
+        ``(z, count, q, population)`` for a trusted edge's sampled (amplified) releases."""
         cell = next(c for c, m in self.cells.items() if device in m)
         p = self.plan.cells[cell]
         if p.trusted:  # charged against the sound sensitivity, with every member reporting (the smallest z)
+            q, population = self.plan.edge_event(cell)  # amplified by the edge's secret sampling, if any
+            if q < 1.0:
+                return [(self.plan.edge_charged_z(cell), rounds, q, population)]
             return [(self.plan.edge_charged_z(cell), rounds)]
         return [(p.device_z, self.plan.edge_rounds * rounds)]
 
@@ -157,7 +161,7 @@ class PrivacyLedger:
     def charge(self, releases: Iterable[Mapping[str, Any]]) -> None:
         """Add committed rows to the live accounts."""
         for row in releases:
-            self.accountant.add(row["protected"], row["noise_multiplier"], 1)
+            _charge(self.accountant, row)
             self.last_charged = max(self.last_charged, int(row["round"]))
 
     def epsilons(self) -> dict[str, float]:
@@ -175,5 +179,11 @@ def recompute(store: CoordinatorStore, rollout: str, delta: float, accounting: s
     """Per-device epsilon from the ledger rows alone (offline audit of the live numbers), by ``accounting``."""
     acc = Accountant(delta, accounting=accounting)
     for row in store.privacy_releases(rollout):
-        acc.add(row["protected"], row["noise_multiplier"], 1)
+        _charge(acc, row)
     return acc.epsilons()
+
+
+def _charge(acc: Accountant, row: Mapping[str, Any]) -> None:
+    """One ledger row into an accountant: a Gaussian, or a sampled one when the row's release was amplified."""
+    q, population = audit.sampling_of(row)
+    acc.add(row["protected"], row["noise_multiplier"], 1, sampling_rate=q, population=population)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from cloud_coordinator.privacy.accountant import Accountant
+from fedtier.privacy import audit
 
 # Relative difference above which the ledger's and the live epsilon of a device disagree.
 MISMATCH_REL = 1e-9
@@ -105,7 +106,8 @@ def epsilon_by_round(releases: Sequence[Mapping[str, Any]], delta: float,
     out = []
     for rnd in sorted(by_round):
         for row in by_round[rnd]:
-            acc.add(row["protected"], float(row["noise_multiplier"]), 1)
+            q, population = audit.sampling_of(row)
+            acc.add(row["protected"], float(row["noise_multiplier"]), 1, sampling_rate=q, population=population)
         eps = acc.epsilons()
         values = list(eps.values()) or [0.0]
         out.append({"round": rnd, "releases": len(by_round[rnd]), "epsilon_max": max(values),

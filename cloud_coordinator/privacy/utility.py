@@ -93,8 +93,7 @@ class Estimate:
                 helps.append(f"edge_rounds = 1 (a trusted cell that syncs {self.edge_rounds} times a round has "
                              f"sensitivity 2C (1/n + {self.edge_rounds - 1}), not 2C/n)")
         helps.append(f"a larger epsilon (now {epsilon:g})")
-        helps.append("device sampling with trusted edges ([privacy] device_sampling: their noise is amplified; "
-                     "calibrated and accounted, not yet run by rollouts)")
+        helps.append("device sampling with trusted edges ([privacy] device_sampling: their noise is amplified)")
         return [f"{head}. What would help: {'; '.join(helps)}."]
 
 

@@ -83,6 +83,9 @@ _RELEASE: Mapping[str, Field] = {
     "inputs.edge_rounds": Field(PUBLIC, "tau, from the plan"),
     "inputs.mode": Field(PUBLIC, "calibration mode, from the plan"),
     "inputs.calibrated_sensitivity": Field(PUBLIC, f"what sigma was calibrated against, {_RELEASE_WHY}"),
+    "inputs.sample_rate": Field(PUBLIC, "device sampling only: q of the amplified release, from the plan"),
+    "inputs.population": Field(PUBLIC, "fixed-size device sampling only: the cell's size n, from the plan (0: "
+                                       "Poisson)"),
 }
 
 
@@ -223,9 +226,11 @@ SAMPLED: Mapping[str, Mapping[str, Field]] = {
     },
 }
 """How fields of upward messages change class when the plan samples devices (``NoisePlan.sampling``):
-what a sampling rollout must send so that the amplification the ledger charges holds. Rollouts refuse
-``device_sampling`` until the roles honour this list; ``experiments/dp_fleet.py`` releases only the
-noised sums it allows."""
+what a sampling rollout must send so that the amplification the ledger charges holds. A trusted edge
+(``hier_qsgd._EdgeBase``) and the edge service send exactly this; a test runs a sampling rollout three
+times (other noise, so another sample; other data) and checks the cloud's view against it. Devices under
+untrusted cells do not run sampled rollouts yet (rollouts refuse it), so ``m.num_samples``' entry is the
+rule for when they do."""
 
 
 def classify(kind: str, path: str) -> Field | None:

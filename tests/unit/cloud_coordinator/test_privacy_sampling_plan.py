@@ -97,7 +97,7 @@ def test_sampling_overrides_cover_every_participation_field() -> None:
             assert path in disclosure.UPWARD[kind], (kind, path)  # overrides name real fields
 
 
-def test_rollouts_refuse_device_sampling(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_rollouts_refuse_device_sampling_under_untrusted_cells(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from cloud_coordinator.rollout import prepare
 
     cfg = RolloutConfig.from_mapping({
@@ -130,3 +130,30 @@ def test_privacy_plan_cli_shows_sampling_and_amplification(tmp_path) -> None:  #
     assert edge["sensitivity_min"] == pytest.approx(1.0 / (0.2 * 40))
     text = CliRunner().invoke(main, ["plan", "--config", str(path)]).output
     assert "amplified" in text and "fixed-denominator" in text
+
+
+def test_a_rollout_with_trusted_cells_samples_and_charges_the_amplified_release(small_rollout, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cloud_coordinator.privacy.ledger import recompute
+    from cloud_coordinator.simulate import simulate
+    from cloud_coordinator.store import CoordinatorStore
+
+    cfg = small_rollout(rounds=4, topology={"cells": 2, "devices_per_cell": 3,
+                                            "trusted": {"cell-a": True, "cell-b": True}},
+                        fedavg={"local_steps": 2, "edge_rounds": 1},
+                        privacy={"epsilon": 6.0, "clip": 1.0, "require_tls": False, "noise_seed": 5,
+                                 "device_sampling": "poisson", "sample_rate": 0.5})
+    result = simulate(cfg, workdir=tmp_path / "w")
+    assert len(result.rounds) == 4
+    last = result.rounds[-1]
+    assert last["devices_reported"] == 6  # the cloud sees every member, never the sample
+    assert last["bytes"]["device_up"] == 0  # byte counts would count the sampled devices' messages
+    store = CoordinatorStore(tmp_path / "w" / "coordinator.db")
+    rows = store.privacy_releases(cfg.rollout)
+    recomputed = recompute(store, cfg.rollout, 1e-5)
+    store.close()
+    assert len(rows) == 4 * 2 and all(r["inputs"]["sample_rate"] == 0.5 for r in rows)
+    z = rows[0]["noise_multiplier"]
+    expected = accountant.epsilon([(z, 4, 0.5)], 1e-5)  # charged as Poisson-sampled Gaussians
+    assert expected == pytest.approx(6.0, rel=1e-3) and expected <= 6.0
+    assert last["privacy"]["epsilon_max"] == pytest.approx(expected)
+    assert max(recomputed.values()) == pytest.approx(expected)
