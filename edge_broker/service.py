@@ -39,7 +39,13 @@ from edge_broker.store import EdgeStore
 from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, SendToParent
 from fedtier.artifacts.cache import ArtifactCache
-from fedtier.errors import MissingReleaseError, PrivacyViolationError, RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import (
+    MissingReleaseError,
+    PrivacyViolationError,
+    RemoteProtocolError,
+    UnexpectedMessageError,
+    UnknownSenderError,
+)
 from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import NoisePlan
@@ -127,7 +133,12 @@ class EdgeNode(NodeBase):
         for payload in payloads:
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
             assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, Embeddings))
-            self._on_round_message(payload, msg, now, replay=True)
+            try:
+                self._on_round_message(payload, msg, now, replay=True)
+            except UnknownSenderError as exc:
+                # A trusted edge that samples devices draws a new secret sample after a restart (its noise
+                # source is fresh): uploads of the old sample's devices no longer belong to the round.
+                log.warning("replay of %s dropped: %s", msg.key, exc)
         role = self.roles.get(rollout)
         if role is None:
             return
