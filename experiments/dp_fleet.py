@@ -10,7 +10,7 @@ minute on two shared cores, not 10,000 per round — over the same privacy code 
 * a trusted edge samples its members in secret and releases the sum of their clipped deltas over
   the fixed denominator ``q n`` plus noise (``NoisePlan.edge_denominator``/``edge_sigma``, as the
   edge role does in rollouts); the cloud samples devices under untrusted edges, at most
-  ``device_release_cap`` rounds each (rollouts do not run that part yet);
+  ``device_release_cap`` rounds each (rollouts use ``fedtier.privacy.plan.cloud_sample``);
 * the ledger: ``cloud_coordinator.privacy.accountant.Accountant`` charges every release made
   (trusted: a Poisson-sampled Gaussian to every member each round; untrusted: a full-price
   Gaussian to the device each round it was sampled); epsilon is its largest over devices, by RDP
@@ -310,8 +310,7 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
         "10,000 a round, on this machine): devices train in vectorized batches (5 full-batch steps, lr 0.5), "
         "but the plan (`make_plan` from a real `RolloutConfig`), every noise draw (`NoiseSource.add`), the "
         "fixed-denominator release (`NoisePlan.edge_denominator`, `edge_sigma`) and the accountant are the "
-        "rollout's code. Rollouts run the same sampling in trusted cells (the edge role) but refuse it under "
-        "untrusted ones for now (docs/privacy.md).",
+        "rollout's code; rollouts run the same sampling in the roles (docs/privacy.md).",
         "",
         f"Non-DP (same sampling, no clip, no noise): accuracy {_ms(base)}.",
         "",

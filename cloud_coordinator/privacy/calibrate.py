@@ -162,7 +162,7 @@ def make_plan(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> NoisePla
                      edge_rounds=tau, rounds=cfg.rounds, require_tls=p.require_tls, cells=plans, details=details,
                      accountant=p.accountant, sampling=p.device_sampling, sample_rate=q,
                      device_release_cap=release_cap(cfg.rounds, q) if p.device_sampling != "none" else 0,
-                     secure_noise=p.secure_noise)
+                     secure_noise=p.secure_noise, sample_seed=int(cfg.seed))
     trusted = [c for c, cp in plans.items() if cp.trusted]
     if trusted:  # what the ledger will charge the edge tier: the worst trusted cell, sound sensitivity
         details["epsilon_edge_tier"] = max(

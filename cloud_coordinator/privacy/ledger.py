@@ -79,6 +79,10 @@ class PrivacyLedger:
             if q < 1.0:
                 return [(self.plan.edge_charged_z(cell), rounds, q, population)]
             return [(self.plan.edge_charged_z(cell), rounds)]
+        if self.plan.sampled:  # only the rounds the cloud samples this device in (public, capped)
+            first = self.last_charged + 1
+            rounds = sum(device in self.plan.untrusted_sample(cell, self.cells[cell], r)
+                         for r in range(first, first + rounds))
         return [(p.device_z, self.plan.edge_rounds * rounds)]
 
     def admit(self, round: int) -> str | None:
@@ -137,7 +141,7 @@ class PrivacyLedger:
                              for c in report.get("clear", ()))
                 continue
             sens = self.plan.device_sensitivity
-            for device in members:
+            for device in self.plan.untrusted_sample(cell, members, round):  # everyone, unless sampling
                 for step in range(self.plan.edge_rounds):
                     record = seen.get((device, step))
                     observed = record is not None

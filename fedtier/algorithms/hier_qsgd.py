@@ -293,7 +293,8 @@ class Device(_DeviceBase):
                                         self._round, self._step)
         last = self._step + 1 >= c.edge_rounds
         update = DeviceUpdate(rollout=self.rollout, round=self._round, sender=self.device_id, step=self._step,
-                              delta=values, num_samples=result.num_samples, train_loss=train_loss,
+                              delta=values, num_samples=self._sent_samples(result.num_samples),
+                              train_loss=train_loss,
                               steps=result.steps, q=q, release=release,
                               evaluation=self._evaluation if last else None)
         self._uploaded(self._step)
@@ -303,6 +304,11 @@ class Device(_DeviceBase):
             self._finish_round()
         return [SendToParent(update, encodings)]
 
+
+    def _sent_samples(self, count: int) -> int:
+        """The sample count a device reports: 0 under device sampling, whose adjacency is user-level, so a
+        device's dataset size is its data (``disclosure.SAMPLED``); it weighs nothing under privacy anyway."""
+        return 0 if self._plan is not None and self._plan.sampled else count
 
     def _privatize(self, result: LocalResult) -> tuple[Mapping[str, np.ndarray], dict[str, Any] | None, float]:
         """Clip, then noise where the plan says (before quantization): (delta, release record, loss to send)."""

@@ -228,9 +228,8 @@ SAMPLED: Mapping[str, Mapping[str, Field]] = {
 """How fields of upward messages change class when the plan samples devices (``NoisePlan.sampling``):
 what a sampling rollout must send so that the amplification the ledger charges holds. A trusted edge
 (``hier_qsgd._EdgeBase``) and the edge service send exactly this; a test runs a sampling rollout three
-times (other noise, so another sample; other data) and checks the cloud's view against it. Devices under
-untrusted cells do not run sampled rollouts yet (rollouts refuse it), so ``m.num_samples``' entry is the
-rule for when they do."""
+times (other noise, so another sample; other data) and checks the cloud's view against it; devices under
+untrusted cells send ``m.num_samples`` as 0 (``Device._sent_samples``)."""
 
 
 def classify(kind: str, path: str) -> Field | None:

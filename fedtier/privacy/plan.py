@@ -41,9 +41,12 @@ adversary does not learn who was sampled:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import numpy as np
 
 from fedtier.errors import UnexpectedMessageError
 
@@ -89,6 +92,27 @@ def fixed_sample_size(members: int, rate: float) -> int:
     return max(1, min(int(members), round(rate * members)))
 
 
+def cloud_sample(members: tuple[str, ...] | list[str], *, rate: float, cap: int, seed: int, cell: str,
+                 round: int) -> tuple[str, ...]:
+    """The devices of an *untrusted* cell the cloud samples in ``round``: each member with
+    probability ``rate`` (Poisson), except those already sampled ``cap`` times.
+
+    Public randomness on purpose: under local DP the cloud and the edge see who released anyway,
+    so nothing is gained by hiding it, and a deterministic function of (seed, cell, round) lets the
+    cloud, the ledger and a restarted coordinator agree without storing anything. Counts are
+    replayed from round 0 (cheap: rounds x members draws)."""
+    ids = sorted(members)
+    counts = dict.fromkeys(ids, 0)
+    chosen: tuple[str, ...] = ()
+    digest = int.from_bytes(hashlib.sha256(cell.encode()).digest()[:8], "little")
+    for r in range(round + 1):
+        u = np.random.default_rng([int(seed) & 0xFFFFFFFF, digest, r]).random(len(ids))
+        chosen = tuple(d for d, x in zip(ids, u, strict=True) if x < rate and counts[d] < cap)
+        for d in chosen:
+            counts[d] += 1
+    return chosen
+
+
 @dataclass(frozen=True, slots=True)
 class CellPlan:
     """One cell's part of the plan.
@@ -128,7 +152,8 @@ class NoisePlan:
         sampling: "none", "poisson" or "fixed" device sampling per round (module docstring).
         sample_rate: q (1.0 without sampling).
         device_release_cap: the most rounds a device under an untrusted edge is sampled for.
-        secure_noise: draw noise with ``fedtier.privacy.secure_noise`` (CSPRNG, sum of Gaussians).
+        secure_noise: draw noise with ``NoiseSource.add(secure=True)`` (CSPRNG, sum of Gaussians).
+        sample_seed: seeds the cloud's public sample of devices under untrusted edges (``cloud_sample``).
     """
 
     mode: str
@@ -146,6 +171,7 @@ class NoisePlan:
     sample_rate: float = 1.0
     device_release_cap: int = 0  # 0: the rounds (no cap below T)
     secure_noise: bool = False
+    sample_seed: int = 0  # the rollout's seed: the cloud's public sample of untrusted cells (cloud_sample)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -204,6 +230,13 @@ class NoisePlan:
             return fixed_sample_size(n, self.sample_rate) / n, n
         return 1.0, 0
 
+    def untrusted_sample(self, cell: str, members: tuple[str, ...] | list[str], round: int) -> tuple[str, ...]:
+        """Who of an untrusted ``cell`` releases in ``round``: everyone without sampling, else ``cloud_sample``."""
+        if not self.sampled:
+            return tuple(sorted(members))
+        return cloud_sample(members, rate=self.sample_rate, cap=self.device_release_cap or self.rounds,
+                            seed=self.sample_seed, cell=cell, round=round)
+
     @property
     def device_releases(self) -> int:
         """Releases a device under an untrusted edge makes at most: ``tau T``, or its cap under sampling."""
@@ -253,7 +286,7 @@ class NoisePlan:
                 "require_tls": self.require_tls, "cells": {c: p.to_dict() for c, p in sorted(self.cells.items())},
                 "details": dict(self.details), "accountant": self.accountant, "sampling": self.sampling,
                 "sample_rate": self.sample_rate, "device_release_cap": self.device_release_cap,
-                "secure_noise": self.secure_noise}
+                "secure_noise": self.secure_noise, "sample_seed": self.sample_seed}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "NoisePlan":
@@ -273,7 +306,8 @@ class NoisePlan:
                        accountant=str(data.get("accountant", "rdp")), sampling=str(data.get("sampling", "none")),
                        sample_rate=float(_typed(data.get("sample_rate", 1.0), float)),
                        device_release_cap=int(_typed(data.get("device_release_cap", 0), int)),
-                       secure_noise=bool(_typed(data.get("secure_noise", False), bool)))
+                       secure_noise=bool(_typed(data.get("secure_noise", False), bool)),
+                       sample_seed=int(_typed(data.get("sample_seed", 0), int)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise UnexpectedMessageError(f"invalid privacy plan: {exc}") from None
 

@@ -97,12 +97,12 @@ def test_sampling_overrides_cover_every_participation_field() -> None:
             assert path in disclosure.UPWARD[kind], (kind, path)  # overrides name real fields
 
 
-def test_rollouts_refuse_device_sampling_under_untrusted_cells(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_rollouts_refuse_device_sampling_with_hist(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from cloud_coordinator.rollout import prepare
 
     cfg = RolloutConfig.from_mapping({
         "rounds": 2, "state_dir": str(tmp_path), "topology": {"cells": 1, "devices_per_cell": 2},
-        "fedavg": {"edge_rounds": 1},
+        "algorithm": "hist", "hist": {"edge_rounds": 1},
         "privacy": {"epsilon": 4.0, "clip": 1.0, "device_sampling": "poisson", "sample_rate": 0.5}})
     with pytest.raises(ConfigError, match="device_sampling"):
         prepare(cfg)
@@ -157,3 +157,33 @@ def test_a_rollout_with_trusted_cells_samples_and_charges_the_amplified_release(
     assert expected == pytest.approx(6.0, rel=1e-3) and expected <= 6.0
     assert last["privacy"]["epsilon_max"] == pytest.approx(expected)
     assert max(recomputed.values()) == pytest.approx(expected)
+
+
+def test_the_cloud_samples_untrusted_cells_publicly_within_the_cap(small_rollout, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cloud_coordinator.privacy.ledger import recompute
+    from cloud_coordinator.simulate import simulate
+    from cloud_coordinator.store import CoordinatorStore
+    from fedtier.privacy.plan import cloud_sample
+
+    rounds, q = 6, 0.5
+    cfg = small_rollout(rounds=rounds, topology={"cells": 2, "devices_per_cell": 3, "trusted": {"cell-a": True}},
+                        fedavg={"local_steps": 2, "edge_rounds": 1},
+                        privacy={"epsilon": 6.0, "clip": 1.0, "require_tls": False, "noise_seed": 5,
+                                 "device_sampling": "poisson", "sample_rate": q})
+    result = simulate(cfg, workdir=tmp_path / "w")
+    assert len(result.rounds) == rounds
+    store = CoordinatorStore(tmp_path / "w" / "coordinator.db")
+    rows = store.privacy_releases(cfg.rollout)
+    recomputed = recompute(store, cfg.rollout, 1e-5)
+    store.close()
+    cap = release_cap(rounds, q)
+    members = ("dev-03", "dev-04", "dev-05")
+    device_rows = [r for r in rows if r["event"] == "device"]
+    for r in range(rounds):  # charged exactly for the public sample of each round
+        chosen = cloud_sample(members, rate=q, cap=cap, seed=cfg.seed, cell="cell-b", round=r)
+        assert sorted(x["node"] for x in device_rows if x["round"] == r) == list(chosen)
+    counts = {d: sum(1 for x in device_rows if x["node"] == d) for d in members}
+    assert max(counts.values()) <= cap and sum(counts.values()) < rounds * len(members)
+    live = result.rounds[-1]["privacy"]["epsilon"]
+    assert all(v <= 6.0 * (1 + 1e-9) for v in live.values())
+    assert live == pytest.approx(recomputed)
