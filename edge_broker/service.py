@@ -41,6 +41,7 @@ from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import NoisePlan
 from fedtier.runtime.metrics import Metrics
+from fedtier.secagg import messages as secagg_messages
 from fedtier.runtime.node_base import ACCEPTED, REJECTED, NodeBase
 from fedtier.security.manifest import Manifest
 from fedtier.security.signing import ManifestGate, open_manifest
@@ -117,7 +118,7 @@ class EdgeNode(NodeBase):
             return
         for payload in payloads:
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
-            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient))
+            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, *secagg_messages.UPWARD))
             self._on_round_message(payload, msg, now, replay=True)
         role = self.roles.get(rollout)
         if role is None:
@@ -175,7 +176,7 @@ class EdgeNode(NodeBase):
                 self._on_artifact(msg, now)
             elif isinstance(msg, ArtifactRequest):
                 self._on_artifact_request(msg, now)
-            elif isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient)):
+            elif isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, *secagg_messages.UPWARD)):
                 self._on_round_message(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             else:
                 raise UnexpectedMessageError(f"edge does not accept {msg.KIND}")
@@ -221,7 +222,7 @@ class EdgeNode(NodeBase):
             return True
         return False
 
-    def _on_round_message(self, payload: bytes, msg: CellTask | DeviceUpdate | DeviceGradient, now: float,
+    def _on_round_message(self, payload: bytes, msg: Message, now: float,
                           replay: bool = False, wire_bytes: int | None = None) -> None:
         if isinstance(msg, CellTask) and msg.sender != self.parent:
             raise UnexpectedMessageError(f"cell task from {msg.sender!r}, not from parent {self.parent!r}")

@@ -1,0 +1,212 @@
+"""Secure aggregation's wire messages: four up (device -> edge), three down (edge -> devices).
+
+They travel on the cell's existing topics (the kind is the last topic level) and use the
+ordinary envelope: keys, ciphertexts and shares are msgpack ``bin`` fields of the header
+(no pickle), the masked vector is one ``u8`` tensor (the ring elements' little-endian uint64
+bytes). Every field is validated on decode; a bad one raises ``MalformedHeaderError`` (or
+``MalformedShareError`` for a share that cannot be one), which the shells count and drop.
+All have ``step = 0``: the phase is the kind. ``SecAggBundle`` is addressed to one device, so
+its idempotency key names the receiver too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from fedtier.errors import MalformedHeaderError
+from fedtier.secagg.protocol import AdvertisedKeys
+from fedtier.wire import Envelope, TensorEncoding
+from fedtier.wire.messages import Message, Tensors, make_key, register_message
+
+MAX_BLOB = 4096  # = fedtier.wire.envelope.MAX_BIN_BYTES
+"""Largest key, ciphertext or share accepted (they are 32..250 bytes)."""
+MASKED = "masked"
+
+
+def _blob(value: Any, what: str) -> bytes:
+    if not isinstance(value, bytes) or not 0 < len(value) <= MAX_BLOB:
+        raise MalformedHeaderError(f"{what} must be 1..{MAX_BLOB} bytes")
+    return value
+
+
+def _blob_map(meta: Mapping[str, Any], key: str) -> dict[str, bytes]:
+    value = meta.get(key)
+    if not isinstance(value, Mapping):
+        raise MalformedHeaderError(f"field {key!r} must be a map of node id -> bytes")
+    out: dict[str, bytes] = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise MalformedHeaderError(f"field {key!r} has a non-string key")
+        out[k] = _blob(v, f"{key}[{k!r}]")
+    return out
+
+
+def _ids(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = meta.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise MalformedHeaderError(f"field {key!r} must be a list of node ids")
+    return tuple(value)
+
+
+@register_message
+@dataclass(frozen=True, slots=True, eq=False)
+class SecAggKeys(Message):
+    """Device -> edge (phase keys): the device's two fresh public keys and its self-mask commitment."""
+
+    KIND: ClassVar[str] = "secagg_keys"
+
+    c_pk: bytes = b""
+    s_pk: bytes = b""
+    b_commit: bytes = b""
+
+    def advertised(self) -> AdvertisedKeys:
+        return AdvertisedKeys(self.c_pk, self.s_pk, self.b_commit)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"c_pk": self.c_pk, "s_pk": self.s_pk, "b_commit": self.b_commit}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "SecAggKeys":
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender,
+                   c_pk=_blob(env.meta.get("c_pk"), "c_pk"), s_pk=_blob(env.meta.get("s_pk"), "s_pk"),
+                   b_commit=_blob(env.meta.get("b_commit"), "b_commit"))
+
+
+@register_message
+@dataclass(frozen=True, slots=True, eq=False)
+class SecAggRoster(Message):
+    """Edge -> devices (broadcast): U1, every device that advertised keys, with its keys."""
+
+    KIND: ClassVar[str] = "secagg_roster"
+
+    keys: Mapping[str, AdvertisedKeys] = field(default_factory=dict)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"keys": {d: [k.c_pk, k.s_pk, k.b_commit] for d, k in self.keys.items()}}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "SecAggRoster":
+        raw = env.meta.get("keys")
+        if not isinstance(raw, Mapping):
+            raise MalformedHeaderError("field 'keys' must be a map")
+        keys: dict[str, AdvertisedKeys] = {}
+        for d, triple in raw.items():
+            if not isinstance(d, str) or not isinstance(triple, list) or len(triple) != 3:
+                raise MalformedHeaderError("roster entries are node id -> [c_pk, s_pk, b_commit]")
+            keys[d] = AdvertisedKeys(*(_blob(v, f"keys[{d!r}]") for v in triple))
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, keys=keys)
+
+
+@register_message
+@dataclass(frozen=True, slots=True, eq=False)
+class SecAggShares(Message):
+    """Device -> edge (phase shares): for each neighbour, its encrypted shares of b and s_sk."""
+
+    KIND: ClassVar[str] = "secagg_shares"
+
+    shares: Mapping[str, bytes] = field(default_factory=dict)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"shares": dict(self.shares)}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "SecAggShares":
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, shares=_blob_map(env.meta, "shares"))
+
+
+@register_message
+@dataclass(frozen=True, slots=True, eq=False)
+class SecAggBundle(Message):
+    """Edge -> one device: the ciphertexts its neighbours in U2 addressed to it (``sender -> ct``)."""
+
+    KIND: ClassVar[str] = "secagg_bundle"
+
+    receiver: str = ""
+    shares: Mapping[str, bytes] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return make_key(self.KIND, self.rollout, self.round, self.step, f"{self.sender}:{self.receiver}")
+
+    def _meta(self) -> dict[str, Any]:
+        return {"receiver": self.receiver, "shares": dict(self.shares)}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "SecAggBundle":
+        receiver = env.meta.get("receiver")
+        if not isinstance(receiver, str) or not receiver:
+            raise MalformedHeaderError("field 'receiver' must be a node id")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, receiver=receiver,
+                   shares=_blob_map(env.meta, "shares"))
+
+
+@register_message
+@dataclass(frozen=True, slots=True, eq=False)
+class SecAggMasked(Message):
+    """Device -> edge (phase masked): the masked input, ``length`` elements of Z_{2^bits}."""
+
+    KIND: ClassVar[str] = "secagg_masked"
+
+    masked: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+
+    def tensors(self) -> Tensors:
+        return {MASKED: np.ascontiguousarray(self.masked, dtype="<u8").view(np.uint8)}
+
+    def to_envelope(self, encodings: Mapping[str, TensorEncoding] | None = None) -> Envelope:
+        return Message.to_envelope(self, {MASKED: TensorEncoding("u8")})
+
+    def _meta(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "SecAggMasked":
+        raw = env.tensors.get(MASKED)
+        if raw is None or set(env.tensors) != {MASKED} or raw.dtype != np.uint8 or raw.ndim != 1 or raw.size % 8:
+            raise MalformedHeaderError("a masked input is one u8 tensor 'masked' of whole uint64 words")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender,
+                   masked=np.frombuffer(raw.tobytes(), dtype="<u8").astype(np.uint64))
+
+
+@register_message
+@dataclass(frozen=True, slots=True, eq=False)
+class SecAggUnmask(Message):
+    """Edge -> devices (broadcast): U3 (whose inputs are in the sum) and the dropped U2 \\ U3."""
+
+    KIND: ClassVar[str] = "secagg_unmask"
+
+    survivors: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+
+    def _meta(self) -> dict[str, Any]:
+        return {"survivors": list(self.survivors), "dropped": list(self.dropped)}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "SecAggUnmask":
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender,
+                   survivors=_ids(env.meta, "survivors"), dropped=_ids(env.meta, "dropped"))
+
+
+@register_message
+@dataclass(frozen=True, slots=True, eq=False)
+class SecAggReveal(Message):
+    """Device -> edge (phase reveal): per neighbour, one Shamir share (of b if it survived, of s_sk if not)."""
+
+    KIND: ClassVar[str] = "secagg_reveal"
+
+    shares: Mapping[str, bytes] = field(default_factory=dict)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"shares": dict(self.shares)}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "SecAggReveal":
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, shares=_blob_map(env.meta, "shares"))
+
+
+UPWARD = (SecAggKeys, SecAggShares, SecAggMasked, SecAggReveal)
+"""Device -> edge kinds (the edge shell routes them to the cell's role)."""
+DOWNWARD = (SecAggRoster, SecAggBundle, SecAggUnmask)
+"""Edge -> device kinds (the device shell routes them to the rollout's role)."""
