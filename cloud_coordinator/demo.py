@@ -195,6 +195,7 @@ class DemoOptions:
     privacy: PrivacyDemo | None = None  # differential privacy with trust labels (--privacy)
     trainer: str = "auto"  # the agents' training backend (device.toml ``trainer``)
     agent_python: Path | None = None  # run the agents with this interpreter (e.g. a stock-onnxruntime venv)
+    secure_aggregation: bool = False  # SecAgg+ in every cell: edges see only their cell's sum (fedavg)
 
 
 @dataclass
@@ -239,6 +240,10 @@ class Demo:
             raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm}'s in-cell "
                              "gradient exchange is not covered by the privacy layer yet (docs/privacy.md, "
                              "Limitations)")
+        if opts.secure_aggregation and opts.algorithm != "fedavg":
+            raise ValueError("--secure-aggregation runs with fedavg (docs/secure_aggregation.md)")
+        if opts.secure_aggregation and opts.privacy is not None:
+            raise ValueError("--secure-aggregation with --privacy (distributed DP) is not supported yet")
         self.opts = opts
         self.view = view
         self.say = view.say
@@ -333,6 +338,10 @@ class Demo:
             section["gamma" if o.algorithm == "qhetfed" else "local_steps"] = o.local_steps
         if o.algorithm in ("hier_qsgd", "qhetfed"):
             section.update(bits_device=o.bits_device, bits_edge=o.bits_edge)
+        if o.secure_aggregation:
+            # s_min: all but one device of the smallest cell (at least 1); a clip no digits update reaches.
+            section.update(secure_aggregation=True, secagg_min_survivors=max(1, o.devices // o.cells - 1),
+                           secagg_clip=100.0)
         return section
 
     def _broker_section(self, port: int) -> dict[str, Any]:
