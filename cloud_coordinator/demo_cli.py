@@ -80,7 +80,8 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
-         secure_aggregation: bool, privacy: bool, epsilon: float | None, delta: float | None, clip: float | None, trusted: str | None,
+         secure_aggregation: bool, privacy: bool, epsilon: float | None, delta: float | None, clip: float | None,
+         trusted: str | None,
          compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
          timeout_s: float, as_json: bool) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
