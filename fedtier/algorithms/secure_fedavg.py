@@ -163,7 +163,7 @@ class Device(_DeviceBase):
             assert self._encoded is not None
             y = session.masked_input(self._encoded, message.shares)
             return [SendToParent(SecAggMasked(rollout=self.rollout, round=self._round, sender=self.device_id,
-                                              masked=y))]
+                                              masked=y, width=(session.params.codec.bits + 7) // 8))]
         if isinstance(message, SecAggUnmask):
             session = self._phase_message(message, Phase.REVEAL)
             if session is None:

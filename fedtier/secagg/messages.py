@@ -146,28 +146,41 @@ class SecAggBundle(Message):
 @register_message
 @dataclass(frozen=True, slots=True, eq=False)
 class SecAggMasked(Message):
-    """Device -> edge (phase masked): the masked input, ``length`` elements of Z_{2^bits}."""
+    """Device -> edge (phase masked): the masked input, ``length`` elements of Z_{2^bits}.
+
+    On the wire each element takes ``width = ceil(bits / 8)`` little-endian bytes (the u8 tensor
+    ``masked`` of ``length * width`` bytes; ``width`` in the header): 4 bytes per coordinate in a
+    32-bit ring, as float32 would.
+    """
 
     KIND: ClassVar[str] = "secagg_masked"
 
     masked: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    width: int = 8
 
     def tensors(self) -> Tensors:
-        return {MASKED: np.ascontiguousarray(self.masked, dtype="<u8").view(np.uint8)}
+        words = np.ascontiguousarray(self.masked, dtype="<u8").view(np.uint8).reshape(-1, 8)
+        return {MASKED: np.ascontiguousarray(words[:, :self.width]).ravel()}
 
     def to_envelope(self, encodings: Mapping[str, TensorEncoding] | None = None) -> Envelope:
         return Message.to_envelope(self, {MASKED: TensorEncoding("u8")})
 
     def _meta(self) -> dict[str, Any]:
-        return {}
+        return {"width": self.width}
 
     @classmethod
     def from_envelope(cls, env: Envelope) -> "SecAggMasked":
+        width = env.meta.get("width")
+        if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= 8:
+            raise MalformedHeaderError("field 'width' must be 1..8 bytes per element")
         raw = env.tensors.get(MASKED)
-        if raw is None or set(env.tensors) != {MASKED} or raw.dtype != np.uint8 or raw.ndim != 1 or raw.size % 8:
-            raise MalformedHeaderError("a masked input is one u8 tensor 'masked' of whole uint64 words")
+        if (raw is None or set(env.tensors) != {MASKED} or raw.dtype != np.uint8 or raw.ndim != 1
+                or raw.size % width):
+            raise MalformedHeaderError("a masked input is one u8 tensor 'masked' of whole elements")
+        words = np.zeros((raw.size // width, 8), dtype=np.uint8)
+        words[:, :width] = raw.reshape(-1, width)
         return cls(rollout=env.rollout, round=env.round, sender=env.sender,
-                   masked=np.frombuffer(raw.tobytes(), dtype="<u8").astype(np.uint64))
+                   masked=words.view("<u8").ravel().astype(np.uint64), width=width)
 
 
 @register_message

@@ -294,6 +294,7 @@ class EdgeSession(_Session):
         self.phase = Phase.KEYS
         self.inputs = _EdgeInputs()
         self.abort: Abort | None = None
+        self._public: set[bytes] = set()
 
     @property
     def u1(self) -> tuple[str, ...]:
@@ -339,9 +340,10 @@ class EdgeSession(_Session):
         crypto.check_public_key(keys.s_pk)
         if len(keys.b_commit) != 32:
             raise MalformedShareError("self-mask commitment must be 32 bytes")
-        if any(k.c_pk == keys.c_pk or k.s_pk == keys.s_pk for k in self.inputs.keys.values()):
-            raise MalformedShareError("public key reused by another device")
+        if keys.c_pk in self._public or keys.s_pk in self._public or keys.c_pk == keys.s_pk:
+            raise MalformedShareError("public key reused (by another device, or for both purposes)")
         self.inputs.keys[sender] = keys
+        self._public.update((keys.c_pk, keys.s_pk))
         return True
 
     def receive_shares(self, sender: str, shares: Mapping[str, bytes]) -> bool:

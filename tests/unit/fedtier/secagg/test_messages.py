@@ -28,7 +28,8 @@ EXAMPLES: list[Message] = [
     SecAggRoster(rollout="r", round=1, sender="e", keys={"d1": K, "d2": K}),
     SecAggShares(rollout="r", round=1, sender="d1", shares={"d2": b"x" * 180}),
     SecAggBundle(rollout="r", round=1, sender="e", receiver="d2", shares={"d1": b"x" * 180}),
-    SecAggMasked(rollout="r", round=1, sender="d1", masked=np.array([0, 1, 2**47 + 5], dtype=np.uint64)),
+    SecAggMasked(rollout="r", round=1, sender="d1", masked=np.array([0, 1, 2**47 + 5], dtype=np.uint64), width=6),
+    SecAggMasked(rollout="r", round=1, sender="d1", masked=np.array([2**64 - 1, 7], dtype=np.uint64)),
     SecAggUnmask(rollout="r", round=1, sender="e", survivors=("d1", "d2"), dropped=("d3",)),
     SecAggReveal(rollout="r", round=1, sender="d1", shares={"d2": b"y" * 68}),
 ]
@@ -65,8 +66,8 @@ def reencode(msg: Message, **meta: Any) -> bytes:
     (EXAMPLES[2], {"shares": {"d2": 5}}),
     (EXAMPLES[2], {"shares": [b"x"]}),
     (EXAMPLES[3], {"receiver": ""}),
-    (EXAMPLES[5], {"survivors": "d1"}),
-    (EXAMPLES[6], {"shares": {"d2": b"y" * 5000}}),
+    (EXAMPLES[6], {"survivors": "d1"}),
+    (EXAMPLES[7], {"shares": {"d2": b"y" * 5000}}),
 ], ids=lambda v: v.KIND if isinstance(v, Message) else "")
 def test_malformed_fields_are_typed_rejects(msg: Message, meta: dict[str, Any]) -> None:
     with pytest.raises(DecodeError) as info:
@@ -74,8 +75,11 @@ def test_malformed_fields_are_typed_rejects(msg: Message, meta: dict[str, Any]) 
     assert info.value.reason in ("malformed_header",)
 
 
-def test_masked_input_must_be_whole_uint64_words() -> None:
+def test_masked_input_must_be_whole_elements_of_its_width() -> None:
     env = EXAMPLES[4].to_envelope()
+    assert env.tensors["masked"].size == 3 * 6  # 6 bytes per element of a 48-bit ring
     bad = dataclasses.replace(env, tensors={"masked": np.zeros(7, np.uint8)})
     with pytest.raises(MalformedHeaderError):
         decode_message(wire.encode(bad))
+    with pytest.raises(MalformedHeaderError):
+        decode_message(reencode(EXAMPLES[4], width=9))
