@@ -11,7 +11,7 @@ non-protocol work. Reported per configuration, median of ``--reps`` repetitions 
 * CPU seconds of the whole round (all devices and the edge, in this one process) and of the edge
   alone.
 
-    python benchmarks/bench_secagg.py            # writes benchmarks/results/secagg.json
+    python benchmarks/bench_secagg.py            # writes benchmarks/results/secagg_bits48.json
     python benchmarks/bench_secagg.py --sizes 10,100 --reps 3
 """
 
@@ -38,10 +38,10 @@ PARAMS = {"w1": np.zeros((64, 64), np.float32), "b1": np.zeros(64, np.float32),
           "w2": np.zeros((64, 10), np.float32), "b2": np.zeros(10, np.float32)}
 
 
-def one_round(n: int, secure: bool, degree: int, seed: int) -> dict[str, float]:
+def one_round(n: int, secure: bool, degree: int, seed: int, bits: int = 48) -> dict[str, float]:
     module: Any = secure_fedavg if secure else fedavg
     config = (secure_fedavg.SecureFedAvgConfig(secagg_min_survivors=max(1, n - n // 10), secagg_degree=degree,
-                                               secagg_clip=100.0, local_steps=1)
+                                               secagg_clip=100.0, secagg_bits=bits, local_steps=1)
               if secure else fedavg.FedAvgConfig(local_steps=1))
     ids = [f"d{i:04d}" for i in range(n)]
     edge = module.Edge(cell="e", rollout="bench")
@@ -90,15 +90,16 @@ def main() -> None:
     parser.add_argument("--sizes", default="10,100,1000")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--degree", type=int, default=8)
+    parser.add_argument("--bits", type=int, default=48, help="the ring Z_{2^bits} (48: 6 bytes per coordinate)")
     args = parser.parse_args()
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
         runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         for rep in range(args.reps):
             for secure in (False, True):
-                runs[secure].append(one_round(n, secure, args.degree, rep))
+                runs[secure].append(one_round(n, secure, args.degree, rep, args.bits))
         med = {s: {k: statistics.median(r[k] for r in runs[s]) for k in runs[s][0]} for s in runs}
-        row = {"devices": n, "degree": args.degree, "plain": med[False], "secure": med[True]}
+        row = {"devices": n, "degree": args.degree, "bits": args.bits, "plain": med[False], "secure": med[True]}
         rows.append(row)
         p, s = med[False], med[True]
         print(f"n={n:5d}  up/device {p['up_per_device']:9.0f} -> {s['up_per_device']:9.0f} B "
@@ -106,7 +107,7 @@ def main() -> None:
               f"{s['down_per_device']:9.0f} B (x{s['down_per_device'] / p['down_per_device']:.2f})  "
               f"cpu {p['cpu_s']:.3f} -> {s['cpu_s']:.3f} s  edge cpu {p['edge_cpu_s']:.3f} -> {s['edge_cpu_s']:.3f} s",
               flush=True)
-    path = write("secagg", {"reps": args.reps, "parameters": int(sum(v.size for v in PARAMS.values())), "rows": rows})
+    path = write(f"secagg_bits{args.bits}", {"reps": args.reps, "parameters": int(sum(v.size for v in PARAMS.values())), "rows": rows})
     print(f"wrote {path}")
 
 

@@ -175,6 +175,9 @@ REFUSED: Mapping[str, str] = {
                        "[privacy] and algorithm = qhetfed is refused, and so are its roles given a noise plan",
     "xrisk_device_update": _XRISK,
     "xrisk_cell_update": _XRISK,
+    **{kind: "secure aggregation (docs/secure_aggregation.md) with a noise plan, distributed DP, is not implemented: a "
+             "config with [privacy] and secure_aggregation = true is refused, and so are its roles given a noise plan"
+       for kind in ("secagg_keys", "secagg_shares", "secagg_masked", "secagg_reveal")},
 }
 """Upward message types that never travel under a noise plan."""
 
@@ -185,6 +188,9 @@ DOWNWARD: Mapping[str, str] = {
     "artifact": "parent -> children: artifact files listed in the signed manifest",
     "xrisk_cell_task": "cloud -> edge (FeDXL, never under a noise plan): the model, momentum and the merged scores",
     "xrisk_device_task": "edge -> its devices (FeDXL, never under a noise plan): the cloud's task, relayed",
+    "secagg_roster": "edge -> its devices (secure aggregation): the devices' public keys",
+    "secagg_bundle": "edge -> one device (secure aggregation): ciphertexts of shares only that device can open",
+    "secagg_unmask": "edge -> its devices (secure aggregation): who survived and who dropped (participation)",
 }
 """Message types that only travel down the tree: nothing of a device's data that has not passed the
 mechanism leaves a trusted subtree this way."""
