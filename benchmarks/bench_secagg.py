@@ -99,7 +99,10 @@ def main() -> None:
             for secure in (False, True):
                 runs[secure].append(one_round(n, secure, args.degree, rep, args.bits))
         med = {s: {k: statistics.median(r[k] for r in runs[s]) for k in runs[s][0]} for s in runs}
-        row = {"devices": n, "degree": args.degree, "bits": args.bits, "plain": med[False], "secure": med[True]}
+        spread = {s: {k: [min(r[k] for r in runs[s]), max(r[k] for r in runs[s])] for k in ("cpu_s", "edge_cpu_s")}
+                  for s in runs}
+        row = {"devices": n, "degree": args.degree, "bits": args.bits, "plain": med[False], "secure": med[True],
+               "plain_min_max": spread[False], "secure_min_max": spread[True]}
         rows.append(row)
         p, s = med[False], med[True]
         print(f"n={n:5d}  up/device {p['up_per_device']:9.0f} -> {s['up_per_device']:9.0f} B "

@@ -20,9 +20,10 @@ Pairwise masks of two survivors cancel in the sum; those of a survivor with a dr
 removed with the dropped device's reconstructed ``s_sk``. The edge holds only public keys,
 ciphertexts it cannot open, masked vectors and, at the end, the sum.
 
-Thresholds: ``t`` shares of a device's secrets (among its neighbours) reconstruct them; ``t`` is a
-strict majority of the neighbourhood, so an edge that tells some neighbours "j survived" and others
-"j dropped" cannot collect ``t`` shares of both of j's secrets from honest neighbours. ``s_min`` is
+Thresholds: ``t`` shares of a device's secrets reconstruct them; ``t`` is a strict majority (at
+least) of the device's neighbours in the roster U1, who hold its shares, so an edge that tells some
+neighbours "j survived" and others "j dropped" cannot collect ``t`` shares of both of j's secrets
+from honest neighbours. ``s_min`` is
 the fewest devices a sum may contain: a phase that closes with fewer aborts the cell's step
 (``Abort``, a typed reason) and every honest device refuses to reveal for fewer.
 
@@ -89,7 +90,7 @@ class SecAggParams:
             raise LocalProtocolError(f"secagg threshold_fraction must be in (0.5, 1], got {self.threshold_fraction!r}")
 
     def threshold(self, neighbourhood: int) -> int:
-        """t for a device with ``neighbourhood`` neighbours: a strict majority of them at least."""
+        """t for a device whose shares ``neighbourhood`` neighbours hold: a strict majority at least."""
         return max(neighbourhood // 2 + 1, math.ceil(self.threshold_fraction * neighbourhood - 1e-9))
 
 
@@ -212,9 +213,9 @@ class DeviceSession(_Session):
         if len(roster) < self.params.min_survivors:
             raise MalformedShareError(f"roster of {len(roster)} is below min_survivors {self.params.min_survivors}")
         holders = sorted(self.neighbours & set(roster))
-        t = self.params.threshold(len(self.neighbours))
-        if len(holders) < t:
-            raise MalformedShareError(f"only {len(holders)} neighbours in the roster; {t} needed to share secrets")
+        if not holders:
+            raise MalformedShareError("no neighbour in the roster to hold this device's shares")
+        t = self.params.threshold(len(holders))
         xs = [self.xs[h] for h in holders]
         b_shares = shamir.split(self._b, xs, t)
         sk_shares = shamir.split(self._s_sk, xs, t)
@@ -430,7 +431,7 @@ class EdgeSession(_Session):
             total = codec.add(total, self.inputs.masked[i])
         for owner in (*alive, *gone):
             shares = [shamir.Share.from_bytes(per[owner]) for per in self.inputs.reveals.values() if owner in per]
-            t = self.params.threshold(len(self.graph[owner]))
+            t = self.params.threshold(len(self.graph[owner] & set(self.u1)))  # as the owner split them
             if len(shares) < t:
                 self.abort = Abort(self.phase.value, "too_few_reveals", len(shares), t)
                 self.phase = Phase.ABORTED

@@ -57,3 +57,34 @@ def test_secure_rounds_over_mosquitto(mosquitto, small_rollout, tmp_path: Path) 
     assert over_mqtt is not None and over_mqtt.round == 2
     for name, value in simulated.params.items():  # same stochastic rounding streams: the same sums
         np.testing.assert_allclose(over_mqtt.params[name], value, rtol=0, atol=1e-5)
+
+
+def test_an_offline_device_is_a_dropout_and_its_cell_still_closes(mosquitto, small_rollout, tmp_path: Path) -> None:
+    """One device of a 3-device cell never comes online: the keys phase closes at its deadline with
+    the other two (s_min = 2), and every round's model holds the five devices that took part."""
+    from cloud_coordinator.fleet import write_fleet
+
+    cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3},
+                        fedavg={**SECURE["fedavg"], "deadline_s": 2.0})
+    plain = cfg.to_dict()
+    plain.pop("broker", None)
+    plain["state_dir"] = str(tmp_path / "fleet" / "coordinator")
+    paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
+    offline = sorted(paths.devices)[0]
+    fleet = ThreadFleet(paths)
+    try:
+        for device in paths.devices:
+            if device != offline:
+                fleet.start_device(device)
+        for cell in paths.edges:
+            fleet.start_edge(cell)
+        fleet.start_coordinator()
+        cloud = fleet.wait_finished(timeout=120)
+    finally:
+        fleet.stop()
+    for name, running in fleet.nodes.items():
+        assert running.node.metrics.total(REJECTED) == 0, (name, running.node.metrics.snapshot())
+    history = cloud.history
+    assert [r["round"] for r in history] == [0, 1]
+    assert all(r["devices_reported"] == 5 for r in history), history
+    assert all(offline in r["missing"] for r in history)
