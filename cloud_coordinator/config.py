@@ -322,8 +322,9 @@ class FedAvgSection(RoundSection):
                                                    "a cell's round with fewer aborts.")
     secagg_degree: int = opt(8, min=2, help="Secure aggregation: neighbours per device in the sharing graph (the "
                                             "complete graph in smaller cells).")
-    secagg_threshold: float = opt(0.6, gt=0.5, max=1, help="Secure aggregation: share of a device's neighbours "
-                                                            "needed to rebuild its secrets (a strict majority).")
+    secagg_threshold: float = opt(0.6, gt=0.5, max=1, help="Secure aggregation: share of a device's share holders "
+                                                            "(its neighbours in the round) needed to rebuild its "
+                                                            "secrets (a strict majority).")
     secagg_bits: int = opt(48, min=16, max=62, help="Secure aggregation: updates are encoded in the ring of "
                                                     "integers modulo 2^bits.")
     secagg_clip: float = opt(10.0, gt=0, help="Secure aggregation: L2 bound each device's update is clipped to "

@@ -119,7 +119,12 @@ class EdgeNode(NodeBase):
         for payload in payloads:
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
             assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, *secagg_messages.UPWARD))
-            self._on_round_message(payload, msg, now, replay=True)
+            try:
+                self._on_round_message(payload, msg, now, replay=True)
+            except RemoteProtocolError as exc:
+                # A stored input that no longer applies: e.g. a secure-aggregation phase that closed at
+                # its deadline before the restart is open again after it (deadlines are not stored).
+                log.warning("replay of %s skipped: %s", msg.key, exc)
         role = self.roles.get(rollout)
         if role is None:
             return

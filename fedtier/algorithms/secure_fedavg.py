@@ -73,8 +73,8 @@ class SecureFedAvgConfig(FedAvgConfig):
         secagg_degree: neighbours per device in the sharing graph (SecAgg+; the complete graph in
             cells of up to ``secagg_degree + 1`` devices).
         secagg_threshold: shares of a device's secrets needed to rebuild them, as a share of its
-            neighbours, in (0.5, 1]: a device may lose ``(1 - secagg_threshold)`` of its neighbours
-            between the shares and reveal phases.
+            neighbours in the roster (who hold them), in (0.5, 1]: a device may lose
+            ``(1 - secagg_threshold)`` of them between the shares and reveal phases.
         secagg_bits: the ring Z_{2^bits} updates are encoded in (16..62).
         secagg_clip: L2 bound each device's update is clipped to before encoding.
     """
