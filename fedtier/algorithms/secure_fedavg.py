@@ -112,8 +112,11 @@ def edge_sees_individual_updates(config: Any) -> bool:
 
     For aggregators that need individual updates (robust statistics, per-device weights): they
     must refuse a config for which this is False. ``config`` is an algorithm config, its dict
-    (a task's ``config``), or anything with a truthy ``secure_aggregation`` attribute.
+    (a task's ``config``), a rollout config (anything with ``algorithm_config()``), or anything
+    with a ``secure_aggregation`` attribute (a ``[fedavg]`` section).
     """
+    if callable(getattr(config, "algorithm_config", None)):
+        config = config.algorithm_config()
     if isinstance(config, dict):
         return config.get("algorithm") != NAME and not config.get("secure_aggregation", False)
     return not (getattr(config, "ALGORITHM", None) == NAME or bool(getattr(config, "secure_aggregation", False)))

@@ -40,3 +40,6 @@ def test_config_names_bad_keys(small_rollout) -> None:
         small_rollout(fedavg={"secure_aggregation": True}, privacy={"epsilon": 8.0, "clip": 1.0})
     assert not edge_sees_individual_updates(small_rollout(fedavg={"secure_aggregation": True}).algorithm_config())
     assert edge_sees_individual_updates(small_rollout().algorithm_config())
+    secure = small_rollout(fedavg={"secure_aggregation": True})
+    assert not edge_sees_individual_updates(secure) and not edge_sees_individual_updates(secure.fedavg)
+    assert edge_sees_individual_updates(small_rollout())
