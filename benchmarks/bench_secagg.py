@@ -110,7 +110,8 @@ def main() -> None:
               f"{s['down_per_device']:9.0f} B (x{s['down_per_device'] / p['down_per_device']:.2f})  "
               f"cpu {p['cpu_s']:.3f} -> {s['cpu_s']:.3f} s  edge cpu {p['edge_cpu_s']:.3f} -> {s['edge_cpu_s']:.3f} s",
               flush=True)
-    path = write(f"secagg_bits{args.bits}", {"reps": args.reps, "parameters": int(sum(v.size for v in PARAMS.values())), "rows": rows})
+    parameters = int(sum(v.size for v in PARAMS.values()))
+    path = write(f"secagg_bits{args.bits}", {"reps": args.reps, "parameters": parameters, "rows": rows})
     print(f"wrote {path}")
 
 

@@ -115,7 +115,9 @@ def edge_sees_individual_updates(config: Any) -> bool:
     (a task's ``config``), a rollout config (anything with ``algorithm_config()``), or anything
     with a ``secure_aggregation`` attribute (a ``[fedavg]`` section).
     """
-    if callable(getattr(config, "algorithm_config", None)):
+    if hasattr(config, "secure_aggregation"):  # a [fedavg] section
+        return not bool(config.secure_aggregation)
+    if callable(getattr(config, "algorithm_config", None)):  # a rollout config
         config = config.algorithm_config()
     if isinstance(config, dict):
         return config.get("algorithm") != NAME and not config.get("secure_aggregation", False)
