@@ -174,3 +174,58 @@ def test_config_validation_and_the_individual_updates_predicate() -> None:
     assert not edge_sees_individual_updates(config().to_dict())
     assert edge_sees_individual_updates(FedAvgConfig())
     assert edge_sees_individual_updates(FedAvgConfig().to_dict())
+
+
+def test_an_aborted_cell_leaves_the_round_to_the_cloud_quorum_and_the_next_round_runs() -> None:
+    """Two cells under one cloud (cell quorum 0.5): cell e1's secure round aborts (too few inputs);
+    at its deadline the cloud closes round 0 with e0 alone, and round 1 runs with both cells."""
+    from fedtier.algorithms.base import RoundClosed
+    from fedtier.algorithms.base import SendToChild as ToChild
+    from fedtier.algorithms.cloud import Cloud
+
+    cfg = config(secagg_min_survivors=3, quorum=0.5)
+    cells = {"e0": ("a0", "a1", "a2"), "e1": ("b0", "b1", "b2")}
+    cloud = Cloud(rollout=ROLLOUT, cells=cells, initial_params=PARAMS, config=cfg, rounds=2)
+    edges = {c: Edge(cell=c, rollout=ROLLOUT) for c in cells}
+    devices = {d: (c, Device(device_id=d, cell=c, rollout=ROLLOUT)) for c, ms in cells.items() for d in ms}
+    closed: list[RoundClosed] = []
+    notes: list[Note] = []
+    now = 0.0
+    queue: deque[tuple[str, Any]] = deque(("cloud", a) for a in cloud.start(now))
+
+    def drain() -> None:
+        while queue:
+            origin, action = queue.popleft()
+            if isinstance(action, Note):
+                notes.append(action)
+            elif isinstance(action, RoundClosed):
+                closed.append(action)
+            elif origin == "cloud" and isinstance(action, ToChild):
+                queue.extend((action.child, a) for a in edges[action.child].receive(wire(action.message), now))
+            elif origin in edges and isinstance(action, SendToParent):
+                queue.extend(("cloud", a) for a in cloud.receive(wire(action.message), now))
+            elif origin in edges and isinstance(action, (Broadcast, SendToChild)):
+                targets = [action.child] if isinstance(action, SendToChild) else cells[origin]
+                for d in targets:
+                    if d == "b0" and action.message.round == 0:
+                        continue  # b0 is offline during round 0
+                    queue.extend((d, a) for a in devices[d][1].receive(wire(action.message), now))
+            elif isinstance(action, LocalTrain):
+                delta = {k: np.full(v.shape, 0.01, np.float32) for k, v in PARAMS.items()}
+                result = LocalResult(delta=delta, num_samples=1, mean_loss=0.0, steps=1)
+                queue.extend((origin, a) for a in devices[origin][1].trained(action.round, result))
+            elif origin in devices and isinstance(action, SendToParent):
+                cell = devices[origin][0]
+                queue.extend((cell, a) for a in edges[cell].receive(wire(action.message), now))
+
+    drain()  # round 0: e0 completes; e1 gets keys from 2 < s_min = 3 devices and waits
+    assert closed == []
+    now += 10.0  # deadlines pass: e1 aborts, the cloud closes round 0 with its quorum of cells
+    for c, e in edges.items():
+        queue.extend((c, a) for a in e.tick(now))
+    queue.extend(("cloud", a) for a in cloud.tick(now))
+    drain()  # ... and round 1 runs with everyone
+    aborts = [(n.fields["round"], n.fields["reason"]) for n in notes if n.event == "secagg_abort"]
+    assert aborts == [(0, "too_few_keys")]
+    assert [dict(c.reported) for c in closed] == [{"e0": ("a0", "a1", "a2")},
+                                                  {"e0": ("a0", "a1", "a2"), "e1": ("b0", "b1", "b2")}]
