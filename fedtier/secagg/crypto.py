@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -30,9 +31,10 @@ KEY_BYTES = 32
 NONCE_BYTES = 12
 
 
-def new_private_key() -> bytes:
-    """32 raw bytes of a fresh X25519 private key."""
-    return X25519PrivateKey.generate().private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+def new_private_key(entropy: Callable[[int], bytes] = os.urandom) -> bytes:
+    """32 raw bytes of a fresh X25519 private key (from the OS CSPRNG unless a test seeds ``entropy``)."""
+    key = X25519PrivateKey.from_private_bytes(entropy(KEY_BYTES))  # clamped by X25519 itself
+    return key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
 
 
 def public_key(private: bytes) -> bytes:

@@ -28,7 +28,8 @@ the fewest devices a sum may contain: a phase that closes with fewer aborts the 
 (``Abort``, a typed reason) and every honest device refuses to reveal for fewer.
 
 Everything here is deterministic given its inputs except the fresh keys, seeds and share
-coefficients, which come from the OS CSPRNG.
+coefficients, which come from the OS CSPRNG (a device session's ``entropy``) and the encryption
+nonces (always the OS CSPRNG).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -177,15 +178,18 @@ class DeviceSession(_Session):
     """One device's side of one round. Call the phases in order; each at most once."""
 
     def __init__(self, device_id: str, members: Sequence[str], params: SecAggParams, seed: int, rollout: str,
-                 round: int) -> None:
+                 round: int, entropy: Callable[[int], bytes] = os.urandom) -> None:
+        """``entropy`` is where keys, seeds and share coefficients come from: the OS CSPRNG; tests
+        that need reproducible draws pass a seeded source."""
         super().__init__(members, params, seed, rollout, round)
         if device_id not in self.members:
             raise LocalProtocolError(f"{device_id!r} is not a member of the round")
         self.device_id = device_id
         self.phase = Phase.KEYS
-        self._c_sk = crypto.new_private_key()
-        self._s_sk = crypto.new_private_key()
-        self._b = os.urandom(SECRET_BYTES)
+        self._entropy = entropy
+        self._c_sk = crypto.new_private_key(entropy)
+        self._s_sk = crypto.new_private_key(entropy)
+        self._b = entropy(SECRET_BYTES)
         self._roster: dict[str, AdvertisedKeys] = {}
         self._held: dict[str, tuple[shamir.Share, shamir.Share]] = {}
 
@@ -217,8 +221,11 @@ class DeviceSession(_Session):
             raise MalformedShareError("no neighbour in the roster to hold this device's shares")
         t = self.params.threshold(len(holders))
         xs = [self.xs[h] for h in holders]
-        b_shares = shamir.split(self._b, xs, t)
-        sk_shares = shamir.split(self._s_sk, xs, t)
+        def randbelow(p: int) -> int:  # 640 random bits reduced mod a 521-bit prime: bias below 2^-119
+            return int.from_bytes(self._entropy(80), "big") % p
+
+        b_shares = shamir.split(self._b, xs, t, randbelow)
+        sk_shares = shamir.split(self._s_sk, xs, t, randbelow)
         out: dict[str, bytes] = {}
         for holder, bs, ss in zip(holders, b_shares, sk_shares, strict=True):
             key = self.enc_key(self._c_sk, self.device_id, holder, roster[holder].c_pk)
