@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from edge_broker.store import EdgeStore
 from fedtier import algorithms, wire
-from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, SendToParent
+from fedtier.algorithms.base import Action, Broadcast, Dropped, Note, SendToChild, SendToParent
 from fedtier.artifacts.cache import ArtifactCache
 from fedtier.errors import MissingReleaseError, PrivacyViolationError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.privacy import audit
@@ -60,6 +60,8 @@ from fedtier.wire.messages import (
 
 log = logging.getLogger("fedtier.edge")
 
+SECAGG_ABORTS = "fedtier_secagg_aborts_total"
+"""Cell rounds a secure aggregation aborted, by typed reason (``fedtier.secagg.protocol.Abort``)."""
 ARTIFACT_REREQUEST_S = 5.0
 ARTIFACT_RESERVE_S = 2.0
 """The cell downlink is a broadcast: one copy reaches every device, so a file asked for by
@@ -252,7 +254,9 @@ class EdgeNode(NodeBase):
     def _execute(self, rollout: str, actions: Sequence[Action]) -> None:
         self.diagnostics(actions)
         for action in actions:
-            if isinstance(action, Broadcast):
+            if isinstance(action, Note) and action.event == "secagg_abort":
+                self.metrics.inc(SECAGG_ABORTS, reason=action.fields.get("reason", "unknown"))
+            elif isinstance(action, Broadcast):
                 payload = action.message.encode(action.encodings)
                 sent = self.cell_tx.publish(topics.cell_down(rollout, self.cell, action.message.KIND), payload)
                 fanout = len(self.roles[rollout].members) or 1  # a broadcast reaches every member

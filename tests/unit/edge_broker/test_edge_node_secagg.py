@@ -26,8 +26,8 @@ CONFIG = SecureFedAvgConfig(secagg_min_survivors=2, deadline_s=5.0, local_steps=
 class Rig:
     """An edge node over the memory broker, with real secure_fedavg device roles answering on the cell."""
 
-    def __init__(self, tmp: Path, db: Path) -> None:
-        self.tmp, self.db = tmp, db
+    def __init__(self, tmp: Path, db: Path, config: SecureFedAvgConfig = CONFIG) -> None:
+        self.tmp, self.db, self.config = tmp, db, config
         self.broker = MemoryBroker()
         self.at_cloud: list = []
         self.cloud = self.broker.connect("cloud", self.at_cloud.append)
@@ -71,7 +71,7 @@ class Rig:
 
     def task(self, r: int) -> None:
         task = CellTask(rollout=ROLLOUT, round=r, sender="cloud", params=PARAMS, members=MEMBERS,
-                        config=CONFIG.to_dict())
+                        config=self.config.to_dict())
         self.cloud.publish(topics.cloud_down(ROLLOUT, CELL, task.KIND), task.encode())
         self.broker.run_until_idle()
 
@@ -110,3 +110,15 @@ def test_a_restart_mid_round_does_not_crash_and_the_next_round_runs(tmp_path: Pa
     rig.task(1)  # wakes the rollout (replay), then round 1 runs with everyone
     [update] = rig.updates()
     assert update.round == 1 and update.reported == MEMBERS
+
+
+def test_an_abort_is_counted_by_reason_and_nothing_goes_up(tmp_path: Path) -> None:
+    from edge_broker.service import SECAGG_ABORTS
+
+    rig = Rig(tmp_path, tmp_path / "edge.db", SecureFedAvgConfig(secagg_min_survivors=3, deadline_s=5.0,
+                                                                local_steps=1))
+    rig.silent = {"dev-2"}
+    rig.task(0)
+    rig.tick(6.0)
+    assert rig.updates() == []
+    assert rig.edge.metrics.get(SECAGG_ABORTS, reason="too_few_keys") == 1
