@@ -122,3 +122,34 @@ def test_an_abort_is_counted_by_reason_and_nothing_goes_up(tmp_path: Path) -> No
     rig.tick(6.0)
     assert rig.updates() == []
     assert rig.edge.metrics.get(SECAGG_ABORTS, reason="too_few_keys") == 1
+
+
+def test_bad_secagg_messages_are_rejected_and_counted_by_reason(tmp_path: Path) -> None:
+    from fedtier.runtime.node_base import REJECTED
+    from fedtier.secagg.messages import SecAggKeys, SecAggMasked
+
+    rig = Rig(tmp_path, tmp_path / "edge.db")
+    rig.silent = set(MEMBERS)  # nobody answers: the round stays in its keys phase
+    rig.task(0)
+
+    def send(device: str, msg: object, payload: bytes | None = None) -> None:
+        rig.devices.publish(topics.cell_up(ROLLOUT, CELL, device, msg.KIND), payload or msg.encode())
+        rig.broker.run_until_idle()
+
+    short = SecAggKeys(rollout=ROLLOUT, round=0, sender="dev-0", c_pk=b"k" * 31, s_pk=b"s" * 32, b_commit=b"h" * 32)
+    send("dev-0", short)  # a public key of 31 bytes
+    masked = SecAggMasked(rollout=ROLLOUT, round=0, sender="dev-1", masked=np.zeros(4, np.uint64), width=6)
+    send("dev-1", masked)  # the masked phase has not started
+    late = SecAggKeys(rollout=ROLLOUT, round=5, sender="dev-2", c_pk=b"k" * 32, s_pk=b"s" * 32, b_commit=b"h" * 32)
+    send("dev-2", late)  # a round the cell is not in
+    stranger = SecAggKeys(rollout=ROLLOUT, round=0, sender="dev-9", c_pk=b"k" * 32, s_pk=b"s" * 32,
+                          b_commit=b"h" * 32)
+    send("dev-9", stranger)  # not a member
+    send("dev-0", short, short.encode()[:-3])  # truncated bytes
+    m = rig.edge.metrics
+    assert m.get(REJECTED, reason="malformed_share") == 1
+    assert m.get(REJECTED, reason="wrong_phase") == 1
+    assert m.get(REJECTED, reason="wrong_round") == 1
+    assert m.get(REJECTED, reason="unknown_sender") == 1
+    assert m.total(REJECTED) == 5
+    assert rig.edge.roles[ROLLOUT].session.answered() == ()  # nothing was taken in
