@@ -6,9 +6,9 @@ the device upload replaced by SecAgg+ (``fedtier.secagg.protocol``):
 
     edge   -> cell    DeviceTask(t, w_t)                         (as FedAvg)
     device: local steps; x_i = ring-encode(clip(w_i - w_t))      (``fedtier.secagg.ring``)
-    device -> edge    SecAggKeys       edge -> cell   SecAggRoster   (U1)
+    device -> edge    SecAggKeys       edge -> each   SecAggRoster   (U1: its neighbours' keys)
     device -> edge    SecAggShares     edge -> each   SecAggBundle   (U2)
-    device -> edge    SecAggMasked     edge -> cell   SecAggUnmask   (U3, dropped)
+    device -> edge    SecAggMasked     edge -> each   SecAggUnmask   (U3, dropped: its neighbours)
     device -> edge    SecAggReveal     edge: sum of U3's x_i, decoded; mean = sum / |U3|
     edge   -> cloud   CellUpdate(mean, weight |U3|, reported U3)  (as FedAvg)
 
@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fedtier.algorithms.base import Action, Broadcast, Dropped, LocalResult, LocalTrain, Note, RoleState, \
+from fedtier.algorithms.base import Action, Dropped, LocalResult, LocalTrain, Note, RoleState, \
     SendToChild, SendToParent
 from fedtier.algorithms.cloud import Cloud
 from fedtier.algorithms.common import check_int, check_like
@@ -152,16 +152,16 @@ class Device(_DeviceBase):
             return [LocalTrain(round=self._round, step=0, params=self._params, steps=c.local_steps,
                                batch_size=c.batch_size, lr=c.lr,
                                stream=(c.seed, "batches", self.rollout, self.device_id, self._round, 0))]
+        if isinstance(message, (SecAggRoster, SecAggBundle, SecAggUnmask)) and message.receiver != self.device_id:
+            return [Dropped("not_addressed", message.key)]
         if isinstance(message, SecAggRoster):
             session = self._phase_message(message, Phase.SHARES)
             if session is None:
                 return [Dropped("duplicate" if self._session else "no_session", message.key)]
-            shares = session.share_keys(message.keys)
+            shares = session.share_keys(message.keys, message.size)
             return [SendToParent(SecAggShares(rollout=self.rollout, round=self._round, sender=self.device_id,
                                               shares=shares))]
         if isinstance(message, SecAggBundle):
-            if message.receiver != self.device_id:
-                return [Dropped("not_addressed", message.key)]
             session = self._phase_message(message, Phase.MASKED)
             if session is None:
                 return [Dropped("duplicate" if self._session else "no_session", message.key)]
@@ -173,7 +173,7 @@ class Device(_DeviceBase):
             session = self._phase_message(message, Phase.REVEAL)
             if session is None:
                 return [Dropped("duplicate" if self._session else "no_session", message.key)]
-            reveal = session.unmask(message.survivors, message.dropped)
+            reveal = session.unmask(message.survivors, message.dropped, message.count)
             self._encoded = None
             self._finish_round()
             return [SendToParent(SecAggReveal(rollout=self.rollout, round=self._round, sender=self.device_id,
@@ -298,7 +298,8 @@ class Edge(_EdgeBase):
             roster = s.close_keys()
             if isinstance(roster, Abort):
                 return self._abort(roster)
-            return [Broadcast(SecAggRoster(rollout=self.rollout, round=r, sender=self.cell, keys=roster))]
+            return [SendToChild(d, SecAggRoster(rollout=self.rollout, round=r, sender=self.cell, receiver=d,
+                                                keys=s.roster_for(d, roster), size=len(roster))) for d in roster]
         if s.phase is Phase.SHARES:
             bundles = s.close_shares()
             if isinstance(bundles, Abort):
@@ -310,8 +311,13 @@ class Edge(_EdgeBase):
             if isinstance(closed, Abort):
                 return self._abort(closed)
             survivors, dropped = closed
-            return [Broadcast(SecAggUnmask(rollout=self.rollout, round=r, sender=self.cell, survivors=survivors,
-                                           dropped=dropped))]
+            actions: list[Action] = []
+            for d in survivors:
+                near_alive, near_gone = s.survivors_for(d, survivors, dropped)
+                actions.append(SendToChild(d, SecAggUnmask(rollout=self.rollout, round=r, sender=self.cell,
+                                                           receiver=d, survivors=near_alive, dropped=near_gone,
+                                                           count=len(survivors))))
+            return actions
         result = s.close_reveal()
         if isinstance(result, Abort):
             return self._abort(result)

@@ -188,9 +188,9 @@ DOWNWARD: Mapping[str, str] = {
     "artifact": "parent -> children: artifact files listed in the signed manifest",
     "xrisk_cell_task": "cloud -> edge (FeDXL, never under a noise plan): the model, momentum and the merged scores",
     "xrisk_device_task": "edge -> its devices (FeDXL, never under a noise plan): the cloud's task, relayed",
-    "secagg_roster": "edge -> its devices (secure aggregation): the devices' public keys",
+    "secagg_roster": "edge -> one device (secure aggregation): its neighbours' public keys and the roster's size",
     "secagg_bundle": "edge -> one device (secure aggregation): ciphertexts of shares only that device can open",
-    "secagg_unmask": "edge -> its devices (secure aggregation): who survived and who dropped (participation)",
+    "secagg_unmask": "edge -> one device (secure aggregation): which neighbours survived or dropped (participation)",
 }
 """Message types that only travel down the tree: nothing of a device's data that has not passed the
 mechanism leaves a trusted subtree this way."""

@@ -1,12 +1,13 @@
-"""Secure aggregation's wire messages: four up (device -> edge), three down (edge -> devices).
+"""Secure aggregation's wire messages: four up (device -> edge), three down (edge -> one device).
 
 They travel on the cell's existing topics (the kind is the last topic level) and use the
 ordinary envelope: keys, ciphertexts and shares are msgpack ``bin`` fields of the header
 (no pickle), the masked vector is one ``u8`` tensor (the ring elements' little-endian uint64
 bytes). Every field is validated on decode; a bad one raises ``MalformedHeaderError`` (or
 ``MalformedShareError`` for a share that cannot be one), which the shells count and drop.
-All have ``step = 0``: the phase is the kind. ``SecAggBundle`` is addressed to one device, so
-its idempotency key names the receiver too.
+All have ``step = 0``: the phase is the kind. The downward ones are addressed to one device (each
+carries only what concerns it and its neighbours, so a device's download does not grow with the
+cell), so their idempotency keys name the receiver too.
 """
 
 from __future__ import annotations
@@ -44,6 +45,20 @@ def _blob_map(meta: Mapping[str, Any], key: str) -> dict[str, bytes]:
     return out
 
 
+def _receiver(meta: Mapping[str, Any]) -> str:
+    receiver = meta.get("receiver")
+    if not isinstance(receiver, str) or not receiver:
+        raise MalformedHeaderError("field 'receiver' must be a node id")
+    return receiver
+
+
+def _size(meta: Mapping[str, Any], key: str) -> int:
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise MalformedHeaderError(f"field {key!r} must be a count")
+    return value
+
+
 def _ids(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
     value = meta.get(key)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -78,14 +93,22 @@ class SecAggKeys(Message):
 @register_message
 @dataclass(frozen=True, slots=True, eq=False)
 class SecAggRoster(Message):
-    """Edge -> devices (broadcast): U1, every device that advertised keys, with its keys."""
+    """Edge -> one device: the keys of that device and of its neighbours in U1 (every device that
+    advertised keys), and ``size`` = |U1|."""
 
     KIND: ClassVar[str] = "secagg_roster"
 
+    receiver: str = ""
     keys: Mapping[str, AdvertisedKeys] = field(default_factory=dict)
+    size: int = 0
+
+    @property
+    def key(self) -> str:
+        return make_key(self.KIND, self.rollout, self.round, self.step, f"{self.sender}:{self.receiver}")
 
     def _meta(self) -> dict[str, Any]:
-        return {"keys": {d: [k.c_pk, k.s_pk, k.b_commit] for d, k in self.keys.items()}}
+        return {"receiver": self.receiver, "size": self.size,
+                "keys": {d: [k.c_pk, k.s_pk, k.b_commit] for d, k in self.keys.items()}}
 
     @classmethod
     def from_envelope(cls, env: Envelope) -> "SecAggRoster":
@@ -97,7 +120,8 @@ class SecAggRoster(Message):
             if not isinstance(d, str) or not isinstance(triple, list) or len(triple) != 3:
                 raise MalformedHeaderError("roster entries are node id -> [c_pk, s_pk, b_commit]")
             keys[d] = AdvertisedKeys(*(_blob(v, f"keys[{d!r}]") for v in triple))
-        return cls(rollout=env.rollout, round=env.round, sender=env.sender, keys=keys)
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, receiver=_receiver(env.meta), keys=keys,
+                   size=_size(env.meta, "size"))
 
 
 @register_message
@@ -136,10 +160,7 @@ class SecAggBundle(Message):
 
     @classmethod
     def from_envelope(cls, env: Envelope) -> "SecAggBundle":
-        receiver = env.meta.get("receiver")
-        if not isinstance(receiver, str) or not receiver:
-            raise MalformedHeaderError("field 'receiver' must be a node id")
-        return cls(rollout=env.rollout, round=env.round, sender=env.sender, receiver=receiver,
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, receiver=_receiver(env.meta),
                    shares=_blob_map(env.meta, "shares"))
 
 
@@ -186,20 +207,29 @@ class SecAggMasked(Message):
 @register_message
 @dataclass(frozen=True, slots=True, eq=False)
 class SecAggUnmask(Message):
-    """Edge -> devices (broadcast): U3 (whose inputs are in the sum) and the dropped U2 \\ U3."""
+    """Edge -> one device: which of it and its neighbours are in U3 (whose inputs are in the sum) and
+    which dropped (U2 \\ U3), and ``count`` = |U3|."""
 
     KIND: ClassVar[str] = "secagg_unmask"
 
+    receiver: str = ""
     survivors: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    count: int = 0
+
+    @property
+    def key(self) -> str:
+        return make_key(self.KIND, self.rollout, self.round, self.step, f"{self.sender}:{self.receiver}")
 
     def _meta(self) -> dict[str, Any]:
-        return {"survivors": list(self.survivors), "dropped": list(self.dropped)}
+        return {"receiver": self.receiver, "survivors": list(self.survivors), "dropped": list(self.dropped),
+                "count": self.count}
 
     @classmethod
     def from_envelope(cls, env: Envelope) -> "SecAggUnmask":
-        return cls(rollout=env.rollout, round=env.round, sender=env.sender,
-                   survivors=_ids(env.meta, "survivors"), dropped=_ids(env.meta, "dropped"))
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, receiver=_receiver(env.meta),
+                   survivors=_ids(env.meta, "survivors"), dropped=_ids(env.meta, "dropped"),
+                   count=_size(env.meta, "count"))
 
 
 @register_message

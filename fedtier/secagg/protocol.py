@@ -203,9 +203,14 @@ class DeviceSession(_Session):
         return AdvertisedKeys(crypto.public_key(self._c_sk), crypto.public_key(self._s_sk),
                               hashlib.sha256(self._b).digest())
 
-    def share_keys(self, roster: Mapping[str, AdvertisedKeys]) -> dict[str, bytes]:
-        """Encrypted shares of ``b`` and ``s_sk`` for each neighbour in the roster U1."""
+    def share_keys(self, roster: Mapping[str, AdvertisedKeys], size: int | None = None) -> dict[str, bytes]:
+        """Encrypted shares of ``b`` and ``s_sk`` for each neighbour in the roster U1.
+
+        ``roster`` holds at least this device's and its neighbours' keys (the edge sends each device
+        only those); ``size`` is |U1|, the whole roster's size (default: ``len(roster)``).
+        """
         self._expect(Phase.SHARES)
+        size = len(roster) if size is None else size
         own = roster.get(self.device_id)
         mine = AdvertisedKeys(crypto.public_key(self._c_sk), crypto.public_key(self._s_sk),
                               hashlib.sha256(self._b).digest())
@@ -214,8 +219,9 @@ class DeviceSession(_Session):
         unknown = set(roster) - set(self.members)
         if unknown:
             raise UnknownSenderError(f"roster names non-members {sorted(unknown)}")
-        if len(roster) < self.params.min_survivors:
-            raise MalformedShareError(f"roster of {len(roster)} is below min_survivors {self.params.min_survivors}")
+        if size < max(len(roster), self.params.min_survivors):
+            raise MalformedShareError(f"roster of {size} is below min_survivors {self.params.min_survivors} "
+                                      f"(or below the {len(roster)} keys it came with)")
         holders = sorted(self.neighbours & set(roster))
         if not holders:
             raise MalformedShareError("no neighbour in the roster to hold this device's shares")
@@ -256,16 +262,22 @@ class DeviceSession(_Session):
         self.phase = Phase.REVEAL
         return y
 
-    def unmask(self, survivors: Sequence[str], dropped: Sequence[str]) -> dict[str, bytes]:
-        """For each neighbour we hold shares of: b's share if it survived, s_sk's if it dropped."""
+    def unmask(self, survivors: Sequence[str], dropped: Sequence[str], count: int | None = None) -> dict[str, bytes]:
+        """For each neighbour we hold shares of: b's share if it survived, s_sk's if it dropped.
+
+        ``survivors`` and ``dropped`` need only cover this device and its neighbours (the edge sends
+        each device only those); ``count`` is |U3| (default: ``len(survivors)``).
+        """
         self._expect(Phase.REVEAL)
         alive, gone = set(survivors), set(dropped)
+        count = len(alive) if count is None else count
         if alive & gone:
             raise MalformedShareError("a device is listed as both surviving and dropped")
         if self.device_id not in alive:
             raise MalformedShareError("this device is not among the survivors it is asked to unmask")
-        if len(alive) < self.params.min_survivors:
-            raise MalformedShareError(f"{len(alive)} survivors is below min_survivors {self.params.min_survivors}")
+        if count < max(len(alive), self.params.min_survivors):
+            raise MalformedShareError(f"{count} survivors is below min_survivors {self.params.min_survivors} "
+                                      f"(or below the {len(alive)} listed)")
         if not alive <= set(self._roster) or not gone <= set(self._roster):
             raise UnknownSenderError("survivor lists name devices outside the roster")
         unclassified = set(self._held) - alive - gone
@@ -418,6 +430,16 @@ class EdgeSession(_Session):
                     bundles[receiver][sender] = ct
         self.phase = Phase.MASKED
         return bundles
+
+    def roster_for(self, device: str, roster: Mapping[str, AdvertisedKeys]) -> dict[str, AdvertisedKeys]:
+        """The part of the roster ``device`` needs: its own and its neighbours' keys."""
+        return {d: k for d, k in roster.items() if d == device or d in self.graph[device]}
+
+    def survivors_for(self, device: str, survivors: Sequence[str], dropped: Sequence[str]
+                      ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The part of the survivor lists ``device`` needs: itself and its neighbours."""
+        near = self.graph[device] | {device}
+        return tuple(d for d in survivors if d in near), tuple(d for d in dropped if d in near)
 
     def close_masked(self) -> tuple[tuple[str, ...], tuple[str, ...]] | Abort:
         """``(survivors U3, dropped U2 minus U3)``, which every survivor is told."""

@@ -158,7 +158,7 @@ def test_typed_rejects_of_bad_secagg_messages() -> None:
         decode_message(wire_encode(env))
     dev = cell.devices["d00"]
     with pytest.raises(WrongRoundError):
-        dev.receive(SecAggUnmask(rollout=ROLLOUT, round=0, sender=CELL, survivors=("d00",)), 0.0)
+        dev.receive(SecAggUnmask(rollout=ROLLOUT, round=0, sender=CELL, receiver="d00", survivors=("d00",)), 0.0)
 
 
 def test_config_validation_and_the_individual_updates_predicate() -> None:

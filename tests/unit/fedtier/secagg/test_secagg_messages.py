@@ -25,12 +25,12 @@ from fedtier.wire.messages import Message, decode_message
 K = AdvertisedKeys(b"c" * 32, b"s" * 32, b"h" * 32)
 EXAMPLES: list[Message] = [
     SecAggKeys(rollout="r", round=1, sender="d1", c_pk=K.c_pk, s_pk=K.s_pk, b_commit=K.b_commit),
-    SecAggRoster(rollout="r", round=1, sender="e", keys={"d1": K, "d2": K}),
+    SecAggRoster(rollout="r", round=1, sender="e", receiver="d1", keys={"d1": K, "d2": K}, size=5),
     SecAggShares(rollout="r", round=1, sender="d1", shares={"d2": b"x" * 180}),
     SecAggBundle(rollout="r", round=1, sender="e", receiver="d2", shares={"d1": b"x" * 180}),
     SecAggMasked(rollout="r", round=1, sender="d1", masked=np.array([0, 1, 2**47 + 5], dtype=np.uint64), width=6),
     SecAggMasked(rollout="r", round=1, sender="d1", masked=np.array([2**64 - 1, 7], dtype=np.uint64)),
-    SecAggUnmask(rollout="r", round=1, sender="e", survivors=("d1", "d2"), dropped=("d3",)),
+    SecAggUnmask(rollout="r", round=1, sender="e", receiver="d1", survivors=("d1", "d2"), dropped=("d3",), count=4),
     SecAggReveal(rollout="r", round=1, sender="d1", shares={"d2": b"y" * 68}),
 ]
 
@@ -49,9 +49,10 @@ def test_round_trip_through_bytes(msg: Message) -> None:
     assert type(out) is type(msg) and fields_of(out) == fields_of(msg) and out.key == msg.key
 
 
-def test_bundles_to_different_devices_have_different_keys() -> None:
-    a = SecAggBundle(rollout="r", round=1, sender="e", receiver="d1")
-    assert a.key != dataclasses.replace(a, receiver="d2").key
+def test_messages_to_different_devices_have_different_keys() -> None:
+    for cls in (SecAggBundle, SecAggRoster, SecAggUnmask):
+        a = cls(rollout="r", round=1, sender="e", receiver="d1")
+        assert a.key != dataclasses.replace(a, receiver="d2").key
 
 
 def reencode(msg: Message, **meta: Any) -> bytes:
@@ -67,6 +68,9 @@ def reencode(msg: Message, **meta: Any) -> bytes:
     (EXAMPLES[2], {"shares": [b"x"]}),
     (EXAMPLES[3], {"receiver": ""}),
     (EXAMPLES[6], {"survivors": "d1"}),
+    (EXAMPLES[6], {"count": -1}),
+    (EXAMPLES[1], {"size": True}),
+    (EXAMPLES[1], {"receiver": 3}),
     (EXAMPLES[7], {"shares": {"d2": b"y" * 5000}}),
 ], ids=lambda v: v.KIND if isinstance(v, Message) else "")
 def test_malformed_fields_are_typed_rejects(msg: Message, meta: dict[str, Any]) -> None:

@@ -20,8 +20,11 @@ def params(n: int, s_min: int, degree: int = 4, bits: int = 32) -> SecAggParams:
 
 
 def run(n: int, p: SecAggParams, drop: dict[str, set[str]] | None = None, length: int = 16,
-        inputs: dict[str, np.ndarray] | None = None) -> tuple[Unmasked | Abort, dict[str, np.ndarray], EdgeSession]:
-    """Run one round; ``drop[phase]`` are the devices that go silent at that phase (and after)."""
+        inputs: dict[str, np.ndarray] | None = None, partial: bool = True
+        ) -> tuple[Unmasked | Abort, dict[str, np.ndarray], EdgeSession]:
+    """Run one round; ``drop[phase]`` are the devices that go silent at that phase (and after).
+    ``partial``: each device gets only its neighbours' part of the roster and survivor lists (as the
+    edge role sends them), else the whole lists."""
     drop = drop or {}
     members = [f"d{i:03d}" for i in range(n)]
     rng = np.random.default_rng(0)
@@ -41,7 +44,8 @@ def run(n: int, p: SecAggParams, drop: dict[str, set[str]] | None = None, length
         return roster, x, edge
     for m in live("shares"):
         if m in roster:
-            edge.receive_shares(m, devs[m].share_keys(roster))
+            view = edge.roster_for(m, roster) if partial else roster
+            edge.receive_shares(m, devs[m].share_keys(view, len(roster)))
     bundles = edge.close_shares()
     if isinstance(bundles, Abort):
         return bundles, x, edge
@@ -54,7 +58,8 @@ def run(n: int, p: SecAggParams, drop: dict[str, set[str]] | None = None, length
     survivors, dropped = closed
     for m in live("reveal"):
         if m in survivors:
-            edge.receive_reveal(m, devs[m].unmask(survivors, dropped))
+            alive, gone = edge.survivors_for(m, survivors, dropped) if partial else (survivors, dropped)
+            edge.receive_reveal(m, devs[m].unmask(alive, gone, len(survivors)))
     return edge.close_reveal(), x, edge
 
 
@@ -65,10 +70,11 @@ def ring_sum(x: dict[str, np.ndarray], ids: tuple[str, ...], codec: RingCodec) -
     return total
 
 
+@pytest.mark.parametrize("partial", [True, False])
 @pytest.mark.parametrize("n,degree", [(3, 4), (8, 4), (12, 6)])
-def test_no_dropout_sum_is_exact(n: int, degree: int) -> None:
+def test_no_dropout_sum_is_exact(n: int, degree: int, partial: bool) -> None:
     p = params(n, s_min=n, degree=degree)
-    result, x, edge = run(n, p)
+    result, x, edge = run(n, p, partial=partial)
     assert isinstance(result, Unmasked)
     assert result.survivors == tuple(sorted(x))
     np.testing.assert_array_equal(result.total, ring_sum(x, result.survivors, p.codec))
@@ -131,6 +137,8 @@ def test_device_refuses_to_unmask_for_too_few_survivors_or_both_secrets() -> Non
         devs["d000"].unmask(members[:4], members[4:])  # 4 < s_min
     with pytest.raises(MalformedShareError):
         devs["d000"].unmask(members, ["d001"])  # d001 both alive and dropped
+    with pytest.raises(MalformedShareError):
+        devs["d000"].unmask(members[:3], members[3:4], count=4)  # a partial list, but |U3| = 4 < s_min
     assert devs["d000"].unmask(members, [])  # a valid request is answered once
     with pytest.raises(WrongPhaseError):
         devs["d000"].unmask(members, [])
