@@ -186,6 +186,11 @@ class CloudNode(NodeBase):
                                  cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version,
                                  replan=replan, admit=self.ledger.admit if self.ledger is not None else None,
                                  **self.prepared.cloud_kwargs())
+        if latest is not None and callable(getattr(self.role, "load_strategy_state", None)):
+            saved = self.store.strategy_state(self.rollout, version)
+            if saved is not None:  # the server optimizer's moments, as committed with this model version
+                self.role.load_strategy_state(saved)
+                log.info("rollout %s: server-side strategy state of model version %d restored", self.rollout, version)
         self._execute(self.role.start(now), now)
         for payload in self.store.inputs(self.rollout):
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
@@ -367,8 +372,10 @@ class CloudNode(NodeBase):
             row["train_loss"] = None  # cells do not send losses under differential privacy
             row["privacy"] = {**self.ledger.summary(), "releases": len(releases),
                               "unobserved": sum(1 for r in releases if not r["observed"]), "clear_hops": len(clear)}
+        state = getattr(self.role, "strategy_state", None)
         self.store.commit_round(self.rollout, closed.round, int(closed.metrics.get("model_version", 0)),
-                                closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear)
+                                closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear,
+                                strategy_state=state() if callable(state) else None)
         self.history.append(row)
         self.metrics.set("fedtier_round", closed.round)
         if result is not None and result.accuracy is not None:

@@ -55,7 +55,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from fedtier.algorithms import aggregate
+from fedtier.algorithms import aggregate, strategies
 from fedtier.algorithms.base import (
     Action,
     Broadcast,
@@ -125,6 +125,15 @@ def _noise_plan(config: Any, cell: str, supported: bool) -> NoisePlan | None:
     if cell not in plan.cells:
         raise UnexpectedMessageError(f"task's noise plan does not cover cell {cell!r}")
     return plan
+
+
+def _edge_aggregator(config: Any) -> tuple[strategies.AggregatorSpec, strategies.Aggregator]:
+    """The edge rule the task names; ``UnexpectedMessageError`` if this node cannot run it."""
+    try:
+        spec = strategies.parse_strategy(config.strategy)["edge"]
+        return spec, strategies.build(spec)
+    except strategies.StrategyError as exc:
+        raise UnexpectedMessageError(f"task's edge aggregator: {exc}") from None
 
 
 class _DeviceBase(StateGuard):
@@ -340,6 +349,8 @@ class _EdgeBase(StateGuard):
         self._deadline = math.inf
         self._updates: dict[str, Any] = {}
         self._seen: set[str] = set()
+        self._aggregator: strategies.Aggregator = strategies.Mean()
+        self._aggregator_spec: strategies.AggregatorSpec = strategies.AggregatorSpec()
 
     @property
     def round(self) -> int:
@@ -372,6 +383,8 @@ class _EdgeBase(StateGuard):
             raise WrongRoundError(f"task for round {task.round}, cell is at round {self.round}")
         config = self.CONFIG.from_dict(task.config)
         plan = _noise_plan(config, self.cell, self.SUPPORTS_PRIVACY)
+        spec, aggregator = _edge_aggregator(config)
+        self._aggregator_spec, self._aggregator = spec, aggregator
         notes: list[Action] = []
         if self._state is RoleState.COLLECTING:
             notes.append(Note("round_abandoned", {"round": self.round, "step": self._step}))
@@ -427,10 +440,19 @@ class _EdgeBase(StateGuard):
         return len(self._updates) == len(self._task.members)
 
     def _average(self, tensor_field: str) -> tuple[dict[str, np.ndarray], list[str], list[float]]:
+        """The step's combined upload: model changes (``delta``) by the task's edge aggregator
+        (``fedtier.algorithms.strategies``; the weighted mean unless configured), anything else
+        (QHetFed's gradients) by the weighted mean."""
         ids = sorted(self._updates)
         weights = device_weights(self._config.weighting, {d: self._updates[d].num_samples for d in ids}, ids)
-        mean = aggregate.weighted_mean([(getattr(self._updates[d], tensor_field), w)
-                                        for d, w in zip(ids, weights, strict=True)])
+        tensors = [getattr(self._updates[d], tensor_field) for d in ids]
+        if tensor_field == "delta":
+            try:
+                return strategies.run(self._aggregator, tensors, weights), ids, weights
+            except strategies.StrategyError as exc:
+                # A custom rule that returns garbage is the node's own code failing: refuse loudly.
+                raise self._misuse(f"edge aggregator: {exc}") from None
+        mean = aggregate.weighted_mean(list(zip(tensors, weights, strict=True)))
         return mean, ids, weights
 
     def _forward(self, delta: Mapping[str, np.ndarray], ids: list[str], weights: list[float],
