@@ -487,15 +487,17 @@ class AggregationSection(Section):
     byzantine: int = opt(1, min=0, help="krum, multi_krum: f, the faulty children tolerated (needs n > 2f + 2).")
     select: int = opt(1, min=1, help="multi_krum: m, how many of the best-scored updates are averaged.")
     max_norm: float = opt(1.0, gt=0, help="norm_bounded_mean: each update is scaled to at most this L2 norm.")
-    options: dict[str, float] | None = opt(None, help="Your own rule: keyword arguments of its class.")
+    edge_options: dict[str, float] | None = opt(None, help="Your own edge rule: keyword arguments of its class.")
+    cloud_options: dict[str, float] | None = opt(None, help="Your own cloud rule: keyword arguments of its class.")
 
     def spec(self, tier: str) -> dict[str, Any]:
         """The tier's spec as a task carries it (``fedtier.algorithms.strategies.AggregatorSpec``)."""
         rule = getattr(self, tier)
         out: dict[str, Any] = {"rule": rule, "trim": self.trim, "byzantine": self.byzantine, "select": self.select,
                                "max_norm": self.max_norm}
-        if self.options and strategies.is_custom(rule):
-            out["options"] = dict(self.options)
+        options = getattr(self, f"{tier}_options")
+        if options:
+            out["options"] = dict(options)
         return out
 
 
@@ -669,6 +671,11 @@ class RolloutConfig(Section):
             raise self.error("hist's cloud reassembles disjoint submodels (one cell per slice): nothing to vote on; "
                              "use mean at the cloud (any rule at the edge)", "aggregation.cloud",
                              prefix=prefix, source=source)
+        for tier in ("edge", "cloud"):
+            if getattr(agg, f"{tier}_options") and not strategies.is_custom(getattr(agg, tier)):
+                raise self.error("keyword arguments of your own rule ('package.module:Class'); the built-in rules "
+                                 "take trim, byzantine, select and max_norm", f"aggregation.{tier}_options",
+                                 prefix=prefix, source=source)
         cells = self.topology.layout()
         sizes = {"edge": min(len(m) for m in cells.values()), "cloud": len(cells)}
         for tier in ("edge", "cloud"):
@@ -680,10 +687,6 @@ class RolloutConfig(Section):
             except strategies.StrategyError as exc:
                 key = "select" if "select" in str(exc) and "n > 2f" not in str(exc) else "byzantine"
                 raise self.error(str(exc), f"aggregation.{key}", prefix=prefix, source=source) from None
-        if agg.options and not (strategies.is_custom(agg.edge) or strategies.is_custom(agg.cloud)):
-            raise self.error("options are keyword arguments of your own rule ('package.module:Class'); the built-in "
-                             "rules take trim, byzantine, select and max_norm", "aggregation.options",
-                             prefix=prefix, source=source)
         if strategies.is_custom(agg.cloud):
             try:  # the cloud runs it: it must load here (an edge rule loads on the edges)
                 strategies.build(strategies.AggregatorSpec.from_dict(agg.spec("cloud")))

@@ -117,6 +117,7 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
     prepared = prepared or prepare(cfg)
     if cfg.simulation.trainer == "portable":
         _require_portable_graphs(prepared)
+    _require_edge_rule(cfg)
     absent = [d for d in prepared.devices if d not in prepared.data.train]
     if absent:
         raise ConfigError(f"the simulator trains every device on its data, and {len(absent)} device(s) have none "
@@ -164,6 +165,19 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         finally:
             store.close()
     return result
+
+
+def _require_edge_rule(cfg: RolloutConfig) -> None:
+    """The simulated edges run here: a rule of your own they could not load is refused up front
+    (a real edge rejects the task and says why in its log; here the rollout would only stall)."""
+    if cfg.aggregation is None:
+        return
+    from fedtier.algorithms import strategies
+
+    try:
+        strategies.build(strategies.AggregatorSpec.from_dict(cfg.aggregation.spec("edge")))
+    except strategies.StrategyError as exc:
+        raise ConfigError(str(exc), key="aggregation.edge") from None
 
 
 def _require_portable_graphs(prepared: PreparedRollout) -> None:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[3]
      "aggregation.byzantine", "the cloud has n = 2 cells"),
     ({"aggregation": {"cloud": "multi_krum", "byzantine": 0, "select": 4}, "topology": {"cells": 3}},
      "aggregation.select", "averages select = 4"),
-    ({"aggregation": {"edge": "median", "options": {"a": 1.0}}}, "aggregation.options", "your own rule"),
+    ({"aggregation": {"edge": "median", "edge_options": {"a": 1.0}}}, "aggregation.edge_options", "your own rule"),
     ({"aggregation": {"cloud": "no_such_pkg.rules:Rule"}}, "aggregation.cloud", "cannot import"),
     ({"server_optimizer": {"kind": "lamb"}}, "server_optimizer.kind", "must be one of"),
     ({"server_optimizer": {"beta1": 1.0}}, "server_optimizer.beta1", "<= 0.999"),
