@@ -147,6 +147,9 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     if trainer is not None:
         cfg = dataclasses.replace(cfg, simulation=dataclasses.replace(cfg.simulation, trainer=trainer))
     started = time.perf_counter()
+    if cfg.attack is not None and not as_json:
+        make_console(stderr=True).print(f"[bold red]{cfg.attack.describe()}[/]: {', '.join(cfg.attackers()) or 'none'}"
+                                        " (a robustness test)")
     with RoundProgress(make_console(stderr=True), cfg.rounds, enabled=not as_json) as progress:
         def on_round(row: dict) -> None:
             progress.line(round_line(row, cfg.rounds))
@@ -155,8 +158,12 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
         result = run_simulation(cfg, on_round=on_round)
     wall = time.perf_counter() - started
     if as_json:
-        json.dump({"rollout": cfg.rollout, "rounds": result.rounds, "wall_s": wall,
-                   "metrics_file": str(cfg.metrics_path)}, sys.stdout, indent=1, default=float)
+        doc: dict = {"rollout": cfg.rollout, "rounds": result.rounds, "wall_s": wall,
+                     "metrics_file": str(cfg.metrics_path)}
+        if cfg.attack is not None:
+            doc["attack"] = {"kind": cfg.attack.kind, "fraction": cfg.attack.fraction, "scale": cfg.attack.scale,
+                             "devices": cfg.attackers(), "note": cfg.attack.describe()}
+        json.dump(doc, sys.stdout, indent=1, default=float)
         click.echo()
     else:
         facts = []
@@ -165,5 +172,8 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
             spent = epsilon_spent(result.rounds[-1], ".4g").removeprefix("epsilon ")  # "8 of 8"
             facts.append(("epsilon (ledger)", f"{spent} at delta {p['delta']:g} (largest over devices)"))
         facts.append(("metrics", str(cfg.metrics_path)))
-        make_console().print(summary(result.rounds, wall, f"simulation of {cfg.rollout} ({config_path})",
-                                     facts=facts))
+        title = f"simulation of {cfg.rollout} ({config_path})"
+        if cfg.attack is not None:
+            facts.append(("attack", f"{cfg.attack.describe()}: {', '.join(cfg.attackers()) or 'none'}"))
+            title = f"ATTACK RUN: {title}"
+        make_console().print(summary(result.rounds, wall, title, facts=facts))

@@ -526,6 +526,25 @@ class ServerOptimizerSection(Section):
         return out
 
 
+@dataclass(frozen=True)
+class AttackSection(Section):
+    """Attacks, for testing robustness (device_agent.attack): a seeded share of the devices lies about its update.
+
+    Only `fedtier simulate` and `fedtier demo` make devices attack; every output of such a run says
+    it is an attack run. Never active unless this section is present.
+    """
+
+    kind: str = opt(help="sign_flip (sends -scale x its update), gaussian (sends N(0, scale^2) noise), label_flip "
+                         "(trains on labels classes-1-y) or stale_replay (resends its first update every round).",
+                    choices=("sign_flip", "gaussian", "label_flip", "stale_replay"))
+    fraction: float = opt(0.2, min=0, max=1, help="Share of the devices that attack, chosen from the rollout seed.")
+    scale: float = opt(10.0, gt=0, help="sign_flip: the factor; gaussian: the noise's standard deviation.")
+
+    def describe(self) -> str:
+        scale = "" if self.kind in ("label_flip", "stale_replay") else f", scale {self.scale:g}"
+        return f"ATTACK RUN: {self.kind}{scale} on {self.fraction:.0%} of the devices"
+
+
 SIMULATION_TRAINERS = ("ort", "portable")
 """The device backends ``fedtier simulate`` can run (``device_agent.trainers``): both train user models."""
 
@@ -582,6 +601,8 @@ class RolloutConfig(Section):
                                                             "absent).")
     server_optimizer: ServerOptimizerSection | None = opt(None, help="The cloud's server optimizer (w + delta when "
                                                                      "absent).")
+    attack: AttackSection | None = opt(None, help="Attacking devices, for robustness tests (simulate and demo only; "
+                                                  "none when absent).")
 
     @property
     def metrics_path(self) -> Path:
@@ -632,6 +653,10 @@ class RolloutConfig(Section):
                                  "its weight, and with it the sensitivity of its cell's mean)",
                                  f"{self.algorithm}.weighting", prefix=prefix, source=source)
         self._check_strategy(prefix=prefix, source=source)
+        if self.attack is not None and self.attack.kind == "label_flip" and (
+                self.algorithm in SCORE_ALGORITHMS or self.model.loss != "cross_entropy"):
+            raise self.error("label_flip flips class labels (y -> classes - 1 - y): it needs a classifier trained "
+                             "with cross_entropy", "attack.kind", prefix=prefix, source=source)
         if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
             from cloud_coordinator.planner import InfeasiblePlanError
 
@@ -639,6 +664,15 @@ class RolloutConfig(Section):
                 self.replanner()(None)
             except InfeasiblePlanError as exc:
                 raise self.error(str(exc), "qhetfed.plan.round_budget_s", prefix=prefix, source=source) from None
+
+    def attackers(self) -> list[str]:
+        """The devices that attack under [attack] (seeded by the rollout seed; none without the section)."""
+        if self.attack is None:
+            return []
+        from device_agent.attack import choose_attackers
+
+        devices = [d for members in self.topology.layout().values() for d in members]
+        return choose_attackers(devices, self.attack.fraction, self.seed)
 
     def strategy(self) -> dict[str, Any] | None:
         """The ``strategy`` map every task carries (``None`` without [aggregation] and [server_optimizer])."""

@@ -156,6 +156,9 @@ class CloudNode(NodeBase):
             self.finished = True
             self._clear_retained()
             return
+        if self.cfg.attack is not None:
+            log.warning("%s (%s): a robustness test, not a real rollout", self.cfg.attack.describe(),
+                        ", ".join(self.cfg.attackers()) or "no device at this fraction")
         self.manifest_bytes = self._issue_manifest()
         self.tx.publish(topics.manifest(self.rollout), self.manifest_bytes, retain=True)
         self.history = self.store.rounds(self.rollout)
@@ -357,6 +360,7 @@ class CloudNode(NodeBase):
             },
             "q1": closed.metrics.get("q1"),
             "q2": closed.metrics.get("q2"),
+            **({"attack": self.attack_summary()} if self.cfg.attack is not None else {}),
             "config": closed.metrics.get("config"),
             "round_s": wall - self._last_close,
             "elapsed_s": wall - self._started_at,
@@ -396,9 +400,18 @@ class CloudNode(NodeBase):
         if self.on_round is not None:
             self.on_round(row)
 
+    def attack_summary(self) -> dict[str, Any]:
+        """What marks every output of an attack run (``[attack]``): the attack and its devices."""
+        a = self.cfg.attack
+        assert a is not None
+        return {"kind": a.kind, "fraction": a.fraction, "scale": a.scale, "devices": self.cfg.attackers(),
+                "note": a.describe()}
+
     def write_metrics(self) -> None:
         doc: dict[str, Any] = {"rollout": self.rollout, "algorithm": self.cfg.algorithm,
                                "rounds_planned": self.cfg.rounds, "finished": self.finished, "rounds": self.history}
+        if self.cfg.attack is not None:
+            doc["attack"] = self.attack_summary()
         if self.stop_reason is not None:
             doc["stopped"] = self.stop_reason
         if self.prepared.noise_plan is not None:

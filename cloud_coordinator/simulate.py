@@ -131,6 +131,7 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         for sha, path in prepared.artifact_files().items():
             cache.put(sha, path.read_bytes())
         trainers = SharedTrainers(cfg.simulation.threads, cfg.simulation.trainer)
+        attackers = set(cfg.attackers())
 
         nodes: list[Any] = []
         for cell, members in prepared.cells.items():
@@ -138,8 +139,11 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
                 x, y = prepared.data.train[device]
                 held = prepared.data.holdout.get(device)
                 tx = broker.connect(device)
+                provider: Any = trainers
+                if device in attackers:
+                    provider, y = _attacker(cfg, prepared, device, trainers, y)
                 node = DeviceNode(device_id=device, cell=cell, transport=tx, data=LocalData(x=x, y=y),
-                                  trainer_provider=trainers, state=DeviceState(":memory:"), cache=cache,
+                                  trainer_provider=provider, state=DeviceState(":memory:"), cache=cache,
                                   bundles_dir=root / "bundles", noise=noise_source(cfg, device),
                                   eval_data=LocalData(x=held[0], y=held[1]) if held is not None else None)
                 tx.set_handler(_bind(node, broker))
@@ -165,6 +169,20 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         finally:
             store.close()
     return result
+
+
+def _attacker(cfg: RolloutConfig, prepared: PreparedRollout, device: str, trainers: SharedTrainers,
+              y: Any) -> tuple[Any, Any]:
+    """An attacking device's trainer provider and labels (``[attack]``; ``device_agent.attack``)."""
+    from device_agent.attack import AttackSpec, attacking_provider, flip_labels
+
+    assert cfg.attack is not None
+    spec = AttackSpec(kind=cfg.attack.kind, scale=cfg.attack.scale, seed=cfg.seed,
+                      classes=prepared.data.num_classes if cfg.attack.kind == "label_flip" else None)
+    if spec.kind == "label_flip":
+        assert spec.classes is not None
+        return trainers, flip_labels(y, spec.classes)
+    return attacking_provider(trainers, spec, device), y
 
 
 def _require_edge_rule(cfg: RolloutConfig) -> None:
