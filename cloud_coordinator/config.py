@@ -317,9 +317,14 @@ class FedAvgSection(RoundSection):
 
     local_steps: int = opt(10, min=1, help="SGD steps per device per edge round.")
     edge_rounds: int = opt(1, min=1, help="Edge aggregations per global round (HIST's baseline HFedAvg uses E/H).")
+    proximal_mu: float = opt(0.0, min=0, help="FedProx: adds (mu/2) ||w - w_global||^2 to each device's loss in the "
+                                              "training graph (0 = plain FedAvg, today's graphs; ort trainers only).")
+    partial_work: bool = opt(False, help="Devices run a seeded number of local steps in 1..local_steps each round, as "
+                                         "slow boards would, and still send their update (FedProx's partial work).")
 
     def algorithm_config(self, seed: int) -> FedAvgConfig:
-        return FedAvgConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, **self.common(seed))
+        return FedAvgConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, partial_work=self.partial_work,
+                            **self.common(seed))
 
 
 @dataclass(frozen=True)
@@ -328,9 +333,14 @@ class HierQsgdSection(QuantizedSection):
 
     local_steps: int = opt(3, min=1, help="gamma: SGD steps per device per edge round.")
     edge_rounds: int = opt(12, min=1, help="tau: edge aggregations per global round.")
+    proximal_mu: float = opt(0.0, min=0, help="FedProx: (mu/2) ||w - w_set||^2 in each device's loss, w_set the model "
+                                              "its edge round started from (0 = off; ort trainers only).")
+    partial_work: bool = opt(False, help="Devices run a seeded number of local steps in 1..local_steps per edge "
+                                         "round and still send their update.")
 
     def algorithm_config(self, seed: int) -> HierConfig:
-        return HierConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, **self.common(seed))
+        return HierConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, partial_work=self.partial_work,
+                          **self.common(seed))
 
 
 @dataclass(frozen=True)
@@ -653,6 +663,10 @@ class RolloutConfig(Section):
                                  "its weight, and with it the sensitivity of its cell's mean)",
                                  f"{self.algorithm}.weighting", prefix=prefix, source=source)
         self._check_strategy(prefix=prefix, source=source)
+        if self.proximal_mu and self.simulation.trainer != "ort":
+            raise self.error("FedProx's proximal term is in the onnxruntime-training graph; the portable trainer "
+                             "does not feed its anchor weights (use trainer = 'ort')", "simulation.trainer",
+                             prefix=prefix, source=source)
         if self.attack is not None and self.attack.kind == "label_flip" and (
                 self.algorithm in SCORE_ALGORITHMS or self.model.loss != "cross_entropy"):
             raise self.error("label_flip flips class labels (y -> classes - 1 - y): it needs a classifier trained "
@@ -788,6 +802,11 @@ class RolloutConfig(Section):
                                                                 gamma=int(chosen.gamma)))
 
         return replan
+
+    @property
+    def proximal_mu(self) -> float:
+        """FedProx's mu of the configured algorithm (0 for those without it)."""
+        return float(getattr(getattr(self, self.algorithm), "proximal_mu", 0.0))
 
     @property
     def deadline_s(self) -> float:

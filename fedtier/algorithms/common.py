@@ -110,7 +110,7 @@ class RoundSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {"algorithm": self.ALGORITHM, **{f.name: getattr(self, f.name) for f in fields(self)
-                                                if not (f.name == "strategy" and self.strategy is None)}}
+                                                if not _omitted(f.name, getattr(self, f.name))}}
 
     @classmethod
     def from_dict(cls: type[S], config: Mapping[str, Any]) -> S:
@@ -120,6 +120,14 @@ class RoundSettings:
             return cls(**{k: v for k, v in config.items() if k in known})
         except (LocalProtocolError, TypeError) as exc:
             raise UnexpectedMessageError(f"invalid {cls.ALGORITHM} config in task: {exc}") from None
+
+
+OMIT_AT_DEFAULT = {"strategy": None, "partial_work": False}
+"""Settings added after tasks had a wire form: left out at their default, so such tasks stay byte for byte."""
+
+
+def _omitted(name: str, value: Any) -> bool:
+    return name in OMIT_AT_DEFAULT and value is OMIT_AT_DEFAULT[name]
 
 
 def check_strategy(strategy: Mapping[str, Any], *, private: bool) -> None:

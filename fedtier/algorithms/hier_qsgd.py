@@ -81,6 +81,7 @@ from fedtier.algorithms.common import (
 )
 from fedtier.errors import (
     LateMessageError,
+    LocalProtocolError,
     UnexpectedMessageError,
     UnknownSenderError,
     WrongRoundError,
@@ -88,6 +89,7 @@ from fedtier.errors import (
 from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource, clip
 from fedtier.privacy.plan import NoisePlan
+from fedtier.rng import stream
 from fedtier.wire.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, EvalStats, Message
 
 NAME = "hier_qsgd"
@@ -102,17 +104,24 @@ class HierConfig(RoundSettings):
     Attributes:
         local_steps: gamma, SGD steps per device per edge round (> 0).
         edge_rounds: tau, edge aggregations per global round (> 0).
+        partial_work: each device runs ``1 + floor(u * local_steps)`` steps per edge round, ``u``
+            uniform from its stream ``(seed, "partial-work", rollout, device, round, step)`` — slow
+            boards that finish fewer steps than asked and still send their update (FedProx's
+            systems heterogeneity). Left out of ``to_dict`` when off.
     """
 
     ALGORITHM: ClassVar[str] = NAME
 
     local_steps: int = 10
     edge_rounds: int = 1
+    partial_work: bool = False
 
     def __post_init__(self) -> None:
         RoundSettings.__post_init__(self)
         check_int(self.local_steps, "local_steps", 1)
         check_int(self.edge_rounds, "edge_rounds", 1)
+        if not isinstance(self.partial_work, bool):
+            raise LocalProtocolError(f"partial_work must be a bool, got {self.partial_work!r}")
 
 
 def _noise_plan(config: Any, cell: str, supported: bool) -> NoisePlan | None:
@@ -283,7 +292,11 @@ class Device(_DeviceBase):
 
     def _local_train(self) -> LocalTrain:
         c = self._config
-        return LocalTrain(round=self._round, step=self._step, params=self._params, steps=c.local_steps,
+        steps = c.local_steps
+        if c.partial_work:
+            u = stream(c.seed, "partial-work", self.rollout, self.device_id, self._round, self._step).random()
+            steps = 1 + min(int(u * c.local_steps), c.local_steps - 1)
+        return LocalTrain(round=self._round, step=self._step, params=self._params, steps=steps,
                           batch_size=c.batch_size, lr=c.lr,
                           stream=(c.seed, "batches", self.rollout, self.device_id, self._round, self._step))
 
