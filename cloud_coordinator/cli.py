@@ -6,9 +6,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
+
+from cloud_coordinator.strategy_cli import merge, overrides, pop_values, strategy_options
 
 if TYPE_CHECKING:
     from cloud_coordinator.config import RolloutConfig
@@ -117,8 +119,9 @@ def coordinator_export(config_path: Path, out: Path, version: int | None, as_jso
 @click.option("--trainer", type=click.Choice(["ort", "portable"]), default=None,
               help="The devices' training backend (overrides [simulation] trainer, default ort): portable trains "
                    "from the bundle's standard-ONNX graph, as a board without onnxruntime-training does.")
+@strategy_options
 def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json: bool, log_level: str,
-             trainer: str | None) -> None:
+             trainer: str | None, **strategy: Any) -> None:
     """Run a rollout with every device, edge and the cloud in this process (in-memory transport).
 
     The same roles and node code as a real deployment; one shared ORT session per
@@ -128,6 +131,8 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     \b
         fedtier simulate --config experiments/digits_fedavg.toml --rounds 5
         fedtier simulate --config experiments/digits_fedavg.toml --rounds 5 --trainer portable
+        fedtier simulate --config experiments/digits_fedavg.toml --edge-aggregator median --attack sign_flip
+        fedtier simulate --config experiments/digits_fedavg.toml --server-optimizer adam --server-lr 0.03
     """
     import dataclasses
 
@@ -136,10 +141,14 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     from cloud_coordinator.report import epsilon_spent, round_epsilon, round_line, summary
     from cloud_coordinator.simulate import simulate as run_simulation
     from fedtier.runtime import logs
-    from fedtier.runtime.config import load
+    from fedtier.runtime.config import load, read_toml
 
     logs.setup(log_level)
     cfg = load(RolloutConfig, config_path)
+    extra = overrides(pop_values(strategy), cfg.algorithm)
+    if extra:  # the options override the file; the merged config is validated like a file
+        mapping = merge(read_toml(config_path), extra)
+        cfg = RolloutConfig.from_mapping(mapping, source=str(config_path), base_dir=config_path.resolve().parent)
     if rounds is not None:
         cfg = dataclasses.replace(cfg, rounds=rounds)
     if output is not None:
