@@ -611,6 +611,9 @@ class RolloutConfig(Section):
                                                             "absent).")
     server_optimizer: ServerOptimizerSection | None = opt(None, help="The cloud's server optimizer (w + delta when "
                                                                      "absent).")
+    edge_optimizer: ServerOptimizerSection | None = opt(None, help="The same rules at each edge, on its cell's change "
+                                                                   "(state in the edge process; fedavg, hier_qsgd, "
+                                                                   "qhetfed; none when absent).")
     attack: AttackSection | None = opt(None, help="Attacking devices, for robustness tests (simulate and demo only; "
                                                   "none when absent).")
 
@@ -690,7 +693,7 @@ class RolloutConfig(Section):
 
     def strategy(self) -> dict[str, Any] | None:
         """The ``strategy`` map every task carries (``None`` without [aggregation] and [server_optimizer])."""
-        if self.aggregation is None and self.server_optimizer is None:
+        if self.aggregation is None and self.server_optimizer is None and self.edge_optimizer is None:
             return None
         out: dict[str, Any] = {}
         if self.aggregation is not None:
@@ -698,14 +701,24 @@ class RolloutConfig(Section):
             out["cloud"] = self.aggregation.spec("cloud")
         if self.server_optimizer is not None:
             out["server_optimizer"] = self.server_optimizer.spec()
+        if self.edge_optimizer is not None:
+            out["edge_optimizer"] = self.edge_optimizer.spec()
         return out
 
     def _check_strategy(self, *, prefix: str, source: str | None) -> None:
         """[aggregation] and [server_optimizer] against the algorithm, the topology and privacy."""
-        if self.aggregation is None and self.server_optimizer is None:
+        if self.edge_optimizer is not None:
+            if self.algorithm == "hist":
+                raise self.error("hist redraws which neurons a cell trains every round: an edge optimizer's moments "
+                                 "would mix different neurons", "edge_optimizer", prefix=prefix, source=source)
+            if self.privacy is not None:
+                raise self.error("under differential privacy the edge forwards its cell's noised mean; an edge "
+                                 "optimizer would release another function of the clear updates", "edge_optimizer",
+                                 prefix=prefix, source=source)
+        if self.aggregation is None and self.server_optimizer is None and self.edge_optimizer is None:
             return
         if self.algorithm not in STRATEGY_ALGORITHMS:
-            key = "aggregation" if self.aggregation is not None else "server_optimizer"
+            key = next(k for k in ("aggregation", "server_optimizer", "edge_optimizer") if getattr(self, k) is not None)
             raise self.error(f"{self.algorithm} combines scores and models its own way; aggregation rules and server "
                              f"optimizers are for {', '.join(STRATEGY_ALGORITHMS)}", key, prefix=prefix, source=source)
         agg = self.aggregation

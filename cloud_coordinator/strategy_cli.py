@@ -1,7 +1,7 @@
 """Command-line options for strategies, shared by ``fedtier simulate`` and ``fedtier demo``.
 
 Each option maps onto a key of the rollout config (docs/strategies.md): ``[aggregation]``,
-``[server_optimizer]``, ``[attack]``, and the algorithm's ``proximal_mu``/``partial_work``.
+``[server_optimizer]``, ``[edge_optimizer]``, ``[attack]``, and the algorithm's ``proximal_mu``/``partial_work``.
 Options override what a config file says; the merged config is validated as a file would be.
 """
 
@@ -29,6 +29,10 @@ _OPTIONS = [
                  help="The cloud's step on the aggregated change (Reddi et al., Algorithm 2)."),
     click.option("--server-lr", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="The server optimizer's learning rate."),
+    click.option("--edge-optimizer", type=click.Choice(KINDS), default=None,
+                 help="The same step at each edge, on its cell's change (state in the edge process)."),
+    click.option("--edge-lr", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="The edge optimizer's learning rate."),
     click.option("--attack", type=click.Choice(ATTACKS), default=None,
                  help="Robustness test: a seeded share of the devices attacks (every output says so)."),
     click.option("--attack-fraction", type=click.FloatRange(0, 1), default=None,
@@ -42,7 +46,8 @@ _OPTIONS = [
 ]
 
 NAMES = ("edge_aggregator", "cloud_aggregator", "trim", "byzantine", "select", "max_norm", "server_optimizer",
-         "server_lr", "attack", "attack_fraction", "attack_scale", "proximal_mu", "partial_work")
+         "server_lr", "edge_optimizer", "edge_lr", "attack", "attack_fraction", "attack_scale", "proximal_mu",
+         "partial_work")
 
 
 def strategy_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,6 +79,11 @@ def overrides(values: Mapping[str, Any], algorithm: str) -> dict[str, dict[str, 
     if values.get("server_optimizer") is not None:
         out["server_optimizer"] = {"kind": values["server_optimizer"],
                                    **({"lr": values["server_lr"]} if values.get("server_lr") is not None else {})}
+    if values.get("edge_lr") is not None and values.get("edge_optimizer") is None:
+        raise click.UsageError("--edge-lr needs --edge-optimizer")
+    if values.get("edge_optimizer") is not None:
+        out["edge_optimizer"] = {"kind": values["edge_optimizer"],
+                                 **({"lr": values["edge_lr"]} if values.get("edge_lr") is not None else {})}
     given = [f"--{o.replace('_', '-')}" for o in ("attack_fraction", "attack_scale") if values.get(o) is not None]
     if given and values.get("attack") is None:
         raise click.UsageError(f"{', '.join(given)} need --attack")

@@ -59,7 +59,7 @@ class RoundSettings:
         federated_eval: devices with held-out rows evaluate each round's incoming global model
             on them and report it (never under a noise plan, whatever this says).
         strategy: how the tiers combine updates, or ``None`` for today's weighted means:
-            ``{"edge": spec, "cloud": spec, "server_optimizer": spec}``, each part optional
+            ``{"edge": spec, "cloud": spec, "server_optimizer": spec, "edge_optimizer": spec}``, each part optional
             (``fedtier.algorithms.strategies.AggregatorSpec`` / ``server_opt.OptimizerSpec``
             as dicts). Left out of ``to_dict`` when ``None``, so tasks without one are
             byte-for-byte what they were before strategies existed.
@@ -143,12 +143,17 @@ def check_strategy(strategy: Mapping[str, Any], *, private: bool) -> None:
     """
     if not isinstance(strategy, Mapping):
         raise LocalProtocolError(f"strategy must be a table, got {strategy!r}")
-    unknown = set(strategy) - {*TIERS, "server_optimizer"}
+    unknown = set(strategy) - {*TIERS, "server_optimizer", "edge_optimizer"}
     if unknown:
-        raise LocalProtocolError(f"unknown strategy keys {sorted(unknown)}; known: edge, cloud, server_optimizer")
+        raise LocalProtocolError(f"unknown strategy keys {sorted(unknown)}; known: edge, cloud, server_optimizer, "
+                                 "edge_optimizer")
     specs = parse_strategy(strategy)
-    if "server_optimizer" in strategy:
-        OptimizerSpec.from_dict(strategy["server_optimizer"])
+    for key in ("server_optimizer", "edge_optimizer"):
+        if key in strategy:
+            OptimizerSpec.from_dict(strategy[key])
+    if private and "edge_optimizer" in strategy:
+        raise LocalProtocolError("under differential privacy the edge forwards its cell's (noised) mean; an edge "
+                                 "optimizer would release another function of the clear updates")
     if private and specs["edge"].rule != "mean":
         raise LocalProtocolError(f"under differential privacy the edge must average (the noise is calibrated to the "
                                  f"sensitivity of the cell's mean); edge aggregator {specs['edge'].rule!r} has another")

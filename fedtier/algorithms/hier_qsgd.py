@@ -70,6 +70,7 @@ from fedtier.algorithms.base import (
     StateGuard,
 )
 from fedtier.algorithms.cloud import Cloud
+from fedtier.algorithms.server_opt import OptimizerSpec, ServerOptimizer
 from fedtier.algorithms.common import (
     RoundSettings,
     check_int,
@@ -364,6 +365,9 @@ class _EdgeBase(StateGuard):
         self._seen: set[str] = set()
         self._aggregator: strategies.Aggregator = strategies.Mean()
         self._aggregator_spec: strategies.AggregatorSpec = strategies.AggregatorSpec()
+        self._edge_optimizer: ServerOptimizer | None = None
+        """``strategy["edge_optimizer"]``: a server optimizer on the cell's change, its state kept across
+        rounds in this role (in memory: an edge restarted from its store starts from fresh moments)."""
 
     @property
     def round(self) -> int:
@@ -398,6 +402,14 @@ class _EdgeBase(StateGuard):
         plan = _noise_plan(config, self.cell, self.SUPPORTS_PRIVACY)
         spec, aggregator = _edge_aggregator(config)
         self._aggregator_spec, self._aggregator = spec, aggregator
+        opt = (config.strategy or {}).get("edge_optimizer")
+        if opt is not None and task.config.get("algorithm") == "hist":
+            raise UnexpectedMessageError("hist redraws which neurons a cell trains every round: an edge optimizer's "
+                                         "moments would mix different neurons")
+        if opt is None:
+            self._edge_optimizer = None
+        elif self._edge_optimizer is None or self._edge_optimizer.spec != OptimizerSpec.from_dict(opt):
+            self._edge_optimizer = ServerOptimizer(OptimizerSpec.from_dict(opt))
         notes: list[Action] = []
         if self._state is RoleState.COLLECTING:
             notes.append(Note("round_abandoned", {"round": self.round, "step": self._step}))
@@ -473,6 +485,10 @@ class _EdgeBase(StateGuard):
         """Quantize the cell's change with Q2 and send it to the cloud; the round is done here."""
         assert self._task is not None
         c = self._config
+        if self._edge_optimizer is not None:
+            # The cell's change as a pseudo-gradient (Reddi et al., Algorithm 2, one tier down).
+            start = self._task.params
+            delta = aggregate.subtract(self._edge_optimizer.step(start, delta), start)
         delta, privacy = self._privatize(delta)
         stats = {"device_q": device_q}
         if privacy is not None:

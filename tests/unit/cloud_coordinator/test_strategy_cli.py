@@ -17,6 +17,7 @@ from fedtier.runtime.config import dumps_toml, read_toml
 
 EVERY = ["--edge-aggregator", "multi_krum", "--cloud-aggregator", "median", "--trim", "0.2", "--byzantine", "1",
          "--select", "3", "--max-norm", "2", "--server-optimizer", "yogi", "--server-lr", "0.02",
+         "--edge-optimizer", "momentum", "--edge-lr", "0.5",
          "--attack", "sign_flip", "--attack-fraction", "0.25", "--attack-scale", "5", "--proximal-mu", "0.01",
          "--partial-work"]
 
@@ -75,6 +76,7 @@ def test_the_demo_writes_every_option_into_its_fleet(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--server-lr", "0.1"], "--server-lr needs --server-optimizer"),
+    (["--edge-lr", "0.1"], "--edge-lr needs --edge-optimizer"),
     (["--attack-fraction", "0.1"], "--attack-fraction need --attack"),
     (["--algorithm", "qhetfed", "--proximal-mu", "0.1"], "for fedavg and hier_qsgd, not qhetfed"),
 ])
@@ -99,5 +101,6 @@ def test_simulate_takes_every_option_and_marks_the_attack_run(small_rollout, tmp
     assert row["config"]["strategy"]["server_optimizer"] == {"kind": "yogi", "lr": 0.02, "momentum": 0.9,
                                                              "beta1": 0.9, "beta2": 0.99, "tau": 0.001}
     assert row["config"]["partial_work"] is True
+    assert row["config"]["strategy"]["edge_optimizer"]["kind"] == "momentum"
     bad = CliRunner().invoke(cli, ["simulate", "--config", str(path), "--edge-aggregator", "krum", "--byzantine", "3"])
     assert bad.exit_code != 0 and "aggregation.byzantine" in bad.output

@@ -50,6 +50,10 @@ def test_rules_that_cannot_apply_are_refused_with_the_reason(small_rollout) -> N
     with pytest.raises(ConfigError, match="sensitivity of the cell's mean") as info:
         small_rollout(aggregation={"edge": "median"}, privacy={"epsilon": 8.0, "clip": 1.0})
     assert info.value.key == "aggregation.edge"
+    for overrides in ({"algorithm": "hist"}, {"privacy": {"epsilon": 8.0, "clip": 1.0}}):
+        with pytest.raises(ConfigError) as info:
+            small_rollout(edge_optimizer={"kind": "adam"}, **overrides)
+        assert info.value.key == "edge_optimizer"
 
 
 def test_every_task_carries_the_strategy_and_none_without_it(small_rollout) -> None:

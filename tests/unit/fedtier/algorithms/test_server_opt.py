@@ -126,3 +126,37 @@ def test_the_cloud_role_steps_the_optimizer_on_the_aggregated_change() -> None:
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
     state = h.cloud.strategy_state()
     assert state is not None and float(state["opt/steps"][0]) == 3
+
+
+def test_an_edge_optimizer_steps_each_cell_with_its_own_state_across_rounds() -> None:
+    # One cell of two devices (changes 0.01, 0.02: mean 0.015); the edge steps with adam, the cloud adds.
+    cells = {"cell-a": ("dev-0", "dev-1")}
+    config = fedavg.FedAvgConfig(local_steps=1, strategy={"edge_optimizer": {"kind": "adam", "lr": 0.1}})
+    h = Hierarchy(algo=fedavg, cells=cells, params={"w": np.zeros(3, np.float32)}, config=config, rounds=3)
+    h.start()
+    assert h.finished
+    expected = reference("adam", 0.0, [0.015] * 3, eta=0.1)
+    np.testing.assert_allclose([float(c.params["w"][0]) for c in h.closed], expected, rtol=0, atol=1e-6)
+    assert h.edges["cell-a"]._edge_optimizer is not None and h.edges["cell-a"]._edge_optimizer.steps == 3
+
+
+def test_an_edge_optimizer_is_refused_under_privacy_and_for_hist() -> None:
+    from fedtier.algorithms import hist
+    from fedtier.algorithms.common import RoundSettings
+    from fedtier.errors import UnexpectedMessageError
+    from fedtier.wire.messages import CellTask
+
+    import math
+
+    from fedtier.privacy.plan import CellPlan, NoisePlan
+
+    privacy = NoisePlan(mode="rdp", epsilon=1.0, delta=1e-5, budget_epsilon=math.inf, clip=1.0, edge_rounds=1,
+                        rounds=10, require_tls=False,
+                        cells={"cell-a": CellPlan(trusted=True, members=3, device_z=0.0, edge_z=1.0)}).to_dict()
+    with pytest.raises(LocalProtocolError, match="edge optimizer"):
+        RoundSettings(privacy=privacy, strategy={"edge_optimizer": {"kind": "sgd"}})
+    edge = hist.Edge(cell="cell-a", rollout="r")
+    task = CellTask(rollout="r", round=0, sender="cloud", params={"w": np.zeros(2, np.float32)}, members=("d",),
+                    config=hist.HistConfig(strategy={"edge_optimizer": {"kind": "adam"}}).to_dict())
+    with pytest.raises(UnexpectedMessageError, match="hist redraws"):
+        edge.receive(task, 0.0)
