@@ -157,8 +157,8 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
         cfg = dataclasses.replace(cfg, simulation=dataclasses.replace(cfg.simulation, trainer=trainer))
     started = time.perf_counter()
     if cfg.attack is not None and not as_json:
-        make_console(stderr=True).print(f"[bold red]{cfg.attack.describe()}[/]: {', '.join(cfg.attackers()) or 'none'}"
-                                        " (a robustness test)")
+        make_console(stderr=True).print(f"{cfg.attack.describe()}: {', '.join(cfg.attackers()) or 'none'}"
+                                        " (a robustness test)", style="bold red")
     with RoundProgress(make_console(stderr=True), cfg.rounds, enabled=not as_json) as progress:
         def on_round(row: dict) -> None:
             progress.line(round_line(row, cfg.rounds))
