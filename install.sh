@@ -15,6 +15,15 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q mosquitto
 fi
 
+# Headless Chromium for the dashboard's browser test (driven by Playwright at /usr/bin/chromium).
+if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
+  echo "install.sh: installing Chromium with apt-get" >&2
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium
+fi
+
 PYTHON="${PYTHON:-python3}"
 "$PYTHON" -m pip install -q torch==2.13.0
 "$PYTHON" -m pip install -q -e ".[all,dev]"
@@ -29,6 +38,6 @@ if [ ! -x "$PORTABLE_VENV/bin/python" ]; then
   "$PYTHON" -m venv "$PORTABLE_VENV"
 fi
 "$PORTABLE_VENV/bin/python" -m pip install -q "onnxruntime>=1.17" "numpy>=1.24" "msgpack>=1.0" "click>=8.1" \
-  "cryptography>=42" "paho-mqtt>=2.1,<3"
+  "cryptography>=42" "paho-mqtt>=2.1,<3" "prometheus-client>=0.17"
 "$PORTABLE_VENV/bin/python" -m pip install -q --no-deps -e .
 echo "install.sh: done ($("$PYTHON" -c 'import fedtier; print("fedtier", fedtier.__version__)'))" >&2

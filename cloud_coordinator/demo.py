@@ -195,6 +195,10 @@ class DemoOptions:
     privacy: PrivacyDemo | None = None  # differential privacy with trust labels (--privacy)
     trainer: str = "auto"  # the agents' training backend (device.toml ``trainer``)
     agent_python: Path | None = None  # run the agents with this interpreter (e.g. a stock-onnxruntime venv)
+    dashboard: bool = False  # the coordinator also serves its web dashboard on a free localhost port
+    strategy: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Tables merged into the rollout config: [aggregation], [server_optimizer], [attack], and the
+    algorithm's proximal_mu / partial_work (``cloud_coordinator.strategy_cli``)."""
     secure_aggregation: bool = False  # SecAgg+ in every cell: edges see only their cell's sum (fedavg)
 
 
@@ -246,6 +250,8 @@ class Demo:
             raise ValueError("--secure-aggregation with --privacy (distributed DP) is not supported yet")
         self.opts = opts
         self.view = view
+        self.dashboard_url: str | None = None
+        """Where the coordinator serves its dashboard (``opts.dashboard``)."""
         self.say = view.say
         self.procs: list[_Proc] = []
         self.trusted = self.trusted_cells()
@@ -314,6 +320,10 @@ class Demo:
                 topology["trusted"] = {cell: True for cell in self.trusted}
             config["privacy"] = {"epsilon": o.privacy.epsilon, "delta": o.privacy.delta, "clip": o.privacy.clip,
                                  "require_tls": self.require_tls}
+        if o.strategy:
+            from cloud_coordinator.strategy_cli import merge
+
+            config = merge(config, o.strategy)
         return config
 
     def score_task(self) -> dict[str, Any]:
@@ -469,7 +479,14 @@ class Demo:
 
     def start_nodes(self, paths: FleetPaths) -> None:
         fedtier = [sys.executable, "-m", "fedtier"]
-        self._spawn("coordinator", "coordinator", [*fedtier, "coordinator", "run", "--config", str(paths.coordinator)])
+        http: list[str] = []
+        if self.opts.dashboard:
+            port = free_port()
+            http = ["--http", f"127.0.0.1:{port}"]
+            self.dashboard_url = f"http://127.0.0.1:{port}/"
+            self.say(f"dashboard: {self.dashboard_url} (read-only; up while the coordinator runs)")
+        self._spawn("coordinator", "coordinator",
+                    [*fedtier, "coordinator", "run", "--config", str(paths.coordinator), *http])
         for cell, path in paths.edges.items():
             self._spawn(f"edge-{cell}", "edge", [*fedtier, "edge", "run", "--config", str(path)])
         # absolute() but not resolve(): a venv's python is a symlink to the base interpreter
@@ -524,6 +541,7 @@ class Demo:
                 paths = self.write_configs(port)
             self.say(f"fedtier demo: {o.devices} devices in {o.cells} cells, {o.rounds} rounds of {o.algorithm} on "
                      f"{self.task_description()}; {self.broker_kind} broker on 127.0.0.1:{port}")
+            extra = self.announce_strategy(paths.coordinator)
             plan = None
             if o.privacy is not None:
                 plan = self.privacy_plan(paths.coordinator)
@@ -545,12 +563,40 @@ class Demo:
             ok = True
             return DemoResult(rounds=rows, wall_s=time.perf_counter() - started, broker=self.broker_kind,
                               workdir=self.workdir, processes=len(self.procs), secure=self.secure,
-                              stopped=doc.get("stopped"), privacy=privacy)
+                              stopped=doc.get("stopped"), privacy=privacy,
+                              extra={**extra, **({"dashboard": self.dashboard_url} if self.dashboard_url else {})})
         finally:
             self.stop_all()
             self.stop_reaper()
             if ok and self._own_workdir:
                 shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def announce_strategy(self, coordinator_config: Path) -> dict[str, Any]:
+        """Say which strategy runs and, loudly, that an attack run is one; return both for the summary."""
+        if not self.opts.strategy:
+            return {}
+        from cloud_coordinator.config import RolloutConfig
+        from fedtier.runtime.config import load
+
+        cfg = load(RolloutConfig, coordinator_config)
+        out: dict[str, Any] = {}
+        strategy = cfg.strategy()
+        if strategy is not None:
+            out["strategy"] = strategy
+            opt = strategy.get("server_optimizer")
+            self.say(f"strategy: edge {strategy.get('edge', {}).get('rule', 'mean')}, cloud "
+                     f"{strategy.get('cloud', {}).get('rule', 'mean')}"
+                     + (f", server optimizer {opt['kind']}" if opt else ""))
+        if cfg.proximal_mu or getattr(getattr(cfg, cfg.algorithm), "partial_work", False):
+            self.say(f"FedProx mu {cfg.proximal_mu:g}"
+                     + (", partial work" if getattr(cfg, cfg.algorithm).partial_work else ""))
+        if cfg.attack is not None:
+            attackers = cfg.attackers()
+            out["attack"] = {"kind": cfg.attack.kind, "fraction": cfg.attack.fraction, "scale": cfg.attack.scale,
+                             "devices": attackers, "note": cfg.attack.describe()}
+            self.say(f"{cfg.attack.describe()}: {', '.join(attackers) or 'no device at this fraction'} "
+                     "(a robustness test)")
+        return out
 
     def privacy_plan(self, coordinator_config: Path) -> dict[str, Any]:
         """``fedtier privacy plan``'s document of the written rollout config (the same code)."""

@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from cloud_coordinator.strategy_cli import overrides, pop_values, strategy_options
+
 
 @click.command()
 @click.option("--devices", type=click.IntRange(1, 500), default=12, show_default=True,
@@ -19,13 +21,16 @@ import click
 @click.option("--rounds", type=click.IntRange(1), default=30, show_default=True, help="Global rounds.")
 @click.option("--broker", type=click.Choice(["auto", "mosquitto", "embedded"]), default="auto", show_default=True,
               help="auto = Mosquitto when it is on PATH, otherwise the embedded pure-Python broker.")
-@click.option("--algorithm", type=click.Choice(["fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl"]), default="fedavg",
+@click.option("--algorithm", type=click.Choice(["fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl", "hsgd"]),
+              default="fedavg",
               show_default=True,
               help="fedavg: hierarchical FedAvg; hier_qsgd: Hier-Local-QSGD (quantized, 2 edge rounds per round); "
                    "qhetfed: QHetFed (4 quantized gradient aggregations in each cell, then local steps); "
                    "hist: HIST (each cell trains its own slice of the hidden neurons, 2 edge rounds per round); "
                    "fedxl: FeDXL (partial AUROC with pairs across devices, on a rare-event task where every device "
-                   "holds one class; reports AUROC and pAUC per round).")
+                   "holds one class; reports AUROC and pAUC per round); "
+                   "hsgd: HSGD (a host holding one block of features per cell, one-sample devices holding the "
+                   "other, embeddings exchanged through the edge; breast_cancer, AUC per round).")
 @click.option("--local-steps", type=click.IntRange(1), default=None,
               help="Local SGD steps (QHetFed: gamma) [default: 20 fedavg, 10 hier_qsgd and qhetfed, 16 fedxl].")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -77,13 +82,16 @@ import click
                    "deleted after a successful run).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Give up after this many seconds.")
+@click.option("--dashboard", is_flag=True,
+              help="The coordinator also serves its read-only web dashboard on a free 127.0.0.1 port; the demo "
+                   "prints the URL (open it while the rounds run).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
+@strategy_options
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
          secure_aggregation: bool, privacy: bool, epsilon: float | None, delta: float | None, clip: float | None,
-         trusted: str | None,
-         compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
-         timeout_s: float, as_json: bool) -> None:
+         trusted: str | None, compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
+         timeout_s: float, dashboard: bool, as_json: bool, **strategy: Any) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
@@ -98,14 +106,29 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     With --privacy, cell-a is trusted and cell-b untrusted: the demo prints the noise plan,
     the epsilon spent after each round, and the final epsilon and delta from the ledger.
 
+    With --algorithm hsgd every cell has a host (a feature party holding features 0-19 of
+    breast_cancer for all its samples) and one-sample devices (features 20-29); the roles run
+    in this process, each node with its own connection to the broker; --devices defaults to 100,
+    --alpha is the share of devices selected per interval (default 0.2), --local-steps is
+    P = Q (default 2), --lr defaults to 0.05.
+
     \b
         fedtier demo
         fedtier demo --algorithm fedxl
+        fedtier demo --algorithm hsgd
         fedtier demo --privacy --compare
         fedtier demo --secure-aggregation
         fedtier demo --privacy --epsilon 4 --trusted cell-a,cell-b --workdir /tmp/dp-demo
+        fedtier demo --dashboard --rounds 100
+        fedtier demo --edge-aggregator median --attack sign_flip --attack-fraction 0.2
+        fedtier demo --server-optimizer adam --server-lr 0.03 --proximal-mu 0.01 --partial-work
     """
     from cloud_coordinator.demo import Demo, DemoError, DemoOptions, PrivacyDemo, Terminated, raise_on_termination
+
+    if algorithm == "hsgd":
+        _hsgd_demo(devices=devices, cells=cells, rounds=rounds, broker=broker, local_steps=local_steps, lr=lr,
+                   alpha=alpha, privacy=privacy, seed=seed, timeout_s=timeout_s, as_json=as_json)
+        return
 
     privacy_only = {"--epsilon": epsilon, "--delta": delta, "--clip": clip, "--trusted": trusted,
                     "--compare": compare or None}
@@ -116,11 +139,12 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     if privacy:
         dp = PrivacyDemo(**{k: v for k, v in (("epsilon", epsilon), ("delta", delta), ("clip", clip)) if v is not None},
                          trusted=_cells(trusted))
+    extra = overrides(pop_values(strategy), algorithm)
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
                        local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
-                       secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python,
-                       secure_aggregation=secure_aggregation)
+                       secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python, dashboard=dashboard,
+                       strategy=extra, secure_aggregation=secure_aggregation)
     view = ConsoleView(enabled=not as_json)
     try:
         runner = Demo(opts, view)
@@ -204,6 +228,8 @@ def _document(opts: Any, result: Any, baseline: Any) -> dict[str, Any]:
         "final_ranking": ({k: result.rounds[-1].get(k) for k in ("auroc", "pauc_0.3", "pauc_0.5")}
                           if result.rounds and result.rounds[-1].get("auroc") is not None else None),
         "stopped": result.stopped, "privacy": jsonable(result.privacy) if result.privacy is not None else None,
+        "dashboard": result.extra.get("dashboard"),
+        "strategy": result.extra.get("strategy"), "attack": result.extra.get("attack"),
     }
     if baseline is not None:
         doc["compare"] = {"privacy": None, "wall_s": baseline.wall_s,
@@ -220,6 +246,12 @@ def _print_summary(opts: Any, result: Any, baseline: Any) -> None:
              + (", secure aggregation" if opts.secure_aggregation else "")
              + (", differential privacy" if result.privacy is not None else ""))
     facts: list[tuple[str, str]] = []
+    attack = result.extra.get("attack")
+    if attack is not None:
+        title = f"ATTACK RUN: {title}"
+        facts.append(("attack", f"{attack['note']}: {', '.join(attack['devices']) or 'none'}"))
+    if result.extra.get("strategy"):
+        facts.append(("strategy", json.dumps(result.extra["strategy"], sort_keys=True)))
     p = result.privacy
     if p is not None:
         labels = ", ".join(f"{cell} " + ("trusted (its edge adds noise)" if c["trusted"]
@@ -241,3 +273,49 @@ def _print_summary(opts: Any, result: Any, baseline: Any) -> None:
                       f"{last:.4f} after {len(baseline.rounds)} rounds (same seeds, {baseline.wall_s:.1f} s)"))
     make_console().print(summary(result.rounds, result.wall_s, title, facts=facts,
                                  compare=baseline.rounds if baseline is not None else None))
+
+
+def _hsgd_demo(*, devices: int, cells: int, rounds: int, broker: str, local_steps: int | None, lr: float | None,
+               alpha: float, privacy: bool, seed: int, timeout_s: float, as_json: bool) -> None:
+    """``--algorithm hsgd``: the roles in this process over a real broker (``cloud_coordinator.hsgd_demo``)."""
+    from click.core import ParameterSource
+
+    from cloud_coordinator.hsgd_demo import HsgdDemoOptions, run_demo
+    from fedtier.errors import LocalProtocolError
+
+    if privacy:
+        raise click.UsageError("hsgd does not run under --privacy: its embeddings (zeta2, Z1) and head theta0 are "
+                               "data-dependent releases the noise plan does not cover (docs/hsgd.md)")
+    ctx = click.get_current_context()
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) is not ParameterSource.DEFAULT
+
+    opts = HsgdDemoOptions(devices=devices if given("devices") else 100, cells=cells, rounds=rounds,
+                           interval=local_steps or 2, alpha=alpha if given("alpha") else 0.2, lr=lr or 0.05,
+                           broker=broker, seed=seed, timeout_s=timeout_s)
+    if not 0 < opts.alpha <= 1:
+        raise click.BadParameter("with hsgd, the share of devices selected per interval: in (0, 1]",
+                                 param_hint="'--alpha'")
+    view = ConsoleView(enabled=not as_json)
+    try:
+        doc = run_demo(opts, view.say)
+    except LocalProtocolError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        json.dump(doc, sys.stdout, indent=1, default=float)
+        click.echo()
+        return
+    from rich.table import Table
+
+    table = Table("tier", "bytes", title=f"fedtier demo: hsgd, {doc['devices']} devices, {doc['cells']} cells, "
+                                         f"{doc['broker']} broker, {doc['wall_s']:.1f} s", title_justify="left")
+    labels = {"device_up": "devices -> edge (zeta2, theta2)", "device_down": "edge -> devices (theta2, Z1 row, theta0)",
+              "host_up": "hosts -> edge (Z1, theta0, update)", "host_down": "edge -> hosts (task, Z2)",
+              "edge_up": "edges -> cloud", "edge_down": "cloud -> edges", "vertical": "of which embeddings"}
+    for key, label in labels.items():
+        table.add_row(label, f"{doc['bytes'].get(key, 0):,}")
+    table.add_row("paper meter, eq. (19)", f"{doc['paper_bytes']:,}")
+    view.console.print(table)
+    view.say(f"final test AUC {doc['rounds'][-1]['auc']:.4f} after {len(doc['rounds'])} rounds")
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from typing import Any
 
 import click
 
@@ -119,3 +120,98 @@ def render(inputs: PlanInputs, result: Plan) -> str:
 
 def _num(value: int | float) -> str:
     return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+@plan.command("hsgd")
+@click.option("--P", "p_global", type=int, default=10, show_default=True,
+              help="P, iterations per global (cloud) round; a multiple of --Q.")
+@click.option("--Q", "q_local", type=int, default=5, show_default=True,
+              help="Q, iterations per local interval (embedding exchange and edge average of theta2).")
+@click.option("--theta0", type=int, default=1000, show_default=True, help="|theta0|, values in the combined head.")
+@click.option("--theta1", type=int, default=5000, show_default=True, help="|theta1|, values in the host's encoder.")
+@click.option("--theta2", type=int, default=2000, show_default=True, help="|theta2|, values in the device encoder.")
+@click.option("--selected", type=int, default=10, show_default=True,
+              help="|A|, devices selected per group and interval (round(alpha K_m)).")
+@click.option("--d1", type=int, default=16, show_default=True, help="Width of the host's embedding zeta1.")
+@click.option("--d2", type=int, default=16, show_default=True, help="Width of a device's embedding zeta2.")
+@click.option("--groups", "m_groups", type=int, default=1, show_default=True, help="M, groups (cells).")
+@click.option("--iterations", "t_total", type=int, default=1000, show_default=True, help="T, total iterations.")
+@click.option("--bits-embedding", type=int, default=32, show_default=True,
+              help="Bits on the vertical path (32 = float32, HSGD; 7 = C-HSGD).")
+@click.option("--F0", "f0", type=float, default=2.3, show_default=True,
+              help="F(theta^0), the initial global loss (strategy 2; from a short pre-training).")
+@click.option("--rho", type=float, default=1.0, show_default=True, help="rho, the gradient's Lipschitz constant.")
+@click.option("--eta", type=float, default=0.01, show_default=True, help="eta, the learning rate.")
+@click.option("--delta", type=float, default=0.5, show_default=True,
+              help="delta, the bound on the stochastic gradients' standard deviation.")
+@click.option("--grad-sq", type=float, default=1.0, show_default=True,
+              help="|grad F|^2 at the interval's start (strategy 3).")
+@click.option("--xi", type=float, default=None,
+              help="Target bound Xi of Theorem 1 (strategy 1's bound on Lambda = P/Q; omitted: not computed).")
+@click.option("--json", "as_json", is_flag=True, help="Print the inputs and the results as JSON.")
+def hsgd(p_global: int, q_local: int, theta0: int, theta1: int, theta2: int, selected: int, d1: int, d2: int,
+         m_groups: int, t_total: int, bits_embedding: int, f0: float, rho: float, eta: float, delta: float,
+         grad_sq: float, xi: float | None, as_json: bool) -> None:
+    """HSGD's communication cost (eq. (19)) and adaptive strategies 1-3 (seed paper 000, Sec. VI).
+
+    Strategy 2 is shown as printed in the paper (eta^2) and as eq. (20) actually gives (eta^3); the
+    report flags when they differ. Defaults are the paper's worked sizes (190,560 bytes per round).
+
+    Example:
+
+    \b
+        fedtier plan hsgd --P 10 --Q 5 --theta0 1000 --theta1 5000 --theta2 2000 --selected 10 --d1 16 --d2 16
+    """
+    from fedtier.algorithms import hsgd_plan
+    from fedtier.errors import LocalProtocolError
+
+    inputs = {"P": p_global, "Q": q_local, "theta0": theta0, "theta1": theta1, "theta2": theta2,
+              "selected": selected, "d1": d1, "d2": d2, "M": m_groups, "T": t_total, "bits_embedding": bits_embedding,
+              "F0": f0, "rho": rho, "eta": eta, "delta": delta, "grad_sq": grad_sq, "xi": xi}
+    if bits_embedding != 32 and not 2 <= bits_embedding <= 8:
+        raise click.BadParameter("must be 32 (float32) or 2..8", param_hint="'--bits-embedding'")
+    sizes = hsgd_plan.Sizes(theta0=theta0, theta1=theta1, theta2=theta2, selected=selected, d1=d1, d2=d2)
+    try:
+        cost_round = hsgd_plan.cost_round(sizes, p_global, q_local)
+        s2_paper = hsgd_plan.strategy2(F0=f0, rho=rho, eta=eta, delta=delta, T=t_total, mode="paper")
+        s2_derived = hsgd_plan.strategy2(F0=f0, rho=rho, eta=eta, delta=delta, T=t_total, mode="derived")
+        eta2, eta_star = hsgd_plan.strategy3(P=p_global, Q=q_local, rho=rho, delta=delta, grad_sq=grad_sq)
+    except LocalProtocolError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--P'/'--Q'" if "P=" in str(exc) else None) from None
+    bound = None if xi is None else hsgd_plan.lambda_bound(P=p_global, rho=rho, eta=eta, delta=delta, xi=xi, dF=f0,
+                                                           T=t_total)
+    result: dict[str, Any] = {
+        "cost_round_values": cost_round,
+        "cost_round_bytes": hsgd_plan.bytes_round(sizes, p_global, q_local, bits_embedding),
+        "cost_total_values": hsgd_plan.cost_total(sizes, p_global, q_local, m_groups, t_total),
+        "strategy1": {"lambda_bound": None if bound is None or bound == float("inf") else bound,
+                      "xi_reachable": None if bound is None else bound != float("inf"),
+                      "rule": "P = Q (Lambda = 1)",
+                      "p_equals_q_admissible": None if bound is None else bool(bound <= 1)},
+        "strategy2": {"paper": {"value": s2_paper[0], "P=Q": s2_paper[1]},
+                      "derived": {"value": s2_derived[0], "P=Q": s2_derived[1]},
+                      "differs": s2_paper[1] != s2_derived[1]},
+        "strategy3": {"eta2": eta2, "eta_max": 1.0 / (8 * p_global * rho), "eta_star": eta_star},
+    }
+    if as_json:
+        click.echo(json.dumps({"inputs": inputs, "plan": result}, indent=1, default=str))
+        return
+    lines = [f"HSGD plan (P={p_global}, Q={q_local}, Lambda={p_global // q_local}, M={m_groups}, T={t_total})",
+             f"  paper cost per group and round   {cost_round} values = {result['cost_round_bytes']:.0f} bytes"
+             f"{'' if bits_embedding == 32 else f' ({bits_embedding}-bit vertical path)'}",
+             f"  eq. (19) total                   {result['cost_total_values']:.6g} values",
+             "strategy 1 (Prop. 1): use P = Q",
+             "  lower bound on Lambda            " + ("(give --xi)" if bound is None else
+                                                      f"{bound:.6g}" + (" -> P = Q admissible" if bound <= 1 else
+                                                                        " -> P = Q does not meet --xi at this eta")),
+             "strategy 2 (Prop. 2): P* = Q*",
+             f"  as printed (eta^2)               {s2_paper[0]:.6g} -> {s2_paper[1]}",
+             f"  as eq. (20) gives (eta^3)        {s2_derived[0]:.6g} -> {s2_derived[1]}",
+             "strategy 3 (Prop. 3): learning rate",
+             f"  eta_2                            {eta2:.6g}",
+             f"  eta* = min(eta_2, 1/(8 P rho))   {eta_star:.6g}"]
+    if result["strategy2"]["differs"]:
+        lines.append("WARNING: strategy 2's printed formula and its derivation disagree "
+                     f"({s2_paper[1]} vs {s2_derived[1]}); the printed form is the paper's, the derived one "
+                     "follows from eq. (20). See docs/hsgd.md.")
+    click.echo("\n".join(lines))

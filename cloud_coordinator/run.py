@@ -52,13 +52,19 @@ def build(cfg: RolloutConfig, on_round: Callable[[dict[str, Any]], None] | None 
 
 
 def run(cfg: RolloutConfig, stop: threading.Event | None = None,
-        on_round: Callable[[dict[str, Any]], None] | None = None) -> int:
+        on_round: Callable[[dict[str, Any]], None] | None = None, http: tuple[str, int] | None = None) -> int:
+    """Run the rollout; ``http`` = (host, port) also serves the read-only dashboard (``observe.web``)."""
     validate(cfg)
     if not identity.preflight(cfg.cloud_id, [cfg.broker]):
         return mqtt_service.EXIT_UNAUTHORIZED
     node, tx, inbox = build(cfg, on_round)
     if cfg.metrics_port:
         node.metrics.serve(cfg.metrics_port)
+    if http is not None:
+        from cloud_coordinator.observe import web
+        from cloud_coordinator.observe.status import StoreStatus
+
+        web.start(StoreStatus(cfg.state_dir / "coordinator.db", live=node.observed), *http)
     log.info("rollout %s: %s, %d rounds, %d cells, %d devices; broker %s:%d", cfg.rollout, cfg.algorithm,
              cfg.rounds, len(node.prepared.cells), len(node.prepared.devices), cfg.broker.host, cfg.broker.port)
     return mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop, done=lambda: node.done)

@@ -11,6 +11,8 @@ Per inbound message (on the node's single thread, see ``fedtier.runtime.node_bas
 * cloud ``artifact``      -> verify, cache, relay to the cell;
 * device ``device_update``-> role; the accepted update is recorded before it is acknowledged;
                              when the role closes the cell, the cell update goes to the cloud;
+* device/host ``hsgd_embeddings`` -> role (HSGD: a device's zeta2, the host's Z1 rows and head), recorded
+                             like an update; the role's relays go to the host or device on its own topic;
 * device ``artifact_request`` -> serve from the cache, or ask the cloud;
 * ``status`` (presence)   -> a member that comes online and still owes an update gets the
                              open round's task on its own topic.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
@@ -55,6 +58,7 @@ from fedtier.wire.messages import (
     CellUpdate,
     DeviceGradient,
     DeviceUpdate,
+    Embeddings,
     Message,
 )
 
@@ -62,6 +66,9 @@ log = logging.getLogger("fedtier.edge")
 
 SECAGG_ABORTS = "fedtier_secagg_aborts_total"
 """Cell rounds a secure aggregation aborted, by typed reason (``fedtier.secagg.protocol.Abort``)."""
+AGGREGATION_SECONDS = "fedtier_edge_aggregation_seconds"
+"""Histogram: from a round's cell task arriving to the cell's update leaving for the cloud."""
+
 ARTIFACT_REREQUEST_S = 5.0
 ARTIFACT_RESERVE_S = 2.0
 """The cell downlink is a broadcast: one copy reaches every device, so a file asked for by
@@ -91,6 +98,8 @@ class EdgeNode(NodeBase):
         self._served: dict[str, float] = {}
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
+        self._task_arrived: dict[tuple[str, int], float] = {}
+        """When each open round's cell task arrived (monotonic), for ``AGGREGATION_SECONDS``."""
         self._online: set[str] = set()  # nodes seen coming online since this edge started
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -120,7 +129,7 @@ class EdgeNode(NodeBase):
             return
         for payload in payloads:
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
-            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, *secagg_messages.UPWARD))
+            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, Embeddings, *secagg_messages.UPWARD))
             try:
                 self._on_round_message(payload, msg, now, replay=True)
             except RemoteProtocolError as exc:
@@ -183,7 +192,8 @@ class EdgeNode(NodeBase):
                 self._on_artifact(msg, now)
             elif isinstance(msg, ArtifactRequest):
                 self._on_artifact_request(msg, now)
-            elif isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, *secagg_messages.UPWARD)):
+            elif (isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, *secagg_messages.UPWARD))
+                  or type(msg) is Embeddings):
                 self._on_round_message(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             else:
                 raise UnexpectedMessageError(f"edge does not accept {msg.KIND}")
@@ -244,6 +254,8 @@ class EdgeNode(NodeBase):
                 if isinstance(msg, CellTask):
                     self.store.prune(msg.rollout, msg.round)
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
+            if isinstance(msg, CellTask):
+                self._task_arrived.setdefault((msg.rollout, msg.round), time.monotonic())
             if not isinstance(msg, CellTask):
                 counts = self._round_bytes[(msg.rollout, msg.round)]
                 size = len(payload) if wire_bytes is None else wire_bytes
@@ -280,6 +292,9 @@ class EdgeNode(NodeBase):
                     self.store.save_output(rollout, msg.round, msg.key, stored)
                 # else: a replay closed the cell again; the same bytes go out, never a second noisy release
                 self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), stored)
+                arrived = self._task_arrived.pop((rollout, msg.round), None)
+                if arrived is not None:
+                    self.metrics.observe(AGGREGATION_SECONDS, time.monotonic() - arrived)
                 log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,
                          len(getattr(msg, "reported", ())))
 

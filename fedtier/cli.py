@@ -28,6 +28,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "privacy": ("cloud_coordinator.privacy_cli", "privacy"),
     "data": ("cloud_coordinator.data_cli", "data"),
     "init": ("cloud_coordinator.init_cli", "init"),
+    "report": ("cloud_coordinator.report_cli", "report"),
 }
 
 SHORT_HELP = {
@@ -42,6 +43,7 @@ SHORT_HELP = {
     "privacy": "Differential privacy: a rollout's noise plan, and its ledger's epsilon report.",
     "data": "Your own data: split a CSV or .npz table into per-device shards.",
     "init": "Write a commented starter rollout (your own model and data) to edit.",
+    "report": "Plot a rollout from the coordinator's store (PNGs and a markdown summary).",
 }
 
 

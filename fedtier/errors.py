@@ -196,6 +196,30 @@ class MissingReleaseError(RemoteProtocolError):
     reason = "missing_release"
 
 
+class EmbeddingWidthError(RemoteProtocolError):
+    """HSGD: an embedding (``zeta2``, ``Z1``) whose width or row count is not the model's."""
+
+    reason = "embedding_width"
+
+
+class EmbeddingNonFiniteError(RemoteProtocolError):
+    """HSGD: an embedding holding NaN or infinity (it would poison the partner's every step)."""
+
+    reason = "embedding_non_finite"
+
+
+class UnselectedDeviceError(RemoteProtocolError):
+    """HSGD: an embedding or model from a device the edge did not select for this interval."""
+
+    reason = "unselected_device"
+
+
+class StaleIntervalError(RemoteProtocolError):
+    """HSGD: an embedding or model for an interval (round, step) other than the open one."""
+
+    reason = "stale_interval"
+
+
 class PrivacyViolationError(FedtierError):
     """This node was about to send something the noise plan forbids (a clear aggregate to an
     untrusted parent, a clear update without TLS). Nothing is sent; the operator must look."""

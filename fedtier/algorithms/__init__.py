@@ -18,6 +18,7 @@ ALGORITHMS: dict[str, str] = {
     "hist": "fedtier.algorithms.hist",
     "fedxl": "fedtier.algorithms.fedxl",
     "secure_fedavg": "fedtier.algorithms.secure_fedavg",
+    "hsgd": "fedtier.algorithms.hsgd",
 }
 
 

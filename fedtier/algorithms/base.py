@@ -12,7 +12,8 @@ socket, a clock, a thread or a logger. A shell (``device_agent``, ``edge_broker`
 3. executes the returned ``Action`` list in order: ``Send*`` actions are encoded and
    published, ``LocalTrain`` runs the trainer, ``Evaluate`` evaluates on the device's
    held-out rows, ``ScoreRows``/``ScoreGradient`` score local rows and take the gradient of a
-   weighted sum of scores (X-risk algorithms), ``RoundClosed`` is persisted and evaluated,
+   weighted sum of scores (X-risk algorithms), ``Embed``/``SplitTrain`` compute an embedding and
+   train one side of a split model against fixed partner inputs (HSGD), ``RoundClosed`` is persisted and evaluated,
    ``Dropped``/``Note`` are logged and counted.
 
 Federated evaluation: a device role that was told its shell has held-out rows
@@ -181,6 +182,37 @@ class ScoreGradient:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class Embed:
+    """HSGD (host or device): compute the embedding of encoder ``block`` (``theta1`` host, ``theta2``
+    device) at ``params`` on the local rows named ``rows``; the shell reports back with
+    ``role.embedded(round, step, zeta)``."""
+
+    round: int
+    step: int
+    block: str
+    params: Tensors
+    rows: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SplitTrain:
+    """HSGD (host or device): ``steps`` SGD steps with rate ``lr`` on ``rows``: the host (``side = "host"``)
+    trains ``params`` (``theta0, theta1``) with the partner embeddings ``partner`` (``Z2``) fixed; a device trains
+    ``params`` (``theta2``) with ``frozen`` (``theta0``) and ``partner`` (its ``zeta1``) fixed. The
+    shell reports back with ``role.split_trained(round, step, params, mean_loss)``."""
+
+    round: int
+    step: int
+    side: str
+    params: Tensors
+    frozen: Tensors
+    partner: np.ndarray
+    rows: tuple[str, ...]
+    steps: int
+    lr: float
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class GradientResult:
     grad: Tensors
     loss: float
@@ -235,7 +267,7 @@ class Note:
 
 
 Action = (SendToParent | Broadcast | SendToChild | LocalTrain | ComputeGradient | Evaluate | ScoreRows | ScoreGradient
-          | RoundClosed | Finished | Dropped | Note)
+          | Embed | SplitTrain | RoundClosed | Finished | Dropped | Note)
 
 
 # --- role protocols -----------------------------------------------------------------------

@@ -32,6 +32,7 @@ import numpy as np
 
 from fedtier.algorithms.base import Action, Dropped, LocalResult, LocalTrain, Note, RoleState, \
     SendToChild, SendToParent
+from fedtier.algorithms import strategies
 from fedtier.algorithms.cloud import Cloud
 from fedtier.algorithms.common import check_int, check_like
 from fedtier.algorithms.fedavg import FedAvgConfig
@@ -241,6 +242,7 @@ class Edge(_EdgeBase):
     def receive(self, message: Message, now: float) -> list[Action]:
         self._guard()
         if isinstance(message, CellTask):
+            self._check_edge_rule(message)
             return self._on_task(message, now)
         handlers = {SecAggKeys: lambda s, m: s.receive_keys(m.sender, m.advertised()),
                     SecAggShares: lambda s, m: s.receive_shares(m.sender, m.shares),
@@ -254,6 +256,17 @@ class Edge(_EdgeBase):
             return [Dropped("duplicate", message.key)]
         self._seen.add(message.key)
         return self._advance(now) if session.complete() else []
+
+    def _check_edge_rule(self, task: CellTask) -> None:
+        """Refuse (before any state changes) a task whose edge rule needs each device's update."""
+        config = self.CONFIG.from_dict(task.config)
+        try:
+            rule = strategies.parse_strategy(config.strategy)["edge"].rule
+        except strategies.StrategyError as exc:
+            raise UnexpectedMessageError(f"task's edge aggregator: {exc}") from None
+        if rule != "mean":
+            raise UnexpectedMessageError(f"edge rule {rule!r} needs each device's update; under secure aggregation "
+                                         "the edge sees only the cell's sum")
 
     def _admit_secagg(self, msg: Message) -> EdgeSession:
         if self._task is None or self.session is None:

@@ -175,6 +175,9 @@ REFUSED: Mapping[str, str] = {
                        "[privacy] and algorithm = qhetfed is refused, and so are its roles given a noise plan",
     "xrisk_device_update": _XRISK,
     "xrisk_cell_update": _XRISK,
+    "hsgd_embeddings": "HSGD's embeddings (a device's zeta2, a host's Z1 rows) and the host's head theta0 are "
+                       "data-dependent releases the mechanism does not cover: a config with [privacy] and "
+                       "algorithm = hsgd is refused, and so are its roles given a noise plan",
     **{kind: "secure aggregation (docs/secure_aggregation.md) with a noise plan, distributed DP, is not implemented: a "
              "config with [privacy] and secure_aggregation = true is refused, and so are its roles given a noise plan"
        for kind in ("secagg_keys", "secagg_shares", "secagg_masked", "secagg_reveal")},
@@ -188,6 +191,8 @@ DOWNWARD: Mapping[str, str] = {
     "artifact": "parent -> children: artifact files listed in the signed manifest",
     "xrisk_cell_task": "cloud -> edge (FeDXL, never under a noise plan): the model, momentum and the merged scores",
     "xrisk_device_task": "edge -> its devices (FeDXL, never under a noise plan): the cloud's task, relayed",
+    "hsgd_partner": "edge -> its host (the devices' zeta2 rows) or a device (its Z1 row and theta0) (HSGD, never "
+                    "under a noise plan)",
     "secagg_roster": "edge -> one device (secure aggregation): its neighbours' public keys and the roster's size",
     "secagg_bundle": "edge -> one device (secure aggregation): ciphertexts of shares only that device can open",
     "secagg_unmask": "edge -> one device (secure aggregation): which neighbours survived or dropped (participation)",

@@ -1,100 +1,205 @@
-"""Counters and gauges with labels, rendered in the Prometheus text format.
+"""A node's Prometheus metrics: counters, gauges and histograms on its own ``CollectorRegistry``.
 
-Edges and the coordinator can serve them over HTTP (``serve``) for Prometheus to scrape;
-tests and the demo read them directly. Names follow Prometheus conventions
-(``fedtier_rejected_total{reason="sha_mismatch"}``).
+Roles count with a small API (``inc``, ``set``, ``observe``; ``get``, ``total``, ``snapshot``
+to read back) so that they never declare metric objects up front; the first use of a name
+declares it in the node's registry with the label names of that call (plus the node's
+constant labels, ``node`` and ``role``). The registry belongs to the node, not the process:
+the simulator and the tests run many nodes in one process, each with its own series.
+
+``watch(transport)`` exports the transports' traffic counters (messages and bytes per tier and
+direction) at scrape time; ``serve`` exposes everything, plus the process's CPU, memory and file
+descriptors, with ``prometheus_client``'s own HTTP server. Names and labels: docs/operations.md.
 """
 
 from __future__ import annotations
 
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Iterable, Iterator, Sequence
 
-LabelKey = tuple[tuple[str, str], ...]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+
+MESSAGES = "fedtier_messages_total"
+"""Messages sent (``direction="out"``) and received (``"in"``) per ``tier``; chunks count one each."""
+BYTES = "fedtier_bytes_total"
+"""Bytes on the wire, like ``MESSAGES``."""
+
+TIERS = {
+    "cell_up": "device_edge", "cell_down": "device_edge", "cell_manifest": "device_edge",
+    "edge_up": "edge_cloud", "cloud_down": "edge_cloud", "manifest": "edge_cloud",
+    "status": "presence",
+}
+"""The tier of each topic channel (``fedtier.transport.topics``): the device<->edge hop, the
+edge<->cloud hop, and presence (retained status documents)."""
+
+SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, float("inf"))
+"""Histogram buckets for round-scale durations: a simulated round takes tens of milliseconds,
+a fleet's round minutes."""
+
+_KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 
 class Metrics:
-    """A thread-safe registry of counters (``inc``) and gauges (``set``)."""
+    """The metrics of one node; thread-safe (``prometheus_client`` locks each series)."""
 
-    def __init__(self, **const_labels: str) -> None:
+    def __init__(self, **const_labels: Any) -> None:
         self.const_labels = {k: str(v) for k, v in const_labels.items()}
-        self._values: dict[str, dict[LabelKey, float]] = {}
-        self._kinds: dict[str, str] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._declared: dict[str, tuple[str, tuple[str, ...], Any]] = {}
         self._lock = threading.Lock()
+        self._traffic = _TrafficCollector(self.const_labels)
+        self.registry.register(self._traffic)
+        self._process_collectors = False
 
-    def _key(self, labels: dict[str, Any]) -> LabelKey:
-        return tuple(sorted((k, str(v)) for k, v in labels.items()))
+    # --- writing ------------------------------------------------------------------------------------
+
+    def _series(self, kind: str, name: str, labels: dict[str, Any], buckets: Sequence[float] | None = None) -> Any:
+        """The labelled child of ``name``; a label given in the call overrides a constant one."""
+        values = {**self.const_labels, **{k: str(v) for k, v in labels.items()}}
+        keys = tuple(sorted(labels))
+        with self._lock:
+            found = self._declared.get(name)
+            if found is None:
+                extra: dict[str, Any] = {"buckets": tuple(buckets or SECONDS_BUCKETS)} if kind == "histogram" else {}
+                names = (*[k for k in self.const_labels if k not in labels], *keys)
+                metric = _KINDS[kind](name, _doc(name), labelnames=names, registry=self.registry, **extra)
+                found = self._declared[name] = (kind, keys, metric)
+        declared_kind, declared_keys, metric = found
+        if declared_kind != kind:
+            raise ValueError(f"metric {name} is a {declared_kind}, not a {kind}")
+        if declared_keys != keys:
+            raise ValueError(f"metric {name} has labels {list(declared_keys)}, not {list(keys)}")
+        return metric.labels(**values) if values else metric
 
     def inc(self, name: str, amount: float = 1.0, **labels: Any) -> None:
-        with self._lock:
-            self._kinds.setdefault(name, "counter")
-            series = self._values.setdefault(name, {})
-            key = self._key(labels)
-            series[key] = series.get(key, 0.0) + amount
+        """Add ``amount`` (>= 0) to a counter (its name ends in ``_total``)."""
+        self._series("counter", name, labels).inc(amount)
 
     def set(self, name: str, value: float, **labels: Any) -> None:
-        with self._lock:
-            self._kinds.setdefault(name, "gauge")
-            self._values.setdefault(name, {})[self._key(labels)] = float(value)
+        """Set a gauge."""
+        self._series("gauge", name, labels).set(float(value))
+
+    def observe(self, name: str, value: float, *, buckets: Sequence[float] | None = None, **labels: Any) -> None:
+        """Record one observation (a duration in seconds) in a histogram."""
+        self._series("histogram", name, labels, buckets).observe(float(value))
+
+    def watch(self, transport: Any) -> None:
+        """Export ``transport.traffic`` (a ``fedtier.transport.Traffic``) as ``MESSAGES`` and ``BYTES``."""
+        self._traffic.add(transport)
+
+    # --- reading ------------------------------------------------------------------------------------
+
+    def _sample_name(self, name: str) -> str:
+        kind = self._declared.get(name, ("counter",))[0]
+        return f"{name}_count" if kind == "histogram" else name
 
     def get(self, name: str, **labels: Any) -> float:
-        with self._lock:
-            return self._values.get(name, {}).get(self._key(labels), 0.0)
+        """A series' value; 0 if it was never touched. For a histogram, its number of observations."""
+        full = {**self.const_labels, **{k: str(v) for k, v in labels.items()}}
+        value = self.registry.get_sample_value(self._sample_name(name), full)
+        return 0.0 if value is None else float(value)
 
     def total(self, name: str) -> float:
-        """Sum of a metric over all label sets."""
-        with self._lock:
-            return sum(self._values.get(name, {}).values())
+        """Sum of a metric over all label sets (observations, for a histogram)."""
+        sample = self._sample_name(name)
+        return float(sum(s.value for s in self._samples() if s.name == sample))
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        with self._lock:
-            return {name: {",".join(f"{k}={v}" for k, v in key): val for key, val in series.items()}
-                    for name, series in self._values.items()}
+        """``{name: {"label=value,...": value}}`` without the constant labels (histograms: ``_count``, ``_sum``)."""
+        out: dict[str, dict[str, float]] = {}
+        wanted = {n for n, (kind, _, _) in self._declared.items() if kind != "histogram"}
+        wanted |= {f"{n}{s}" for n, (kind, _, _) in self._declared.items() if kind == "histogram"
+                   for s in ("_count", "_sum")}
+        wanted |= {MESSAGES, BYTES}
+        for s in self._samples():
+            if s.name in wanted:
+                key = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in self.const_labels)
+                out.setdefault(s.name, {})[key] = s.value
+        return out
+
+    def _samples(self) -> Iterator[Any]:
+        for family in self.registry.collect():
+            yield from family.samples
 
     def render(self) -> str:
-        """Prometheus text exposition format 0.0.4."""
-        lines = []
+        """The Prometheus text exposition format, as a scrape returns it."""
+        return generate_latest(self.registry).decode()
+
+    # --- serving ------------------------------------------------------------------------------------
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> Any:
+        """Serve the registry (and the process's metrics) on ``host:port`` from a daemon thread.
+
+        Returns the server (``server_address``, ``shutdown()``); port 0 lets the OS choose.
+        """
         with self._lock:
-            for name in sorted(self._values):
-                lines.append(f"# TYPE {name} {self._kinds[name]}")
-                for key, value in sorted(self._values[name].items()):
-                    labels = {**self.const_labels, **dict(key)}
-                    label_str = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-                    text = _number(value)
-                    lines.append(f"{name}{{{label_str}}} {text}" if label_str else f"{name} {text}")
-        return "\n".join(lines) + "\n"
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
-        """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the server."""
-        registry = self
-
-        class _Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                if self.path.rstrip("/") != "/metrics":
-                    self.send_error(404)
-                    return
-                body = registry.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        server = ThreadingHTTPServer((host, port), _Handler)
-        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+            if not self._process_collectors:
+                ProcessCollector(registry=self.registry)
+                PlatformCollector(registry=self.registry)
+                GCCollector(registry=self.registry)
+                self._process_collectors = True
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server
 
 
-def _number(value: float) -> str:
-    """Full precision: integral values as integers (counters), others as repr (shortest exact)."""
-    if value.is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(value)
+def _doc(name: str) -> str:
+    return DOCS.get(name, name.replace("_", " "))
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+DOCS = {
+    "fedtier_rejected_total": "Messages rejected, by reason (bad input: the typed error's reason).",
+    "fedtier_dropped_total": "Messages ignored without being an error (duplicate, superseded ...), by reason.",
+    "fedtier_accepted_total": "Messages accepted by the node's role, by message kind.",
+}
+"""Help texts of the metrics the runtime itself declares; the roles add theirs."""
+
+
+class _TrafficCollector:
+    """Reads the transports' ``Traffic`` at scrape time (no second count to keep in step)."""
+
+    def __init__(self, const_labels: dict[str, str]) -> None:
+        self.const_labels = const_labels
+        self._transports: list[Any] = []
+        self._lock = threading.Lock()
+
+    def add(self, transport: Any) -> None:
+        with self._lock:
+            if all(t is not transport for t in self._transports):
+                self._transports.append(transport)
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families({}, {}))
+
+    def collect(self) -> Iterable[Metric]:
+        messages: dict[tuple[str, str], float] = {}
+        nbytes: dict[tuple[str, str], float] = {}
+        with self._lock:
+            transports = list(self._transports)
+        for t in transports:
+            traffic = t.traffic
+            with traffic._lock:
+                counts = [(k, traffic.messages.get(k, 0), n) for k, n in traffic.bytes.items()]
+            for (direction, channel), n_messages, n_bytes in counts:
+                key = (TIERS.get(channel, "other"), direction)
+                messages[key] = messages.get(key, 0) + n_messages
+                nbytes[key] = nbytes.get(key, 0) + n_bytes
+        return list(self._families(messages, nbytes))
+
+    def _families(self, messages: dict[tuple[str, str], float], nbytes: dict[tuple[str, str], float]
+                  ) -> Iterator[Metric]:
+        names = [*self.const_labels, "tier", "direction"]
+        for name, help_text, values in (
+                (MESSAGES, "MQTT messages (chunks) sent and received, per tier and direction.", messages),
+                (BYTES, "MQTT payload bytes sent and received, per tier and direction.", nbytes)):
+            family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=names)
+            for (tier, direction), value in sorted(values.items()):
+                family.add_metric([*self.const_labels.values(), tier, direction], value)
+            yield family
+
+
+__all__ = ["BYTES", "MESSAGES", "Metrics", "SECONDS_BUCKETS", "TIERS"]

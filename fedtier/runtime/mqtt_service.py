@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from fedtier.runtime.metrics import Metrics
 from fedtier.runtime.node_base import Node, run_loop
 from fedtier.transport.base import Inbound
 from fedtier.transport.mqtt import MqttTransport
@@ -48,6 +49,10 @@ def run(node: Node, transports: Sequence[MqttTransport], inbox: "queue.Queue[Inb
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
     unique = list(dict.fromkeys(transports))  # an edge may use one connection for both of its sides
+    metrics = getattr(node, "metrics", None)
+    if isinstance(metrics, Metrics):  # messages and bytes per tier and direction, read at scrape time
+        for t in unique:
+            metrics.watch(t)
     start(time.monotonic())
     for t in unique:
         for pending in t.pending_complete():  # whole messages a crash left in a durable chunk store

@@ -28,6 +28,8 @@ from fedtier.wire.messages import Message
 REJECTED = "fedtier_rejected_total"
 DROPPED = "fedtier_dropped_total"
 ACCEPTED = "fedtier_accepted_total"
+STRAGGLERS = "fedtier_stragglers_total"
+"""Messages for a round the node had already closed (rejected as ``late``), by the tier they came up."""
 IDENTITY_CONFLICTS = "fedtier_identity_conflicts_total"
 """Times a child's presence showed two clients taking turns under its id (a copied bundle)."""
 EXPECTED_DROPS = ("duplicate",)
@@ -46,6 +48,7 @@ class NodeBase:
                  max_message_bytes: int) -> None:
         self.node_id = node_id
         self.metrics = metrics
+        metrics.inc(STRAGGLERS, 0)  # exported from the start: a scrape tells "none yet" from "not counted"
         self.log = logger
         self.max_message_bytes = max_message_bytes
         self._presence: dict[str, float] = {}
@@ -61,6 +64,8 @@ class NodeBase:
     def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
         """Log and count a rejected message, by its typed reason."""
         self.metrics.inc(REJECTED, reason=exc.reason)
+        if exc.reason == "late":
+            self.metrics.inc(STRAGGLERS)
         self.log.warning("rejected message on %s: %s: %s", inbound.topic, exc.reason, exc)
 
     def parse_topic(self, inbound: Inbound) -> topics.Topic | None:

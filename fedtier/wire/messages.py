@@ -632,10 +632,61 @@ class XRiskCellUpdate(CellUpdate):
                    scores=ScorePool.parse(env.meta.get("pool"), scores))
 
 
+# --- HSGD: embeddings cross between a cell's devices and its host (feature party) ------------------------
+#
+# "Communication-Efficient Hybrid Federated Learning for E-health with Horizontal and Vertical Data
+# Partitioning" (Yu et al.): in every local interval (``step`` = the interval's index within the round)
+# selected devices send their embedding zeta2 to the edge, the edge relays the rows to the host, the host
+# answers with its rows Z1 and its head theta0, and the edge hands each device its own row and theta0.
+# One layout, two kinds: ``hsgd_embeddings`` travels up (device -> edge, host -> edge), ``hsgd_partner``
+# down (edge -> host, edge -> device), so the disclosure audit can tell releases from relays.
+
+HSGD_ZETA = "hsgd/zeta"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Embeddings(Message):
+    """Rows of an embedding matrix ``zeta`` (float32 ``(len(rows), width)``) named by sample id
+    (HSGD: one sample per device, its id is the device's), plus model tensors when the host sends its
+    head ``theta0`` with ``Z1`` (``params``, named ``theta0/...``)."""
+
+    KIND: ClassVar[str] = "hsgd_embeddings"
+
+    zeta: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    rows: tuple[str, ...] = ()
+    params: Tensors = field(default_factory=dict)
+
+    def tensors(self) -> Tensors:
+        return {**self.params, HSGD_ZETA: self.zeta}
+
+    def _meta(self) -> dict[str, Any]:
+        return {"rows": list(self.rows)}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "Embeddings":
+        tensors = dict(env.tensors)
+        zeta = tensors.pop(HSGD_ZETA, None)
+        if zeta is None or np.ndim(zeta) != 2:
+            raise MalformedHeaderError(f"{env.type} needs a 2-D tensor {HSGD_ZETA!r}")
+        rows = _str_list(env.meta, "rows")
+        if len(rows) != zeta.shape[0]:
+            raise MalformedHeaderError(f"{env.type} names {len(rows)} rows for {zeta.shape[0]} embedding rows")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, zeta=zeta, rows=rows,
+                   params=tensors)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PartnerEmbeddings(Embeddings):
+    """Edge -> host (the selected devices' ``Z2``) or edge -> device (its row of ``Z1`` and ``theta0``)."""
+
+    KIND: ClassVar[str] = "hsgd_partner"
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (CellTask, DeviceTask, DeviceUpdate, CellUpdate, DeviceGradient, CellStep, ArtifactRequest,
-                ArtifactBlob, XRiskCellTask, XRiskDeviceTask, XRiskDeviceUpdate, XRiskCellUpdate)
+                ArtifactBlob, XRiskCellTask, XRiskDeviceTask, XRiskDeviceUpdate, XRiskCellUpdate, Embeddings,
+                PartnerEmbeddings)
 }
 
 M = TypeVar("M", bound=Message)
@@ -678,6 +729,9 @@ def messages_equal(a: Message, b: Message) -> bool:
                 return False
         elif isinstance(va, Mapping):
             if dict(va) != dict(vb):
+                return False
+        elif isinstance(va, np.ndarray):
+            if not (isinstance(vb, np.ndarray) and va.shape == vb.shape and np.array_equal(va, vb)):
                 return False
         elif va != vb:
             return False

@@ -283,3 +283,14 @@ def test_demo_trains_fedxl_on_one_class_devices_and_reports_auroc_per_round() ->
     assert rounds[0]["auroc"] < rounds[1]["auroc"] - 0.2  # round 0 only collects scores; training starts in 1
     assert min(r["auroc"] for r in rounds[1:]) >= 0.85, [r["auroc"] for r in rounds]
     assert result["final_ranking"]["auroc"] >= 0.85 and result["final_ranking"]["pauc_0.5"] >= 0.8
+
+
+def test_the_hsgd_demo_with_defaults_runs_hosts_and_devices_through_mosquitto_within_two_minutes() -> None:
+    require(mosquitto_binary() is not None, "Mosquitto")
+    t0 = time.monotonic()
+    result = run_demo("--algorithm", "hsgd", timeout=120)
+    assert time.monotonic() - t0 < 120
+    assert result["algorithm"] == "hsgd" and result["broker"] == "mosquitto" and result["devices"] == 100
+    aucs = [r["auc"] for r in result["rounds"]]
+    assert len(aucs) == 30 and aucs[-1] >= 0.95 and aucs[-1] > aucs[0]
+    assert result["bytes"]["vertical"] > 0 and result["bytes"]["host_up"] > 0 and not result["rejected"]

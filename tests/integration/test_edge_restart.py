@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from conftest import free_port
 from mqtt_helpers import RawClient
 
@@ -37,11 +38,19 @@ def update(device: str) -> DeviceUpdate:
 
 
 def scrape(port: int) -> str:
+    """The scrape as canonical lines ``name{sorted labels} value`` (integral values without ``.0``)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as resp:
-            return resp.read().decode()
+            text = resp.read().decode()
     except OSError:
         return ""
+    lines = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            value = int(s.value) if float(s.value).is_integer() else s.value
+            lines.append(f"{s.name}{{{labels}}} {value}")
+    return "\n".join(lines) + "\n"
 
 
 def wait_metric(port: int, line: str, proc: subprocess.Popen, log: Path, timeout: float = 20) -> None:

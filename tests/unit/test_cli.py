@@ -31,7 +31,7 @@ def test_every_command_has_help(args: list[str]) -> None:
 
 def test_lazy_commands_match_the_group() -> None:
     assert set(LAZY_COMMANDS) == {"agent", "edge", "coordinator", "simulate", "demo", "broker", "plan", "provision",
-                                  "privacy", "data", "init"}
+                                  "privacy", "data", "init", "report"}
 
 
 @pytest.mark.parametrize("command", [["agent", "run"], ["edge", "run"], ["coordinator", "run"], ["simulate"]])
@@ -59,3 +59,12 @@ def test_a_wrongly_typed_value_names_key_and_value(tmp_path: Path) -> None:
 def test_demo_rejects_more_cells_than_devices() -> None:
     result = CliRunner().invoke(cli, ["demo", "--devices", "1", "--cells", "2"])
     assert result.exit_code != 0
+
+
+@pytest.mark.parametrize("bind", ["localhost:http", "127.0.0.1:70000"])
+def test_coordinator_run_refuses_a_bad_http_address(tmp_path: Path, bind: str) -> None:
+    config = tmp_path / "rollout.toml"
+    config.write_text('rollout = "r"\n')
+    result = CliRunner().invoke(cli, ["coordinator", "run", "--config", str(config), "--http", bind])
+    assert result.exit_code == 2
+    assert "--http" in result.output and "HOST:PORT" in result.output

@@ -112,6 +112,26 @@ def test_the_agent_extra_holds_no_torch_and_onnx_only_next_to_onnxruntime_traini
         assert ("onnx" in packages) == (TRAINING in packages)
 
 
+def test_the_agent_and_edge_extras_hold_no_dashboard_plotting_or_browser() -> None:
+    """The dashboard, the plots and the browser test are the coordinator's and the developer's; a device
+    or a gateway gets only prometheus-client beyond MQTT (and, on a device, ONNX Runtime)."""
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {extra: {Requirement(line).name for line in extras[extra]} for extra in ("agent", "edge", "coordinator",
+                                                                                      "dev")}
+    web = {"starlette", "uvicorn", "fastapi", "matplotlib", "playwright", "selenium", "httpx", "rich"}
+    assert names["edge"] == {"paho-mqtt", "prometheus-client"}
+    assert names["agent"] - {"onnxruntime-training-cpu", "onnxruntime", "onnx"} == {"paho-mqtt", "prometheus-client"}
+    assert not (names["agent"] | names["edge"]) & web
+    assert {"starlette", "uvicorn", "matplotlib", "prometheus-client"} <= names["coordinator"]
+    assert "playwright" in names["dev"]
+
+
 # --- against the package index -------------------------------------------------------------------------
 
 

@@ -142,3 +142,4 @@ def test_the_fedxl_demo_trains_a_scorer_on_one_class_devices(tmp_path: Path) -> 
     assert config["fedxl"]["objective"] == "pauc" and config["fedxl"]["batch_size"] == 8
     assert "rare-event task" in demo.task_description()
     RolloutConfig.from_mapping({**config, "state_dir": str(tmp_path / "c")})  # a valid rollout
+

@@ -36,6 +36,8 @@ def test_config_names_bad_keys(small_rollout) -> None:
         small_rollout(fedavg={"secure_aggregation": True, "secagg_min_survivors": 3})  # cells of 2
     with pytest.raises(ConfigError, match="secagg_threshold"):
         small_rollout(fedavg={"secure_aggregation": True, "secagg_threshold": 0.5})
+    with pytest.raises(ConfigError, match="aggregation.edge"):
+        small_rollout(fedavg={"secure_aggregation": True}, aggregation={"edge": "median"})
     with pytest.raises(ConfigError, match="secure_aggregation"):
         small_rollout(fedavg={"secure_aggregation": True}, privacy={"epsilon": 8.0, "clip": 1.0})
     assert not edge_sees_individual_updates(small_rollout(fedavg={"secure_aggregation": True}).algorithm_config())

@@ -16,6 +16,7 @@ from fedtier.errors import (
     LateMessageError,
     LocalProtocolError,
     MalformedHeaderError,
+    UnexpectedMessageError,
     UnknownSenderError,
     WrongPhaseError,
     WrongRoundError,
@@ -229,3 +230,13 @@ def test_an_aborted_cell_leaves_the_round_to_the_cloud_quorum_and_the_next_round
     assert aborts == [(0, "too_few_keys")]
     assert [dict(c.reported) for c in closed] == [{"e0": ("a0", "a1", "a2")},
                                                   {"e0": ("a0", "a1", "a2"), "e1": ("b0", "b1", "b2")}]
+
+
+def test_an_edge_rule_that_needs_individual_updates_is_refused() -> None:
+    edge = Edge(cell=CELL, rollout=ROLLOUT)
+    cfg = config(strategy={"edge": {"rule": "median"}})
+    task = CellTask(rollout=ROLLOUT, round=0, sender="cloud", params=PARAMS, members=("d00", "d01", "d02"),
+                    config=cfg.to_dict())
+    with pytest.raises(UnexpectedMessageError, match="median"):
+        edge.receive(task, 0.0)
+    assert edge.round == -1  # nothing changed

@@ -1,46 +1,17 @@
-"""fedtier.runtime.metrics: counters, gauges and the Prometheus text exposition format."""
+"""fedtier.runtime.metrics: a node's counters, gauges and histograms on its prometheus_client registry."""
 
 from __future__ import annotations
 
-import re
 import threading
-import urllib.error
 import urllib.request
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from fedtier.runtime.metrics import Metrics
-
-# Prometheus text format 0.0.4: a sample line is ``name{label="value",...} number``.
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\\\|\\"|\\n)*"'
-_SAMPLE = re.compile(rf"^({_NAME})(\{{(?:{_LABEL}(?:,{_LABEL})*)?\}})? (\S+)$")
-_TYPE = re.compile(rf"^# TYPE ({_NAME}) (counter|gauge|histogram|summary|untyped)$")
-
-
-def parse_exposition(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """A strict little parser: every line must be a TYPE line or a sample of a declared
-    metric; returns {(name, sorted labels): value}."""
-    assert text.endswith("\n")
-    declared: dict[str, str] = {}
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            m = _TYPE.match(line)
-            assert m, f"bad comment line {line!r}"
-            assert m.group(1) not in declared, f"TYPE declared twice: {line!r}"
-            declared[m.group(1)] = m.group(2)
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"bad sample line {line!r}"
-        name = m.group(1)
-        assert name in declared, f"sample before its TYPE line: {line!r}"
-        labels = tuple(sorted(
-            (k, v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\"))
-            for k, v in re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or "")))
-        samples[(name, labels)] = float(m.group(3))
-    return samples
+from fedtier.runtime.metrics import BYTES, MESSAGES, Metrics
+from fedtier.transport.base import Traffic
 
 
 def test_inc_set_get_total() -> None:
@@ -71,64 +42,108 @@ def test_label_order_does_not_matter_and_values_are_stringified() -> None:
 
 
 def test_snapshot() -> None:
-    m = Metrics()
+    m = Metrics(node="n1")
     m.inc("x_total", reason="a")
     m.set("g", 2.5)
 
-    assert m.snapshot() == {"x_total": {"reason=a": 1.0}, "g": {"": 2.5}}
+    snap = m.snapshot()
+
+    assert snap["x_total"] == {"reason=a": 1.0}
+    assert snap["g"] == {"": 2.5}
 
 
-def test_render_by_hand() -> None:
-    m = Metrics(node="edge-1")
-    m.inc("fedtier_rejected_total", reason="sha_mismatch")
-    m.set("fedtier_round", 3)
-
-    assert m.render() == (
-        "# TYPE fedtier_rejected_total counter\n"
-        'fedtier_rejected_total{node="edge-1",reason="sha_mismatch"} 1\n'
-        "# TYPE fedtier_round gauge\n"
-        'fedtier_round{node="edge-1"} 3\n'
-    )
+def _families(text: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def test_render_without_labels() -> None:
-    m = Metrics()
-    m.set("up", 1)
-
-    assert m.render() == "# TYPE up gauge\nup 1\n"
-
-
-def test_render_is_valid_exposition_text_with_escaped_labels() -> None:
+def test_render_is_the_prometheus_exposition_format() -> None:
     # Prepare: label values with every character the format escapes.
-    m = Metrics(node="edge-1")
+    m = Metrics(node="edge-1", role="edge")
     nasty = 'a "quoted" back\\slash\nnewline'
     m.inc("fedtier_rejected_total", reason=nasty)
-    m.inc("fedtier_rejected_total", reason="plain")
-    m.set("fedtier_pending_bytes", 0.5, cell="c1")
+    m.inc("fedtier_rejected_total", 2, reason="plain")
+    m.set("fedtier_round", 3)
 
-    # Execute
-    text = m.render()
+    # Execute: parse it back with prometheus_client's own parser.
+    families = _families(m.render())
 
     # Assert
-    assert '\\"quoted\\"' in text and "back\\\\slash" in text and "\\nnewline" in text
-    samples = parse_exposition(text)
-    assert samples == {
-        ("fedtier_rejected_total", (("node", "edge-1"), ("reason", nasty))): 1.0,
-        ("fedtier_rejected_total", (("node", "edge-1"), ("reason", "plain"))): 1.0,
-        ("fedtier_pending_bytes", (("cell", "c1"), ("node", "edge-1"))): 0.5,
-    }
+    assert families["fedtier_rejected"].type == "counter"
+    samples = {s.labels["reason"]: s.value for s in families["fedtier_rejected"].samples
+               if s.name == "fedtier_rejected_total"}
+    assert samples == {nasty: 1.0, "plain": 2.0}
+    [round_sample] = families["fedtier_round"].samples
+    assert round_sample.labels == {"node": "edge-1", "role": "edge"} and round_sample.value == 3.0
 
 
 @pytest.mark.parametrize("value", [1234567, 2**31 + 3, 98765432.0, 0.1234567])
 def test_render_keeps_full_precision(value: float) -> None:
-    """Byte counters pass a million quickly. ``{value:g}`` keeps six significant digits,
-    so 1234567 is rendered as ``1.23457e+06`` and Prometheus scrapes 1234570."""
+    """Byte counters pass a million quickly; a scrape must see every digit."""
     m = Metrics()
-    m.inc("fedtier_bytes_total", value)
+    m.inc("fedtier_test_bytes_total", value)
 
-    samples = parse_exposition(m.render())
+    [sample] = [s for s in _families(m.render())["fedtier_test_bytes"].samples if s.name.endswith("_total")]
 
-    assert samples[("fedtier_bytes_total", ())] == float(value)
+    assert sample.value == float(value)
+
+
+def test_histogram_buckets_count_and_sum() -> None:
+    m = Metrics(node="cloud")
+    for seconds in (0.02, 0.3, 0.3, 7.0):
+        m.observe("fedtier_round_seconds", seconds)
+
+    families = _families(m.render())
+
+    assert families["fedtier_round_seconds"].type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in families["fedtier_round_seconds"].samples
+               if s.name.endswith("_bucket")}
+    assert buckets["0.05"] == 1 and buckets["0.5"] == 3 and buckets["10.0"] == 4 and buckets["+Inf"] == 4
+    assert m.get("fedtier_round_seconds") == 4  # a histogram's value is its count
+    assert m.snapshot()["fedtier_round_seconds_sum"][""] == pytest.approx(7.62)
+
+
+def test_a_name_keeps_its_kind_and_its_label_names() -> None:
+    m = Metrics()
+    m.inc("x_total", reason="a")
+
+    with pytest.raises(ValueError, match="labels"):
+        m.inc("x_total", cell="c1")
+    with pytest.raises(ValueError, match="counter"):
+        m.set("x_total", 1, reason="a")
+
+
+@dataclass
+class _FakeTransport:
+    traffic: Traffic
+
+
+def test_watched_transports_export_messages_and_bytes_per_tier_and_direction() -> None:
+    # Prepare: an edge with two connections (cell side and cloud side).
+    cell, cloud = Traffic(), Traffic()
+    cell.count("in", "ft/v1/r/cell/c1/up/d1/device_update", 100)
+    cell.count("in", "ft/v1/r/cell/c1/up/d2/device_update", 50)
+    cell.count("out", "ft/v1/r/cell/c1/down/cell_task", 30)
+    cloud.count("out", "ft/v1/r/edge/c1/up/cell_update", 70)
+    cloud.count("in", "ft/v1/status/d1", 5)
+    m = Metrics(node="c1", role="edge")
+    m.watch(_FakeTransport(cell))
+    shared = _FakeTransport(cloud)
+    m.watch(shared)
+    m.watch(shared)  # one connection watched twice is counted once
+
+    # Assert: read back, and scraped.
+    assert m.get(BYTES, tier="device_edge", direction="in") == 150
+    assert m.get(MESSAGES, tier="device_edge", direction="in") == 2
+    assert m.get(BYTES, tier="device_edge", direction="out") == 30
+    assert m.get(BYTES, tier="edge_cloud", direction="out") == 70
+    assert m.get(MESSAGES, tier="presence", direction="in") == 1
+    assert m.total(BYTES) == 255
+    cell.count("in", "ft/v1/r/cell/c1/up/d1/device_update", 1)  # read at scrape time, never stale
+    assert m.get(BYTES, tier="device_edge", direction="in") == 151
+    scraped = {(s.labels["tier"], s.labels["direction"]): s.value
+               for s in _families(m.render())["fedtier_bytes"].samples if s.name == BYTES}
+    assert scraped == {("device_edge", "in"): 151, ("device_edge", "out"): 30, ("edge_cloud", "out"): 70,
+                       ("presence", "in"): 5}
 
 
 def test_concurrent_increments_are_not_lost() -> None:
@@ -149,7 +164,6 @@ def test_concurrent_increments_are_not_lost() -> None:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Metrics, str]]:
-    """One server for the module: ``shutdown`` waits out serve_forever's 0.5 s poll."""
     m = Metrics(node="edge-1")
     server = m.serve(0)  # port 0: the OS picks a free port
     host, port = server.server_address[:2]
@@ -170,9 +184,12 @@ def test_serve_metrics_over_http(served: tuple[Metrics, str]) -> None:
 
     assert status == 200
     assert ctype.startswith("text/plain")
-    assert "version=0.0.4" in ctype
-    assert body == m.render()
-    assert parse_exposition(body)[("fedtier_rejected_total", (("node", "edge-1"), ("reason", "truncated")))] == 1.0
+    families = _families(body)
+    [sample] = [s for s in families["fedtier_rejected"].samples if s.name == "fedtier_rejected_total"]
+    assert sample.labels == {"node": "edge-1", "reason": "truncated"} and sample.value == 1.0
+    # The process's own metrics come with the scrape.
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
+    assert families["process_cpu_seconds"].samples[0].value > 0
 
 
 def test_serve_reflects_later_updates(served: tuple[Metrics, str]) -> None:
@@ -181,18 +198,7 @@ def test_serve_reflects_later_updates(served: tuple[Metrics, str]) -> None:
     urllib.request.urlopen(f"{base}/metrics", timeout=5).close()
     m.set("g", 2)
 
-    with urllib.request.urlopen(f"{base}/metrics/", timeout=5) as resp:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
         body = resp.read().decode()
 
-    assert parse_exposition(body)[("g", (("node", "edge-1"),))] == 2.0
-
-
-@pytest.mark.parametrize("path", ["/", "/metric", "/metrics/x", "/favicon.ico"])
-def test_serve_404_for_other_paths(served: tuple[Metrics, str], path: str) -> None:
-    _, base = served
-
-    with pytest.raises(urllib.error.HTTPError) as info:
-        urllib.request.urlopen(f"{base}{path}", timeout=5)
-    info.value.close()
-
-    assert info.value.code == 404
+    assert _families(body)["g"].samples[0].value == 2.0

@@ -64,3 +64,19 @@ def test_a_round_past_its_deadline_is_reported_then_repeated_at_intervals(caplog
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and all("past its deadline and still waits for" in m for m in lines)
     assert "cell cell-a" in lines[-1]
+
+
+def test_a_late_message_is_a_straggler_and_a_rejection() -> None:
+    from fedtier.errors import LateMessageError, ShaMismatchError
+    from fedtier.runtime.node_base import REJECTED, STRAGGLERS
+
+    m = Metrics(node="cloud", role="cloud")
+    base = NodeBase("cloud", m, log, 1 << 20)
+    inbound = Inbound(source="cloud", topic=topics.edge_up("r", "cell-a", "cell_update"), payload=b"")
+    assert STRAGGLERS in m.snapshot() and m.get(STRAGGLERS) == 0  # exported before the first one
+
+    base.reject(inbound, LateMessageError("update for round 1; cloud is at round 2"))
+    base.reject(inbound, ShaMismatchError("bad"))
+
+    assert m.get(STRAGGLERS) == 1
+    assert m.get(REJECTED, reason="late") == 1 and m.total(REJECTED) == 2

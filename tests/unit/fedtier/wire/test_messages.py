@@ -23,7 +23,9 @@ from fedtier.wire.messages import (
     DeviceGradient,
     DeviceTask,
     DeviceUpdate,
+    Embeddings,
     Message,
+    PartnerEmbeddings,
     ScorePool,
     XRiskCellTask,
     XRiskCellUpdate,
@@ -71,6 +73,10 @@ def examples() -> list[Message]:
                                                             u=np.array([1.5], np.float32), sources=(("d1", 1, 2),))),
         XRiskCellUpdate(rollout="r1", round=2, sender="edge-1", delta=PARAMS, weight=3.0, reported=("d1", "d3"),
                         mean_loss=0.5, scores=dataclasses.replace(POOL, u=None, round=2)),
+        Embeddings(rollout="r1", round=2, sender="h1", step=1, zeta=np.array([[0.5, 1.0], [2.0, 0.0]], np.float32),
+                   rows=("d1", "d3"), params={"theta0/w": PARAMS["w"]}),
+        PartnerEmbeddings(rollout="r1", round=2, sender="edge-1", step=1, zeta=np.array([[0.5, 1.0]], np.float32),
+                          rows=("d1",)),
     ]
 
 
@@ -92,8 +98,9 @@ def test_every_message_type_is_registered_under_its_kind() -> None:
     assert set(messages.MESSAGE_TYPES) == {"cell_task", "device_task", "device_update", "cell_update",
                                            "artifact_request", "artifact", "device_gradient", "cell_step",
                                            "xrisk_cell_task", "xrisk_device_task", "xrisk_device_update",
-                                           "xrisk_cell_update", "secagg_keys", "secagg_roster", "secagg_shares",
-                                           "secagg_bundle", "secagg_masked", "secagg_unmask", "secagg_reveal"}
+                                           "xrisk_cell_update", "hsgd_embeddings", "hsgd_partner", "secagg_keys",
+                                           "secagg_roster", "secagg_shares", "secagg_bundle", "secagg_masked",
+                                           "secagg_unmask", "secagg_reveal"}
     for kind, cls in messages.MESSAGE_TYPES.items():
         assert cls.KIND == kind
 
@@ -238,6 +245,8 @@ REQUIRED = {
     "XRiskDeviceTask": ["config", "members", "pool"],
     "XRiskDeviceUpdate": ["num_samples", "train_loss", "steps", "pool"],
     "XRiskCellUpdate": ["weight", "reported", "mean_loss", "stats", "pool"],
+    "Embeddings": ["rows"],
+    "PartnerEmbeddings": ["rows"],
 }
 
 

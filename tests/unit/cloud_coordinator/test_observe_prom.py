@@ -1,0 +1,68 @@
+"""The coordinator's per-cell series: presence, dropouts, quorum misses, epsilon, model versions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cloud_coordinator.observe.prom import CoordinatorMetrics
+from fedtier.runtime.metrics import Metrics
+
+CELLS = {"cell-a": ("d1", "d2"), "cell-b": ("d3", "d4")}
+
+
+def _online(state: str) -> bytes:
+    return json.dumps({"state": state, "since": 1.0}).encode()
+
+
+def test_devices_online_follow_presence_per_cell() -> None:
+    m = Metrics(node="cloud", role="cloud")
+    observed = CoordinatorMetrics(m, CELLS)
+
+    observed.presence("d1", _online("online"))
+    observed.presence("d2", _online("online"))
+    observed.presence("d3", _online("online"))
+    observed.presence("d2", _online("offline"))
+    observed.presence("d3", b"")  # retained presence cleared
+    observed.presence("cell-a", _online("online"))  # an edge: not a device of any cell
+    observed.presence("d4", b"{not json")
+
+    assert m.get("fedtier_devices_online", cell="cell-a") == 1 == observed.devices_online("cell-a")
+    assert m.get("fedtier_devices_online", cell="cell-b") == 0
+    assert m.get("fedtier_devices_known", cell="cell-b") == 2
+    assert observed.devices_online("cell-z") is None
+
+
+def test_a_round_closed_without_a_cell_and_a_device() -> None:
+    m = Metrics(node="cloud", role="cloud")
+    observed = CoordinatorMetrics(m, CELLS)
+    row = {"round": 4, "accuracy": 0.75, "loss": 0.5, "round_s": 3.0, "model_version": 5,
+           "missing": ["d2", "d3", "d4"],
+           "privacy": {"epsilon_max": 2.5, "epsilon": {"d1": 2.5, "d2": 1.0, "d3": 0.5, "d4": 0.25}}}
+
+    observed.round_closed(row, {"cell-a": ("d1",)})  # cell-b missed the round; d2 dropped out of cell-a
+    observed.round_closed({**row, "round": 5, "missing": [], "privacy": None}, {"cell-a": ("d1", "d2"),
+                                                                                "cell-b": ("d3", "d4")})
+
+    assert m.get("fedtier_dropouts_total", cell="cell-a") == 1
+    assert m.get("fedtier_dropouts_total", cell="cell-b") == 2
+    assert m.get("fedtier_quorum_misses_total", cell="cell-a") == 0
+    assert m.get("fedtier_quorum_misses_total", cell="cell-b") == 1
+    assert m.get("fedtier_devices_reporting", cell="cell-b") == 2  # the last round's
+    assert m.get("fedtier_epsilon_spent", cell="cell-a") == 2.5
+    assert m.get("fedtier_epsilon_spent", cell="cell-b") == 0.5
+    assert m.get("fedtier_epsilon_spent_max") == 2.5
+    assert m.get("fedtier_model_version", cell="cell-b") == 5
+    assert m.get("fedtier_round") == 5 and m.get("fedtier_accuracy") == 0.75
+    assert m.get("fedtier_round_seconds") == 2
+    assert m.snapshot()["fedtier_round_seconds_sum"][""] == pytest.approx(6.0)
+
+
+def test_rejects_by_reason() -> None:
+    m = Metrics(node="cloud", role="cloud")
+    observed = CoordinatorMetrics(m, CELLS)
+    m.inc("fedtier_rejected_total", reason="sha_mismatch")
+    m.inc("fedtier_rejected_total", 2, reason="late")
+
+    assert observed.rejects() == {"sha_mismatch": 1.0, "late": 2.0}

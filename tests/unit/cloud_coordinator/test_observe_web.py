@@ -1,0 +1,126 @@
+"""The dashboard's JSON API and page, over Starlette's test client (the browser test drives the real thing)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from cloud_coordinator.observe import web
+from cloud_coordinator.observe.status import StoreStatus
+from cloud_coordinator.store import CoordinatorStore
+
+
+class _Live:
+    def devices_online(self, cell: str) -> int | None:
+        return {"cell-a": 1}.get(cell, 0)
+
+    def rejects(self) -> dict[str, float]:
+        return {"sha_mismatch": 2.0}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    """A store with one running rollout (2 of 5 rounds closed, one device missing from round 1)."""
+    path = tmp_path / "coordinator.db"
+    s = CoordinatorStore(path)
+    config = {"rollout": "r1", "rounds": 5, "algorithm": "fedavg",
+              "topology": {"cells": 2, "devices_per_cell": 2}}
+    s.ensure_rollout("r1", config, b"manifest")
+    import numpy as np
+
+    params = {"w": np.zeros(3, dtype=np.float32)}
+    s.save_initial_model("r1", params)
+    for rnd, (acc, missing) in enumerate([(0.5, []), (0.625, ["dev-03"])]):
+        row = {"round": rnd, "accuracy": acc, "loss": 1.0 - acc, "devices_reported": 4 - len(missing),
+               "missing": missing, "model_version": rnd + 1, "round_s": 0.5,
+               "bytes": {"device_up": 1000, "device_down": 2000, "edge_up": 300, "cloud_down": 400}}
+        s.commit_round("r1", rnd, rnd + 1, params, acc, 1.0 - acc, row)
+    s.close()
+    return path
+
+
+def test_the_api_lists_rollouts_and_serves_one(store: Path) -> None:
+    client = TestClient(web.create_app(StoreStatus(store, live=_Live())))
+
+    listing = client.get("/api/rollouts").json()["rollouts"]
+    doc = client.get("/api/rollouts/r1").json()
+    missing = client.get("/api/rollouts/nope")
+
+    assert [(r["rollout"], r["status"], r["rounds_closed"], r["rounds_planned"], r["accuracy"]) for r in listing] == \
+        [("r1", "running", 2, 5, 0.625)]
+    assert doc["round_in_progress"] == 2 and doc["progress"] == pytest.approx(0.4)
+    assert [r["accuracy"] for r in doc["rounds"]] == [0.5, 0.625]
+    assert [r["bytes"]["edge_up"] for r in doc["rounds"]] == [300, 300]
+    assert doc["cells"] == [
+        {"cell": "cell-a", "devices_known": 2, "devices_online": 1, "reported_last_round": 2, "stragglers": []},
+        {"cell": "cell-b", "devices_known": 2, "devices_online": 0, "reported_last_round": 1,
+         "stragglers": ["dev-03"]}]
+    assert [m["version"] for m in doc["models"]] == [0, 1, 2]
+    assert doc["rejects"] == {"sha_mismatch": 2.0}
+    assert missing.status_code == 404 and "nope" in missing.json()["error"]
+
+
+def test_the_dashboard_is_read_only(store: Path) -> None:
+    client = TestClient(web.create_app(StoreStatus(store)))
+
+    for path in ("/", "/api/rollouts", "/api/rollouts/r1"):
+        assert client.post(path).status_code == 405
+        assert client.delete(path).status_code == 405
+
+
+def test_the_page_loads_nothing_from_elsewhere(store: Path) -> None:
+    client = TestClient(web.create_app(StoreStatus(store)))
+
+    page = client.get("/")
+    chart = client.get("/static/uPlot.iife.min.js")
+
+    assert page.status_code == 200 and 'id="round-closed"' in page.text
+    sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert sources and all(s.startswith("/static/") or s.startswith("#") for s in sources), sources
+    assert "://" not in re.sub(r"<!--.*?-->", "", page.text.split("<script>")[-1])
+    assert chart.status_code == 200 and "uPlot" in chart.text[:2000]
+    assert "MIT" in (web.STATIC / "uPlot.LICENSE").read_text()
+
+
+@pytest.mark.parametrize("text, expected", [("127.0.0.1:8080", ("127.0.0.1", 8080)), ("8080", ("127.0.0.1", 8080)),
+                                             ("[::1]:9000", ("::1", 9000)), (":0", ("127.0.0.1", 0))])
+def test_parse_bind(text: str, expected: tuple[str, int]) -> None:
+    assert web.parse_bind(text) == expected
+
+
+@pytest.mark.parametrize("text", ["localhost:http", "127.0.0.1:99999", "host:"])
+def test_parse_bind_refuses(text: str) -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        web.parse_bind(text)
+
+
+def test_start_serves_on_a_free_port_and_stops(store: Path) -> None:
+    import json
+    import urllib.request
+
+    dashboard = web.start(StoreStatus(store), "127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(f"{dashboard.url}api/rollouts", timeout=5) as resp:
+            listing = json.loads(resp.read())
+    finally:
+        dashboard.stop()
+
+    assert listing["rollouts"][0]["rollout"] == "r1"
+    assert not dashboard.thread.is_alive()
+
+
+def test_no_device_gateway_or_core_module_imports_the_web_stack() -> None:
+    """The dashboard's dependencies are the coordinator extra's (``fedtier[agent]``/``[edge]`` lack them)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[3]
+    web_stack = {"starlette", "uvicorn", "fastapi", "playwright", "matplotlib"}
+    for package in ("fedtier", "device_agent", "edge_broker"):
+        for path in (root / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            assert not names & web_stack, (path, names & web_stack)
