@@ -719,10 +719,15 @@ class RolloutConfig(Section):
             raise self.error("secure aggregation with [privacy] (distributed DP) is not supported yet: drop one of "
                              "them (docs/secure_aggregation.md)", "fedavg.secure_aggregation",
                              prefix=prefix, source=source)
-        if self.aggregation is not None and self.aggregation.edge != "mean":
-            raise self.error(f"the edge rule {self.aggregation.edge!r} needs each device's update, but under secure "
-                             "aggregation the edge sees only its cell's sum: use edge = 'mean' (any rule at the "
-                             "cloud)", "aggregation.edge", prefix=prefix, source=source)
+        if self.aggregation is not None:
+            from fedtier.algorithms import strategies
+
+            try:
+                edge = strategies.parse_strategy({"edge": self.aggregation.spec("edge")})["edge"]
+                strategies.check_visibility(edge, "edge", individual=False)
+            except strategies.StrategyError as exc:
+                raise self.error(f"{exc} (any rule at the cloud)", "aggregation.edge", prefix=prefix,
+                                 source=source) from None
         smallest = min(len(m) for m in self.topology.layout().values())
         if self.fedavg.secagg_min_survivors > smallest:
             raise self.error(f"{self.fedavg.secagg_min_survivors} exceeds the smallest cell ({smallest} devices): its "

@@ -261,12 +261,10 @@ class Edge(_EdgeBase):
         """Refuse (before any state changes) a task whose edge rule needs each device's update."""
         config = self.CONFIG.from_dict(task.config)
         try:
-            rule = strategies.parse_strategy(config.strategy)["edge"].rule
+            strategies.check_visibility(strategies.parse_strategy(config.strategy)["edge"], "edge",
+                                        individual=edge_sees_individual_updates(config))
         except strategies.StrategyError as exc:
             raise UnexpectedMessageError(f"task's edge aggregator: {exc}") from None
-        if rule != "mean":
-            raise UnexpectedMessageError(f"edge rule {rule!r} needs each device's update; under secure aggregation "
-                                         "the edge sees only the cell's sum")
 
     def _admit_secagg(self, msg: Message) -> EdgeSession:
         if self._task is None or self.session is None:
