@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from fedtier.errors import MalformedShareError, UnknownSenderError, WrongPhaseError
@@ -45,7 +47,11 @@ def run(n: int, p: SecAggParams, drop: dict[str, set[str]] | None = None, length
     for m in live("shares"):
         if m in roster:
             view = edge.roster_for(m, roster) if partial else roster
-            edge.receive_shares(m, devs[m].share_keys(view, len(roster)))
+            try:
+                shares = devs[m].share_keys(view, len(roster))
+            except MalformedShareError:  # no neighbour left to hold its shares: it cannot take part
+                continue
+            edge.receive_shares(m, shares)
     bundles = edge.close_shares()
     if isinstance(bundles, Abort):
         return bundles, x, edge
@@ -244,3 +250,25 @@ def test_edge_never_holds_an_unmasked_input() -> None:
         assert not any(np.array_equal(vec, xi) for xi in x.values())
     assert set(vars(edge.inputs)) == {"keys", "shares", "masked", "reveals"}
     assert not [k for k in vars(edge) if "sk" in k or k.startswith("_b")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_property_any_dropout_pattern_gives_the_exact_survivor_sum_or_a_typed_abort(data: st.DataObject) -> None:
+    """Whatever drops out when, the edge either unmasks exactly the sum of the devices it names, or
+    aborts with one of the typed reasons; never a wrong sum, never an exception."""
+    n = data.draw(st.integers(3, 10), label="devices")
+    degree = data.draw(st.sampled_from([2, 4, 6]), label="degree")
+    s_min = data.draw(st.integers(1, n), label="s_min")
+    members = [f"d{i:03d}" for i in range(n)]
+    drop = {phase: set(data.draw(st.lists(st.sampled_from(members), max_size=3, unique=True), label=phase))
+            for phase in ("keys", "shares", "masked", "reveal")}
+    p = params(n, s_min=s_min, degree=degree, bits=24)
+    result, x, _ = run(n, p, drop, length=5)
+    if isinstance(result, Abort):
+        assert result.reason in {"too_few_keys", "too_few_shares", "too_few_inputs", "too_few_reveals"}
+    else:
+        gone_before_masking = drop["keys"] | drop["shares"] | drop["masked"]
+        assert set(result.survivors) <= set(members) - gone_before_masking  # (less: a device left alone)
+        assert len(result.survivors) >= s_min
+        np.testing.assert_array_equal(result.total, ring_sum(x, result.survivors, p.codec))
