@@ -272,3 +272,32 @@ def test_property_any_dropout_pattern_gives_the_exact_survivor_sum_or_a_typed_ab
         assert set(result.survivors) <= set(members) - gone_before_masking  # (less: a device left alone)
         assert len(result.survivors) >= s_min
         np.testing.assert_array_equal(result.total, ring_sum(x, result.survivors, p.codec))
+
+
+def test_a_wrong_revealed_share_aborts_instead_of_corrupting_the_sum() -> None:
+    from fedtier.secagg import shamir
+
+    members = ["a", "b", "c", "d"]
+    p = params(4, s_min=3)  # complete graph: 3 holders, t = 2
+    devs = {m: DeviceSession(m, members, p, SEED, ROLLOUT, ROUND) for m in members}
+    edge = EdgeSession(members, p, SEED, ROLLOUT, ROUND, 4)
+    for m in members:
+        edge.receive_keys(m, devs[m].advertise())
+    roster = edge.close_keys()
+    assert not isinstance(roster, Abort)
+    for m in members:
+        edge.receive_shares(m, devs[m].share_keys(roster))
+    bundles = edge.close_shares()
+    assert not isinstance(bundles, Abort)
+    for m in members:
+        edge.receive_masked(m, devs[m].masked_input(np.zeros(4, np.uint64), bundles[m]))
+    closed = edge.close_masked()
+    assert not isinstance(closed, Abort)
+    for m in members:
+        reveal = devs[m].unmask(*closed)
+        if m == "a":  # a well-formed share at a's point, with a wrong value
+            good = shamir.Share.from_bytes(reveal["b"])
+            reveal["b"] = shamir.Share(good.x, (good.y + 1) % shamir.PRIME).to_bytes()
+        edge.receive_reveal(m, reveal)
+    result = edge.close_reveal()
+    assert isinstance(result, Abort) and result.reason == "bad_reconstruction"
