@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from fedtier.algorithms import strategies
 from fedtier.algorithms.fedavg import FedAvgConfig
+from fedtier.algorithms.secure_fedavg import SecureFedAvgConfig
 from fedtier.algorithms.fedxl import FedXLConfig
 from fedtier.algorithms.hier_qsgd import HierConfig
 from fedtier.algorithms.hist import HistConfig
@@ -322,7 +323,35 @@ class FedAvgSection(RoundSection):
     partial_work: bool = opt(False, help="Devices run a seeded number of local steps in 1..local_steps each round, as "
                                          "slow boards would, and still send their update (FedProx's partial work).")
 
+    secure_aggregation: bool = opt(False, help="SecAgg+ in every cell: the edge learns only its cell's sum, never "
+                                                "a device's update (docs/secure_aggregation.md).")
+    secagg_min_survivors: int = opt(2, min=1, help="Secure aggregation: the fewest devices a cell's sum may contain; "
+                                                   "a cell's round with fewer aborts.")
+    secagg_degree: int = opt(8, min=2, help="Secure aggregation: neighbours per device in the sharing graph (the "
+                                            "complete graph in smaller cells).")
+    secagg_threshold: float = opt(0.6, gt=0.5, max=1, help="Secure aggregation: share of a device's share holders "
+                                                            "(its neighbours in the round) needed to rebuild its "
+                                                            "secrets (a strict majority).")
+    secagg_bits: int = opt(48, min=16, max=62, help="Secure aggregation: updates are encoded in the ring of "
+                                                    "integers modulo 2^bits.")
+    secagg_clip: float = opt(10.0, gt=0, help="Secure aggregation: L2 bound each device's update is clipped to "
+                                              "before encoding.")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.secure_aggregation and self.edge_rounds != 1:
+            raise self.error("secure aggregation runs one edge round per global round", "edge_rounds",
+                             prefix=prefix, source=source)
+        if self.secure_aggregation and self.weighting != "uniform":
+            raise self.error("secure aggregation needs uniform weights: the edge sees only the cell's sum",
+                             "weighting", prefix=prefix, source=source)
+
     def algorithm_config(self, seed: int) -> FedAvgConfig:
+        if self.secure_aggregation:
+            return SecureFedAvgConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds,
+                                      partial_work=self.partial_work, secagg_min_survivors=self.secagg_min_survivors,
+                                      secagg_degree=self.secagg_degree, secagg_threshold=self.secagg_threshold,
+                                      secagg_bits=self.secagg_bits, secagg_clip=self.secagg_clip,
+                                      **self.common(seed))
         return FedAvgConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, partial_work=self.partial_work,
                             **self.common(seed))
 
@@ -674,6 +703,8 @@ class RolloutConfig(Section):
                 self.algorithm in SCORE_ALGORITHMS or self.model.loss != "cross_entropy"):
             raise self.error("label_flip flips class labels (y -> classes - 1 - y): it needs a classifier trained "
                              "with cross_entropy", "attack.kind", prefix=prefix, source=source)
+        if self.algorithm == "fedavg" and self.fedavg.secure_aggregation:
+            self._check_secure_aggregation(prefix=prefix, source=source)
         if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
             from cloud_coordinator.planner import InfeasiblePlanError
 
@@ -681,6 +712,27 @@ class RolloutConfig(Section):
                 self.replanner()(None)
             except InfeasiblePlanError as exc:
                 raise self.error(str(exc), "qhetfed.plan.round_budget_s", prefix=prefix, source=source) from None
+
+    def _check_secure_aggregation(self, *, prefix: str, source: str | None) -> None:
+        """Secure aggregation: no noise plan yet (distributed DP), and every cell can reach s_min."""
+        if self.privacy is not None:
+            raise self.error("secure aggregation with [privacy] (distributed DP) is not supported yet: drop one of "
+                             "them (docs/secure_aggregation.md)", "fedavg.secure_aggregation",
+                             prefix=prefix, source=source)
+        if self.aggregation is not None:
+            from fedtier.algorithms import strategies
+
+            try:
+                edge = strategies.parse_strategy({"edge": self.aggregation.spec("edge")})["edge"]
+                strategies.check_visibility(edge, "edge", individual=False)
+            except strategies.StrategyError as exc:
+                raise self.error(f"{exc} (any rule at the cloud)", "aggregation.edge", prefix=prefix,
+                                 source=source) from None
+        smallest = min(len(m) for m in self.topology.layout().values())
+        if self.fedavg.secagg_min_survivors > smallest:
+            raise self.error(f"{self.fedavg.secagg_min_survivors} exceeds the smallest cell ({smallest} devices): its "
+                             "rounds could never complete", "fedavg.secagg_min_survivors",
+                             prefix=prefix, source=source)
 
     def attackers(self) -> list[str]:
         """The devices that attack under [attack] (seeded by the rollout seed; none without the section)."""

@@ -199,6 +199,7 @@ class DemoOptions:
     strategy: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Tables merged into the rollout config: [aggregation], [server_optimizer], [attack], and the
     algorithm's proximal_mu / partial_work (``cloud_coordinator.strategy_cli``)."""
+    secure_aggregation: bool = False  # SecAgg+ in every cell: edges see only their cell's sum (fedavg)
 
 
 @dataclass
@@ -243,6 +244,10 @@ class Demo:
             raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm}'s in-cell "
                              "gradient exchange is not covered by the privacy layer yet (docs/privacy.md, "
                              "Limitations)")
+        if opts.secure_aggregation and opts.algorithm != "fedavg":
+            raise ValueError("--secure-aggregation runs with fedavg (docs/secure_aggregation.md)")
+        if opts.secure_aggregation and opts.privacy is not None:
+            raise ValueError("--secure-aggregation with --privacy (distributed DP) is not supported yet")
         self.opts = opts
         self.view = view
         self.dashboard_url: str | None = None
@@ -343,6 +348,10 @@ class Demo:
             section["gamma" if o.algorithm == "qhetfed" else "local_steps"] = o.local_steps
         if o.algorithm in ("hier_qsgd", "qhetfed"):
             section.update(bits_device=o.bits_device, bits_edge=o.bits_edge)
+        if o.secure_aggregation:
+            # s_min: all but one device of the smallest cell (at least 1); a clip no digits update reaches.
+            section.update(secure_aggregation=True, secagg_min_survivors=max(1, o.devices // o.cells - 1),
+                           secagg_clip=100.0)
         return section
 
     def _broker_section(self, port: int) -> dict[str, Any]:
