@@ -6,9 +6,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
+
+from cloud_coordinator.strategy_cli import merge, overrides, pop_values, strategy_options
 
 if TYPE_CHECKING:
     from cloud_coordinator.config import RolloutConfig
@@ -127,8 +129,9 @@ def coordinator_export(config_path: Path, out: Path, version: int | None, as_jso
 @click.option("--trainer", type=click.Choice(["ort", "portable"]), default=None,
               help="The devices' training backend (overrides [simulation] trainer, default ort): portable trains "
                    "from the bundle's standard-ONNX graph, as a board without onnxruntime-training does.")
+@strategy_options
 def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json: bool, log_level: str,
-             trainer: str | None) -> None:
+             trainer: str | None, **strategy: Any) -> None:
     """Run a rollout with every device, edge and the cloud in this process (in-memory transport).
 
     The same roles and node code as a real deployment; one shared ORT session per
@@ -138,6 +141,8 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     \b
         fedtier simulate --config experiments/digits_fedavg.toml --rounds 5
         fedtier simulate --config experiments/digits_fedavg.toml --rounds 5 --trainer portable
+        fedtier simulate --config experiments/digits_fedavg.toml --edge-aggregator median --attack sign_flip
+        fedtier simulate --config experiments/digits_fedavg.toml --server-optimizer adam --server-lr 0.03
     """
     import dataclasses
 
@@ -146,10 +151,14 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     from cloud_coordinator.report import epsilon_spent, round_epsilon, round_line, summary
     from cloud_coordinator.simulate import simulate as run_simulation
     from fedtier.runtime import logs
-    from fedtier.runtime.config import load
+    from fedtier.runtime.config import load, read_toml
 
     logs.setup(log_level)
     cfg = load(RolloutConfig, config_path)
+    extra = overrides(pop_values(strategy), cfg.algorithm)
+    if extra:  # the options override the file; the merged config is validated like a file
+        mapping = merge(read_toml(config_path), extra)
+        cfg = RolloutConfig.from_mapping(mapping, source=str(config_path), base_dir=config_path.resolve().parent)
     if rounds is not None:
         cfg = dataclasses.replace(cfg, rounds=rounds)
     if output is not None:
@@ -157,6 +166,9 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     if trainer is not None:
         cfg = dataclasses.replace(cfg, simulation=dataclasses.replace(cfg.simulation, trainer=trainer))
     started = time.perf_counter()
+    if cfg.attack is not None and not as_json:
+        make_console(stderr=True).print(f"{cfg.attack.describe()}: {', '.join(cfg.attackers()) or 'none'}"
+                                        " (a robustness test)", style="bold red")
     with RoundProgress(make_console(stderr=True), cfg.rounds, enabled=not as_json) as progress:
         def on_round(row: dict) -> None:
             progress.line(round_line(row, cfg.rounds))
@@ -165,8 +177,12 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
         result = run_simulation(cfg, on_round=on_round)
     wall = time.perf_counter() - started
     if as_json:
-        json.dump({"rollout": cfg.rollout, "rounds": result.rounds, "wall_s": wall,
-                   "metrics_file": str(cfg.metrics_path)}, sys.stdout, indent=1, default=float)
+        doc: dict = {"rollout": cfg.rollout, "rounds": result.rounds, "wall_s": wall,
+                     "metrics_file": str(cfg.metrics_path)}
+        if cfg.attack is not None:
+            doc["attack"] = {"kind": cfg.attack.kind, "fraction": cfg.attack.fraction, "scale": cfg.attack.scale,
+                             "devices": cfg.attackers(), "note": cfg.attack.describe()}
+        json.dump(doc, sys.stdout, indent=1, default=float)
         click.echo()
     else:
         facts = []
@@ -175,5 +191,8 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
             spent = epsilon_spent(result.rounds[-1], ".4g").removeprefix("epsilon ")  # "8 of 8"
             facts.append(("epsilon (ledger)", f"{spent} at delta {p['delta']:g} (largest over devices)"))
         facts.append(("metrics", str(cfg.metrics_path)))
-        make_console().print(summary(result.rounds, wall, f"simulation of {cfg.rollout} ({config_path})",
-                                     facts=facts))
+        title = f"simulation of {cfg.rollout} ({config_path})"
+        if cfg.attack is not None:
+            facts.append(("attack", f"{cfg.attack.describe()}: {', '.join(cfg.attackers()) or 'none'}"))
+            title = f"ATTACK RUN: {title}"
+        make_console().print(summary(result.rounds, wall, title, facts=facts))

@@ -8,12 +8,15 @@ coordinator run``, the cloud broker.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from fedtier.algorithms import strategies
 from fedtier.algorithms.fedavg import FedAvgConfig
+from fedtier.algorithms.secure_fedavg import SecureFedAvgConfig
 from fedtier.algorithms.fedxl import FedXLConfig
 from fedtier.algorithms.hier_qsgd import HierConfig
 from fedtier.algorithms.hist import HistConfig
@@ -315,9 +318,42 @@ class FedAvgSection(RoundSection):
 
     local_steps: int = opt(10, min=1, help="SGD steps per device per edge round.")
     edge_rounds: int = opt(1, min=1, help="Edge aggregations per global round (HIST's baseline HFedAvg uses E/H).")
+    proximal_mu: float = opt(0.0, min=0, help="FedProx: adds (mu/2) ||w - w_global||^2 to each device's loss in the "
+                                              "training graph (0 = plain FedAvg, today's graphs; ort trainers only).")
+    partial_work: bool = opt(False, help="Devices run a seeded number of local steps in 1..local_steps each round, as "
+                                         "slow boards would, and still send their update (FedProx's partial work).")
+
+    secure_aggregation: bool = opt(False, help="SecAgg+ in every cell: the edge learns only its cell's sum, never "
+                                                "a device's update (docs/secure_aggregation.md).")
+    secagg_min_survivors: int = opt(2, min=1, help="Secure aggregation: the fewest devices a cell's sum may contain; "
+                                                   "a cell's round with fewer aborts.")
+    secagg_degree: int = opt(8, min=2, help="Secure aggregation: neighbours per device in the sharing graph (the "
+                                            "complete graph in smaller cells).")
+    secagg_threshold: float = opt(0.6, gt=0.5, max=1, help="Secure aggregation: share of a device's share holders "
+                                                            "(its neighbours in the round) needed to rebuild its "
+                                                            "secrets (a strict majority).")
+    secagg_bits: int = opt(48, min=16, max=62, help="Secure aggregation: updates are encoded in the ring of "
+                                                    "integers modulo 2^bits.")
+    secagg_clip: float = opt(10.0, gt=0, help="Secure aggregation: L2 bound each device's update is clipped to "
+                                              "before encoding.")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.secure_aggregation and self.edge_rounds != 1:
+            raise self.error("secure aggregation runs one edge round per global round", "edge_rounds",
+                             prefix=prefix, source=source)
+        if self.secure_aggregation and self.weighting != "uniform":
+            raise self.error("secure aggregation needs uniform weights: the edge sees only the cell's sum",
+                             "weighting", prefix=prefix, source=source)
 
     def algorithm_config(self, seed: int) -> FedAvgConfig:
-        return FedAvgConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, **self.common(seed))
+        if self.secure_aggregation:
+            return SecureFedAvgConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds,
+                                      partial_work=self.partial_work, secagg_min_survivors=self.secagg_min_survivors,
+                                      secagg_degree=self.secagg_degree, secagg_threshold=self.secagg_threshold,
+                                      secagg_bits=self.secagg_bits, secagg_clip=self.secagg_clip,
+                                      **self.common(seed))
+        return FedAvgConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, partial_work=self.partial_work,
+                            **self.common(seed))
 
 
 @dataclass(frozen=True)
@@ -326,9 +362,14 @@ class HierQsgdSection(QuantizedSection):
 
     local_steps: int = opt(3, min=1, help="gamma: SGD steps per device per edge round.")
     edge_rounds: int = opt(12, min=1, help="tau: edge aggregations per global round.")
+    proximal_mu: float = opt(0.0, min=0, help="FedProx: (mu/2) ||w - w_set||^2 in each device's loss, w_set the model "
+                                              "its edge round started from (0 = off; ort trainers only).")
+    partial_work: bool = opt(False, help="Devices run a seeded number of local steps in 1..local_steps per edge "
+                                         "round and still send their update.")
 
     def algorithm_config(self, seed: int) -> HierConfig:
-        return HierConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, **self.common(seed))
+        return HierConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, partial_work=self.partial_work,
+                          **self.common(seed))
 
 
 @dataclass(frozen=True)
@@ -481,6 +522,96 @@ class PrivacySection(Section):
                              prefix=prefix, source=source)
 
 
+def _rule(value: str) -> None:
+    if value not in strategies.RULES and not strategies.is_custom(value):
+        raise ValueError(f"must be one of {', '.join(map(repr, strategies.RULES))} or 'package.module:Class'; "
+                         f"got {value!r}")
+
+
+def _below_half(value: float) -> None:
+    if not 0 <= value < 0.5:
+        raise ValueError(f"must be in [0, 0.5); got {value!r}")
+
+
+STRATEGY_ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist")
+"""The algorithms whose tiers combine model changes, and so take [aggregation] and [server_optimizer]."""
+
+
+@dataclass(frozen=True)
+class AggregationSection(Section):
+    """How each tier combines its children's updates (fedtier.algorithms.strategies; docs/strategies.md).
+
+    ``mean`` is the weighted mean every tier used before rules existed. The others read each update:
+    coordinate-wise median and trimmed mean, Krum and Multi-Krum (Blanchard et al. 2017), and a
+    mean of updates clipped to ``max_norm``. The parameters below are shared by both tiers.
+    """
+
+    edge: str = opt("mean", check=_rule,
+                    help="Edge rule over its devices' model changes: mean, median, trimmed_mean, krum, multi_krum, "
+                         "norm_bounded_mean, or your own 'package.module:Class'.")
+    cloud: str = opt("mean", check=_rule, help="Cloud rule over the cells' changes (the same choices; hist: mean).")
+    trim: float = opt(0.1, check=_below_half, help="trimmed_mean: share of updates dropped at each end, in [0, 0.5).")
+    byzantine: int = opt(1, min=0, help="krum, multi_krum: f, the faulty children tolerated (needs n > 2f + 2).")
+    select: int = opt(1, min=1, help="multi_krum: m, how many of the best-scored updates are averaged.")
+    max_norm: float = opt(1.0, gt=0, help="norm_bounded_mean: each update is scaled to at most this L2 norm.")
+    edge_options: dict[str, float] | None = opt(None, help="Your own edge rule: keyword arguments of its class.")
+    cloud_options: dict[str, float] | None = opt(None, help="Your own cloud rule: keyword arguments of its class.")
+
+    def spec(self, tier: str) -> dict[str, Any]:
+        """The tier's spec as a task carries it (``fedtier.algorithms.strategies.AggregatorSpec``)."""
+        rule = getattr(self, tier)
+        out: dict[str, Any] = {"rule": rule, "trim": self.trim, "byzantine": self.byzantine, "select": self.select,
+                               "max_norm": self.max_norm}
+        options = getattr(self, f"{tier}_options")
+        if options:
+            out["options"] = dict(options)
+        return out
+
+
+@dataclass(frozen=True)
+class ServerOptimizerSection(Section):
+    """The cloud's step on the aggregated change, used as a pseudo-gradient (Reddi et al., "Adaptive
+    Federated Optimization", ICLR 2021, Algorithm 2; fedtier.algorithms.server_opt).
+
+    Its state (momentum, second moments) is kept in the coordinator's store with every model version.
+    """
+
+    kind: str = opt("sgd", choices=("sgd", "momentum", "adam", "yogi", "adagrad"),
+                    help="sgd (lr = 1: FedAvg), momentum (FedAvgM), adam, yogi or adagrad.")
+    lr: float | None = opt(None, gt=0, help="Server learning rate eta (default 1 for sgd and momentum, 0.01 for the "
+                                            "adaptive kinds).")
+    momentum: float = opt(0.9, min=0, max=0.999, help="momentum: mu.")
+    beta1: float = opt(0.9, min=0, max=0.999, help="adam, yogi, adagrad: first-moment rate beta1.")
+    beta2: float = opt(0.99, min=0, max=0.999, help="adam, yogi: second-moment rate beta2.")
+    tau: float = opt(1e-3, gt=0, help="adam, yogi, adagrad: adaptivity tau (v starts at tau^2).")
+
+    def spec(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "momentum": self.momentum, "beta1": self.beta1,
+                               "beta2": self.beta2, "tau": self.tau}
+        if self.lr is not None:
+            out["lr"] = self.lr
+        return out
+
+
+@dataclass(frozen=True)
+class AttackSection(Section):
+    """Attacks, for testing robustness (device_agent.attack): a seeded share of the devices lies about its update.
+
+    Only `fedtier simulate` and `fedtier demo` make devices attack; every output of such a run says
+    it is an attack run. Never active unless this section is present.
+    """
+
+    kind: str = opt(help="sign_flip (sends -scale x its update), gaussian (sends N(0, scale^2) noise), label_flip "
+                         "(trains on labels classes-1-y) or stale_replay (resends its first update every round).",
+                    choices=("sign_flip", "gaussian", "label_flip", "stale_replay"))
+    fraction: float = opt(0.2, min=0, max=1, help="Share of the devices that attack, chosen from the rollout seed.")
+    scale: float = opt(10.0, gt=0, help="sign_flip: the factor; gaussian: the noise's standard deviation.")
+
+    def describe(self) -> str:
+        scale = "" if self.kind in ("label_flip", "stale_replay") else f", scale {self.scale:g}"
+        return f"ATTACK RUN: {self.kind}{scale} on {self.fraction:.0%} of the devices"
+
+
 SIMULATION_TRAINERS = ("ort", "portable")
 """The device backends ``fedtier simulate`` can run (``device_agent.trainers``): both train user models."""
 
@@ -533,6 +664,15 @@ class RolloutConfig(Section):
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="Cloud broker (coordinator run).")
     simulation: SimulationConfig = opt(default_factory=SimulationConfig, help="Simulator knobs.")
     privacy: PrivacySection | None = opt(None, help="Differential privacy (off when absent).")
+    aggregation: AggregationSection | None = opt(None, help="Per-tier aggregation rules (weighted means when "
+                                                            "absent).")
+    server_optimizer: ServerOptimizerSection | None = opt(None, help="The cloud's server optimizer (w + delta when "
+                                                                     "absent).")
+    edge_optimizer: ServerOptimizerSection | None = opt(None, help="The same rules at each edge, on its cell's change "
+                                                                   "(state in the edge process; fedavg, hier_qsgd, "
+                                                                   "qhetfed; none when absent).")
+    attack: AttackSection | None = opt(None, help="Attacking devices, for robustness tests (simulate and demo only; "
+                                                  "none when absent).")
 
     @property
     def metrics_path(self) -> Path:
@@ -586,6 +726,17 @@ class RolloutConfig(Section):
                 raise self.error("privacy needs uniform weights (a device's reported sample count must not raise "
                                  "its weight, and with it the sensitivity of its cell's mean)",
                                  f"{self.algorithm}.weighting", prefix=prefix, source=source)
+        self._check_strategy(prefix=prefix, source=source)
+        if self.proximal_mu and self.simulation.trainer != "ort":
+            raise self.error("FedProx's proximal term is in the onnxruntime-training graph; the portable trainer "
+                             "does not feed its anchor weights (use trainer = 'ort')", "simulation.trainer",
+                             prefix=prefix, source=source)
+        if self.attack is not None and self.attack.kind == "label_flip" and (
+                self.algorithm in SCORE_ALGORITHMS or self.model.loss != "cross_entropy"):
+            raise self.error("label_flip flips class labels (y -> classes - 1 - y): it needs a classifier trained "
+                             "with cross_entropy", "attack.kind", prefix=prefix, source=source)
+        if self.algorithm == "fedavg" and self.fedavg.secure_aggregation:
+            self._check_secure_aggregation(prefix=prefix, source=source)
         if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
             from cloud_coordinator.planner import InfeasiblePlanError
 
@@ -593,6 +744,99 @@ class RolloutConfig(Section):
                 self.replanner()(None)
             except InfeasiblePlanError as exc:
                 raise self.error(str(exc), "qhetfed.plan.round_budget_s", prefix=prefix, source=source) from None
+
+    def _check_secure_aggregation(self, *, prefix: str, source: str | None) -> None:
+        """Secure aggregation: no noise plan yet (distributed DP), and every cell can reach s_min."""
+        if self.privacy is not None:
+            raise self.error("secure aggregation with [privacy] (distributed DP) is not supported yet: drop one of "
+                             "them (docs/secure_aggregation.md)", "fedavg.secure_aggregation",
+                             prefix=prefix, source=source)
+        if self.aggregation is not None:
+            from fedtier.algorithms import strategies
+
+            try:
+                edge = strategies.parse_strategy({"edge": self.aggregation.spec("edge")})["edge"]
+                strategies.check_visibility(edge, "edge", individual=False)
+            except strategies.StrategyError as exc:
+                raise self.error(f"{exc} (any rule at the cloud)", "aggregation.edge", prefix=prefix,
+                                 source=source) from None
+        smallest = min(len(m) for m in self.topology.layout().values())
+        if self.fedavg.secagg_min_survivors > smallest:
+            raise self.error(f"{self.fedavg.secagg_min_survivors} exceeds the smallest cell ({smallest} devices): its "
+                             "rounds could never complete", "fedavg.secagg_min_survivors",
+                             prefix=prefix, source=source)
+
+    def attackers(self) -> list[str]:
+        """The devices that attack under [attack] (seeded by the rollout seed; none without the section)."""
+        if self.attack is None:
+            return []
+        from device_agent.attack import choose_attackers
+
+        devices = [d for members in self.topology.layout().values() for d in members]
+        return choose_attackers(devices, self.attack.fraction, self.seed)
+
+    def strategy(self) -> dict[str, Any] | None:
+        """The ``strategy`` map every task carries (``None`` without [aggregation] and [server_optimizer])."""
+        if self.aggregation is None and self.server_optimizer is None and self.edge_optimizer is None:
+            return None
+        out: dict[str, Any] = {}
+        if self.aggregation is not None:
+            out["edge"] = self.aggregation.spec("edge")
+            out["cloud"] = self.aggregation.spec("cloud")
+        if self.server_optimizer is not None:
+            out["server_optimizer"] = self.server_optimizer.spec()
+        if self.edge_optimizer is not None:
+            out["edge_optimizer"] = self.edge_optimizer.spec()
+        return out
+
+    def _check_strategy(self, *, prefix: str, source: str | None) -> None:
+        """[aggregation] and [server_optimizer] against the algorithm, the topology and privacy."""
+        if self.edge_optimizer is not None:
+            if self.algorithm == "hist":
+                raise self.error("hist redraws which neurons a cell trains every round: an edge optimizer's moments "
+                                 "would mix different neurons", "edge_optimizer", prefix=prefix, source=source)
+            if self.privacy is not None:
+                raise self.error("under differential privacy the edge forwards its cell's noised mean; an edge "
+                                 "optimizer would release another function of the clear updates", "edge_optimizer",
+                                 prefix=prefix, source=source)
+        if self.aggregation is None and self.server_optimizer is None and self.edge_optimizer is None:
+            return
+        if self.algorithm not in STRATEGY_ALGORITHMS:
+            key = next(k for k in ("aggregation", "server_optimizer", "edge_optimizer") if getattr(self, k) is not None)
+            raise self.error(f"{self.algorithm} combines scores and models its own way; aggregation rules and server "
+                             f"optimizers are for {', '.join(STRATEGY_ALGORITHMS)}", key, prefix=prefix, source=source)
+        agg = self.aggregation
+        if agg is None:
+            return
+        if self.privacy is not None and agg.edge != "mean":
+            raise self.error("under differential privacy the edge must average: the noise is calibrated to the "
+                             "sensitivity of the cell's mean, and a median or a Krum choice has another "
+                             "(the cloud may use any rule)", "aggregation.edge", prefix=prefix, source=source)
+        if self.algorithm == "hist" and agg.cloud != "mean":
+            raise self.error("hist's cloud reassembles disjoint submodels (one cell per slice): nothing to vote on; "
+                             "use mean at the cloud (any rule at the edge)", "aggregation.cloud",
+                             prefix=prefix, source=source)
+        for tier in ("edge", "cloud"):
+            if getattr(agg, f"{tier}_options") and not strategies.is_custom(getattr(agg, tier)):
+                raise self.error("keyword arguments of your own rule ('package.module:Class'); the built-in rules "
+                                 "take trim, byzantine, select and max_norm", f"aggregation.{tier}_options",
+                                 prefix=prefix, source=source)
+        cells = self.topology.layout()
+        sizes = {"edge": min(len(m) for m in cells.values()), "cloud": len(cells)}
+        for tier in ("edge", "cloud"):
+            spec = strategies.AggregatorSpec.from_dict(agg.spec(tier))
+            try:
+                spec.check_fits(sizes[tier], tier)
+                # Every tier of a rollout sees individual updates today (no secure aggregation yet).
+                strategies.check_visibility(spec, tier, individual=True)
+            except strategies.StrategyError as exc:
+                key = "select" if "select" in str(exc) and "n > 2f" not in str(exc) else "byzantine"
+                raise self.error(str(exc), f"aggregation.{key}", prefix=prefix, source=source) from None
+        if strategies.is_custom(agg.cloud):
+            try:  # the cloud runs it: it must load here (an edge rule loads on the edges)
+                strategies.build(strategies.AggregatorSpec.from_dict(agg.spec("cloud")))
+            except strategies.StrategyError as exc:
+                raise self.error(str(exc), "aggregation.cloud", prefix=prefix, source=source) from None
 
     def _check_scorer(self, *, prefix: str, source: str | None) -> None:
         """An X-risk algorithm trains a one-output scorer with loss weighted_score; quantization is not for it."""
@@ -625,7 +869,12 @@ class RolloutConfig(Section):
         if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
             return self.replanner()(None)
         section = getattr(self, self.algorithm)
-        return section.algorithm_config(self.seed)
+        return self._with_strategy(section.algorithm_config(self.seed))
+
+    def _with_strategy(self, config: Any) -> Any:
+        """``config`` carrying the rollout's strategy map (unchanged without one)."""
+        strategy = self.strategy()
+        return config if strategy is None else dataclasses.replace(config, strategy=strategy)
 
     def replanner(self) -> Callable[[float | None], Any]:
         """QHetFed's per-round planner: q1 estimate -> config with the planned (tau, gamma).
@@ -637,7 +886,7 @@ class RolloutConfig(Section):
 
         section, p = self.qhetfed, self.qhetfed.plan
         if p is None:
-            return lambda q1: section.algorithm_config(self.seed)
+            return lambda q1: self._with_strategy(section.algorithm_config(self.seed))
         cells = self.topology.layout()
         n_devices = sum(len(m) for m in cells.values())
 
@@ -646,9 +895,15 @@ class RolloutConfig(Section):
             inputs = PlanInputs(C=len(cells), N=n_devices, q1=measured, t_cp=p.t_cp, t_de=p.t_de, t_ec=p.t_ec,
                                 round_budget_s=p.round_budget_s, uploads=p.uploads)
             chosen = plan(inputs, mode="robust")
-            return section.algorithm_config(self.seed, tau=int(chosen.tau), gamma=int(chosen.gamma))
+            return self._with_strategy(section.algorithm_config(self.seed, tau=int(chosen.tau),
+                                                                gamma=int(chosen.gamma)))
 
         return replan
+
+    @property
+    def proximal_mu(self) -> float:
+        """FedProx's mu of the configured algorithm (0 for those without it)."""
+        return float(getattr(getattr(self, self.algorithm), "proximal_mu", 0.0))
 
     @property
     def deadline_s(self) -> float:

@@ -196,6 +196,10 @@ class DemoOptions:
     trainer: str = "auto"  # the agents' training backend (device.toml ``trainer``)
     agent_python: Path | None = None  # run the agents with this interpreter (e.g. a stock-onnxruntime venv)
     dashboard: bool = False  # the coordinator also serves its web dashboard on a free localhost port
+    strategy: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Tables merged into the rollout config: [aggregation], [server_optimizer], [attack], and the
+    algorithm's proximal_mu / partial_work (``cloud_coordinator.strategy_cli``)."""
+    secure_aggregation: bool = False  # SecAgg+ in every cell: edges see only their cell's sum (fedavg)
 
 
 @dataclass
@@ -240,6 +244,10 @@ class Demo:
             raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm}'s in-cell "
                              "gradient exchange is not covered by the privacy layer yet (docs/privacy.md, "
                              "Limitations)")
+        if opts.secure_aggregation and opts.algorithm != "fedavg":
+            raise ValueError("--secure-aggregation runs with fedavg (docs/secure_aggregation.md)")
+        if opts.secure_aggregation and opts.privacy is not None:
+            raise ValueError("--secure-aggregation with --privacy (distributed DP) is not supported yet")
         self.opts = opts
         self.view = view
         self.dashboard_url: str | None = None
@@ -312,6 +320,10 @@ class Demo:
                 topology["trusted"] = {cell: True for cell in self.trusted}
             config["privacy"] = {"epsilon": o.privacy.epsilon, "delta": o.privacy.delta, "clip": o.privacy.clip,
                                  "require_tls": self.require_tls}
+        if o.strategy:
+            from cloud_coordinator.strategy_cli import merge
+
+            config = merge(config, o.strategy)
         return config
 
     def score_task(self) -> dict[str, Any]:
@@ -336,6 +348,10 @@ class Demo:
             section["gamma" if o.algorithm == "qhetfed" else "local_steps"] = o.local_steps
         if o.algorithm in ("hier_qsgd", "qhetfed"):
             section.update(bits_device=o.bits_device, bits_edge=o.bits_edge)
+        if o.secure_aggregation:
+            # s_min: all but one device of the smallest cell (at least 1); a clip no digits update reaches.
+            section.update(secure_aggregation=True, secagg_min_survivors=max(1, o.devices // o.cells - 1),
+                           secagg_clip=100.0)
         return section
 
     def _broker_section(self, port: int) -> dict[str, Any]:
@@ -525,6 +541,7 @@ class Demo:
                 paths = self.write_configs(port)
             self.say(f"fedtier demo: {o.devices} devices in {o.cells} cells, {o.rounds} rounds of {o.algorithm} on "
                      f"{self.task_description()}; {self.broker_kind} broker on 127.0.0.1:{port}")
+            extra = self.announce_strategy(paths.coordinator)
             plan = None
             if o.privacy is not None:
                 plan = self.privacy_plan(paths.coordinator)
@@ -547,12 +564,39 @@ class Demo:
             return DemoResult(rounds=rows, wall_s=time.perf_counter() - started, broker=self.broker_kind,
                               workdir=self.workdir, processes=len(self.procs), secure=self.secure,
                               stopped=doc.get("stopped"), privacy=privacy,
-                              extra={"dashboard": self.dashboard_url} if self.dashboard_url else {})
+                              extra={**extra, **({"dashboard": self.dashboard_url} if self.dashboard_url else {})})
         finally:
             self.stop_all()
             self.stop_reaper()
             if ok and self._own_workdir:
                 shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def announce_strategy(self, coordinator_config: Path) -> dict[str, Any]:
+        """Say which strategy runs and, loudly, that an attack run is one; return both for the summary."""
+        if not self.opts.strategy:
+            return {}
+        from cloud_coordinator.config import RolloutConfig
+        from fedtier.runtime.config import load
+
+        cfg = load(RolloutConfig, coordinator_config)
+        out: dict[str, Any] = {}
+        strategy = cfg.strategy()
+        if strategy is not None:
+            out["strategy"] = strategy
+            opt = strategy.get("server_optimizer")
+            self.say(f"strategy: edge {strategy.get('edge', {}).get('rule', 'mean')}, cloud "
+                     f"{strategy.get('cloud', {}).get('rule', 'mean')}"
+                     + (f", server optimizer {opt['kind']}" if opt else ""))
+        if cfg.proximal_mu or getattr(getattr(cfg, cfg.algorithm), "partial_work", False):
+            self.say(f"FedProx mu {cfg.proximal_mu:g}"
+                     + (", partial work" if getattr(cfg, cfg.algorithm).partial_work else ""))
+        if cfg.attack is not None:
+            attackers = cfg.attackers()
+            out["attack"] = {"kind": cfg.attack.kind, "fraction": cfg.attack.fraction, "scale": cfg.attack.scale,
+                             "devices": attackers, "note": cfg.attack.describe()}
+            self.say(f"{cfg.attack.describe()}: {', '.join(attackers) or 'no device at this fraction'} "
+                     "(a robustness test)")
+        return out
 
     def privacy_plan(self, coordinator_config: Path) -> dict[str, Any]:
         """``fedtier privacy plan``'s document of the written rollout config (the same code)."""

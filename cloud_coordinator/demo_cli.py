@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from cloud_coordinator.strategy_cli import overrides, pop_values, strategy_options
+
 
 @click.command()
 @click.option("--devices", type=click.IntRange(1, 500), default=12, show_default=True,
@@ -45,6 +47,9 @@ import click
 @click.option("--secure", is_flag=True,
               help="Provision a throwaway fleet first (CA, per-node certificates, signed manifests) and run "
                    "over Mosquitto with mutual TLS and per-role ACLs, as a production fleet would.")
+@click.option("--secure-aggregation", "secure_aggregation", is_flag=True,
+              help="fedavg with SecAgg+ in every cell: each edge learns only its cell's sum, never a device's "
+                   "update (docs/secure_aggregation.md).")
 @click.option("--privacy", is_flag=True,
               help="Differential privacy with trust labels (fedavg, hier_qsgd, hist): devices under untrusted "
                    "cells add Gaussian noise to every update, trusted cells add it towards the cloud; shows the "
@@ -81,11 +86,12 @@ import click
               help="The coordinator also serves its read-only web dashboard on a free 127.0.0.1 port; the demo "
                    "prints the URL (open it while the rounds run).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
+@strategy_options
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
-         privacy: bool, epsilon: float | None, delta: float | None, clip: float | None, trusted: str | None,
-         compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
-         timeout_s: float, dashboard: bool, as_json: bool) -> None:
+         secure_aggregation: bool, privacy: bool, epsilon: float | None, delta: float | None, clip: float | None,
+         trusted: str | None, compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
+         timeout_s: float, dashboard: bool, as_json: bool, **strategy: Any) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
@@ -111,8 +117,11 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
         fedtier demo --algorithm fedxl
         fedtier demo --algorithm hsgd
         fedtier demo --privacy --compare
+        fedtier demo --secure-aggregation
         fedtier demo --privacy --epsilon 4 --trusted cell-a,cell-b --workdir /tmp/dp-demo
         fedtier demo --dashboard --rounds 100
+        fedtier demo --edge-aggregator median --attack sign_flip --attack-fraction 0.2
+        fedtier demo --server-optimizer adam --server-lr 0.03 --proximal-mu 0.01 --partial-work
     """
     from cloud_coordinator.demo import Demo, DemoError, DemoOptions, PrivacyDemo, Terminated, raise_on_termination
 
@@ -130,10 +139,12 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     if privacy:
         dp = PrivacyDemo(**{k: v for k, v in (("epsilon", epsilon), ("delta", delta), ("clip", clip)) if v is not None},
                          trusted=_cells(trusted))
+    extra = overrides(pop_values(strategy), algorithm)
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
                        local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
-                       secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python, dashboard=dashboard)
+                       secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python, dashboard=dashboard,
+                       strategy=extra, secure_aggregation=secure_aggregation)
     view = ConsoleView(enabled=not as_json)
     try:
         runner = Demo(opts, view)
@@ -212,11 +223,13 @@ def _document(opts: Any, result: Any, baseline: Any) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "algorithm": opts.algorithm, "rounds": result.rounds, "bytes": totals(result.rounds), "wall_s": result.wall_s,
         "broker": result.broker, "processes": result.processes, "secure": result.secure, "trainer": opts.trainer,
+        "secure_aggregation": opts.secure_aggregation,
         "final_accuracy": result.rounds[-1]["accuracy"] if result.rounds else None,
         "final_ranking": ({k: result.rounds[-1].get(k) for k in ("auroc", "pauc_0.3", "pauc_0.5")}
                           if result.rounds and result.rounds[-1].get("auroc") is not None else None),
         "stopped": result.stopped, "privacy": jsonable(result.privacy) if result.privacy is not None else None,
         "dashboard": result.extra.get("dashboard"),
+        "strategy": result.extra.get("strategy"), "attack": result.extra.get("attack"),
     }
     if baseline is not None:
         doc["compare"] = {"privacy": None, "wall_s": baseline.wall_s,
@@ -230,8 +243,15 @@ def _print_summary(opts: Any, result: Any, baseline: Any) -> None:
     from cloud_coordinator.report import summary
 
     title = (f"fedtier demo: {opts.algorithm}, {opts.devices} devices, {opts.cells} cells, {result.broker} broker"
+             + (", secure aggregation" if opts.secure_aggregation else "")
              + (", differential privacy" if result.privacy is not None else ""))
     facts: list[tuple[str, str]] = []
+    attack = result.extra.get("attack")
+    if attack is not None:
+        title = f"ATTACK RUN: {title}"
+        facts.append(("attack", f"{attack['note']}: {', '.join(attack['devices']) or 'none'}"))
+    if result.extra.get("strategy"):
+        facts.append(("strategy", json.dumps(result.extra["strategy"], sort_keys=True)))
     p = result.privacy
     if p is not None:
         labels = ", ".join(f"{cell} " + ("trusted (its edge adds noise)" if c["trusted"]

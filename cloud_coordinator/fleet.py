@@ -94,6 +94,17 @@ def write_device_data(cfg: RolloutConfig, data_dirs: Mapping[str, Path]) -> dict
     return written
 
 
+def _attacks(cfg: RolloutConfig) -> dict[str, dict[str, Any]]:
+    """``[attack]``: the ``device.toml`` table of each attacking device (the simulator's choice of devices)."""
+    if cfg.attack is None:
+        return {}
+    table: dict[str, Any] = {"kind": cfg.attack.kind, "scale": cfg.attack.scale, "seed": cfg.seed}
+    if cfg.attack.kind == "label_flip":
+        cells = cfg.topology.layout()
+        table["classes"] = make_federated(cfg.data, [d for ds in cells.values() for d in ds], cells).num_classes
+    return {device: dict(table) for device in cfg.attackers()}
+
+
 def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, Any],
                 bundles: Mapping[str, Path] | None = None,
                 device_settings: Mapping[str, Any] | None = None) -> FleetPaths:
@@ -130,6 +141,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
         raise ConfigError("a fleet on this machine reads each device's shard from [data] dir", key="data.dir")
     if not files:
         write_device_data(cfg, {d: workdir / "data" / d for ds in cells.values() for d in ds})
+    attacks = _attacks(cfg)
     edges: dict[str, Path] = {}
     devices: dict[str, Path] = {}
     for cell, members in cells.items():
@@ -145,7 +157,8 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
             else:
                 data_dir = workdir / "data" / device
             dev = {"device_id": device, "cell": cell, "data_dir": str(data_dir),
-                   "state_dir": str(workdir / "devices" / device), "broker": dict(broker), **(device_settings or {})}
+                   "state_dir": str(workdir / "devices" / device), "broker": dict(broker), **(device_settings or {}),
+                   **({"attack": attacks[device]} if device in attacks else {})}
             devices[device] = cfg_dir / f"device-{device}.toml"
             devices[device].write_text(dumps_toml(secured(device, dev)))
             load(DeviceConfig, devices[device])

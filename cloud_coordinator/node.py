@@ -159,6 +159,9 @@ class CloudNode(NodeBase):
             self.finished = True
             self._clear_retained()
             return
+        if self.cfg.attack is not None:
+            log.warning("%s (%s): a robustness test, not a real rollout", self.cfg.attack.describe(),
+                        ", ".join(self.cfg.attackers()) or "no device at this fraction")
         self.manifest_bytes = self._issue_manifest()
         self.tx.publish(topics.manifest(self.rollout), self.manifest_bytes, retain=True)
         self.history = self.store.rounds(self.rollout)
@@ -189,6 +192,11 @@ class CloudNode(NodeBase):
                                  cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version,
                                  replan=replan, admit=self.ledger.admit if self.ledger is not None else None,
                                  **self.prepared.cloud_kwargs())
+        if latest is not None and callable(getattr(self.role, "load_strategy_state", None)):
+            saved = self.store.strategy_state(self.rollout, version)
+            if saved is not None:  # the server optimizer's moments, as committed with this model version
+                self.role.load_strategy_state(saved)
+                log.info("rollout %s: server-side strategy state of model version %d restored", self.rollout, version)
         self._execute(self.role.start(now), now)
         for payload in self.store.inputs(self.rollout):
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
@@ -356,6 +364,7 @@ class CloudNode(NodeBase):
             },
             "q1": closed.metrics.get("q1"),
             "q2": closed.metrics.get("q2"),
+            **({"attack": self.attack_summary()} if self.cfg.attack is not None else {}),
             "config": closed.metrics.get("config"),
             "round_s": wall - self._last_close,
             "elapsed_s": wall - self._started_at,
@@ -371,8 +380,10 @@ class CloudNode(NodeBase):
             row["train_loss"] = None  # cells do not send losses under differential privacy
             row["privacy"] = {**self.ledger.summary(), "releases": len(releases),
                               "unobserved": sum(1 for r in releases if not r["observed"]), "clear_hops": len(clear)}
+        state = getattr(self.role, "strategy_state", None)
         self.store.commit_round(self.rollout, closed.round, int(closed.metrics.get("model_version", 0)),
-                                closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear)
+                                closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear,
+                                strategy_state=state() if callable(state) else None)
         self.history.append(row)
         self.metrics.set("fedtier_round", closed.round)
         if result is not None and result.accuracy is not None:
@@ -394,9 +405,18 @@ class CloudNode(NodeBase):
         if self.on_round is not None:
             self.on_round(row)
 
+    def attack_summary(self) -> dict[str, Any]:
+        """What marks every output of an attack run (``[attack]``): the attack and its devices."""
+        a = self.cfg.attack
+        assert a is not None
+        return {"kind": a.kind, "fraction": a.fraction, "scale": a.scale, "devices": self.cfg.attackers(),
+                "note": a.describe()}
+
     def write_metrics(self) -> None:
         doc: dict[str, Any] = {"rollout": self.rollout, "algorithm": self.cfg.algorithm,
                                "rounds_planned": self.cfg.rounds, "finished": self.finished, "rounds": self.history}
+        if self.cfg.attack is not None:
+            doc["attack"] = self.attack_summary()
         if self.stop_reason is not None:
             doc["stopped"] = self.stop_reason
         if self.prepared.noise_plan is not None:

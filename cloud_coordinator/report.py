@@ -52,6 +52,8 @@ def round_line(row: dict[str, Any], total_rounds: int) -> str:
     duration."""
     b = row.get("bytes", {})
     head = f"round {row['round']:>3} ({row['round'] + 1}/{total_rounds})"
+    if row.get("attack"):
+        head = f"ATTACK RUN  {head}"
     if row.get("loss") is not None:
         head += f"  accuracy {_num(row.get('accuracy'), '.4f')}  loss {_loss(row['loss'])}"
     if row.get("auroc") is not None:

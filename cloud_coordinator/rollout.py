@@ -88,7 +88,7 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     source = cfg.model.source(data.num_features, data.num_classes, loss="weighted_score" if scorer else None)
     arch = source.arch
     _check_fits(arch, data)
-    bundle = build_artifacts(source, cfg.artifacts_path)
+    bundle = build_artifacts(source, cfg.artifacts_path, proximal_mu=cfg.proximal_mu)
     params = dict(source.initial_params)
     cell_bundles: dict[str, ArtifactBundle] = {}
     if cfg.algorithm == "hist":

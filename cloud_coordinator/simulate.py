@@ -117,6 +117,7 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
     prepared = prepared or prepare(cfg)
     if cfg.simulation.trainer == "portable":
         _require_portable_graphs(prepared)
+    _require_edge_rule(cfg)
     absent = [d for d in prepared.devices if d not in prepared.data.train]
     if absent:
         raise ConfigError(f"the simulator trains every device on its data, and {len(absent)} device(s) have none "
@@ -130,6 +131,7 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         for sha, path in prepared.artifact_files().items():
             cache.put(sha, path.read_bytes())
         trainers = SharedTrainers(cfg.simulation.threads, cfg.simulation.trainer)
+        attackers = set(cfg.attackers())
 
         nodes: list[Any] = []
         for cell, members in prepared.cells.items():
@@ -137,8 +139,11 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
                 x, y = prepared.data.train[device]
                 held = prepared.data.holdout.get(device)
                 tx = broker.connect(device)
+                provider: Any = trainers
+                if device in attackers:
+                    provider, y = _attacker(cfg, prepared, device, trainers, y)
                 node = DeviceNode(device_id=device, cell=cell, transport=tx, data=LocalData(x=x, y=y),
-                                  trainer_provider=trainers, state=DeviceState(":memory:"), cache=cache,
+                                  trainer_provider=provider, state=DeviceState(":memory:"), cache=cache,
                                   bundles_dir=root / "bundles", noise=noise_source(cfg, device),
                                   eval_data=LocalData(x=held[0], y=held[1]) if held is not None else None)
                 tx.set_handler(_bind(node, broker))
@@ -164,6 +169,33 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         finally:
             store.close()
     return result
+
+
+def _attacker(cfg: RolloutConfig, prepared: PreparedRollout, device: str, trainers: SharedTrainers,
+              y: Any) -> tuple[Any, Any]:
+    """An attacking device's trainer provider and labels (``[attack]``; ``device_agent.attack``)."""
+    from device_agent.attack import AttackSpec, attacking_provider, flip_labels
+
+    assert cfg.attack is not None
+    spec = AttackSpec(kind=cfg.attack.kind, scale=cfg.attack.scale, seed=cfg.seed,
+                      classes=prepared.data.num_classes if cfg.attack.kind == "label_flip" else None)
+    if spec.kind == "label_flip":
+        assert spec.classes is not None
+        return trainers, flip_labels(y, spec.classes)
+    return attacking_provider(trainers, spec, device), y
+
+
+def _require_edge_rule(cfg: RolloutConfig) -> None:
+    """The simulated edges run here: a rule of your own they could not load is refused up front
+    (a real edge rejects the task and says why in its log; here the rollout would only stall)."""
+    if cfg.aggregation is None:
+        return
+    from fedtier.algorithms import strategies
+
+    try:
+        strategies.build(strategies.AggregatorSpec.from_dict(cfg.aggregation.spec("edge")))
+    except strategies.StrategyError as exc:
+        raise ConfigError(str(exc), key="aggregation.edge") from None
 
 
 def _require_portable_graphs(prepared: PreparedRollout) -> None:

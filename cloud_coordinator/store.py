@@ -10,6 +10,7 @@ coordinator replays them (like the edge) and loses nothing it had acknowledged.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import time
 from dataclasses import dataclass
@@ -30,6 +31,19 @@ def encode_params(params: Mapping[str, np.ndarray], *, rollout: str, round: int)
 
 def decode_params(blob: bytes) -> dict[str, np.ndarray]:
     return {k: np.array(v, dtype=np.float32) for k, v in wire.decode(blob).tensors.items()}
+
+
+def encode_state(state: Mapping[str, np.ndarray]) -> bytes:
+    """A strategy's state (float64 tensors: a server optimizer's moments) as an ``.npz`` (no pickle)."""
+    buf = io.BytesIO()
+    arrays: dict[str, Any] = {k: np.asarray(v) for k, v in state.items()}
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def decode_state(blob: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,8 @@ CREATE TABLE IF NOT EXISTS privacy_releases (
     node TEXT NOT NULL, parent TEXT NOT NULL, parent_trusted INTEGER NOT NULL, protected TEXT NOT NULL,
     sensitivity REAL NOT NULL, inputs TEXT NOT NULL, sigma REAL NOT NULL, noise_multiplier REAL NOT NULL,
     mode TEXT NOT NULL, observed INTEGER NOT NULL, PRIMARY KEY (rollout, round, node, step));
+CREATE TABLE IF NOT EXISTS strategy_state (
+    rollout TEXT NOT NULL, version INTEGER NOT NULL, state BLOB NOT NULL, PRIMARY KEY (rollout, version));
 CREATE TABLE IF NOT EXISTS privacy_clear (
     rollout TEXT NOT NULL, round INTEGER NOT NULL, step INTEGER NOT NULL, sender TEXT NOT NULL,
     receiver TEXT NOT NULL, receiver_trusted INTEGER NOT NULL, PRIMARY KEY (rollout, round, step, sender));
@@ -126,11 +142,18 @@ class CoordinatorStore:
 
     def commit_round(self, rollout: str, round: int, version: int, params: Mapping[str, np.ndarray],
                      accuracy: float | None, loss: float | None, metrics: Mapping[str, Any],
-                     releases: Sequence[Mapping[str, Any]] = (), clear: Sequence[Mapping[str, Any]] = ()) -> None:
+                     releases: Sequence[Mapping[str, Any]] = (), clear: Sequence[Mapping[str, Any]] = (),
+                     strategy_state: Mapping[str, np.ndarray] | None = None) -> None:
         """Store a closed round, its model version and its privacy-ledger rows atomically; drop the
-        round's inputs. (A crash never leaves a model without its releases on the ledger.)"""
+        round's inputs. (A crash never leaves a model without its releases on the ledger.)
+
+        ``strategy_state`` (a server optimizer's moments after this round) lands in the same
+        transaction, so a restarted coordinator resumes the model and its optimizer together."""
         blob = encode_params(params, rollout=rollout, round=round)
         with self.db.transaction() as db:
+            if strategy_state is not None:
+                db.execute("INSERT OR REPLACE INTO strategy_state VALUES (?,?,?)",
+                           (rollout, version, encode_state(strategy_state)))
             db.executemany(f"INSERT OR REPLACE INTO privacy_releases VALUES ({','.join('?' * len(RELEASE_COLUMNS))})",
                            [_release_values(rollout, r) for r in releases])
             db.executemany(f"INSERT OR REPLACE INTO privacy_clear VALUES ({','.join('?' * len(CLEAR_COLUMNS))})",
@@ -149,6 +172,13 @@ class CoordinatorStore:
         if row is None:
             return None
         return ModelVersion(version=row[0], round=row[1], sha256=row[2], params=decode_params(bytes(row[3])))
+
+    def strategy_state(self, rollout: str, version: int) -> dict[str, np.ndarray] | None:
+        """The strategy state committed with model ``version`` (``None`` if that round kept none)."""
+        with self.db.locked() as db:
+            row = db.execute("SELECT state FROM strategy_state WHERE rollout=? AND version=?",
+                             (rollout, version)).fetchone()
+        return None if row is None else decode_state(bytes(row[0]))
 
     def model(self, rollout: str, version: int) -> ModelVersion | None:
         with self.db.locked() as db:

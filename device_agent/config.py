@@ -9,6 +9,21 @@ from fedtier.runtime.config import LOG_LEVELS, BrokerConfig, Section, node_id, o
 
 
 @dataclass(frozen=True)
+class AttackConfig(Section):
+    """Testing only: this device lies about its updates (device_agent.attack). Logged loudly at start-up."""
+
+    kind: str = opt(help="sign_flip, gaussian, label_flip or stale_replay.",
+                    choices=("sign_flip", "gaussian", "label_flip", "stale_replay"))
+    scale: float = opt(10.0, gt=0, help="sign_flip: the factor; gaussian: the noise's standard deviation.")
+    seed: int = opt(0, help="gaussian: seed of the noise.")
+    classes: int | None = opt(None, min=2, help="label_flip: the number of classes (labels become classes - 1 - y).")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.kind == "label_flip" and self.classes is None:
+            raise self.error("label_flip needs the number of classes", "classes", prefix=prefix, source=source)
+
+
+@dataclass(frozen=True)
 class DeviceConfig(Section):
     """One device: who it is, which cell it belongs to, where its data and state live."""
 
@@ -32,3 +47,4 @@ class DeviceConfig(Section):
     max_message_mb: float = opt(64.0, gt=0, help="Refuse messages (after reassembly) larger than this.")
     metrics_port: int = opt(0, min=0, max=65535, help="Serve Prometheus /metrics on this port (127.0.0.1); 0 = off.")
     log_level: str = opt("info", choices=LOG_LEVELS, help="Logging level.")
+    attack: AttackConfig | None = opt(None, help="Testing only: make this device attack (absent: it never does).")

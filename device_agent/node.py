@@ -62,6 +62,7 @@ from fedtier.errors import (
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import NoisePlan
 from fedtier.runtime.metrics import Metrics
+from fedtier.secagg import messages as secagg_messages
 from fedtier.runtime.node_base import REJECTED, NodeBase
 from fedtier.security.manifest import Manifest
 from fedtier.security.signing import ManifestGate, open_manifest
@@ -170,10 +171,10 @@ class DeviceNode(NodeBase):
         try:
             if isinstance(msg, DeviceTask):
                 self._on_task(msg, now)
-            elif isinstance(msg, CellStep):
+            elif isinstance(msg, (CellStep, *secagg_messages.DOWNWARD)):
                 role = self.roles.get(msg.rollout)
                 if role is None:
-                    raise UnexpectedMessageError(f"cell step of rollout {msg.rollout!r}, which this device is not in")
+                    raise UnexpectedMessageError(f"{msg.KIND} of rollout {msg.rollout!r}, which this device is not in")
                 self._execute(role.receive(msg, now), now, msg.rollout)
             elif isinstance(msg, ArtifactBlob):
                 self._on_artifact(msg, now)

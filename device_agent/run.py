@@ -6,8 +6,9 @@ import logging
 import queue
 import threading
 
+from device_agent.attack import AttackingTrainer, AttackSpec, flip_labels
 from device_agent.config import DeviceConfig
-from device_agent.data import load_data_dir, load_eval_dir
+from device_agent.data import LocalData, load_data_dir, load_eval_dir
 from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
 from device_agent.trainers import describe_backend, make_trainer, resolve_kind
@@ -37,6 +38,15 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     data = load_data_dir(cfg.data_dir)
     held_out = load_eval_dir(cfg.data_dir, cfg.eval_dir)
+    spec = None
+    if cfg.attack is not None:
+        spec = AttackSpec(kind=cfg.attack.kind, scale=cfg.attack.scale, seed=cfg.attack.seed,
+                          classes=cfg.attack.classes)
+        log.warning("ATTACK RUN: device %s is configured to attack: %s ([attack] in its config; for robustness "
+                    "tests only)", cfg.device_id, spec.describe())
+        if spec.kind == "label_flip":
+            assert spec.classes is not None
+            data = LocalData(x=data.x, y=flip_labels(data.y, spec.classes))
     inbox: queue.Queue = queue.Queue()
     max_bytes = int(cfg.max_message_mb * (1 << 20))
     tx = mqtt.from_config(cfg.broker, name="cell", client_id=cfg.device_id, inbox=inbox,
@@ -44,7 +54,8 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
                           max_message_bytes=max_bytes)
 
     def provider(bundle: ArtifactBundle) -> Trainer:
-        return make_trainer(backend, bundle, threads=cfg.threads)  # torch is imported only if chosen
+        trainer = make_trainer(backend, bundle, threads=cfg.threads)  # torch is imported only if chosen
+        return trainer if spec is None else AttackingTrainer(trainer, spec, cfg.device_id)
 
     node = DeviceNode(device_id=cfg.device_id, cell=cfg.cell, transport=tx, data=data, trainer_provider=provider,
                       state=DeviceState(cfg.state_dir / "agent.db"), cache=ArtifactCache(cfg.state_dir / "artifacts"),

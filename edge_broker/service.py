@@ -37,19 +37,14 @@ from typing import Any, Mapping, Sequence
 
 from edge_broker.store import EdgeStore
 from fedtier import algorithms, wire
-from fedtier.algorithms.base import Action, Broadcast, Dropped, SendToChild, SendToParent
+from fedtier.algorithms.base import Action, Broadcast, Dropped, Note, SendToChild, SendToParent
 from fedtier.artifacts.cache import ArtifactCache
-from fedtier.errors import (
-    MissingReleaseError,
-    PrivacyViolationError,
-    RemoteProtocolError,
-    UnexpectedMessageError,
-    UnknownSenderError,
-)
+from fedtier.errors import MissingReleaseError, PrivacyViolationError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import NoisePlan
 from fedtier.runtime.metrics import Metrics
+from fedtier.secagg import messages as secagg_messages
 from fedtier.runtime.node_base import ACCEPTED, REJECTED, NodeBase
 from fedtier.security.manifest import Manifest
 from fedtier.security.signing import ManifestGate, open_manifest
@@ -69,6 +64,8 @@ from fedtier.wire.messages import (
 
 log = logging.getLogger("fedtier.edge")
 
+SECAGG_ABORTS = "fedtier_secagg_aborts_total"
+"""Cell rounds a secure aggregation aborted, by typed reason (``fedtier.secagg.protocol.Abort``)."""
 AGGREGATION_SECONDS = "fedtier_edge_aggregation_seconds"
 """Histogram: from a round's cell task arriving to the cell's update leaving for the cloud."""
 
@@ -132,13 +129,14 @@ class EdgeNode(NodeBase):
             return
         for payload in payloads:
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
-            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, Embeddings))
+            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, Embeddings, *secagg_messages.UPWARD))
             try:
                 self._on_round_message(payload, msg, now, replay=True)
-            except UnknownSenderError as exc:
-                # A trusted edge that samples devices draws a new secret sample after a restart (its noise
-                # source is fresh): uploads of the old sample's devices no longer belong to the round.
-                log.warning("replay of %s dropped: %s", msg.key, exc)
+            except RemoteProtocolError as exc:
+                # A stored input that no longer applies: e.g. a secure-aggregation phase that closed at
+                # its deadline before the restart is open again after it (deadlines are not stored), or an upload
+                # of a device outside the new secret sample a sampling trusted edge drew after restarting.
+                log.warning("replay of %s skipped: %s", msg.key, exc)
         role = self.roles.get(rollout)
         if role is None:
             return
@@ -195,7 +193,8 @@ class EdgeNode(NodeBase):
                 self._on_artifact(msg, now)
             elif isinstance(msg, ArtifactRequest):
                 self._on_artifact_request(msg, now)
-            elif isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient)) or type(msg) is Embeddings:
+            elif (isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, *secagg_messages.UPWARD))
+                  or type(msg) is Embeddings):
                 self._on_round_message(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             else:
                 raise UnexpectedMessageError(f"edge does not accept {msg.KIND}")
@@ -241,7 +240,7 @@ class EdgeNode(NodeBase):
             return True
         return False
 
-    def _on_round_message(self, payload: bytes, msg: CellTask | DeviceUpdate | DeviceGradient | Embeddings, now: float,
+    def _on_round_message(self, payload: bytes, msg: Message, now: float,
                           replay: bool = False, wire_bytes: int | None = None) -> None:
         if isinstance(msg, CellTask) and msg.sender != self.parent:
             raise UnexpectedMessageError(f"cell task from {msg.sender!r}, not from parent {self.parent!r}")
@@ -268,7 +267,9 @@ class EdgeNode(NodeBase):
     def _execute(self, rollout: str, actions: Sequence[Action]) -> None:
         self.diagnostics(actions)
         for action in actions:
-            if isinstance(action, Broadcast):
+            if isinstance(action, Note) and action.event == "secagg_abort":
+                self.metrics.inc(SECAGG_ABORTS, reason=action.fields.get("reason", "unknown"))
+            elif isinstance(action, Broadcast):
                 payload = action.message.encode(action.encodings)
                 sent = self.cell_tx.publish(topics.cell_down(rollout, self.cell, action.message.KIND), payload)
                 fanout = len(self.roles[rollout].members) or 1  # a broadcast reaches every member

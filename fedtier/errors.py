@@ -252,3 +252,15 @@ class ArtifactError(FedtierError):
 
 class TransportError(FedtierError):
     """The transport could not do what was asked (not connected, payload over the limit)."""
+
+
+class MalformedShareError(RemoteProtocolError):
+    """A secure-aggregation share, key or ciphertext that does not parse, decrypt or verify."""
+
+    reason = "malformed_share"
+
+
+class WrongPhaseError(RemoteProtocolError):
+    """A secure-aggregation message for a protocol phase the receiver is not in."""
+
+    reason = "wrong_phase"

@@ -52,14 +52,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fedtier.artifacts.bundle import (
+    PORTABLE_FORMAT,
     MAX_IR_VERSION,
     MAX_OPSET,
     ArtifactBundle,
     BundleFile,
+    PortableInfo,
     write_text_atomic,
 )
 from fedtier.errors import ArtifactError, LocalProtocolError
-from fedtier.training.layout import ArchSpec
+from fedtier.training.layout import PROX_PREFIX, PROX_UNSUPPORTED, ArchSpec
 from models.export import INPUT_NAME, OUTPUT_NAME
 from models.portable import write_portable
 from models.source import ModelSource, builtin_source
@@ -82,7 +84,8 @@ _STDERR_TAIL = 4000
 _fd2_lock = threading.Lock()
 
 
-def build_artifacts(model: ArchSpec | ModelSource, store_dir: Path | str, *, seed: int = 0) -> ArtifactBundle:
+def build_artifacts(model: ArchSpec | ModelSource, store_dir: Path | str, *, seed: int = 0,
+                    proximal_mu: float = 0.0) -> ArtifactBundle:
     """Return the artifact bundle for a model, building it only if the store lacks it.
 
     Args:
@@ -91,6 +94,9 @@ def build_artifacts(model: ArchSpec | ModelSource, store_dir: Path | str, *, see
         store_dir: The content-addressed store (created if missing).
         seed: Seed of the initial weights in the checkpoint (zoo architectures; a
             ``ModelSource`` carries its own).
+        proximal_mu: FedProx's mu: > 0 adds ``(mu/2) ||w - w_anchor||^2`` to the training loss,
+            the anchor weights as graph inputs ``prox.<name>`` (``_proximal_loss``); 0 builds
+            exactly the bundle built without it.
 
     Returns:
         The verified bundle in ``store_dir/<bundle_id>``.
@@ -107,9 +113,14 @@ def build_artifacts(model: ArchSpec | ModelSource, store_dir: Path | str, *, see
             raise LocalProtocolError(f"seed must be a non-negative int, got {seed!r}")
         source = builtin_source(model, seed)  # validates options before touching the store or torch
     arch, seed = source.arch, source.seed
+    if not (isinstance(proximal_mu, (int, float)) and proximal_mu >= 0 and proximal_mu == proximal_mu):
+        raise LocalProtocolError(f"proximal_mu must be >= 0, got {proximal_mu!r}")
+    if proximal_mu and arch.loss == "weighted_score":
+        raise LocalProtocolError("FedProx is for label losses; a weighted_score scorer trains through X-risk steps")
+    key = _index_key(seed, proximal_mu)
     store = Path(store_dir)
     store.mkdir(parents=True, exist_ok=True)
-    cached = _lookup(store, arch, seed)
+    cached = _lookup(store, arch, seed, key)
     if cached is not None:
         logger.debug("artifact store hit: %s seed %d -> %s", arch.kind, seed, cached.bundle_id)
         return cached
@@ -117,12 +128,12 @@ def build_artifacts(model: ArchSpec | ModelSource, store_dir: Path | str, *, see
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=store))
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the published bundle should be readable
     try:
-        built = _build_into(tmp, source)
+        built = _build_into(tmp, source, proximal_mu=float(proximal_mu))
         bundle = _publish(tmp, built, store)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    _record(store, arch, seed, bundle.bundle_id)
+    _record(store, arch, key, bundle.bundle_id)
     logger.info("built artifacts for %s (seed %d): bundle %s", arch.kind, seed, bundle.bundle_id)
     return bundle
 
@@ -145,11 +156,16 @@ def _read_index(path: Path) -> dict[str, Any]:
     return obj if isinstance(obj, dict) else {}
 
 
-def _lookup(store: Path, arch: ArchSpec, seed: int) -> ArtifactBundle | None:
-    """The verified bundle the index names for ``(arch, seed)``, or None."""
+def _index_key(seed: int, proximal_mu: float) -> str:
+    """The index entry of ``(seed, mu)``: the seed alone without FedProx (as before it existed)."""
+    return str(seed) if not proximal_mu else f"{seed}/prox={float(proximal_mu)!r}"
+
+
+def _lookup(store: Path, arch: ArchSpec, seed: int, key: str | None = None) -> ArtifactBundle | None:
+    """The verified bundle the index names for ``(arch, seed)`` (``key``: with FedProx's mu), or None."""
     index = _read_index(_index_path(store, arch))
     bundles = index.get("bundles")
-    bundle_id = bundles.get(str(seed)) if isinstance(bundles, dict) else None
+    bundle_id = bundles.get(key or str(seed)) if isinstance(bundles, dict) else None
     if not isinstance(bundle_id, str) or not _is_hex_digest(bundle_id):
         return None
     try:
@@ -160,7 +176,8 @@ def _lookup(store: Path, arch: ArchSpec, seed: int) -> ArtifactBundle | None:
     if bundle.portable is None:
         logger.info("artifact store entry %s predates portable graphs; rebuilding", bundle_id[:12])
         return None
-    if bundle.portable.unsupported_ops and _lowers_now(bundle):
+    if bundle.portable.unsupported_ops and PROX_UNSUPPORTED not in bundle.portable.unsupported_ops \
+            and _lowers_now(bundle):
         logger.info("artifact store entry %s has no portable graph (%s), which this build can lower; rebuilding",
                     bundle_id[:12], ", ".join(bundle.portable.unsupported_ops))
         return None
@@ -189,7 +206,7 @@ def _is_hex_digest(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
-def _record(store: Path, arch: ArchSpec, seed: int, bundle_id: str) -> None:
+def _record(store: Path, arch: ArchSpec, seed: int | str, bundle_id: str) -> None:
     path = _index_path(store, arch)
     path.parent.mkdir(parents=True, exist_ok=True)
     index = _read_index(path)
@@ -247,7 +264,7 @@ def _fsync_dir(directory: Path) -> None:
 # --- build ---------------------------------------------------------------------------------------
 
 
-def _build_into(tmp: Path, source: ModelSource) -> ArtifactBundle:
+def _build_into(tmp: Path, source: ModelSource, *, proximal_mu: float = 0.0) -> ArtifactBundle:
     """Export, generate and check the artifacts in ``tmp``; write the descriptor files."""
     import onnx
 
@@ -259,17 +276,24 @@ def _build_into(tmp: Path, source: ModelSource) -> ArtifactBundle:
         raise
     except Exception as exc:  # torch.onnx raises a zoo of types
         raise ArtifactError(f"ONNX export of {arch.kind} failed: {exc}") from exc
-    _generate(forward, tmp, trainable=list(layout.names), frozen=list(source.frozen), loss=arch.loss)
+    _generate(forward, tmp, trainable=list(layout.names), frozen=list(source.frozen), loss=arch.loss,
+              proximal_mu=proximal_mu)
     forward_path.unlink()
 
     models = {role: onnx.load(str(tmp / FILENAMES[role]), load_external_data=False)
               for role in _ONNX_ROLES}
-    opset, ir_version = _check_generated(models, list(layout.names), label_name(arch.loss))
+    opset, ir_version = _check_generated(models, list(layout.names), label_name(arch.loss),
+                                         proximal=proximal_mu > 0)
     (tmp / "arch.json").write_text(json.dumps(arch.to_json(), indent=2, sort_keys=True) + "\n",
                                    encoding="utf-8")
     (tmp / "layout.json").write_text(json.dumps(layout.to_json(), indent=2) + "\n",
                                      encoding="utf-8")
-    portable_files, portable = write_portable(tmp, forward, models["training_model"], layout)
+    if proximal_mu:
+        # The portable trainer feeds (input, labels, params): not the anchors. Say so in the descriptor.
+        portable_files: dict[str, BundleFile] = {}
+        portable = PortableInfo(format=PORTABLE_FORMAT, unsupported_ops=(PROX_UNSUPPORTED,))
+    else:
+        portable_files, portable = write_portable(tmp, forward, models["training_model"], layout)
     bundle = ArtifactBundle(
         directory=tmp,
         files={**{role: BundleFile.of(tmp / name) for role, name in FILENAMES.items()}, **portable_files},
@@ -313,8 +337,61 @@ def _weighted_score_loss() -> Any:
     return WeightedScore()
 
 
+def _proximal_loss(loss: str, names: list[str], mu: float) -> Any:
+    """FedProx (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020): the model's
+    loss plus ``(mu/2) sum_p ||p - prox.p||^2`` over the trained tensors ``names``.
+
+    The anchors are graph inputs ``prox.<name>`` (the global weights the local phase started from,
+    fed by the trainer), not a second copy of the model; mu is a constant of the graph. The sums are
+    kept 1-element vectors until the end: ORT's gradient builder cannot differentiate an ``Add`` of
+    rank-0 tensors (its broadcast ``ReduceSum`` refuses rank 0).
+    """
+    import numpy as np
+    import onnx
+    from onnxruntime.training.onnxblock import _graph_utils, blocks
+    from onnxruntime.training.onnxblock import loss as losses
+
+    base_loss = {"cross_entropy": losses.CrossEntropyLoss, "bce": losses.BCEWithLogitsLoss,
+                 "mse": losses.MSELoss}[loss]()
+    labels = label_name(loss)
+
+    class Proximal(blocks.Block):
+        def __init__(self) -> None:
+            super().__init__()
+            self._base = base_loss
+
+        def build(self, scores_name: str, labels_name: str = labels) -> Any:
+            graph = self.base.graph
+
+            def const(name: str, value: Any) -> str:
+                unique = _graph_utils.generate_graph_name(name)
+                graph.initializer.append(onnx.numpy_helper.from_array(value, unique))
+                return unique
+
+            def reshape(name: str, shape: list[int]) -> str:
+                out = _graph_utils.generate_graph_name("prox.reshape")
+                graph.node.append(onnx.helper.make_node(
+                    "Reshape", [name, const("prox.shape", np.array(shape, np.int64))], [out],
+                    name=_graph_utils.generate_graph_name("Reshape")))
+                return out
+
+            base = self._base(scores_name, labels_name)
+            dims = {init.name: list(init.dims) for init in graph.initializer}
+            total = None
+            for name in names:
+                anchor = f"{PROX_PREFIX}{name}"
+                graph.input.append(onnx.helper.make_tensor_value_info(anchor, onnx.TensorProto.FLOAT, dims[name]))
+                diff = blocks.Sub()(name, anchor)
+                term = blocks.ReduceSum(keepdims=True)(reshape(blocks.Mul()(diff, diff), [-1]))
+                total = term if total is None else blocks.Add()(total, term)
+            scaled = blocks.Mul()(total, const("prox.half_mu", np.array([mu / 2], np.float32)))
+            return reshape(blocks.Add()(reshape(base, [1]), scaled), [])
+
+    return Proximal()
+
+
 def _generate(forward: Any, out_dir: Path, *, trainable: list[str] | None = None, frozen: list[str] | None = None,
-              loss: str = "cross_entropy") -> None:
+              loss: str = "cross_entropy", proximal_mu: float = 0.0) -> None:
     """Run ``generate_artifacts`` (SGD, the model's loss, logits as extra output) quietly.
 
     ``trainable`` defaults to every initializer of ``forward`` (the zoo's graphs hold nothing else).
@@ -327,6 +404,8 @@ def _generate(forward: Any, out_dir: Path, *, trainable: list[str] | None = None
                  "mse": artifacts.LossType.MSELoss}.get(loss)
     if loss == "weighted_score":
         loss_type = _weighted_score_loss()
+    if proximal_mu:
+        loss_type = _proximal_loss(loss, names, proximal_mu)
     failure: Exception | None = None
     with _quiet_fd2() as captured, _no_root_basic_config():
         _reset_graph_name_counter()
@@ -356,7 +435,8 @@ def _generate(forward: Any, out_dir: Path, *, trainable: list[str] | None = None
                             "directory in this onnxruntime version?)")
 
 
-def _check_generated(models: dict[str, Any], names: list[str], labels: str = LABELS_NAME) -> tuple[int, int]:
+def _check_generated(models: dict[str, Any], names: list[str], labels: str = LABELS_NAME,
+                     proximal: bool = False) -> tuple[int, int]:
     """Check the graphs' interfaces; return ``(max ai.onnx opset, max IR version)``.
 
     The trained tensors must be training-graph inputs in layout order (frozen tensors of a
@@ -370,6 +450,10 @@ def _check_generated(models: dict[str, Any], names: list[str], labels: str = LAB
             f"generated artifacts use opset {opset} / IR {ir_version}; onnxruntime-training "
             f"1.19.2 supports at most opset {MAX_OPSET} / IR {MAX_IR_VERSION} (pin onnx<1.17)")
     train_inputs = [i.name for i in models["training_model"].graph.input]
+    prox = [n for n in train_inputs if n.startswith(PROX_PREFIX)]
+    if prox != ([f"{PROX_PREFIX}{n}" for n in names] if proximal else []):
+        raise ArtifactError(f"training graph's proximal inputs {prox} are not one per trained tensor in layout order")
+    train_inputs = [n for n in train_inputs if not n.startswith(PROX_PREFIX)]
     wanted = set(names)
     if train_inputs[:2] != [INPUT_NAME, labels] or [n for n in train_inputs if n in wanted] != names:
         raise ArtifactError(
@@ -379,7 +463,7 @@ def _check_generated(models: dict[str, Any], names: list[str], labels: str = LAB
         outputs = [o.name for o in models[role].graph.output]
         if len(outputs) < 2 or outputs[1] != OUTPUT_NAME:
             raise ArtifactError(f"{role} outputs {outputs} are not (loss, {OUTPUT_NAME}, ...)")
-    eval_inputs = [i.name for i in models["eval_model"].graph.input]
+    eval_inputs = [i.name for i in models["eval_model"].graph.input if not i.name.startswith(PROX_PREFIX)]
     if eval_inputs[:2] != [INPUT_NAME, labels]:
         raise ArtifactError(f"eval graph inputs {eval_inputs} do not start with "
                             f"[{INPUT_NAME!r}, {labels!r}]")

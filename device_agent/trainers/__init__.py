@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from fedtier.errors import ArtifactError, ConfigError, LocalProtocolError
-from fedtier.training.layout import SCORE_LOSSES, ArchSpec, Layout
+from fedtier.training.layout import PROX_UNSUPPORTED, SCORE_LOSSES, ArchSpec, Layout
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from fedtier.artifacts.bundle import ArtifactBundle
@@ -129,6 +129,10 @@ def make_trainer(kind: str, bundle: "ArtifactBundle", *, threads: int = 1) -> "T
         ImportError: The backend's runtime (onnxruntime(-training) or torch) is missing.
     """
     kind = resolve_kind(kind)
+    if kind != "ort" and bundle.portable is not None and PROX_UNSUPPORTED in bundle.portable.unsupported_ops:
+        raise ArtifactError(f"bundle {bundle.bundle_id[:12]} trains FedProx (proximal_mu > 0): only the ort backend "
+                            f"(onnxruntime-training) feeds its anchor weights; the {kind} backend would train "
+                            "without the proximal term")
     if kind == "ort":
         from device_agent.trainers.ort import OrtTrainer
 

@@ -43,8 +43,8 @@ from device_agent.trainers import (
 )
 from device_agent.trainers.ort_runtime import install_shim, training_api
 from fedtier.artifacts.bundle import ArtifactBundle
-from fedtier.errors import ArtifactError
-from fedtier.training.layout import SCORE_LOSSES, Layout
+from fedtier.errors import ArtifactError, LocalProtocolError
+from fedtier.training.layout import PROX_PREFIX, SCORE_LOSSES, Layout
 from fedtier.training.trainer import Batch, EvalResult, TrainStats
 
 # Must run before anything imports onnxruntime, so that the import does not drag in torch.
@@ -121,6 +121,13 @@ class OrtTrainer:
             raise ArtifactError(f"onnxruntime cannot load bundle {bundle.bundle_id[:12]}: {exc}"
                                 ) from exc
         self._check_checkpoint()
+        self._prox = [n for n in self._module.input_names() if n.startswith(PROX_PREFIX)]
+        """FedProx bundles (``proximal_mu`` > 0) take the anchor weights as inputs ``prox.<name>``."""
+        if self._prox and [n[len(PROX_PREFIX):] for n in self._prox] != list(self._layout.names):
+            raise ArtifactError(f"proximal inputs {self._prox} do not match the layout {list(self._layout.names)}")
+        self.anchor: dict[str, np.ndarray] = {}
+        """FedProx: the weights the proximal term pulls towards (``w_global``): what the last
+        ``set_parameters`` set, i.e. the model a local phase starts from. Unused by other bundles."""
         self._module.train()
         self._module.lazy_reset_grad()
         logger.debug("OrtTrainer for bundle %s (%s, %d parameters, %d thread(s))",
@@ -178,6 +185,25 @@ class OrtTrainer:
         state_params = self._state.parameters
         for name, arr in checked.items():
             state_params[name] = arr
+        if self._prox:
+            self.anchor = {**self.anchor, **{n: np.array(a, np.float32, copy=True) for n, a in checked.items()}}
+
+    @property
+    def proximal(self) -> bool:
+        """Whether the bundle's training loss has FedProx's ``(mu/2) ||w - anchor||^2``."""
+        return bool(self._prox)
+
+    def _anchors(self, current: bool = False) -> list[np.ndarray]:
+        """The ``prox.*`` inputs: the anchor (training), or the current weights (evaluation: term 0)."""
+        if not self._prox:
+            return []
+        if current:
+            params = self.get_parameters()
+            return [params[n] for n in self._layout.names]
+        missing = [n for n in self._layout.names if n not in self.anchor]
+        if missing:
+            raise LocalProtocolError(f"FedProx bundle: no anchor for {missing} (set_parameters first)")
+        return [self.anchor[n] for n in self._layout.names]
 
     def train_steps(self, batches: Iterable[Batch], lr: float) -> TrainStats:
         """Run one SGD step per batch, in order, with learning rate ``lr``.
@@ -200,7 +226,7 @@ class OrtTrainer:
         for x, y in batches:
             xs, ys = check_batch(self._arch, x, y)
             try:
-                loss, _logits = self._module(xs, ys)
+                loss, _logits = self._module(xs, ys, *self._anchors())
                 self._optimizer.step()
             finally:
                 self._module.lazy_reset_grad()
@@ -229,7 +255,7 @@ class OrtTrainer:
         xs, ys = check_batch(self._arch, x, y)
         self._module.train()
         try:
-            loss, _logits = self._module(xs, ys)
+            loss, _logits = self._module(xs, ys, *self._anchors())
             params = self._state.parameters
             grads = {name: np.array(params[name].grad, dtype=np.float32, copy=True)
                      for name in self._layout.names}
@@ -256,7 +282,7 @@ class OrtTrainer:
         ws = check_weights(xs.shape[0], weights)
         self._module.train()
         try:
-            loss, _logits = self._module(xs, ws)
+            loss, _logits = self._module(xs, ws, *self._anchors())
             params = self._state.parameters
             grads = {name: np.array(params[name].grad, dtype=np.float32, copy=True)
                      for name in self._layout.names}
@@ -363,7 +389,8 @@ class OrtTrainer:
         self._module.eval()
         try:
             # A scorer's graph takes coefficients where labels go: zeros, and the loss is computed here.
-            outputs = self._module(x, np.zeros((x.shape[0], 1), np.float32) if scorer else y)
+            outputs = self._module(x, np.zeros((x.shape[0], 1), np.float32) if scorer else y,
+                                   *self._anchors(current=True))
         finally:
             self._module.train()
         if not isinstance(outputs, tuple) or len(outputs) != 2:

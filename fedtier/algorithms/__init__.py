@@ -17,6 +17,7 @@ ALGORITHMS: dict[str, str] = {
     "qhetfed": "fedtier.algorithms.qhetfed",
     "hist": "fedtier.algorithms.hist",
     "fedxl": "fedtier.algorithms.fedxl",
+    "secure_fedavg": "fedtier.algorithms.secure_fedavg",
     "hsgd": "fedtier.algorithms.hsgd",
 }
 

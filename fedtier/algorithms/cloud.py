@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from fedtier.algorithms import aggregate
+from fedtier.algorithms import aggregate, strategies
 from fedtier.algorithms.base import (
     Action,
     Dropped,
@@ -46,6 +46,7 @@ from fedtier.algorithms.base import (
     Tensors,
 )
 from fedtier.algorithms.common import check_like, quorum_count
+from fedtier.algorithms.server_opt import OptimizerSpec, ServerOptimizer
 from fedtier.errors import (
     LateMessageError,
     LocalProtocolError,
@@ -110,6 +111,13 @@ class Cloud(StateGuard):
         self._deadline = math.inf
         self._round_cells: dict[str, tuple[str, ...]] = dict(self.cells)
         """The cells taking part in the open round and their members in it (``_participants``)."""
+        strategy = getattr(config, "strategy", None)
+        self.aggregator_spec = strategies.parse_strategy(strategy)["cloud"]
+        self.aggregator: strategies.Aggregator = strategies.build(self.aggregator_spec)
+        """How the cells' changes are combined (``fedtier.algorithms.strategies``; the weighted mean by default)."""
+        opt = (strategy or {}).get("server_optimizer")
+        self.optimizer: ServerOptimizer | None = ServerOptimizer(OptimizerSpec.from_dict(opt)) if opt else None
+        """Reddi et al.'s server optimizer on the combined change (``None``: ``w + delta``, FedAvg)."""
 
     # --- hooks for algorithms whose cells train different parameters (HIST) -------------------
 
@@ -140,10 +148,38 @@ class Cloud(StateGuard):
         return out
 
     def _aggregate(self, updates: Mapping[str, CellUpdate]) -> dict[str, Any]:
-        """The new global model from the cells' changes: their weighted average, added (eq. (10))."""
+        """The new global model from the cells' changes: their weighted average (or the configured
+        cloud aggregator), added (eq. (10)) or stepped by the server optimizer."""
         cells = sorted(updates)
-        delta = aggregate.weighted_mean([(updates[c].delta, updates[c].weight) for c in cells])
-        return aggregate.add(self.params, delta)
+        delta = strategies.run(self.aggregator, [updates[c].delta for c in cells], [updates[c].weight for c in cells])
+        return self._apply(delta)
+
+    def _apply(self, delta: Tensors) -> dict[str, Any]:
+        """``w + delta`` (today's rule), or one server-optimizer step with ``delta`` as pseudo-gradient."""
+        if self.optimizer is None:
+            return aggregate.add(self.params, delta)
+        return self.optimizer.step(self.params, delta)
+
+    # --- strategy state (persisted by the shell with each model version) -----------------------------
+
+    def strategy_state(self) -> dict[str, Any] | None:
+        """The server optimizer's and a stateful cloud aggregator's state after the last closed round
+        (``opt/...`` and ``agg/...`` tensors), or ``None`` when there is none to keep."""
+        out: dict[str, Any] = {}
+        if self.optimizer is not None:
+            out.update({f"opt/{k}": v for k, v in self.optimizer.state().items()})
+        state = getattr(self.aggregator, "state", None)
+        if callable(state):
+            out.update({f"agg/{k}": v for k, v in dict(state()).items()})
+        return out or None
+
+    def load_strategy_state(self, state: Mapping[str, Any]) -> None:
+        """Restore ``strategy_state()`` after a restart (before ``start``)."""
+        if self.optimizer is not None:
+            self.optimizer.load_state({k[4:]: v for k, v in state.items() if k.startswith("opt/")})
+        load = getattr(self.aggregator, "load_state", None)
+        if callable(load):
+            load({k[4:]: v for k, v in state.items() if k.startswith("agg/")})
 
     # --- rounds ---------------------------------------------------------------------------------
 

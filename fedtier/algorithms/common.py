@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Mapping, TypeVar
 
 import numpy as np
 
+from fedtier.algorithms.server_opt import OptimizerSpec
+from fedtier.algorithms.strategies import TIERS, parse_strategy
 from fedtier.errors import LayoutMismatchError, LocalProtocolError, UnexpectedMessageError
 from fedtier.privacy.plan import NoisePlan
 from fedtier.rng import stream
@@ -56,6 +58,11 @@ class RoundSettings:
             ``None`` without differential privacy.
         federated_eval: devices with held-out rows evaluate each round's incoming global model
             on them and report it (never under a noise plan, whatever this says).
+        strategy: how the tiers combine updates, or ``None`` for today's weighted means:
+            ``{"edge": spec, "cloud": spec, "server_optimizer": spec, "edge_optimizer": spec}``, each part optional
+            (``fedtier.algorithms.strategies.AggregatorSpec`` / ``server_opt.OptimizerSpec``
+            as dicts). Left out of ``to_dict`` when ``None``, so tasks without one are
+            byte-for-byte what they were before strategies existed.
     """
 
     ALGORITHM: ClassVar[str] = ""
@@ -70,6 +77,7 @@ class RoundSettings:
     bits_edge: int = 0
     privacy: Mapping[str, Any] | None = None
     federated_eval: bool = True
+    strategy: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_int(self.batch_size, "batch_size", 1)
@@ -93,13 +101,16 @@ class RoundSettings:
                 NoisePlan.from_dict(self.privacy)
             except UnexpectedMessageError as exc:
                 raise LocalProtocolError(str(exc)) from None
+        if self.strategy is not None:
+            check_strategy(self.strategy, private=self.privacy is not None)
 
     def noise_plan(self) -> NoisePlan | None:
         """The parsed noise plan (``None`` without differential privacy)."""
         return None if self.privacy is None else NoisePlan.from_dict(self.privacy)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"algorithm": self.ALGORITHM, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        return {"algorithm": self.ALGORITHM, **{f.name: getattr(self, f.name) for f in fields(self)
+                                                if not _omitted(f.name, getattr(self, f.name))}}
 
     @classmethod
     def from_dict(cls: type[S], config: Mapping[str, Any]) -> S:
@@ -109,6 +120,43 @@ class RoundSettings:
             return cls(**{k: v for k, v in config.items() if k in known})
         except (LocalProtocolError, TypeError) as exc:
             raise UnexpectedMessageError(f"invalid {cls.ALGORITHM} config in task: {exc}") from None
+
+
+OMIT_AT_DEFAULT = {"strategy": None, "partial_work": False}
+"""Settings added after tasks had a wire form: left out at their default, so such tasks stay byte for byte."""
+
+
+def _omitted(name: str, value: Any) -> bool:
+    return name in OMIT_AT_DEFAULT and value is OMIT_AT_DEFAULT[name]
+
+
+def check_strategy(strategy: Mapping[str, Any], *, private: bool) -> None:
+    """Validate a task's ``strategy`` map (without importing any custom rule: devices parse it too).
+
+    Under a noise plan the edge must average: the plan calibrates the noise to the sensitivity of
+    the cell's *mean* (2C/n); a median, a trimmed mean or a Krum choice has another one (Krum
+    forwards one device's update: 2C). The cloud's rule and optimizer only post-process noised
+    cell updates, which differential privacy allows.
+
+    Raises:
+        LocalProtocolError: naming the bad part.
+    """
+    if not isinstance(strategy, Mapping):
+        raise LocalProtocolError(f"strategy must be a table, got {strategy!r}")
+    unknown = set(strategy) - {*TIERS, "server_optimizer", "edge_optimizer"}
+    if unknown:
+        raise LocalProtocolError(f"unknown strategy keys {sorted(unknown)}; known: edge, cloud, server_optimizer, "
+                                 "edge_optimizer")
+    specs = parse_strategy(strategy)
+    for key in ("server_optimizer", "edge_optimizer"):
+        if key in strategy:
+            OptimizerSpec.from_dict(strategy[key])
+    if private and "edge_optimizer" in strategy:
+        raise LocalProtocolError("under differential privacy the edge forwards its cell's (noised) mean; an edge "
+                                 "optimizer would release another function of the clear updates")
+    if private and specs["edge"].rule != "mean":
+        raise LocalProtocolError(f"under differential privacy the edge must average (the noise is calibrated to the "
+                                 f"sensitivity of the cell's mean); edge aggregator {specs['edge'].rule!r} has another")
 
 
 def quantize(tensors: Tensors, bits: int, seed: int, *labels: Any

@@ -55,7 +55,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from fedtier.algorithms import aggregate
+from fedtier.algorithms import aggregate, strategies
 from fedtier.algorithms.base import (
     Action,
     Broadcast,
@@ -70,6 +70,7 @@ from fedtier.algorithms.base import (
     StateGuard,
 )
 from fedtier.algorithms.cloud import Cloud
+from fedtier.algorithms.server_opt import OptimizerSpec, ServerOptimizer
 from fedtier.algorithms.common import (
     RoundSettings,
     check_int,
@@ -81,6 +82,7 @@ from fedtier.algorithms.common import (
 )
 from fedtier.errors import (
     LateMessageError,
+    LocalProtocolError,
     UnexpectedMessageError,
     UnknownSenderError,
     WrongRoundError,
@@ -88,6 +90,7 @@ from fedtier.errors import (
 from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource, clip
 from fedtier.privacy.plan import NoisePlan, fixed_sample_size
+from fedtier.rng import stream
 from fedtier.wire.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, EvalStats, Message
 
 NAME = "hier_qsgd"
@@ -102,17 +105,24 @@ class HierConfig(RoundSettings):
     Attributes:
         local_steps: gamma, SGD steps per device per edge round (> 0).
         edge_rounds: tau, edge aggregations per global round (> 0).
+        partial_work: each device runs ``1 + floor(u * local_steps)`` steps per edge round, ``u``
+            uniform from its stream ``(seed, "partial-work", rollout, device, round, step)`` — slow
+            boards that finish fewer steps than asked and still send their update (FedProx's
+            systems heterogeneity). Left out of ``to_dict`` when off.
     """
 
     ALGORITHM: ClassVar[str] = NAME
 
     local_steps: int = 10
     edge_rounds: int = 1
+    partial_work: bool = False
 
     def __post_init__(self) -> None:
         RoundSettings.__post_init__(self)
         check_int(self.local_steps, "local_steps", 1)
         check_int(self.edge_rounds, "edge_rounds", 1)
+        if not isinstance(self.partial_work, bool):
+            raise LocalProtocolError(f"partial_work must be a bool, got {self.partial_work!r}")
 
 
 def _noise_plan(config: Any, cell: str, supported: bool) -> NoisePlan | None:
@@ -125,6 +135,15 @@ def _noise_plan(config: Any, cell: str, supported: bool) -> NoisePlan | None:
     if cell not in plan.cells:
         raise UnexpectedMessageError(f"task's noise plan does not cover cell {cell!r}")
     return plan
+
+
+def _edge_aggregator(config: Any) -> tuple[strategies.AggregatorSpec, strategies.Aggregator]:
+    """The edge rule the task names; ``UnexpectedMessageError`` if this node cannot run it."""
+    try:
+        spec = strategies.parse_strategy(config.strategy)["edge"]
+        return spec, strategies.build(spec)
+    except strategies.StrategyError as exc:
+        raise UnexpectedMessageError(f"task's edge aggregator: {exc}") from None
 
 
 class _DeviceBase(StateGuard):
@@ -276,7 +295,11 @@ class Device(_DeviceBase):
 
     def _local_train(self) -> LocalTrain:
         c = self._config
-        return LocalTrain(round=self._round, step=self._step, params=self._params, steps=c.local_steps,
+        steps = c.local_steps
+        if c.partial_work:
+            u = stream(c.seed, "partial-work", self.rollout, self.device_id, self._round, self._step).random()
+            steps = 1 + min(int(u * c.local_steps), c.local_steps - 1)
+        return LocalTrain(round=self._round, step=self._step, params=self._params, steps=steps,
                           batch_size=c.batch_size, lr=c.lr,
                           stream=(c.seed, "batches", self.rollout, self.device_id, self._round, self._step))
 
@@ -350,6 +373,11 @@ class _EdgeBase(StateGuard):
         self._updates: dict[str, Any] = {}
         self._seen: set[str] = set()
         self._members: tuple[str, ...] = ()  # the cloud's members of the round (the sample is a subset)
+        self._aggregator: strategies.Aggregator = strategies.Mean()
+        self._aggregator_spec: strategies.AggregatorSpec = strategies.AggregatorSpec()
+        self._edge_optimizer: ServerOptimizer | None = None
+        """``strategy["edge_optimizer"]``: a server optimizer on the cell's change, its state kept across
+        rounds in this role (in memory: an edge restarted from its store starts from fresh moments)."""
 
     @property
     def round(self) -> int:
@@ -382,6 +410,16 @@ class _EdgeBase(StateGuard):
             raise WrongRoundError(f"task for round {task.round}, cell is at round {self.round}")
         config = self.CONFIG.from_dict(task.config)
         plan = _noise_plan(config, self.cell, self.SUPPORTS_PRIVACY)
+        spec, aggregator = _edge_aggregator(config)
+        self._aggregator_spec, self._aggregator = spec, aggregator
+        opt = (config.strategy or {}).get("edge_optimizer")
+        if opt is not None and task.config.get("algorithm") == "hist":
+            raise UnexpectedMessageError("hist redraws which neurons a cell trains every round: an edge optimizer's "
+                                         "moments would mix different neurons")
+        if opt is None:
+            self._edge_optimizer = None
+        elif self._edge_optimizer is None or self._edge_optimizer.spec != OptimizerSpec.from_dict(opt):
+            self._edge_optimizer = ServerOptimizer(OptimizerSpec.from_dict(opt))
         notes: list[Action] = []
         if self._state is RoleState.COLLECTING:
             notes.append(Note("round_abandoned", {"round": self.round, "step": self._step}))
@@ -459,6 +497,9 @@ class _EdgeBase(StateGuard):
         return len(self._updates) == len(self._task.members)
 
     def _average(self, tensor_field: str) -> tuple[dict[str, np.ndarray], list[str], list[float]]:
+        """The step's combined upload: model changes (``delta``) by the task's edge aggregator
+        (``fedtier.algorithms.strategies``; the weighted mean unless configured), anything else
+        (QHetFed's gradients) by the weighted mean."""
         ids = sorted(self._updates)
         if self.sampling_secretly:
             # The sampled devices' sum over the public, fixed denominator (q n, or round(q n)): dividing by
@@ -471,8 +512,14 @@ class _EdgeBase(StateGuard):
             return ({n: (np.asarray(t, dtype=np.float64) / denominator).astype(np.float32)
                      for n, t in total.items()}, ids, [1.0] * len(ids))
         weights = device_weights(self._config.weighting, {d: self._updates[d].num_samples for d in ids}, ids)
-        mean = aggregate.weighted_mean([(getattr(self._updates[d], tensor_field), w)
-                                        for d, w in zip(ids, weights, strict=True)])
+        tensors = [getattr(self._updates[d], tensor_field) for d in ids]
+        if tensor_field == "delta":
+            try:
+                return strategies.run(self._aggregator, tensors, weights), ids, weights
+            except strategies.StrategyError as exc:
+                # A custom rule that returns garbage is the node's own code failing: refuse loudly.
+                raise self._misuse(f"edge aggregator: {exc}") from None
+        mean = aggregate.weighted_mean(list(zip(tensors, weights, strict=True)))
         return mean, ids, weights
 
     def _forward(self, delta: Mapping[str, np.ndarray], ids: list[str], weights: list[float],
@@ -480,6 +527,10 @@ class _EdgeBase(StateGuard):
         """Quantize the cell's change with Q2 and send it to the cloud; the round is done here."""
         assert self._task is not None
         c = self._config
+        if self._edge_optimizer is not None:
+            # The cell's change as a pseudo-gradient (Reddi et al., Algorithm 2, one tier down).
+            start = self._task.params
+            delta = aggregate.subtract(self._edge_optimizer.step(start, delta), start)
         delta, privacy = self._privatize(delta)
         stats = {"device_q": device_q}
         if privacy is not None:

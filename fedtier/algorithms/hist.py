@@ -17,6 +17,11 @@ Global round ``m`` (``E`` local steps = ``edge_rounds`` x ``H``):
 3. cloud: copy each cell's partitioned slices back (a masked sum, not an average) and average
    the shared tensors uniformly over cells                                                  (6)
 
+Strategies (``fedtier.algorithms.strategies``): an edge aggregator works on the cell's submodel
+changes like on any model's. The cloud has nothing to vote on — each partitioned slice comes
+from one cell only — so its rule must be ``mean`` (other rules are refused); a server optimizer
+takes the reassembled model's change as its pseudo-gradient.
+
 Devices and edges never see the index sets; they work in submodel coordinates, so HIST uses
 ``hier_qsgd``'s device and edge roles unchanged (and its quantizers: submodel changes are
 quantized like any other). The submodel width of each cell is fixed across rounds, so its ORT
@@ -28,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
-from fedtier.algorithms import aggregate
+from fedtier.algorithms import aggregate, strategies
 from fedtier.algorithms.base import Action, Note, Tensors
 from fedtier.algorithms.cloud import Cloud as _Cloud
 from fedtier.algorithms.hier_qsgd import Device, Edge, HierConfig
@@ -60,6 +65,10 @@ class Cloud(_Cloud):
             **kwargs: as for ``fedtier.algorithms.cloud.Cloud``.
         """
         super().__init__(**kwargs)
+        if self.aggregator_spec.rule != "mean":
+            raise strategies.StrategyError(f"hist's cloud reassembles disjoint submodels (one cell per slice): there "
+                                           f"is nothing for a {self.aggregator_spec.rule!r} rule to vote on; use "
+                                           "'mean' at the cloud (any rule at the edge)")
         self.cell_order: Sequence[str] = sorted(self.cells)
         self.plan = plan_for(arch, len(self.cell_order))
         self.partition: Partition | None = None
@@ -80,4 +89,7 @@ class Cloud(_Cloud):
         assert self.partition is not None
         index = {cell: j for j, cell in enumerate(self.cell_order)}
         new_subs = {index[c]: aggregate.add(self._subs[c], updates[c].delta) for c in sorted(updates)}
-        return reassemble(self.partition, self.params, new_subs)
+        new = reassemble(self.partition, self.params, new_subs)
+        if self.optimizer is None:
+            return new
+        return self._apply(aggregate.subtract(new, self.params))

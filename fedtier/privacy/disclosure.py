@@ -181,6 +181,9 @@ REFUSED: Mapping[str, str] = {
     "hsgd_embeddings": "HSGD's embeddings (a device's zeta2, a host's Z1 rows) and the host's head theta0 are "
                        "data-dependent releases the mechanism does not cover: a config with [privacy] and "
                        "algorithm = hsgd is refused, and so are its roles given a noise plan",
+    **{kind: "secure aggregation (docs/secure_aggregation.md) with a noise plan, distributed DP, is not implemented: a "
+             "config with [privacy] and secure_aggregation = true is refused, and so are its roles given a noise plan"
+       for kind in ("secagg_keys", "secagg_shares", "secagg_masked", "secagg_reveal")},
 }
 """Upward message types that never travel under a noise plan."""
 
@@ -193,6 +196,9 @@ DOWNWARD: Mapping[str, str] = {
     "xrisk_device_task": "edge -> its devices (FeDXL, never under a noise plan): the cloud's task, relayed",
     "hsgd_partner": "edge -> its host (the devices' zeta2 rows) or a device (its Z1 row and theta0) (HSGD, never "
                     "under a noise plan)",
+    "secagg_roster": "edge -> one device (secure aggregation): its neighbours' public keys and the roster's size",
+    "secagg_bundle": "edge -> one device (secure aggregation): ciphertexts of shares only that device can open",
+    "secagg_unmask": "edge -> one device (secure aggregation): which neighbours survived or dropped (participation)",
 }
 """Message types that only travel down the tree: nothing of a device's data that has not passed the
 mechanism leaves a trusted subtree this way."""

@@ -188,3 +188,9 @@ def _check_onnx_options(options: Mapping[str, Any]) -> None:
         raise LocalProtocolError(f"onnx architecture outputs {outputs!r} must be a positive int")
     if options["loss"] not in LOSSES:
         raise LocalProtocolError(f"onnx architecture loss {options['loss']!r} is not one of {LOSSES}")
+
+
+PROX_PREFIX = "prox."
+"""FedProx training graphs (``proximal_mu`` > 0) take the anchor weights as inputs ``prox.<parameter>``."""
+PROX_UNSUPPORTED = "the FedProx proximal term (its anchor inputs; train with onnxruntime-training)"
+"""What a FedProx bundle's descriptor names as blocking the portable trainer (it feeds no anchors)."""

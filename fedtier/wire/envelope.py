@@ -62,6 +62,8 @@ MAX_NDIM = 8
 MAX_DIM = 1 << 31
 """Largest extent of one axis; numpy refuses far smaller products, even for empty arrays."""
 MAX_HEADER_BYTES = 1 << 20
+MAX_BIN_BYTES = 4096
+"""Largest single bytes value in a header (secure aggregation's keys, ciphertexts and shares)."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 
 # Plain values allowed in the ``m`` map (msgpack types, no extension types, no bytes > limit).
@@ -315,7 +317,7 @@ def _split(data: bytes, max_bytes: int) -> tuple[dict[str, Any], memoryview]:
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_bin_len=64,
+            max_bin_len=MAX_BIN_BYTES,
             max_str_len=1 << 16,
             max_array_len=MAX_TENSORS * 4,
             max_map_len=1 << 12,

@@ -68,6 +68,15 @@ def test_demo_over_the_embedded_broker_with_chunked_messages() -> None:
     assert all(r["devices_reported"] == 4 for r in result["rounds"])
 
 
+def test_secure_aggregation_demo_runs_through_mosquitto() -> None:
+    require(mosquitto_binary() is not None, "Mosquitto")
+    result = run_demo("--secure-aggregation", "--devices", "6", "--cells", "2", "--rounds", "3")
+    assert result["secure_aggregation"] is True and result["algorithm"] == "fedavg"
+    accuracies = [r["accuracy"] for r in result["rounds"]]
+    assert len(accuracies) == 3 and accuracies[-1] > accuracies[0] > 0.1
+    assert all(r["devices_reported"] == 6 for r in result["rounds"])
+
+
 def test_demo_runs_qhetfed_and_reports_uplink_savings() -> None:
     require(mosquitto_binary() is not None, "Mosquitto")
     proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--algorithm", "qhetfed", "--devices", "4",

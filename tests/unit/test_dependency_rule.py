@@ -127,9 +127,10 @@ CORE_RULES: dict[str, set[str]] = {
     "transport": {"errors", "wire", "storage"},
     "security": {"errors", "training", "transport"},  # transport.topics only: the id rules
     "embedded_broker": {"errors", "transport"},  # transport.topic_filters only: stdlib MQTT matching
-    "algorithms": {"errors", "rng", "wire", "training", "privacy"},
+    "secagg": {"errors", "rng", "wire"},
+    "algorithms": {"errors", "rng", "wire", "training", "privacy", "secagg"},
     "runtime": {"errors", "rng", "wire", "storage", "training", "privacy", "artifacts", "transport", "security",
-                "algorithms"},
+                "secagg", "algorithms"},
     "cli": {"errors", "__init__"},  # role commands load lazily, by name
     "__main__": {"cli"},
     "__init__": set(),

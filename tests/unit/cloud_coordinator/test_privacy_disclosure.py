@@ -125,19 +125,23 @@ def test_every_upward_field_is_public_noised_or_post_processing(small_rollout, m
 
 
 def test_every_message_type_is_classified() -> None:
+    import fedtier.secagg.messages  # noqa: F401  (registers secure aggregation's kinds)
+
     classified = set(disclosure.UPWARD) | set(disclosure.REFUSED) | set(disclosure.DOWNWARD)
     assert set(MESSAGE_TYPES) | {"chunk"} == classified
     assert not set(disclosure.UPWARD) & set(disclosure.DOWNWARD)
 
 
 def test_message_types_refused_under_privacy_are() -> None:
-    from fedtier.algorithms import fedxl, hsgd, qhetfed
+    from fedtier.algorithms import fedxl, hsgd, qhetfed, secure_fedavg
 
     assert not qhetfed.Device.SUPPORTS_PRIVACY and not qhetfed.Edge.SUPPORTS_PRIVACY
     assert not fedxl.Device.SUPPORTS_PRIVACY and not fedxl.Edge.SUPPORTS_PRIVACY
     assert not any(r.SUPPORTS_PRIVACY for r in (hsgd.Device, hsgd.Host, hsgd.Edge))
+    assert not secure_fedavg.Device.SUPPORTS_PRIVACY and not secure_fedavg.Edge.SUPPORTS_PRIVACY
     assert set(disclosure.REFUSED) == {"device_gradient", "xrisk_device_update", "xrisk_cell_update",
-                                       "hsgd_embeddings"}
+                                       "hsgd_embeddings", "secagg_keys", "secagg_shares", "secagg_masked",
+                                       "secagg_reveal"}
 
 
 def test_chunk_headers_are_classified() -> None:

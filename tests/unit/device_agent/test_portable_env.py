@@ -63,7 +63,7 @@ TRAIN_SCRIPT = textwrap.dedent("""
 """)
 
 REQUIREMENTS_SCRIPT = textwrap.dedent("""
-    import importlib.metadata as md, json
+    import importlib.metadata as md, json, re
     try:
         from packaging.requirements import Requirement
     except ImportError:  # packaging comes with onnxruntime today; pip always vendors it
@@ -73,8 +73,10 @@ REQUIREMENTS_SCRIPT = textwrap.dedent("""
              "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
              "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": "agent"}
     wanted = [Requirement(r) for r in md.requires("fedtier")]
-    needed = sorted({r.name.lower() for r in wanted if r.marker is None or r.marker.evaluate(board)})
-    installed = {d.metadata["Name"].lower(): d.version for d in md.distributions()}
+    def canonical(name):  # PEP 503: prometheus_client and prometheus-client are one project
+        return re.sub(r"[-_.]+", "-", name).lower()
+    needed = sorted({canonical(r.name) for r in wanted if r.marker is None or r.marker.evaluate(board)})
+    installed = {canonical(d.metadata["Name"]): d.version for d in md.distributions()}
     print(json.dumps({"needed": needed, "installed": installed}))
 """)
 

@@ -93,10 +93,14 @@ def reencode(msg: Message, **meta_changes: Any) -> bytes:
 
 
 def test_every_message_type_is_registered_under_its_kind() -> None:
+    import fedtier.secagg.messages  # noqa: F401  (registers secure aggregation's kinds)
+
     assert set(messages.MESSAGE_TYPES) == {"cell_task", "device_task", "device_update", "cell_update",
                                            "artifact_request", "artifact", "device_gradient", "cell_step",
                                            "xrisk_cell_task", "xrisk_device_task", "xrisk_device_update",
-                                           "xrisk_cell_update", "hsgd_embeddings", "hsgd_partner"}
+                                           "xrisk_cell_update", "hsgd_embeddings", "hsgd_partner", "secagg_keys",
+                                           "secagg_roster", "secagg_shares", "secagg_bundle", "secagg_masked",
+                                           "secagg_unmask", "secagg_reveal"}
     for kind, cls in messages.MESSAGE_TYPES.items():
         assert cls.KIND == kind
 

@@ -1,0 +1,355 @@
+"""Hierarchical FedAvg with secure aggregation in every cell: the edge learns only the cell's sum.
+
+What ``[fedavg] secure_aggregation = true`` runs (the wire's algorithm name is
+``secure_fedavg``). The round is FedAvg's (``fedtier.algorithms.fedavg``, one edge round) with
+the device upload replaced by SecAgg+ (``fedtier.secagg.protocol``):
+
+    edge   -> cell    DeviceTask(t, w_t)                         (as FedAvg)
+    device: local steps; x_i = ring-encode(clip(w_i - w_t))      (``fedtier.secagg.ring``)
+    device -> edge    SecAggKeys       edge -> each   SecAggRoster   (U1: its neighbours' keys)
+    device -> edge    SecAggShares     edge -> each   SecAggBundle   (U2)
+    device -> edge    SecAggMasked     edge -> each   SecAggUnmask   (U3, dropped: its neighbours)
+    device -> edge    SecAggReveal     edge: sum of U3's x_i, decoded; mean = sum / |U3|
+    edge   -> cloud   CellUpdate(mean, weight |U3|, reported U3)  (as FedAvg)
+
+Each phase closes when everyone it waits for answered, or at its deadline (``deadline_s``)
+with whoever did; a phase that closes with fewer than ``secagg_min_survivors`` aborts the
+cell's round (a ``Note("secagg_abort")`` with the typed reason); the cloud's quorum over cells
+then closes the round without that cell and the next round starts as usual.
+
+Restrictions (validated): one edge round, uniform weighting (the edge sees only a sum, so it
+cannot weight), no quantization (the ring encoding is the quantizer), no noise plan yet, no
+federated evaluation (a device's held-out statistics would be individual values in clear).
+A device that restarts mid-round has lost its session keys: it is a dropout for that round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fedtier.algorithms.base import Action, Dropped, LocalResult, LocalTrain, Note, RoleState, \
+    SendToChild, SendToParent
+from fedtier.algorithms import strategies
+from fedtier.algorithms.cloud import Cloud
+from fedtier.algorithms.common import check_int, check_like
+from fedtier.algorithms.fedavg import FedAvgConfig
+from fedtier.algorithms.hier_qsgd import _DeviceBase, _EdgeBase
+from fedtier.errors import (
+    LateMessageError,
+    LocalProtocolError,
+    UnexpectedMessageError,
+    UnknownSenderError,
+    WrongPhaseError,
+    WrongRoundError,
+)
+from fedtier.rng import stream
+from fedtier.secagg import ring
+from fedtier.secagg.messages import (
+    SecAggBundle,
+    SecAggKeys,
+    SecAggMasked,
+    SecAggReveal,
+    SecAggRoster,
+    SecAggShares,
+    SecAggUnmask,
+)
+from fedtier.secagg.protocol import Abort, DeviceSession, EdgeSession, Phase, SecAggParams, Unmasked
+from fedtier.wire.messages import CellTask, DeviceTask, Message
+
+NAME = "secure_fedavg"
+
+__all__ = ["SecureFedAvgConfig", "Device", "Edge", "Cloud", "NAME", "edge_sees_individual_updates"]
+
+
+@dataclass(frozen=True, slots=True)
+class SecureFedAvgConfig(FedAvgConfig):
+    """``FedAvgConfig`` plus the secure-aggregation settings (every member of a cell uses the same).
+
+    Attributes:
+        secagg_min_survivors: s_min, the fewest devices a cell's sum may contain (a cell smaller
+            than this never completes a round).
+        secagg_degree: neighbours per device in the sharing graph (SecAgg+; the complete graph in
+            cells of up to ``secagg_degree + 1`` devices).
+        secagg_threshold: shares of a device's secrets needed to rebuild them, as a share of its
+            neighbours in the roster (who hold them), in (0.5, 1]: a device may lose
+            ``(1 - secagg_threshold)`` of them between the shares and reveal phases.
+        secagg_bits: the ring Z_{2^bits} updates are encoded in (16..62).
+        secagg_clip: L2 bound each device's update is clipped to before encoding.
+    """
+
+    ALGORITHM: ClassVar[str] = NAME
+
+    secagg_min_survivors: int = 2
+    secagg_degree: int = 8
+    secagg_threshold: float = 0.6
+    secagg_bits: int = 48
+    secagg_clip: float = 10.0
+
+    def __post_init__(self) -> None:
+        FedAvgConfig.__post_init__(self)
+        if self.edge_rounds != 1:
+            raise LocalProtocolError("secure aggregation runs one edge round per global round (edge_rounds = 1)")
+        if self.weighting != "uniform":
+            raise LocalProtocolError("secure aggregation needs weighting = 'uniform' (the edge sees only a sum)")
+        if self.privacy is not None:
+            raise LocalProtocolError("secure aggregation with a noise plan (distributed DP) is not supported yet")
+        check_int(self.secagg_min_survivors, "secagg_min_survivors", 1)
+        check_int(self.secagg_degree, "secagg_degree", 2)
+        self.params(1)  # validates threshold, bits and clip
+
+    def params(self, members: int) -> SecAggParams:
+        """The protocol's parameters for a cell of ``members`` devices."""
+        return SecAggParams(min_survivors=self.secagg_min_survivors, degree=self.secagg_degree,
+                            threshold_fraction=float(self.secagg_threshold),
+                            codec=ring.RingCodec(bits=self.secagg_bits, clip=float(self.secagg_clip),
+                                                 max_inputs=max(1, members)))
+
+
+def edge_sees_individual_updates(config: Any) -> bool:
+    """Whether an edge running ``config`` holds each device's update (False under secure aggregation).
+
+    For aggregators that need individual updates (robust statistics, per-device weights): they
+    must refuse a config for which this is False. ``config`` is an algorithm config, its dict
+    (a task's ``config``), a rollout config (anything with ``algorithm_config()``), or anything
+    with a ``secure_aggregation`` attribute (a ``[fedavg]`` section).
+    """
+    if hasattr(config, "secure_aggregation"):  # a [fedavg] section
+        return not bool(config.secure_aggregation)
+    if callable(getattr(config, "algorithm_config", None)):  # a rollout config
+        config = config.algorithm_config()
+    if isinstance(config, dict):
+        return config.get("algorithm") != NAME and not config.get("secure_aggregation", False)
+    return not (getattr(config, "ALGORITHM", None) == NAME or bool(getattr(config, "secure_aggregation", False)))
+
+
+class Device(_DeviceBase):
+    """Trains like a FedAvg device, then takes part in the cell's SecAgg+ round."""
+
+    CONFIG: ClassVar[type[Any]] = SecureFedAvgConfig
+    SUPPORTS_PRIVACY: ClassVar[bool] = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs["evaluate"] = False  # held-out statistics would reach the edge in clear
+        super().__init__(**kwargs)
+        self._session: DeviceSession | None = None
+        self._encoded: np.ndarray | None = None
+        self._members: tuple[str, ...] = ()
+
+    def _max_start_step(self, config: Any) -> int:
+        return 0
+
+    def receive(self, message: Message, now: float) -> list[Action]:
+        self._guard()
+        if isinstance(message, DeviceTask):
+            answer = self._accept_task(message)
+            if answer is not None:
+                return answer
+            self._session, self._encoded, self._members = None, None, message.members
+            self._state = RoleState.TRAINING
+            c = self._config
+            return [LocalTrain(round=self._round, step=0, params=self._params, steps=c.local_steps,
+                               batch_size=c.batch_size, lr=c.lr,
+                               stream=(c.seed, "batches", self.rollout, self.device_id, self._round, 0))]
+        if isinstance(message, (SecAggRoster, SecAggBundle, SecAggUnmask)) and message.receiver != self.device_id:
+            return [Dropped("not_addressed", message.key)]
+        if isinstance(message, SecAggRoster):
+            session = self._phase_message(message, Phase.SHARES)
+            if session is None:
+                return [Dropped("duplicate" if self._session else "no_session", message.key)]
+            shares = session.share_keys(message.keys, message.size)
+            return [SendToParent(SecAggShares(rollout=self.rollout, round=self._round, sender=self.device_id,
+                                              shares=shares))]
+        if isinstance(message, SecAggBundle):
+            session = self._phase_message(message, Phase.MASKED)
+            if session is None:
+                return [Dropped("duplicate" if self._session else "no_session", message.key)]
+            assert self._encoded is not None
+            y = session.masked_input(self._encoded, message.shares)
+            return [SendToParent(SecAggMasked(rollout=self.rollout, round=self._round, sender=self.device_id,
+                                              masked=y, width=(session.params.codec.bits + 7) // 8))]
+        if isinstance(message, SecAggUnmask):
+            session = self._phase_message(message, Phase.REVEAL)
+            if session is None:
+                return [Dropped("duplicate" if self._session else "no_session", message.key)]
+            reveal = session.unmask(message.survivors, message.dropped, message.count)
+            self._encoded = None
+            self._finish_round()
+            return [SendToParent(SecAggReveal(rollout=self.rollout, round=self._round, sender=self.device_id,
+                                              shares=reveal))]
+        raise UnexpectedMessageError(f"device does not accept {message.KIND}")
+
+    def _phase_message(self, msg: Message, phase: Phase) -> DeviceSession | None:
+        """The session if ``msg`` is for the phase it is in; ``None`` for a redelivery of a past phase."""
+        if msg.sender != self.cell:
+            raise UnknownSenderError(f"{msg.KIND} from {msg.sender!r}, expected cell {self.cell!r}")
+        if msg.round < self._round:
+            raise LateMessageError(f"{msg.KIND} for round {msg.round}; device is at round {self._round}")
+        if msg.round > self._round:
+            raise WrongRoundError(f"{msg.KIND} for round {msg.round}; device is at round {self._round}")
+        if self._session is None:
+            return None  # still training, or restarted: this device is a dropout of the round
+        order = [Phase.KEYS, Phase.SHARES, Phase.MASKED, Phase.REVEAL, Phase.DONE]
+        if order.index(self._session.phase) > order.index(phase):
+            return None
+        if self._session.phase is not phase:
+            raise WrongPhaseError(f"{msg.KIND} while the device is in phase {self._session.phase.value}")
+        return self._session
+
+    def trained(self, round: int, result: LocalResult) -> list[Action]:
+        self._guard()
+        if self._state is not RoleState.TRAINING:
+            raise self._misuse("trained() called while no local training was requested")
+        if round != self._round:
+            return [Dropped("superseded", f"local/{round}", f"now at round {self._round}")]
+        check_like(self._params, result.delta, "local result")
+        c = self._config
+        params = c.params(len(self._members))
+        self._encoded = params.codec.encode(ring.flatten(result.delta),
+                                            stream(c.seed, "secagg_rounding", self.rollout, self.device_id,
+                                                   self._round))
+        self._session = DeviceSession(self.device_id, self._members, params, c.seed, self.rollout, self._round)
+        keys = self._session.advertise()
+        self._uploaded(0)
+        self._state = RoleState.WAITING
+        return [SendToParent(SecAggKeys(rollout=self.rollout, round=self._round, sender=self.device_id,
+                                        c_pk=keys.c_pk, s_pk=keys.s_pk, b_commit=keys.b_commit))]
+
+
+class Edge(_EdgeBase):
+    """Runs the cell's SecAgg+ round; forwards the decoded mean of the survivors' updates."""
+
+    CONFIG: ClassVar[type[Any]] = SecureFedAvgConfig
+    SUPPORTS_PRIVACY: ClassVar[bool] = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.session: EdgeSession | None = None
+        self.aborts: list[Abort] = []
+
+    def _start(self, config: Any) -> None:
+        assert self._task is not None
+        length = sum(int(np.prod(p.shape)) for p in self._params.values())
+        self.session = EdgeSession(self._task.members, config.params(len(self._task.members)), config.seed,
+                                   self.rollout, self._task.round, length)
+
+    @property
+    def reported(self) -> tuple[str, ...]:
+        return self.session.answered() if self.session is not None else ()
+
+    def receive(self, message: Message, now: float) -> list[Action]:
+        self._guard()
+        if isinstance(message, CellTask):
+            self._check_edge_rule(message)
+            return self._on_task(message, now)
+        handlers = {SecAggKeys: lambda s, m: s.receive_keys(m.sender, m.advertised()),
+                    SecAggShares: lambda s, m: s.receive_shares(m.sender, m.shares),
+                    SecAggMasked: lambda s, m: s.receive_masked(m.sender, m.masked),
+                    SecAggReveal: lambda s, m: s.receive_reveal(m.sender, m.shares)}
+        handler = handlers.get(type(message))
+        if handler is None:
+            raise UnexpectedMessageError(f"edge does not accept {message.KIND}")
+        session = self._admit_secagg(message)
+        if not handler(session, message):
+            return [Dropped("duplicate", message.key)]
+        self._seen.add(message.key)
+        return self._advance(now) if session.complete() else []
+
+    def _check_edge_rule(self, task: CellTask) -> None:
+        """Refuse (before any state changes) a task whose edge rule needs each device's update."""
+        config = self.CONFIG.from_dict(task.config)
+        try:
+            strategies.check_visibility(strategies.parse_strategy(config.strategy)["edge"], "edge",
+                                        individual=edge_sees_individual_updates(config))
+        except strategies.StrategyError as exc:
+            raise UnexpectedMessageError(f"task's edge aggregator: {exc}") from None
+
+    def _admit_secagg(self, msg: Message) -> EdgeSession:
+        if self._task is None or self.session is None:
+            raise WrongRoundError(f"{msg.KIND} for round {msg.round} but no round is open")
+        if msg.round < self._task.round:
+            raise LateMessageError(f"{msg.KIND} for round {msg.round}; cell is at round {self._task.round}")
+        if msg.round > self._task.round:
+            raise WrongRoundError(f"{msg.KIND} for future round {msg.round}; cell is at {self._task.round}")
+        if msg.sender not in self._task.members:
+            raise UnknownSenderError(f"{msg.sender!r} is not a member of round {msg.round}")
+        if self._state is not RoleState.COLLECTING:
+            raise LateMessageError(f"{msg.KIND} after the cell's round closed ({self._state.value})")
+        return self.session
+
+    def tick(self, now: float) -> list[Action]:
+        self._guard()
+        if self._state is not RoleState.COLLECTING or self.session is None or now < self._deadline:
+            return []
+        return self._advance(now)
+
+    def overdue(self, now: float) -> tuple[str, ...]:
+        if self._state is not RoleState.COLLECTING or self.session is None or now < self._deadline:
+            return ()
+        return tuple(sorted(set(self.session.expected()) - set(self.session.answered())))
+
+    def resend(self, child: str, now: float) -> list[Action]:
+        """Only while keys are collected can a (re)appearing device still join the round."""
+        self._guard()
+        s = self.session
+        if (self._state is RoleState.COLLECTING and s is not None and s.phase is Phase.KEYS
+                and child in s.members and child not in s.answered()):
+            return [SendToChild(child, self._device_task())]
+        return []
+
+    def _advance(self, now: float) -> list[Action]:
+        """Close the current phase with whoever answered and start the next (or finish, or abort)."""
+        s = self.session
+        assert s is not None and self._task is not None
+        r = self._task.round
+        self._deadline = now + self._config.deadline_s
+        if s.phase is Phase.KEYS:
+            roster = s.close_keys()
+            if isinstance(roster, Abort):
+                return self._abort(roster)
+            return [SendToChild(d, SecAggRoster(rollout=self.rollout, round=r, sender=self.cell, receiver=d,
+                                                keys=s.roster_for(d, roster), size=len(roster))) for d in roster]
+        if s.phase is Phase.SHARES:
+            bundles = s.close_shares()
+            if isinstance(bundles, Abort):
+                return self._abort(bundles)
+            return [SendToChild(d, SecAggBundle(rollout=self.rollout, round=r, sender=self.cell, receiver=d,
+                                                shares=b)) for d, b in bundles.items()]
+        if s.phase is Phase.MASKED:
+            closed = s.close_masked()
+            if isinstance(closed, Abort):
+                return self._abort(closed)
+            survivors, dropped = closed
+            actions: list[Action] = []
+            for d in survivors:
+                near_alive, near_gone = s.survivors_for(d, survivors, dropped)
+                actions.append(SendToChild(d, SecAggUnmask(rollout=self.rollout, round=r, sender=self.cell,
+                                                           receiver=d, survivors=near_alive, dropped=near_gone,
+                                                           count=len(survivors))))
+            return actions
+        result = s.close_reveal()
+        if isinstance(result, Abort):
+            return self._abort(result)
+        return self._finish(result)
+
+    def _finish(self, result: Unmasked) -> list[Action]:
+        codec = self.session.params.codec if self.session is not None else None
+        assert codec is not None
+        n = len(result.survivors)
+        mean = ring.unflatten(codec.decode_sum(result.total) / n, self._params)
+        ids = list(result.survivors)
+        self._updates = {d: None for d in ids}  # the base's bookkeeping: no per-device values are kept
+        return [Note("secagg_unmasked", {"round": self.round, "survivors": n}),
+                *self._forward(mean, ids, [1.0] * n, 0.0, 0.0)]
+
+    def _abort(self, abort: Abort) -> list[Action]:
+        self.aborts.append(abort)
+        self._state = RoleState.FORWARDED  # nothing goes up for this round; the next task starts afresh
+        return [Note("secagg_abort", {"round": self.round, "phase": abort.phase, "reason": abort.reason,
+                                      "have": abort.have, "need": abort.need})]
+
+    def _close(self, now: float) -> list[Action]:  # the base's deadline path is replaced by tick()
+        return self._advance(now)
+

@@ -1,0 +1,90 @@
+"""Secure aggregation through a real Mosquitto: the SecAgg+ phases over the cells' topics give the
+simulator's model, and the edges only ever receive secure-aggregation messages from devices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fleet_threads import ThreadFleet
+
+from cloud_coordinator.simulate import simulate
+from cloud_coordinator.store import CoordinatorStore
+from fedtier.runtime.config import load
+from fedtier.runtime.node_base import ACCEPTED, REJECTED
+
+pytestmark = pytest.mark.broker
+
+SECURE = {"fedavg": {"local_steps": 20, "lr": 0.2, "secure_aggregation": True, "secagg_min_survivors": 2,
+                     "secagg_clip": 100.0}}
+
+
+def test_secure_rounds_over_mosquitto(mosquitto, small_rollout, tmp_path: Path) -> None:
+    from cloud_coordinator.config import RolloutConfig
+    from cloud_coordinator.fleet import write_fleet
+
+    cfg = small_rollout(rounds=3, **SECURE)
+    plain = cfg.to_dict()
+    plain.pop("broker", None)
+    plain["state_dir"] = str(tmp_path / "fleet" / "coordinator")
+    paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
+    fleet = ThreadFleet(paths)
+    try:
+        fleet.start_all()
+        cloud = fleet.wait_finished(timeout=120)
+    finally:
+        fleet.stop()
+    edges = {name: fleet.nodes[name].node for name in paths.edges}
+    assert edges, sorted(fleet.nodes)
+    for name, running in fleet.nodes.items():
+        assert running.node.metrics.total(REJECTED) == 0, (name, running.node.metrics.snapshot())
+    for name, edge in edges.items():
+        # what the edge accepted from its devices: the four SecAgg+ kinds, never a device_update
+        assert edge.metrics.get(ACCEPTED, kind="device_update") == 0, name
+        for kind in ("secagg_keys", "secagg_shares", "secagg_masked", "secagg_reveal"):
+            assert edge.metrics.get(ACCEPTED, kind=kind) == 2 * 3, (name, kind)  # 2 devices x 3 rounds
+    history = cloud.history
+    assert [r["round"] for r in history] == [0, 1, 2]
+    assert all(r["devices_reported"] == 4 and r["missing"] == [] for r in history)
+    assert history[-1]["accuracy"] > 0.6
+
+    cfg = load(RolloutConfig, paths.coordinator)
+    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    over_mqtt = store.latest_model(cfg.rollout)
+    store.close()
+    simulated = simulate(RolloutConfig.from_mapping({**plain, "state_dir": str(tmp_path / "sim")}))
+    assert over_mqtt is not None and over_mqtt.round == 2
+    for name, value in simulated.params.items():  # same stochastic rounding streams: the same sums
+        np.testing.assert_allclose(over_mqtt.params[name], value, rtol=0, atol=1e-5)
+
+
+def test_an_offline_device_is_a_dropout_and_its_cell_still_closes(mosquitto, small_rollout, tmp_path: Path) -> None:
+    """One device of a 3-device cell never comes online: the keys phase closes at its deadline with
+    the other two (s_min = 2), and every round's model holds the five devices that took part."""
+    from cloud_coordinator.fleet import write_fleet
+
+    cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3},
+                        fedavg={**SECURE["fedavg"], "deadline_s": 2.0})
+    plain = cfg.to_dict()
+    plain.pop("broker", None)
+    plain["state_dir"] = str(tmp_path / "fleet" / "coordinator")
+    paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
+    offline = sorted(paths.devices)[0]
+    fleet = ThreadFleet(paths)
+    try:
+        for device in paths.devices:
+            if device != offline:
+                fleet.start_device(device)
+        for cell in paths.edges:
+            fleet.start_edge(cell)
+        fleet.start_coordinator()
+        cloud = fleet.wait_finished(timeout=120)
+    finally:
+        fleet.stop()
+    for name, running in fleet.nodes.items():
+        assert running.node.metrics.total(REJECTED) == 0, (name, running.node.metrics.snapshot())
+    history = cloud.history
+    assert [r["round"] for r in history] == [0, 1]
+    assert all(r["devices_reported"] == 5 for r in history), history
+    assert all(offline in r["missing"] for r in history)

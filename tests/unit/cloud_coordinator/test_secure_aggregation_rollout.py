@@ -1,0 +1,47 @@
+"""[fedavg] secure_aggregation = true: validated config, and in the simulator the same model as plain
+aggregation up to the ring encoding's rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cloud_coordinator.simulate import simulate
+from fedtier.algorithms.secure_fedavg import SecureFedAvgConfig, edge_sees_individual_updates
+from fedtier.errors import ConfigError
+
+
+def test_secure_model_equals_plain_model_up_to_ring_rounding(small_rollout) -> None:
+    plain = simulate(small_rollout(rounds=3, topology={"cells": 2, "devices_per_cell": 3}))
+    secure_cfg = small_rollout(rounds=3, topology={"cells": 2, "devices_per_cell": 3},
+                               fedavg={"secure_aggregation": True, "secagg_min_survivors": 3, "secagg_bits": 48,
+                                       "secagg_clip": 100.0})
+    assert isinstance(secure_cfg.algorithm_config(), SecureFedAvgConfig)
+    secure = simulate(secure_cfg)
+    scale = secure_cfg.algorithm_config().params(3).codec.scale
+    worst = max(float(np.max(np.abs(plain.params[n] - secure.params[n]))) for n in plain.params)
+    # 3 rounds; each cell mean carries at most 1/scale of rounding (mean of 3 errors < 1/scale each), and
+    # float32 arithmetic adds ~1e-7 relative; the models differ by this, not more.
+    assert worst < 3 / scale + 1e-5
+    assert [r["devices_reported"] for r in secure.rounds] == [6, 6, 6]
+    assert secure.rounds[-1]["accuracy"] == pytest.approx(plain.rounds[-1]["accuracy"], abs=0.01)
+
+
+def test_config_names_bad_keys(small_rollout) -> None:
+    with pytest.raises(ConfigError, match="edge_rounds"):
+        small_rollout(fedavg={"secure_aggregation": True, "edge_rounds": 2})
+    with pytest.raises(ConfigError, match="weighting"):
+        small_rollout(fedavg={"secure_aggregation": True, "weighting": "samples"})
+    with pytest.raises(ConfigError, match="secagg_min_survivors"):
+        small_rollout(fedavg={"secure_aggregation": True, "secagg_min_survivors": 3})  # cells of 2
+    with pytest.raises(ConfigError, match="secagg_threshold"):
+        small_rollout(fedavg={"secure_aggregation": True, "secagg_threshold": 0.5})
+    with pytest.raises(ConfigError, match="aggregation.edge"):
+        small_rollout(fedavg={"secure_aggregation": True}, aggregation={"edge": "median"})
+    with pytest.raises(ConfigError, match="secure_aggregation"):
+        small_rollout(fedavg={"secure_aggregation": True}, privacy={"epsilon": 8.0, "clip": 1.0})
+    assert not edge_sees_individual_updates(small_rollout(fedavg={"secure_aggregation": True}).algorithm_config())
+    assert edge_sees_individual_updates(small_rollout().algorithm_config())
+    secure = small_rollout(fedavg={"secure_aggregation": True})
+    assert not edge_sees_individual_updates(secure) and not edge_sees_individual_updates(secure.fedavg)
+    assert edge_sees_individual_updates(small_rollout())
