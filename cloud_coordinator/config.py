@@ -492,6 +492,34 @@ class PrivacySection(Section):
     require_tls: bool = opt(True, help="Refuse to send clear (un-noised) updates over a connection without TLS.")
     noise_seed: int | None = opt(None, help="Simulation only: seed the noise for reproducible experiments. Anyone "
                                            "with the seed can remove the noise; `coordinator run` refuses it.")
+    accountant: str = opt("rdp", choices=("rdp", "pld"),
+                          help="Accountant that calibrates the noise and keeps the ledger (both dp-accounting's): rdp, "
+                               "or pld (privacy loss distributions: tighter, slower). `privacy report` shows both.")
+    device_sampling: str = opt("none", choices=("none", "poisson", "fixed"),
+                               help="Sample devices each round: poisson (each device with probability sample_rate; "
+                                    "trusted edges sample in secret and release a fixed-denominator sum, so their "
+                                    "noise is amplified) or fixed (round(sample_rate x members) per trusted cell; RDP "
+                                    "only). Device releases under untrusted edges get no amplification "
+                                    "(docs/privacy.md).")
+    sample_rate: float | None = opt(None, gt=0, max=1, help="q: the per-round device sampling rate (device_sampling).")
+    secure_noise: bool = opt(False, help="Draw noise from the OS CSPRNG as a sum of Gaussians resistant to "
+                                         "floating-point attacks (slower: docs/benchmarks.md).")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.device_sampling != "none" and self.sample_rate is None:
+            raise self.error(f"device_sampling = {self.device_sampling!r} needs sample_rate (q in (0, 1])",
+                             "sample_rate", prefix=prefix, source=source)
+        if self.device_sampling == "none" and self.sample_rate is not None:
+            raise self.error("sample_rate is set but device_sampling is 'none'", "sample_rate",
+                             prefix=prefix, source=source)
+        if self.device_sampling == "fixed" and self.accountant == "pld":
+            raise self.error("fixed-size sampling is accounted by RDP only (dp-accounting's PLD has no "
+                             "sampling-without-replacement event): use accountant = 'rdp' or device_sampling = "
+                             "'poisson'", "accountant", prefix=prefix, source=source)
+        if self.device_sampling != "none" and self.calibration == "paper":
+            raise self.error("device sampling needs sound calibration (calibration = 'rdp'); paper mode is a "
+                             "reproduction that misapplies amplification", "device_sampling",
+                             prefix=prefix, source=source)
 
 
 def _rule(value: str) -> None:
@@ -690,6 +718,10 @@ class RolloutConfig(Section):
                                  f"{self.algorithm}'s gradient exchange is not covered yet", "privacy",
                                  prefix=prefix, source=source)
             section = getattr(self, self.algorithm)
+            if self.privacy.device_sampling != "none" and int(getattr(section, "edge_rounds", 1)) != 1:
+                raise self.error("device sampling needs edge_rounds = 1: after an intra-round sync every member's "
+                                 "update depends on a sampled device, so the amplified sensitivity would not hold",
+                                 "privacy.device_sampling", prefix=prefix, source=source)
             if section.weighting != "uniform":
                 raise self.error("privacy needs uniform weights (a device's reported sample count must not raise "
                                  "its weight, and with it the sensitivity of its cell's mean)",

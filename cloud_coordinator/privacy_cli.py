@@ -92,9 +92,11 @@ def device_samples(cfg: Any, data: Any = None) -> dict[str, int]:
     return {d: len(y) for d, (_, y) in data.train.items()}
 
 
-def rounds_within_budget(z: float, per_round: int, rounds: int, delta: float, budget: float) -> int:
+def rounds_within_budget(z: float, per_round: int, rounds: int, delta: float, budget: float,
+                         event: tuple[Any, ...] = (), accounting: str = "rdp") -> int:
     """How many rounds of ``per_round`` releases at multiplier ``z`` the ledger admits before the budget stops
-    the rollout (it refuses a round that would take a device above ``budget``)."""
+    the rollout (it refuses a round that would take a device above ``budget``). ``event``: the releases'
+    ``(q[, n])`` under device sampling; ``accounting``: the plan's accountant."""
     from cloud_coordinator.privacy.accountant import epsilon
     from cloud_coordinator.privacy.ledger import BUDGET_SLACK
 
@@ -103,7 +105,7 @@ def rounds_within_budget(z: float, per_round: int, rounds: int, delta: float, bu
     limit = budget * (1 + BUDGET_SLACK)
 
     def fits(k: int) -> bool:
-        return epsilon([(z, per_round * k)], delta) <= limit
+        return epsilon([(z, per_round * k, *event)], delta, accounting=accounting) <= limit
 
     if fits(rounds):
         return rounds
@@ -117,6 +119,7 @@ def rounds_within_budget(z: float, per_round: int, rounds: int, delta: float, bu
 def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
     """The plan as plain data (what ``--json`` prints; ``render_plan`` formats it)."""
     from cloud_coordinator.privacy import calibrate
+    from fedtier.privacy.plan import fixed_sample_size
     from fedtier.privacy.trust import DEVICE
 
     from cloud_coordinator.privacy import utility
@@ -142,19 +145,37 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
     tiers: dict[str, dict[str, Any]] = {}
     from cloud_coordinator.privacy.accountant import epsilon
 
+    q = calibrate.sample_rate(cfg)
+
+    def edge_event(fan_in: int) -> tuple[Any, ...]:
+        """(q[, n]) of a trusted server's release under device sampling: amplification (docs/privacy.md)."""
+        if p.device_sampling == "poisson":
+            return (q,)
+        if p.device_sampling == "fixed" and fixed_sample_size(fan_in, q) < fan_in:
+            return (fixed_sample_size(fan_in, q) / fan_in, fan_in)
+        return ()
+
     for name, who, injecting, z, per_round, eps in (
             ("device", DEVICE_TIER, devices_in, m.device_z, tau, m.details["epsilon_device_tier"]),
             ("edge", EDGE_TIER, servers_in, m.edge_z, 1, m.details["epsilon_edge_tier"])):
+        # a device under an untrusted edge releases at most its cap (sampling: the cloud stops sampling it there)
+        rounds_charged = int(m.details["device_releases"]) // tau if name == "device" else cfg.rounds
+        event: tuple[Any, ...] = ()
         if injecting:  # what the ledger charges: the smallest multiplier of the tier (paper mode: per fan-in)
-            z = min(r.z for r in injecting)
-            eps = epsilon([(z, per_round * cfg.rounds)], p.delta)
+            worst = min(injecting, key=lambda r: r.z)
+            z = worst.z
+            event = edge_event(worst.protects) if name == "edge" else ()
+            eps = epsilon([(z, per_round * rounds_charged, *event)], p.delta, accounting=p.accountant)
         sens = [r.sensitivity for r in injecting]
         sigmas = [r.sigma for r in injecting]
-        within = rounds_within_budget(z, per_round, cfg.rounds, p.delta, budget)
+        within = rounds_within_budget(z, per_round, rounds_charged, p.delta, budget, event, p.accountant)
+        if within >= rounds_charged:
+            within = cfg.rounds
         tiers[name] = {
             "who": who, "injectors": [r.node for r in injecting],
             "devices": sum(r.protects for r in injecting),
-            "releases_per_round": per_round, "releases_per_device": per_round * cfg.rounds,
+            "releases_per_round": per_round, "releases_per_device": per_round * rounds_charged,
+            "sampling": p.device_sampling, "amplified": bool(event),
             "z": z, "sensitivity_min": min(sens, default=None), "sensitivity_max": max(sens, default=None),
             "sigma_min": min(sigmas, default=None), "sigma_max": max(sigmas, default=None),
             "epsilon": eps, "rounds_within_budget": within,
@@ -166,7 +187,8 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
         k = t["rounds_within_budget"]
         stop = ("will not run a single round" if k == 0
                 else f"will stop before round {k} ({k} of {cfg.rounds} rounds run)")
-        warnings.append(f"the {name} tier's releases reach epsilon {t['epsilon']:.4g} (RDP, delta {p.delta:g}) > "
+        warnings.append(f"the {name} tier's releases reach epsilon {t['epsilon']:.4g} ({p.accountant.upper()}, "
+                        f"delta {p.delta:g}) > "
                         f"budget {budget:g}: the rollout {stop}")
     if snr is not None:
         warnings += snr.warnings(p.epsilon)
@@ -176,7 +198,8 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
         "config": str(config_path), "rollout": cfg.rollout, "algorithm": cfg.algorithm,
         "mode": p.calibration, "epsilon": p.epsilon, "delta": p.delta, "budget_epsilon": budget, "clip": p.clip,
         "rounds": cfg.rounds, "edge_rounds": tau, "local_steps": local_steps, "require_tls": p.require_tls,
-        "cells": len(cfg.topology.layout()), "devices": len(samples),
+        "cells": len(cfg.topology.layout()), "devices": len(samples), "accountant": p.accountant,
+        "device_sampling": p.device_sampling, "sample_rate": q, "secure_noise": p.secure_noise,
     }
     if p.calibration == "paper":
         header.update(alpha=m.details["alpha"], sampling_rate=m.details["sampling_rate"],
@@ -195,8 +218,9 @@ def render_plan(doc: dict[str, Any]) -> str:
                    else f"{budget:g} (the rollout stops before any device would exceed it)")
     lines = [f"privacy plan of rollout {doc['rollout']} ({doc['config']}): {doc['algorithm']}, {doc['cells']} cells, "
              f"{doc['devices']} devices"]
+    acct = str(doc.get("accountant", "rdp")).upper()
     if doc["mode"] == "rdp":
-        calib = "rdp: each tier's noise multiplier z solved with the RDP accountant for its real release count"
+        calib = f"rdp: each tier's noise multiplier z solved with the {acct} accountant for its real release count"
     else:
         calib = (f"paper: z = alpha q sqrt(K T ln(1/delta)) / epsilon (eq. 11; alpha {doc['alpha']:g}, "
                  f"q {doc['sampling_rate']:.4g}, K {doc['steps_per_round']}) -- a HEURISTIC closed form, not a "
@@ -204,7 +228,7 @@ def render_plan(doc: dict[str, Any]) -> str:
     rows = [("calibration", calib),
             ("target", f"epsilon {doc['epsilon']:g} per device at delta {doc['delta']:g}"),
             ("budget", budget_text),
-            ("accountant", "epsilon over the whole rollout (RDP, what the ledger charges): "
+            ("accountant", f"epsilon over the whole rollout ({acct}, what the ledger charges): "
                            + ", ".join(f"{name} tier {fmt(t['epsilon'], '.4g')}"
                                        + ("" if t["injectors"] else " (no node)")
                                        for name, t in doc["tiers"].items())
@@ -213,6 +237,14 @@ def render_plan(doc: dict[str, Any]) -> str:
             ("schedule", f"{doc['rounds']} rounds x {doc['edge_rounds']} edge rounds x {doc['local_steps']} "
                          "local steps"),
             ("require_tls", "yes" if doc["require_tls"] else "no")]
+    if doc.get("device_sampling", "none") != "none":
+        rows.append(("sampling", f"{doc['device_sampling']} at q = {doc['sample_rate']:g} per round: trusted edges "
+                                 "sample in secret and release a fixed-denominator sum (amplified); devices under "
+                                 "untrusted edges pay full price, sampled at most "
+                                 f"{doc['tiers']['device']['releases_per_device'] // max(1, doc['edge_rounds'])} "
+                                 "rounds (docs/privacy.md)"))
+    if doc.get("secure_noise"):
+        rows.append(("noise", "secure: CSPRNG, sum of Gaussians (docs/privacy.md, hardened noise)"))
     width = max(len(k) for k, _ in rows)
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
 
@@ -222,12 +254,13 @@ def render_plan(doc: dict[str, Any]) -> str:
         present = bool(t["injectors"])
         tier_rows.append([
             name, t["who"], str(t["devices"]) if present else "0",
-            f"{t['releases_per_device']} ({t['releases_per_round']}/round)", fmt(t["z"]),
+            f"{t['releases_per_device']} ({t['releases_per_round']}/round"
+            + (", amplified" if t.get("amplified") else "") + ")", fmt(t["z"]),
             _span(t["sensitivity_min"], t["sensitivity_max"]), _span(t["sigma_min"], t["sigma_max"]),
             fmt(t["epsilon"]) + ("" if present else " (no node in this tier)"),
             f"{t['rounds_within_budget']} of {doc['rounds']}"])
     lines += table(["tier", "who adds noise", "devices", "releases/device", "z", "sensitivity", "sigma",
-                    "epsilon (RDP)", "rounds within budget"], tier_rows)
+                    f"epsilon ({acct})", "rounds within budget"], tier_rows)
 
     snr = doc["signal_to_noise"]
     if snr is not None:
@@ -388,7 +421,12 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
         if delta is None:
             raise click.UsageError(f"{db}: rollout {rollout!r} records no delta (no round metrics); give --config")
         delta = float(delta)
-        recomputed = recompute(store, rollout, delta)
+        accounting = str(plan.get("accountant") or (p.accountant if p is not None else "rdp"))
+        recomputed = recompute(store, rollout, delta, accounting)
+        by_accountant = {accounting: max(recomputed.values(), default=0.0)}
+        for other in ("rdp", "pld"):
+            if other != accounting:
+                by_accountant[other] = max(recompute(store, rollout, delta, other).values(), default=0.0)
     finally:
         store.close()
     if "budget_epsilon" in live:
@@ -403,7 +441,7 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
     rounds_planned = metrics.get("rounds_planned", cfg.rounds if cfg is not None else None)
     doc = rep.build(rollout=rollout, db=db, releases=releases, clear=clear, rounds=rounds, recomputed=recomputed,
                     delta=delta, budget=budget, mode=",".join(modes), status=status, rounds_planned=rounds_planned,
-                    stopped=metrics.get("stopped"))
+                    stopped=metrics.get("stopped"), accounting=accounting, by_accountant=by_accountant)
     if p is not None:
         if not rep.agrees(p.delta, float(delta), 1e-12):
             doc["warnings"].append(f"{config_path} now says delta {p.delta:g}; the rollout ran with {delta:g} "

@@ -103,6 +103,9 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     if cfg.privacy is not None:
         from cloud_coordinator.privacy.calibrate import make_plan  # dp-accounting: coordinator only
 
+        if cfg.privacy.device_sampling != "none" and cfg.algorithm == "hist":
+            raise ConfigError("rollouts run device sampling with fedavg and hier_qsgd; HIST's submodel edges do "
+                              "not sample yet (docs/privacy.md)", key="privacy.device_sampling")
         noise_plan = make_plan(cfg, {d: len(data.train[d][1]) for d in devices})
         extra["privacy"] = noise_plan.to_dict()  # signed with the manifest: an edge cannot weaken it
     manifest = Manifest(rollout=cfg.rollout, version=manifest_version, algorithm=cfg.algorithm,

@@ -134,7 +134,8 @@ class EdgeNode(NodeBase):
                 self._on_round_message(payload, msg, now, replay=True)
             except RemoteProtocolError as exc:
                 # A stored input that no longer applies: e.g. a secure-aggregation phase that closed at
-                # its deadline before the restart is open again after it (deadlines are not stored).
+                # its deadline before the restart is open again after it (deadlines are not stored), or an upload
+                # of a device outside the new secret sample a sampling trusted edge drew after restarting.
                 log.warning("replay of %s skipped: %s", msg.key, exc)
         role = self.roles.get(rollout)
         if role is None:
@@ -285,6 +286,9 @@ class EdgeNode(NodeBase):
                 stored = self.store.output(msg.key)
                 if stored is None:
                     if isinstance(msg, CellUpdate):
+                        if getattr(self.roles.get(rollout), "sampling_secretly", False):
+                            # byte counts count the sampled devices' messages: participation stays in the cell
+                            stats = dict.fromkeys(("device_up_bytes", "device_up_f32_bytes", "device_down_bytes"), 0)
                         msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
                         if self._refuse_clear_aggregate(rollout, msg):
                             continue

@@ -13,6 +13,13 @@ per round. It composes as if noise were added at every step and misapplies ampli
 epsilon of what was actually released either way — charged against the sound sensitivity
 (a trusted cell's ``2C (1/n + tau - 1)``, not Lemma 1's ``2C/n``; ``fedtier.privacy.plan``).
 
+With device sampling (``[privacy] device_sampling``, rate ``q``; docs/privacy.md "Sampling"),
+a trusted edge's ``z`` is solved for ``T`` Poisson-sampled (or fixed-size sampled) Gaussian
+releases — amplification, sound because the edge samples in secret and releases a
+fixed-denominator sum — while a device under an untrusted edge gets none: its ``z`` is solved
+for the most releases the cloud will sample it for (``plan.release_cap``). ``accountant``
+picks dp-accounting's RDP or PLD accountant for both.
+
 ``plan_rows`` describes every node of a tree of any depth (intermediate servers included)
 for ``fedtier privacy plan``; ``make_plan`` is the two-tier plan a rollout runs with.
 """
@@ -26,7 +33,15 @@ from typing import Any, Mapping
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.privacy import accountant
 from fedtier.errors import ConfigError
-from fedtier.privacy.plan import CellPlan, NoisePlan, calibrated_edge_sensitivity, device_sensitivity, edge_sensitivity
+from fedtier.privacy.plan import (
+    CellPlan,
+    NoisePlan,
+    calibrated_edge_sensitivity,
+    device_sensitivity,
+    edge_sensitivity,
+    fixed_sample_size,
+    release_cap,
+)
 from fedtier.privacy.trust import CLOUD, DEVICE, TrustNode
 
 
@@ -55,6 +70,31 @@ def sampling_rate(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> floa
     return min(1.0, batch / smallest) if smallest > 0 else 1.0
 
 
+def sample_rate(cfg: RolloutConfig) -> float:
+    """q of device sampling (1.0 without)."""
+    p = cfg.privacy
+    assert p is not None
+    if p.device_sampling == "none" or p.sample_rate is None:  # the config check requires one with the other
+        return 1.0
+    return float(p.sample_rate)
+
+
+def edge_multiplier(cfg: RolloutConfig, members: int | None = None) -> float:
+    """A trusted edge's z for T releases: amplified by sampling when there is any (sound: the edge samples in
+    secret). Fixed-size sampling depends on the cell's size ``members``."""
+    p = cfg.privacy
+    assert p is not None
+    q = sample_rate(cfg)
+    if p.device_sampling == "fixed" and members is not None and fixed_sample_size(members, q) < members:
+        m = fixed_sample_size(members, q)
+        return accountant.noise_multiplier_for(p.epsilon, p.delta, cfg.rounds, sampling_rate=m / members,
+                                               accounting=p.accountant, population=members)
+    if p.device_sampling == "poisson":
+        return accountant.noise_multiplier_for(p.epsilon, p.delta, cfg.rounds, sampling_rate=q,
+                                               accounting=p.accountant)
+    return accountant.noise_multiplier_for(p.epsilon, p.delta, cfg.rounds, accounting=p.accountant)
+
+
 def multipliers(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> Multipliers:
     """Solve (rdp) or compute (paper) the device and edge noise multipliers."""
     p = cfg.privacy
@@ -62,19 +102,25 @@ def multipliers(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> Multip
         raise ConfigError("no [privacy] section", key="privacy")
     local_steps, tau = schedule(cfg)
     rounds = cfg.rounds
-    details: dict[str, Any] = {"device_releases": tau * rounds, "edge_releases": rounds,
-                               "local_steps": local_steps, "edge_rounds": tau}
+    q = sample_rate(cfg)
+    cap = release_cap(rounds, q)
+    details: dict[str, Any] = {"device_releases": tau * cap, "edge_releases": rounds,
+                               "local_steps": local_steps, "edge_rounds": tau, "accountant": p.accountant}
+    if p.device_sampling != "none":
+        details.update(device_sampling=p.device_sampling, sample_rate=q, device_release_cap=cap)
     if p.calibration == "rdp":
-        device_z = accountant.noise_multiplier_for(p.epsilon, p.delta, tau * rounds)
-        edge_z = accountant.noise_multiplier_for(p.epsilon, p.delta, rounds)
+        device_z = accountant.noise_multiplier_for(p.epsilon, p.delta, tau * cap, accounting=p.accountant)
+        edge_z = edge_multiplier(cfg)
     else:
         q = sampling_rate(cfg, device_samples)
         device_z = edge_z = accountant.paper_noise_multiplier(
             alpha=p.alpha, sampling_rate=q, steps_per_round=local_steps * tau, rounds=rounds,
             epsilon=p.epsilon, delta=p.delta)
         details.update(alpha=p.alpha, sampling_rate=q, steps_per_round=local_steps * tau)
-    details["epsilon_device_tier"] = accountant.epsilon([(device_z, tau * rounds)], p.delta)
-    details["epsilon_edge_tier"] = accountant.epsilon([(edge_z, rounds)], p.delta)  # rdp; paper: see charged_z
+    details["epsilon_device_tier"] = accountant.epsilon([(device_z, tau * cap)], p.delta, accounting=p.accountant)
+    edge_q = q if p.device_sampling == "poisson" else 1.0
+    details["epsilon_edge_tier"] = accountant.epsilon([(edge_z, rounds, edge_q)], p.delta,
+                                                      accounting=p.accountant)  # rdp; paper: see charged_z
     return Multipliers(device_z, edge_z, details)
 
 
@@ -101,19 +147,28 @@ def make_plan(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> NoisePla
                           "device -> cell -> cloud", key="topology.parents")
     m = multipliers(cfg, device_samples)
     _, tau = schedule(cfg)
+
+    def edge_z(members: int) -> float:
+        return edge_multiplier(cfg, members) if p.device_sampling == "fixed" else m.edge_z
+
     plans = {cell: CellPlan(trusted=tree[cell].trusted, members=len(members),
                             device_z=0.0 if tree[cell].trusted else m.device_z,
-                            edge_z=m.edge_z if tree[cell].trusted else 0.0)
+                            edge_z=edge_z(len(members)) if tree[cell].trusted else 0.0)
              for cell, members in cells.items()}
     budget = p.budget_epsilon if p.budget_epsilon is not None else p.epsilon
     details = dict(m.details)
+    q = sample_rate(cfg)
+    plan = NoisePlan(mode=p.calibration, epsilon=p.epsilon, delta=p.delta, budget_epsilon=budget, clip=p.clip,
+                     edge_rounds=tau, rounds=cfg.rounds, require_tls=p.require_tls, cells=plans, details=details,
+                     accountant=p.accountant, sampling=p.device_sampling, sample_rate=q,
+                     device_release_cap=release_cap(cfg.rounds, q) if p.device_sampling != "none" else 0,
+                     secure_noise=p.secure_noise, sample_seed=int(cfg.seed))
     trusted = [c for c, cp in plans.items() if cp.trusted]
     if trusted:  # what the ledger will charge the edge tier: the worst trusted cell, sound sensitivity
         details["epsilon_edge_tier"] = max(
-            accountant.epsilon([(charged_edge_z(p.calibration, m.edge_z, p.clip, plans[c].members, tau),
-                                 cfg.rounds)], p.delta) for c in trusted)
-    return NoisePlan(mode=p.calibration, epsilon=p.epsilon, delta=p.delta, budget_epsilon=budget, clip=p.clip,
-                     edge_rounds=tau, rounds=cfg.rounds, require_tls=p.require_tls, cells=plans, details=details)
+            accountant.epsilon([(plan.edge_charged_z(c), cfg.rounds, *plan.edge_event(c))], p.delta,
+                               accounting=p.accountant) for c in trusted)
+    return plan
 
 
 @dataclass(frozen=True)
@@ -157,7 +212,14 @@ def plan_rows(cfg: RolloutConfig, device_samples: Mapping[str, int],
     rows = []
     for node in sorted(tree.values(), key=lambda e: (e.layer, e.kind != CLOUD, e.node)):
         if node.injects and node.kind == DEVICE:
-            releases, sens, z = tau * cfg.rounds, device_sensitivity(p.clip), m.device_z
+            releases, sens, z = int(m.details["device_releases"]), device_sensitivity(p.clip), m.device_z
+            sigma = z * sens
+        elif node.injects and p.device_sampling != "none":  # a sampling trusted edge: fixed denominator
+            releases, z = cfg.rounds, (edge_multiplier(cfg, node.fan_in) if p.device_sampling == "fixed"
+                                       else m.edge_z)
+            q = sample_rate(cfg)
+            sens = (p.clip / (q * node.fan_in) if p.device_sampling == "poisson"
+                    else 2.0 * p.clip / fixed_sample_size(node.fan_in, q))
             sigma = z * sens
         elif node.injects:  # sigma as calibrated; sensitivity and z as the ledger charges them
             releases, sens = cfg.rounds, edge_sensitivity(p.clip, node.fan_in, tau)

@@ -23,7 +23,8 @@ cell's ``2C (1/n + tau - 1)`` also in paper mode, whose noise is calibrated agai
 ``2C/n`` (``fedtier.privacy.plan``); the audited record carries that multiplier, and ``planned``
 (the budget check) uses it too.
 
-Per-device epsilon comes from the RDP accountant (``accountant.Accountant``) over the
+Per-device epsilon comes from the plan's accountant (``accountant.Accountant``: dp-accounting's RDP, or
+its PLD with ``[privacy] accountant = "pld"``) over the
 multipliers of the releases that protect it; later forwarding of noised data (untrusted
 edges, the cloud's broadcast) is post-processing and is not charged again. Before a round
 opens, ``admit`` adds that round's planned releases to every device's account and refuses
@@ -58,22 +59,30 @@ class PrivacyLedger:
         self.plan = plan
         self.cells = {c: tuple(sorted(m)) for c, m in cells.items()}
         self.cloud_id = cloud_id
-        self.accountant = Accountant(plan.delta)
+        self.accountant = Accountant(plan.delta, accounting=plan.accountant)
         for device in (d for members in self.cells.values() for d in members):
             self.accountant.add([device], 0.0, 0)  # every device listed, even before its first release
         self.last_charged = -1  # the last round whose rows are on the ledger
         for row in store.privacy_releases(rollout):
-            self.accountant.add(row["protected"], row["noise_multiplier"], 1)
+            _charge(self.accountant, row)
             self.last_charged = max(self.last_charged, int(row["round"]))
 
     # --- before a round ---------------------------------------------------------------------------
 
-    def planned(self, device: str, rounds: int = 1) -> list[tuple[float, int]]:
-        """The releases ``rounds`` global rounds make that protect ``device``."""
+    def planned(self, device: str, rounds: int = 1) -> list[tuple[Any, ...]]:
+        """The releases ``rounds`` global rounds make that protect ``device``: ``(z, count)``, or
+        ``(z, count, q, population)`` for a trusted edge's sampled (amplified) releases."""
         cell = next(c for c, m in self.cells.items() if device in m)
         p = self.plan.cells[cell]
         if p.trusted:  # charged against the sound sensitivity, with every member reporting (the smallest z)
+            q, population = self.plan.edge_event(cell)  # amplified by the edge's secret sampling, if any
+            if q < 1.0:
+                return [(self.plan.edge_charged_z(cell), rounds, q, population)]
             return [(self.plan.edge_charged_z(cell), rounds)]
+        if self.plan.sampled:  # only the rounds the cloud samples this device in (public, capped)
+            first = self.last_charged + 1
+            rounds = sum(device in self.plan.untrusted_sample(cell, self.cells[cell], r)
+                         for r in range(first, first + rounds))
         return [(p.device_z, self.plan.edge_rounds * rounds)]
 
     def admit(self, round: int) -> str | None:
@@ -132,7 +141,7 @@ class PrivacyLedger:
                              for c in report.get("clear", ()))
                 continue
             sens = self.plan.device_sensitivity
-            for device in members:
+            for device in self.plan.untrusted_sample(cell, members, round):  # everyone, unless sampling
                 for step in range(self.plan.edge_rounds):
                     record = seen.get((device, step))
                     observed = record is not None
@@ -156,7 +165,7 @@ class PrivacyLedger:
     def charge(self, releases: Iterable[Mapping[str, Any]]) -> None:
         """Add committed rows to the live accounts."""
         for row in releases:
-            self.accountant.add(row["protected"], row["noise_multiplier"], 1)
+            _charge(self.accountant, row)
             self.last_charged = max(self.last_charged, int(row["round"]))
 
     def epsilons(self) -> dict[str, float]:
@@ -170,9 +179,15 @@ class PrivacyLedger:
                 "budget_epsilon": self.plan.budget_epsilon, "mode": self.plan.mode, "epsilon": eps}
 
 
-def recompute(store: CoordinatorStore, rollout: str, delta: float) -> dict[str, float]:
-    """Per-device epsilon from the ledger rows alone (offline audit of the live numbers)."""
-    acc = Accountant(delta)
+def recompute(store: CoordinatorStore, rollout: str, delta: float, accounting: str = "rdp") -> dict[str, float]:
+    """Per-device epsilon from the ledger rows alone (offline audit of the live numbers), by ``accounting``."""
+    acc = Accountant(delta, accounting=accounting)
     for row in store.privacy_releases(rollout):
-        acc.add(row["protected"], row["noise_multiplier"], 1)
+        _charge(acc, row)
     return acc.epsilons()
+
+
+def _charge(acc: Accountant, row: Mapping[str, Any]) -> None:
+    """One ledger row into an accountant: a Gaussian, or a sampled one when the row's release was amplified."""
+    q, population = audit.sampling_of(row)
+    acc.add(row["protected"], row["noise_multiplier"], 1, sampling_rate=q, population=population)

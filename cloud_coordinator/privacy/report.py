@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from cloud_coordinator.privacy.accountant import Accountant
+from fedtier.privacy import audit
 
 # Relative difference above which the ledger's and the live epsilon of a device disagree.
 MISMATCH_REL = 1e-9
@@ -82,19 +83,21 @@ def device_range(devices: Sequence[str]) -> str:
 # --- what the ledger says -------------------------------------------------------------------------
 
 
-def epsilon_by_round(releases: Sequence[Mapping[str, Any]], delta: float) -> list[dict[str, Any]]:
+def epsilon_by_round(releases: Sequence[Mapping[str, Any]], delta: float,
+                     accounting: str = "rdp") -> list[dict[str, Any]]:
     """Every device's epsilon after each round, from the ledger rows alone.
 
     Args:
         releases: ``CoordinatorStore.privacy_releases`` rows (any order).
         delta: the delta epsilon is reported at.
+        accounting: the accountant, ``rdp`` or ``pld`` (the rollout's, so the live numbers compare).
 
     Returns:
         One dict per round that has rows, in round order: ``round`` (store index),
         ``releases`` (rows of that round), ``epsilon_max`` / ``epsilon_min`` over every
         device the ledger protects, and ``epsilon`` (device -> epsilon).
     """
-    acc = Accountant(delta)
+    acc = Accountant(delta, accounting=accounting)
     for device in sorted({d for r in releases for d in r["protected"]}):
         acc.add([device], 0.0, 0)  # listed from the start, like the live ledger
     by_round: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
@@ -103,7 +106,8 @@ def epsilon_by_round(releases: Sequence[Mapping[str, Any]], delta: float) -> lis
     out = []
     for rnd in sorted(by_round):
         for row in by_round[rnd]:
-            acc.add(row["protected"], float(row["noise_multiplier"]), 1)
+            q, population = audit.sampling_of(row)
+            acc.add(row["protected"], float(row["noise_multiplier"]), 1, sampling_rate=q, population=population)
         eps = acc.epsilons()
         values = list(eps.values()) or [0.0]
         out.append({"round": rnd, "releases": len(by_round[rnd]), "epsilon_max": max(values),
@@ -175,7 +179,8 @@ def clear_hops(clear: Sequence[Mapping[str, Any]], releases: Sequence[Mapping[st
 
 def build(*, rollout: str, db: Path, releases: Sequence[Mapping[str, Any]], clear: Sequence[Mapping[str, Any]],
           rounds: Sequence[Mapping[str, Any]], recomputed: Mapping[str, float], delta: float, budget: float,
-          mode: str, status: str | None, rounds_planned: int | None, stopped: str | None) -> dict[str, Any]:
+          mode: str, status: str | None, rounds_planned: int | None, stopped: str | None,
+          accounting: str = "rdp", by_accountant: Mapping[str, float] | None = None) -> dict[str, Any]:
     """The whole report as plain data (what ``--json`` prints).
 
     Args:
@@ -190,12 +195,14 @@ def build(*, rollout: str, db: Path, releases: Sequence[Mapping[str, Any]], clea
         status: the store's status of the rollout (finished, stopped, running).
         rounds_planned: rounds the rollout was configured for, if known.
         stopped: why the budget stopped it (the metrics file's ``stopped``), if known.
+        accounting: the rollout's accountant (``rdp`` or ``pld``): ``recomputed`` and the series use it.
+        by_accountant: the largest epsilon from the same rows under each accountant (rdp and pld).
     """
     live_by_round = {int(r["round"]): r.get("privacy") for r in rounds}
     accuracy_by_round = {int(r["round"]): r.get("accuracy") for r in rounds}
     last = rounds[-1] if rounds else None
     live: Mapping[str, float] = (last.get("privacy") or {}).get("epsilon", {}) if last else {}
-    series = epsilon_by_round(releases, delta)
+    series = epsilon_by_round(releases, delta, accounting)
     for point in series:
         metrics = live_by_round.get(point["round"]) or {}
         point["live_epsilon_max"] = metrics.get("epsilon_max")
@@ -233,7 +240,8 @@ def build(*, rollout: str, db: Path, releases: Sequence[Mapping[str, Any]], clea
     return {
         "rollout": rollout, "db": str(db), "status": status, "stopped": stopped,
         "rounds_closed": len(rounds), "rounds_planned": rounds_planned,
-        "mode": mode, "delta": delta, "budget_epsilon": budget,
+        "mode": mode, "delta": delta, "budget_epsilon": budget, "accountant": accounting,
+        "epsilon_max_by_accountant": dict(by_accountant or {accounting: max(recomputed.values(), default=0.0)}),
         "releases": {"total": len(releases), "observed": sum(1 for r in releases if r["observed"]),
                      "unobserved": sum(1 for r in releases if not r["observed"])},
         "clear_hops": hops,
@@ -280,8 +288,11 @@ def render(report: Mapping[str, Any]) -> str:
     hops = report["clear_hops"]
     lines = [f"privacy report of rollout {report['rollout']} ({report['db']})",
              f"  status       {status_line(report)}",
-             f"  accounting   {report['mode']} calibration; epsilon at delta {report['delta']:g} from the RDP "
-             f"accountant; budget {budget_text}",
+             f"  accounting   {report['mode']} calibration; epsilon at delta {report['delta']:g} from the "
+             f"{report.get('accountant', 'rdp').upper()} accountant; budget {budget_text}",
+             "  both         " + ", ".join(f"{k.upper()} {fmt(v)}" for k, v in
+                                         sorted(report.get("epsilon_max_by_accountant", {}).items()))
+             + " (largest epsilon from the same rows under each accountant)",
              f"  releases     {rel['total']} on the ledger: {rel['observed']} observed by the cloud, "
              f"{rel['unobserved']} unobserved (charged at their planned multiplier)",
              f"  clear hops   {hops['total']} un-noised device -> cell messages, "

@@ -93,7 +93,7 @@ class Estimate:
                 helps.append(f"edge_rounds = 1 (a trusted cell that syncs {self.edge_rounds} times a round has "
                              f"sensitivity 2C (1/n + {self.edge_rounds - 1}), not 2C/n)")
         helps.append(f"a larger epsilon (now {epsilon:g})")
-        helps.append("sampling devices per round, for privacy amplification (not available yet)")
+        helps.append("device sampling with trusted edges ([privacy] device_sampling: their noise is amplified)")
         return [f"{head}. What would help: {'; '.join(helps)}."]
 
 
@@ -112,7 +112,9 @@ def estimate(plan: NoisePlan, parameters: Mapping[str, int], *, cells_averaged: 
         if p.trusted:
             variance[cell] = plan.edge_sigma(cell) ** 2
         else:
-            variance[cell] = tau * plan.device_sigma(cell) ** 2 / p.members
+            # under device sampling an untrusted cell averages about q n devices a round
+            reporting = max(1.0, plan.sample_rate * p.members) if plan.sampled else p.members
+            variance[cell] = tau * plan.device_sigma(cell) ** 2 / reporting
     ratios = {c: Ratio(signal, math.sqrt(parameters[c] * v), c) for c, v in variance.items()}
 
     def worst(trusted: bool) -> Ratio | None:

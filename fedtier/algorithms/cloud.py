@@ -132,8 +132,20 @@ class Cloud(StateGuard):
     def _participants(self) -> dict[str, tuple[str, ...]]:
         """The cells taking part in the round that opens, each with its members in it: every cell and every
         member here; an algorithm that samples devices (FeDXL's partial participation) returns fewer — a
-        cell left without a member gets no task, and the round does not wait for it."""
-        return dict(self.cells)
+        cell left without a member gets no task, and the round does not wait for it.
+
+        Under a noise plan with device sampling the cloud samples the devices of untrusted cells (public,
+        within their release cap: ``NoisePlan.untrusted_sample``); trusted cells get every member and sample
+        in secret themselves."""
+        plan = self._noise_plan()
+        if plan is None or not plan.sampled:
+            return dict(self.cells)
+        out: dict[str, tuple[str, ...]] = {}
+        for cell, members in self.cells.items():
+            chosen = members if plan.cells[cell].trusted else plan.untrusted_sample(cell, members, self.round)
+            if chosen:
+                out[cell] = tuple(chosen)
+        return out
 
     def _aggregate(self, updates: Mapping[str, CellUpdate]) -> dict[str, Any]:
         """The new global model from the cells' changes: their weighted average (or the configured

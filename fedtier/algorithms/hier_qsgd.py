@@ -89,7 +89,7 @@ from fedtier.errors import (
 )
 from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource, clip
-from fedtier.privacy.plan import NoisePlan
+from fedtier.privacy.plan import NoisePlan, fixed_sample_size
 from fedtier.rng import stream
 from fedtier.wire.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, EvalStats, Message
 
@@ -190,13 +190,15 @@ class _DeviceBase(StateGuard):
         """Validate a task; ``None`` means start it, a list is the answer (a drop)."""
         if task.sender != self.cell:
             raise UnknownSenderError(f"task from {task.sender!r}, expected cell {self.cell!r}")
+        if self.device_id not in task.members:
+            # Not selected (a trusted edge's secret sample, or partial participation): first, because a
+            # broadcast can reach a device that is not in it after the round it names has closed.
+            return [Dropped("not_selected", task.key, f"{self.device_id} not in round {task.round}")]
         if task.round < self._round:
             raise WrongRoundError(f"task for round {task.round}, device is at round {self._round}")
         if task.round == self._round and (self._state is not RoleState.IDLE or self.last_round >= task.round):
             return [Dropped("duplicate", task.key)]
         # (same round while idle and unfinished: a catch-up task after this device dropped out)
-        if self.device_id not in task.members:
-            return [Dropped("not_selected", task.key, f"{self.device_id} not in round {task.round}")]
         sent = self._last_sent
         if sent is not None and sent[0] == task.round and sent[1] > task.step:
             return [Dropped("duplicate", task.key, f"step {sent[1]} of round {task.round} was already uploaded")]
@@ -314,7 +316,8 @@ class Device(_DeviceBase):
                                         self._round, self._step)
         last = self._step + 1 >= c.edge_rounds
         update = DeviceUpdate(rollout=self.rollout, round=self._round, sender=self.device_id, step=self._step,
-                              delta=values, num_samples=result.num_samples, train_loss=train_loss,
+                              delta=values, num_samples=self._sent_samples(result.num_samples),
+                              train_loss=train_loss,
                               steps=result.steps, q=q, release=release,
                               evaluation=self._evaluation if last else None)
         self._uploaded(self._step)
@@ -325,6 +328,11 @@ class Device(_DeviceBase):
         return [SendToParent(update, encodings)]
 
 
+    def _sent_samples(self, count: int) -> int:
+        """The sample count a device reports: 0 under device sampling, whose adjacency is user-level, so a
+        device's dataset size is its data (``disclosure.SAMPLED``); it weighs nothing under privacy anyway."""
+        return 0 if self._plan is not None and self._plan.sampled else count
+
     def _privatize(self, result: LocalResult) -> tuple[Mapping[str, np.ndarray], dict[str, Any] | None, float]:
         """Clip, then noise where the plan says (before quantization): (delta, release record, loss to send)."""
         plan = self._plan
@@ -334,7 +342,8 @@ class Device(_DeviceBase):
         if plan.cells[self.cell].trusted:
             return delta, None, result.mean_loss  # clear, to a trusted edge (over TLS)
         sigma = plan.device_sigma(self.cell)
-        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.device_id, self._round, self._step)
+        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.device_id, self._round, self._step,
+                                secure=plan.secure_noise)
         release = audit.release_record(plan=plan, node=self.device_id, event="device", round=self._round,
                                        step=self._step, sigma=sigma, sensitivity=plan.device_sensitivity,
                                        protected=[self.device_id])
@@ -363,6 +372,7 @@ class _EdgeBase(StateGuard):
         self._deadline = math.inf
         self._updates: dict[str, Any] = {}
         self._seen: set[str] = set()
+        self._members: tuple[str, ...] = ()  # the cloud's members of the round (the sample is a subset)
         self._aggregator: strategies.Aggregator = strategies.Mean()
         self._aggregator_spec: strategies.AggregatorSpec = strategies.AggregatorSpec()
         self._edge_optimizer: ServerOptimizer | None = None
@@ -413,6 +423,11 @@ class _EdgeBase(StateGuard):
         notes: list[Action] = []
         if self._state is RoleState.COLLECTING:
             notes.append(Note("round_abandoned", {"round": self.round, "step": self._step}))
+        self._members = tuple(task.members)
+        if plan is not None and plan.sampled and plan.cells[self.cell].trusted:
+            # Device sampling: this trusted edge draws its round's sample in secret (its CSPRNG-seeded
+            # source, never the cloud's); the task its devices see names only the sampled ones.
+            task = dataclasses.replace(task, members=self._draw_sample(plan, task))
         self._task, self._config, self._plan = task, config, plan
         self._step_reporters, self._releases = [], []
         self._params = aggregate.copy_tensors(task.params)
@@ -420,7 +435,24 @@ class _EdgeBase(StateGuard):
         self._seen = set()
         self._begin_step(now)
         self._start(config)
+        if not task.members:  # nobody sampled: the release is noise alone, so the cloud cannot tell
+            return [*notes, *self._close(now)]
         return [*notes, Broadcast(self._device_task())]
+
+    @property
+    def sampling_secretly(self) -> bool:
+        """This edge samples its members in secret and releases a fixed-denominator sum (docs/privacy.md)."""
+        plan = self._plan
+        return plan is not None and plan.sampled and plan.cells[self.cell].trusted
+
+    def _draw_sample(self, plan: NoisePlan, task: CellTask) -> tuple[str, ...]:
+        """Poisson (each member with probability q) or fixed-size (round(q n) of n) from a secret stream."""
+        members = sorted(task.members)
+        rng = self.noise.generator("sample", self.rollout, self.cell, task.round)
+        if plan.sampling == "fixed":
+            size = fixed_sample_size(len(members), plan.sample_rate)
+            return tuple(sorted(members[int(i)] for i in rng.choice(len(members), size, replace=False)))
+        return tuple(m for m, u in zip(members, rng.random(len(members)), strict=True) if u < plan.sample_rate)
 
     def _start(self, config: Any) -> None:
         """Algorithm-specific state at the start of a round."""
@@ -469,6 +501,16 @@ class _EdgeBase(StateGuard):
         (``fedtier.algorithms.strategies``; the weighted mean unless configured), anything else
         (QHetFed's gradients) by the weighted mean."""
         ids = sorted(self._updates)
+        if self.sampling_secretly:
+            # The sampled devices' sum over the public, fixed denominator (q n, or round(q n)): dividing by
+            # how many were sampled would let the release's scale reveal it (docs/privacy.md).
+            assert self._plan is not None
+            denominator = self._plan.edge_denominator(self.cell)
+            total = {n: np.zeros_like(np.asarray(t, dtype=np.float32)) for n, t in self._params.items()}
+            for d in ids:
+                total = aggregate.add(total, getattr(self._updates[d], tensor_field))
+            return ({n: (np.asarray(t, dtype=np.float64) / denominator).astype(np.float32)
+                     for n, t in total.items()}, ids, [1.0] * len(ids))
         weights = device_weights(self._config.weighting, {d: self._updates[d].num_samples for d in ids}, ids)
         tensors = [getattr(self._updates[d], tensor_field) for d in ids]
         if tensor_field == "delta":
@@ -504,13 +546,16 @@ class _EdgeBase(StateGuard):
         # forwarded under one (devices do not send them then either).
         evaluation = None if self._plan is not None else aggregate.combine_evaluations(
             [getattr(self._updates[d], "evaluation", None) for d in ids])
+        weight, reported = float(sum(weights)), tuple(ids)
+        if self.sampling_secretly:  # participation stays inside the cell (disclosure.SAMPLED)
+            weight, reported = float(len(self._members)), tuple(sorted(self._members))
         update = CellUpdate(rollout=self.rollout, round=self._task.round, sender=self.cell, delta=values,
-                            weight=float(sum(weights)), reported=tuple(ids), mean_loss=mean_loss, q=q2,
+                            weight=weight, reported=reported, mean_loss=mean_loss, q=q2,
                             stats=stats, privacy=privacy, evaluation=evaluation)
         self._state = RoleState.FORWARDED
         actions: list[Action] = [SendToParent(update, encodings)]
         missing = sorted(set(self._task.members) - set(ids))
-        if missing:
+        if missing and not self.sampling_secretly:
             actions.insert(0, Note("cell_closed_with_stragglers", {"round": self._task.round, "missing": missing}))
         return actions
 
@@ -533,9 +578,21 @@ class _EdgeBase(StateGuard):
                                   "clear": []}
         if not plan.cells[self.cell].trusted:
             return delta, report
+        if plan.sampled:
+            everyone = sorted(self._members)
+            sigma = plan.edge_sigma(self.cell)
+            noised = self.noise.add(delta, sigma, "dp", self.rollout, self.cell, self._task.round,
+                                    secure=plan.secure_noise)
+            report.update(steps=[everyone], clear=[], releases=[audit.release_record(
+                plan=plan, node=self.cell, event="edge", round=self._task.round, step=0, sigma=sigma,
+                sensitivity=plan.edge_sensitivity(len(everyone)), z=plan.edge_charged_z(self.cell),
+                calibrated_sensitivity=plan.calibrated_edge_sensitivity(len(everyone)), protected=everyone,
+                reporters=len(everyone))])
+            return noised, report
         reporters = min(len(s) for s in steps)
         sigma = plan.edge_sigma(self.cell, reporters)
-        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.cell, self._task.round)
+        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.cell, self._task.round,
+                                secure=plan.secure_noise)
         protected = sorted({d for s in steps for d in s})
         # Charged against the sound sensitivity, whatever sigma was calibrated against (paper mode: 2C/n).
         report["releases"] = [audit.release_record(plan=plan, node=self.cell, event="edge", round=self._task.round,
@@ -606,6 +663,6 @@ class Edge(_EdgeBase):
                            kind="delta", model_sha=digest(self._params), reported=tuple(ids))
             self._next_step(now)
             return [Broadcast(msg)]
-        mean_loss = sum(self._updates[d].train_loss for d in ids) / len(ids)
-        device_q = sum(self._updates[d].q for d in ids) / len(ids)
+        mean_loss = sum(self._updates[d].train_loss for d in ids) / len(ids) if ids else 0.0
+        device_q = sum(self._updates[d].q for d in ids) / len(ids) if ids else 0.0
         return self._forward(self._acc, ids, weights, mean_loss, device_q)

@@ -46,11 +46,20 @@ def release_record(*, plan: NoisePlan, node: str, event: str, round: int, step: 
     if z is None:
         z = sigma / sensitivity if sensitivity > 0 else math.inf
     calibrated = sensitivity if calibrated_sensitivity is None else calibrated_sensitivity
+    inputs: dict[str, Any] = {"clip": plan.clip, "reporters": int(reporters), "edge_rounds": plan.edge_rounds,
+                              "mode": plan.mode, "calibrated_sensitivity": float(calibrated)}
+    if plan.sampled and event == "edge":  # an amplified release: the ledger charges it as a sampled Gaussian
+        q, population = plan.edge_event(node)
+        inputs.update(sample_rate=float(q), population=int(population))
     return {"node": node, "event": event, "round": int(round), "step": int(step), "sigma": float(sigma),
             "sensitivity": float(sensitivity), "z": float(z),
-            "protected": sorted(protected),
-            "inputs": {"clip": plan.clip, "reporters": int(reporters), "edge_rounds": plan.edge_rounds,
-                       "mode": plan.mode, "calibrated_sensitivity": float(calibrated)}}
+            "protected": sorted(protected), "inputs": inputs}
+
+
+def sampling_of(row: Mapping[str, Any]) -> tuple[float, int]:
+    """(q, population) a ledger row is charged with: (1, 0) unless its release was amplified by sampling."""
+    inputs = row.get("inputs") or {}
+    return float(inputs.get("sample_rate", 1.0)), int(inputs.get("population", 0))
 
 
 def _number(record: Mapping[str, Any], key: str) -> float:

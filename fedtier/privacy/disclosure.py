@@ -83,6 +83,9 @@ _RELEASE: Mapping[str, Field] = {
     "inputs.edge_rounds": Field(PUBLIC, "tau, from the plan"),
     "inputs.mode": Field(PUBLIC, "calibration mode, from the plan"),
     "inputs.calibrated_sensitivity": Field(PUBLIC, f"what sigma was calibrated against, {_RELEASE_WHY}"),
+    "inputs.sample_rate": Field(PUBLIC, "device sampling only: q of the amplified release, from the plan"),
+    "inputs.population": Field(PUBLIC, "fixed-size device sampling only: the cell's size n, from the plan (0: "
+                                       "Poisson)"),
 }
 
 
@@ -201,6 +204,40 @@ DOWNWARD: Mapping[str, str] = {
 mechanism leaves a trusted subtree this way."""
 
 
+_HIDDEN = ("under device sampling a trusted edge samples in secret, and its noise is amplified only while the cloud "
+           "cannot tell who was sampled: ")
+SAMPLED: Mapping[str, Mapping[str, Field]] = {
+    "cell_update": {
+        "m.weight": Field(PUBLIC, _HIDDEN + "the cell's size n (the fixed denominator q n is public), not the "
+                                            "number sampled"),
+        "m.reported": Field(WITHHELD, _HIDDEN + "the cell's members, not who was sampled or reported"),
+        "m.privacy.steps": Field(WITHHELD, _HIDDEN + "the cell's members for its one edge round"),
+        "m.privacy.releases[].protected": Field(PUBLIC, _HIDDEN + "every member: the amplified release covers "
+                                                                  "the whole cell, sampled or not"),
+        "m.privacy.releases[].inputs.reporters": Field(PUBLIC, _HIDDEN + "n, the cell's size"),
+        "m.privacy.releases[].sigma": Field(PUBLIC, _HIDDEN + "z C / (q n): fixed by the plan, whoever reported"),
+        "m.privacy.releases[].sensitivity": Field(PUBLIC, _HIDDEN + "C / (q n) (2C / round(q n) fixed-size): "
+                                                                    "fixed by the plan"),
+        "m.privacy.releases[].inputs.calibrated_sensitivity": Field(PUBLIC, _HIDDEN + "the same fixed sensitivity"),
+        "m.privacy.releases[].z": Field(PUBLIC, _HIDDEN + "the plan's edge z: fixed, whoever reported"),
+        "m.privacy.clear[].sender": Field(WITHHELD, _HIDDEN + "not sent: the clear hops stay inside the cell"),
+        "m.stats.device_up_bytes": Field(WITHHELD, _HIDDEN + "0: it counts the sampled devices' messages"),
+        "m.stats.device_up_f32_bytes": Field(WITHHELD, _HIDDEN + "0: it counts the sampled devices' messages"),
+        "m.stats.device_down_bytes": Field(WITHHELD, _HIDDEN + "0: it counts the sampled devices' messages"),
+    },
+    "device_update": {
+        "m.num_samples": Field(WITHHELD, "user-level adjacency (the unit is a device's whole data, as device "
+                                         "sampling's accounting assumes): the dataset size is the device's data, "
+                                         "so it is sent as 0 and weighs nothing"),
+    },
+}
+"""How fields of upward messages change class when the plan samples devices (``NoisePlan.sampling``):
+what a sampling rollout must send so that the amplification the ledger charges holds. A trusted edge
+(``hier_qsgd._EdgeBase``) and the edge service send exactly this; a test runs a sampling rollout three
+times (other noise, so another sample; other data) and checks the cloud's view against it; devices under
+untrusted cells send ``m.num_samples`` as 0 (``Device._sent_samples``)."""
+
+
 def classify(kind: str, path: str) -> Field | None:
     """The class of ``path`` in an upward message of type ``kind``; ``None`` if it is not listed."""
     return UPWARD.get(kind, {}).get(path)
@@ -241,6 +278,9 @@ def markdown_table() -> str:
         for path, field in fields.items():
             if HEADER.get(path) is not field:
                 lines.append(f"| {kind} | `{path}` | {field.disclosure} | {field.why} |")
+    for kind, fields in SAMPLED.items():
+        for path, field in fields.items():
+            lines.append(f"| {kind} (device sampling) | `{path}` | {field.disclosure} | {field.why} |")
     for path, field in STATUS.items():
         lines.append(f"| presence (JSON) | `{path}` | {field.disclosure} | {field.why} |")
     for kind, why in REFUSED.items():

@@ -17,16 +17,26 @@ noise on a second, different input would make the difference of the two releases
 roles never release a (round, step) twice; this is the defence behind them). A restarted node
 draws a fresh seed, so nothing it releases can share noise with what it released before.
 A fixed seed exists for reproducible *simulations* only.
+
+``secure=True`` (``[privacy] secure_noise``) hardens the draw against floating-point attacks on
+the Gaussian sampler (Mironov 2012 for Laplace; Holohan & Braghin 2021 for Gaussian samplers):
+the stream's bytes come from ChaCha20 keyed by HMAC-SHA256(secret seed, labels) — a CSPRNG
+instead of PCG64 — and, as Opacus' secure mode does, each coordinate is the sum of four
+independent Gaussians of std ``sigma`` divided by 2 (still std ``sigma``), which smooths the
+gaps a single float sample leaves in the tails. Its cost is measured in
+``benchmarks/bench_secure_noise.py`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import secrets
 from typing import Any, Mapping
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from fedtier.errors import PrivacyViolationError
 
@@ -73,8 +83,26 @@ class NoiseSource:
         key = [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
         return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(self._entropy, spawn_key=key)))
 
-    def add(self, tensors: Tensors, sigma: float, *labels: Any) -> dict[str, np.ndarray]:
+    def secure_normal(self, shape: tuple[int, ...], *labels: Any) -> np.ndarray:
+        """Standard normals of ``shape`` from a CSPRNG stream (ChaCha20 keyed by HMAC(seed, labels)), each the sum
+        of four Box-Muller Gaussians divided by 2 (Opacus' secure mode): see the module docstring."""
+        count = int(np.prod(shape, dtype=np.int64))
+        key = hmac.new(self._entropy.to_bytes(32, "little", signed=True), repr(labels).encode(),
+                       hashlib.sha256).digest()
+        # 4 Gaussians per value, 2 per Box-Muller pair of uniforms: 4 uniforms (8 bytes each) per value.
+        need = 4 * count
+        stream = Cipher(algorithms.ChaCha20(key, b"\x00" * 16), mode=None).encryptor()
+        raw = np.frombuffer(stream.update(b"\x00" * (8 * need)), dtype="<u8")
+        uniforms = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)  # (0, 1)
+        u1, u2 = uniforms[0::2], uniforms[1::2]
+        radius = np.sqrt(-2.0 * np.log(u1))
+        angle = 2.0 * np.pi * u2
+        normals = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])  # 4 * count
+        return (normals.reshape(4, count).sum(axis=0) / 2.0).reshape(shape)
+
+    def add(self, tensors: Tensors, sigma: float, *labels: Any, secure: bool = False) -> dict[str, np.ndarray]:
         """``tensors + N(0, sigma^2 I)``, each tensor from stream ``(*labels, name)``; float32 out.
+        ``secure``: draw with :meth:`secure_normal` (CSPRNG, sum of Gaussians) instead of PCG64.
 
         Raises:
             PrivacyViolationError: ``labels`` were drawn before (the same noise twice); nothing is drawn.
@@ -89,7 +117,10 @@ class NoiseSource:
         out: dict[str, np.ndarray] = {}
         for name in sorted(tensors):
             t = np.asarray(tensors[name], dtype=np.float64)
-            noise = self.generator(*labels, name).standard_normal(t.shape) * sigma
+            if secure:
+                noise = self.secure_normal(t.shape, *labels, name) * sigma
+            else:
+                noise = self.generator(*labels, name).standard_normal(t.shape) * sigma
             out[name] = (t + noise).astype(np.float32)
         return out
 

@@ -22,17 +22,36 @@ Releases (two tiers: device -> cell edge -> cloud, ``tau = edge_rounds``):
   but the release is *charged* against the sound value in either mode — its record, the
   ledger and the budget use ``z = sigma / (2C (1/n + tau - 1))``;
 * an *untrusted* edge forwards the exact mean of noised inputs (post-processing).
+
+Device sampling (``sampling`` = ``poisson`` or ``fixed``, rate ``q``; ``edge_rounds`` must be 1).
+The adjacency is user-level: one device's whole data. Amplification is claimed only where the
+adversary does not learn who was sampled:
+
+* a *trusted* edge samples its members in secret (its own CSPRNG) and releases the **sum** of its
+  sampled devices' clipped deltas divided by a public, fixed denominator plus fresh noise —
+  ``q n`` (the expected count) under Poisson sampling, so the release does not reveal how many
+  were sampled; ``m = round(q n)`` under fixed-size sampling. Adding or removing one device moves
+  the Poisson release by at most ``C / (q n)``; replacing one moves the fixed-size mean by at most
+  ``2C / m``. The release is charged as a Poisson-sampled Gaussian (add/remove) or a Gaussian
+  sampled without replacement (replace-one) with ``z = sigma / sensitivity``;
+* a device under an *untrusted* edge gets no amplification: its edge and the cloud see whether it
+  released. Each release is charged at full price, and the cloud samples it at most
+  ``device_release_cap`` times, the count its noise is calibrated for.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
+
 from fedtier.errors import UnexpectedMessageError
 
 MODES = ("rdp", "paper")
+SAMPLING = ("none", "poisson", "fixed")
 
 
 def device_sensitivity(clip: float) -> float:
@@ -57,6 +76,41 @@ def calibrated_edge_sensitivity(mode: str, clip: float, fan_in: int, edge_rounds
     if mode == "paper":
         return 2.0 * clip / max(1, int(fan_in))
     return edge_sensitivity(clip, fan_in, edge_rounds)
+
+
+def release_cap(rounds: int, rate: float) -> int:
+    """The most rounds the cloud samples one device for under an untrusted edge: the mean ``q T``
+    plus three binomial standard deviations, at most ``T`` (``T`` without sampling)."""
+    if rate >= 1.0:
+        return int(rounds)
+    mean = rate * rounds
+    return int(min(rounds, math.ceil(mean + 3.0 * math.sqrt(mean * (1.0 - rate)))))
+
+
+def fixed_sample_size(members: int, rate: float) -> int:
+    """How many of a trusted cell's ``members`` a fixed-size sample takes: ``round(q n)``, at least 1."""
+    return max(1, min(int(members), round(rate * members)))
+
+
+def cloud_sample(members: tuple[str, ...] | list[str], *, rate: float, cap: int, seed: int, cell: str,
+                 round: int) -> tuple[str, ...]:
+    """The devices of an *untrusted* cell the cloud samples in ``round``: each member with
+    probability ``rate`` (Poisson), except those already sampled ``cap`` times.
+
+    Public randomness on purpose: under local DP the cloud and the edge see who released anyway,
+    so nothing is gained by hiding it, and a deterministic function of (seed, cell, round) lets the
+    cloud, the ledger and a restarted coordinator agree without storing anything. Counts are
+    replayed from round 0 (cheap: rounds x members draws)."""
+    ids = sorted(members)
+    counts = dict.fromkeys(ids, 0)
+    chosen: tuple[str, ...] = ()
+    digest = int.from_bytes(hashlib.sha256(cell.encode()).digest()[:8], "little")
+    for r in range(round + 1):
+        u = np.random.default_rng([int(seed) & 0xFFFFFFFF, digest, r]).random(len(ids))
+        chosen = tuple(d for d, x in zip(ids, u, strict=True) if x < rate and counts[d] < cap)
+        for d in chosen:
+            counts[d] += 1
+    return chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +148,12 @@ class NoisePlan:
         require_tls: clear (un-noised) updates may travel only over TLS.
         cells: cell id -> ``CellPlan``.
         details: calibration inputs for people and the ledger (alpha, q, releases, ...).
+        accountant: "rdp" or "pld" (dp-accounting's), for calibration and the ledger.
+        sampling: "none", "poisson" or "fixed" device sampling per round (module docstring).
+        sample_rate: q (1.0 without sampling).
+        device_release_cap: the most rounds a device under an untrusted edge is sampled for.
+        secure_noise: draw noise with ``NoiseSource.add(secure=True)`` (CSPRNG, sum of Gaussians).
+        sample_seed: seeds the cloud's public sample of devices under untrusted edges (``cloud_sample``).
     """
 
     mode: str
@@ -106,10 +166,24 @@ class NoisePlan:
     require_tls: bool
     cells: Mapping[str, CellPlan]
     details: Mapping[str, Any] = field(default_factory=dict)
+    accountant: str = "rdp"
+    sampling: str = "none"
+    sample_rate: float = 1.0
+    device_release_cap: int = 0  # 0: the rounds (no cap below T)
+    secure_noise: bool = False
+    sample_seed: int = 0  # the rollout's seed: the cloud's public sample of untrusted cells (cloud_sample)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"privacy mode must be one of {MODES}, got {self.mode!r}")
+        if self.accountant not in ("rdp", "pld"):
+            raise ValueError(f"privacy accountant must be rdp or pld, got {self.accountant!r}")
+        if self.sampling not in SAMPLING or not 0 < self.sample_rate <= 1:
+            raise ValueError(f"privacy sampling {self.sampling!r} at rate {self.sample_rate!r} is invalid")
+        if self.sampling == "none" and self.sample_rate != 1.0:
+            raise ValueError("a sample rate below 1 needs a sampling scheme")
+        if self.sampling != "none" and self.edge_rounds != 1:
+            raise ValueError("device sampling needs edge_rounds = 1")
         if not (self.epsilon > 0 and 0 < self.delta < 1 and self.budget_epsilon > 0):
             raise ValueError("privacy epsilon and budget must be > 0 and delta in (0, 1)")
         if not (math.isfinite(self.clip) and self.clip > 0):
@@ -130,12 +204,56 @@ class NoisePlan:
     def device_sensitivity(self) -> float:
         return device_sensitivity(self.clip)
 
+    @property
+    def sampled(self) -> bool:
+        return self.sampling != "none"
+
+    def sampled_edge_sensitivity(self, members: int) -> float:
+        """A sampling trusted edge's release over a cell of ``members``: ``C / (q n)`` (Poisson, add/remove,
+        fixed denominator) or ``2C / round(q n)`` (fixed-size, replace-one). Independent of who reported."""
+        if self.sampling == "poisson":
+            return self.clip / (self.sample_rate * max(1, int(members)))
+        return 2.0 * self.clip / fixed_sample_size(members, self.sample_rate)
+
+    def edge_denominator(self, cell: str) -> float:
+        """What a sampling trusted edge divides its sampled devices' sum by: ``q n`` or ``round(q n)``."""
+        n = self.cells[cell].members
+        return self.sample_rate * n if self.sampling == "poisson" else float(fixed_sample_size(n, self.sample_rate))
+
+    def edge_event(self, cell: str) -> tuple[float, int]:
+        """(q, population) of a trusted edge's release for the accountant: (1, 0) without sampling,
+        (q, 0) for Poisson, (round(q n) / n, n) for fixed-size."""
+        if self.sampling == "poisson":
+            return self.sample_rate, 0
+        if self.sampling == "fixed":
+            n = self.cells[cell].members
+            return fixed_sample_size(n, self.sample_rate) / n, n
+        return 1.0, 0
+
+    def untrusted_sample(self, cell: str, members: tuple[str, ...] | list[str], round: int) -> tuple[str, ...]:
+        """Who of an untrusted ``cell`` releases in ``round``: everyone without sampling, else ``cloud_sample``."""
+        if not self.sampled:
+            return tuple(sorted(members))
+        return cloud_sample(members, rate=self.sample_rate, cap=self.device_release_cap or self.rounds,
+                            seed=self.sample_seed, cell=cell, round=round)
+
+    @property
+    def device_releases(self) -> int:
+        """Releases a device under an untrusted edge makes at most: ``tau T``, or its cap under sampling."""
+        rounds = self.device_release_cap if self.sampled and self.device_release_cap else self.rounds
+        return self.edge_rounds * rounds
+
     def edge_sensitivity(self, reporters: int) -> float:
-        """A trusted edge's release over ``reporters`` devices: the sound sensitivity, the one charged."""
+        """A trusted edge's release over ``reporters`` devices: the sound sensitivity, the one charged.
+        Under sampling ``reporters`` is the cell's size (the fixed denominator's ``n``)."""
+        if self.sampled:
+            return self.sampled_edge_sensitivity(reporters)
         return edge_sensitivity(self.clip, reporters, self.edge_rounds)
 
     def calibrated_edge_sensitivity(self, reporters: int) -> float:
         """What a trusted edge's sigma is calibrated against (Lemma 1's ``2C/n`` in paper mode)."""
+        if self.sampled:
+            return self.sampled_edge_sensitivity(reporters)
         return calibrated_edge_sensitivity(self.mode, self.clip, reporters, self.edge_rounds)
 
     def device_sigma(self, cell: str) -> float:
@@ -144,6 +262,8 @@ class NoisePlan:
     def edge_sigma(self, cell: str, reporters: int | None = None) -> float:
         """The noise a trusted edge adds when ``reporters`` (default: every member) reported."""
         p = self.cells[cell]
+        if self.sampled:  # a fixed denominator: who was sampled, and who reported, must not show in the noise
+            reporters = None
         return p.edge_z * self.calibrated_edge_sensitivity(p.members if reporters is None else reporters)
 
     def edge_charged_z(self, cell: str, reporters: int | None = None) -> float:
@@ -153,7 +273,7 @@ class NoisePlan:
         ``edge_z (1/n) / (1/n + tau - 1)`` in paper mode — the smaller, the more members reported.
         """
         p = self.cells[cell]
-        n = p.members if reporters is None else reporters
+        n = p.members if reporters is None or self.sampled else reporters
         return p.edge_z * (self.calibrated_edge_sensitivity(n) / self.edge_sensitivity(n))
 
     # --- wire form ------------------------------------------------------------------------------
@@ -164,7 +284,9 @@ class NoisePlan:
         return {"mode": self.mode, "epsilon": self.epsilon, "delta": self.delta, "budget_epsilon": budget,
                 "clip": self.clip, "edge_rounds": self.edge_rounds, "rounds": self.rounds,
                 "require_tls": self.require_tls, "cells": {c: p.to_dict() for c, p in sorted(self.cells.items())},
-                "details": dict(self.details)}
+                "details": dict(self.details), "accountant": self.accountant, "sampling": self.sampling,
+                "sample_rate": self.sample_rate, "device_release_cap": self.device_release_cap,
+                "secure_noise": self.secure_noise, "sample_seed": self.sample_seed}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "NoisePlan":
@@ -180,7 +302,12 @@ class NoisePlan:
                                        else float(_typed(data["budget_epsilon"], float))),
                        clip=float(_typed(data["clip"], float)), edge_rounds=int(_typed(data["edge_rounds"], int)),
                        rounds=int(_typed(data["rounds"], int)), require_tls=bool(_typed(data["require_tls"], bool)),
-                       cells=cells, details=dict(data.get("details", {})))
+                       cells=cells, details=dict(data.get("details", {})),
+                       accountant=str(data.get("accountant", "rdp")), sampling=str(data.get("sampling", "none")),
+                       sample_rate=float(_typed(data.get("sample_rate", 1.0), float)),
+                       device_release_cap=int(_typed(data.get("device_release_cap", 0), int)),
+                       secure_noise=bool(_typed(data.get("secure_noise", False), bool)),
+                       sample_seed=int(_typed(data.get("sample_seed", 0), int)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise UnexpectedMessageError(f"invalid privacy plan: {exc}") from None
 

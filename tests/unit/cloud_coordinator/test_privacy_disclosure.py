@@ -182,3 +182,40 @@ def test_the_presence_document_is_classified() -> None:
     assert '"state": "online", "since": time.time()' in mqtt_source
     assert '"instance": self.instance' in mqtt_source
     assert {"state", "since", "instance"} <= set(disclosure.STATUS)
+
+
+def test_under_device_sampling_the_cloud_cannot_tell_who_was_sampled(small_rollout,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trusted cell samples in secret: with another noise seed (so another sample) or other data, everything
+    the cloud receives is identical except the noised release and what is computed from it. The untrusted cell's
+    devices are sampled by the cloud (public) and send no sample count."""
+    def config(noise_seed: int) -> RolloutConfig:
+        return small_rollout(rounds=3, topology={"cells": 2, "devices_per_cell": 3, "trusted": {"cell-a": True}},
+                             privacy={"epsilon": 8.0, "clip": 1.0, "require_tls": False, "noise_seed": noise_seed,
+                                      "device_sampling": "poisson", "sample_rate": 0.5},
+                             fedavg={**SCHEDULE, "edge_rounds": 1})
+
+    prepared = prepare(config(1))
+    runs = [_run(config(1), prepared, monkeypatch), _run(config(2), prepared, monkeypatch),
+            _run(config(1), _other_data(prepared), monkeypatch)]
+    up = [{k: v for k, v in run.items() if _receiver_untrusted(k[0], prepared)} for run in runs]
+    assert up[0].keys() == up[1].keys() == up[2].keys()  # the same cell updates, whoever was sampled
+    assert "cell_update" in {str(h["t"]) for h, _ in up[0].values()}
+    inside = [sorted(k for k, (h, _) in run.items() if h["t"] == "device_update" and
+                     not _receiver_untrusted(k[0], prepared)) for run in runs]
+    assert inside[0] != inside[1]  # the trusted cell's sample did change with the (secret) seed
+    assert {"cell_update", "device_update"} <= {str(h["t"]) for h, _ in up[0].values()}  # cell-b: local DP
+    problems: list[str] = []
+    for key, (header, body) in sorted(up[0].items()):
+        kind = str(header["t"])
+        for path in sorted(set(header) | ({"body"} if body else set())):
+            field = disclosure.SAMPLED.get(kind, {}).get(path) or disclosure.classify(kind, path)
+            if field is None:
+                assert header.get(path) == [], (kind, path)  # an empty list of maps (no tensors) is fine
+                continue
+            values = [run[key][1] if path == "body" else run[key][0].get(path) for run in up]
+            if field.disclosure in (PUBLIC, WITHHELD) and not values[0] == values[1] == values[2]:
+                problems.append(f"{key[1]} {path} is {field.disclosure} but differs: {values!r}")
+            elif field.disclosure == NOISED and values[0] == values[1]:
+                problems.append(f"{key[1]} {path} is the same with other noise")
+    assert problems == []

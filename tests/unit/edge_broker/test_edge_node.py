@@ -12,6 +12,7 @@ from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.artifacts.cache import ArtifactCache, sha256_hex
+from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import CellPlan, NoisePlan
 from fedtier.runtime.node_base import REJECTED
 from fedtier.security.manifest import Manifest
@@ -257,3 +258,28 @@ def test_a_round_past_its_deadline_names_the_devices_it_waits_for_again_at_inter
     lines = [r.getMessage() for r in caplog.records if "past its deadline" in r.getMessage()]
     assert len(lines) == 2  # at 11 s, then again 30 s later
     assert all("dev-1, dev-2" in line and "dev-0" not in line for line in lines)
+
+
+SEED = 1  # its sample of the three members is proper and non-empty
+
+
+def test_a_sampling_trusted_edge_shows_the_cloud_no_participation(tmp_path: Path) -> None:
+    """Device sampling: the edge's secret sample (whatever it is) reaches the devices; the cloud gets every
+    member, the cell's size and zero byte counts (fedtier.privacy.disclosure.SAMPLED)."""
+    plan = NoisePlan(mode="rdp", epsilon=1.0, delta=1e-5, budget_epsilon=math.inf, clip=10.0, edge_rounds=1,
+                     rounds=2, require_tls=False, cells={CELL: CellPlan(True, len(MEMBERS), 0.0, 2.0)},
+                     sampling="poisson", sample_rate=0.5)
+    rig = Rig(tmp_path)
+    rig.edge.noise = NoiseSource(seed=SEED)  # reproducible test; a real edge's seed is secret
+    rig.task(FedAvgConfig(privacy=plan.to_dict()))
+    [task] = [m for _, m in decoded(rig.at_cell) if isinstance(m, DeviceTask)]
+    sampled = task.members
+    assert set(sampled) < set(MEMBERS) and sampled  # a proper, non-empty sample with this seed
+    for device in sampled:
+        rig.update(device, 1.0)
+    [cell_update] = [m for _, m in decoded(rig.at_cloud) if isinstance(m, CellUpdate)]
+    assert cell_update.reported == MEMBERS and cell_update.weight == len(MEMBERS)
+    assert {k: cell_update.stats[k] for k in ("device_up_bytes", "device_up_f32_bytes", "device_down_bytes")} == \
+        {"device_up_bytes": 0, "device_up_f32_bytes": 0, "device_down_bytes": 0}
+    [record] = cell_update.privacy["releases"]
+    assert record["sigma"] == plan.edge_sigma(CELL) and record["inputs"]["sample_rate"] == 0.5

@@ -325,3 +325,57 @@ def test_without_a_plan_nothing_changes() -> None:
     (update,) = uploads(h, "c")
     assert update.release is None and update.train_loss == 1.0
     np.testing.assert_array_equal(update.delta["w"], np.full(3, 7.0, np.float32))  # no clipping either
+
+
+# --- device sampling at a trusted edge (issue 17 Part B.1) ------------------------------------------
+
+
+def sampled_hierarchy(members: int, q: float, rounds: int) -> Hierarchy:
+    cells = {"edge-a": tuple(f"a{i}" for i in range(members))}
+    privacy = NoisePlan(mode="rdp", epsilon=1.0, delta=1e-5, budget_epsilon=math.inf, clip=CLIP, edge_rounds=1,
+                        rounds=100, require_tls=False,
+                        cells={"edge-a": CellPlan(trusted=True, members=members, device_z=0.0, edge_z=Z)},
+                        sampling="poisson", sample_rate=q).to_dict()
+    config = hier_qsgd.HierConfig(local_steps=1, edge_rounds=1, lr=0.0, privacy=privacy)
+    return Hierarchy(algo=hier_qsgd, cells=cells, params={"w": np.zeros(SHAPE, np.float32)}, config=config,
+                     rounds=rounds, train=lambda p, d, r: small_delta(d), noise_seed=5)
+
+
+def test_a_sampling_trusted_edge_samples_in_secret_and_releases_a_fixed_denominator_sum() -> None:
+    members, q, rounds = 8, 0.5, 6
+    h = sampled_hierarchy(members, q, rounds)
+    h.run()
+    assert h.finished
+    everyone = tuple(f"a{i}" for i in range(members))
+    by_round: dict[int, list[str]] = {}
+    for u in uploads(h, "edge-a"):
+        by_round.setdefault(u.round, []).append(u.sender)
+    sizes = [len(by_round.get(r, [])) for r in range(rounds)]
+    assert 0 < sum(sizes) < members * rounds and len(set(sizes)) > 1  # a sample, drawn afresh each round
+    sigma = Z * CLIP / (q * members)  # z C / (q n), whoever was sampled
+    cell_updates = [m for m in h.received["cloud"] if isinstance(m, messages.CellUpdate)]
+    assert len(cell_updates) == rounds
+    for cu in cell_updates:
+        # participation stays inside the cell: the cloud sees every member, the cell's size, one fixed sigma
+        assert cu.reported == everyone and cu.weight == members
+        assert cu.privacy["steps"] == [list(everyone)] and cu.privacy["clear"] == []
+        (record,) = cu.privacy["releases"]
+        assert record["sigma"] == pytest.approx(sigma) and record["protected"] == list(everyone)
+        assert record["inputs"]["sample_rate"] == q and record["inputs"]["reporters"] == members
+        sampled = sorted(by_round.get(cu.round, []))
+        total = sum((small_delta(d)["w"].astype(np.float64) for d in sampled), np.zeros(SHAPE))
+        noise = cu.delta["w"].astype(np.float64) - total / (q * members)  # the fixed denominator
+        assert noise.std() == pytest.approx(sigma, rel=0.03)
+
+
+def test_an_empty_sample_still_releases_noise() -> None:
+    h = sampled_hierarchy(2, 0.1, 6)
+    h.run()
+    assert h.finished
+    uploaded = {u.round for u in uploads(h, "edge-a")}
+    cell_updates = [m for m in h.received["cloud"] if isinstance(m, messages.CellUpdate)]
+    empty = [cu for cu in cell_updates if cu.round not in uploaded]
+    assert empty  # some round sampled nobody...
+    for cu in empty:  # ...and its release looks like any other: noise at the planned sigma, every member listed
+        assert cu.reported == ("a0", "a1") and cu.weight == 2
+        assert cu.delta["w"].std() == pytest.approx(Z * CLIP / (0.1 * 2), rel=0.03)
