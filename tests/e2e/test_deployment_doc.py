@@ -58,7 +58,9 @@ def steps(markdown: str) -> list[Step]:
 
 def with_free_ports(markdown: str) -> tuple[str, dict[int, int]]:
     """The page with each broker port it uses replaced by a free one."""
-    ports = sorted({int(p) for p in re.findall(r"127\.0\.0\.1:(\d{4,5})\b", markdown)}
+    # Brokers are what `--cell-broker CELL=127.0.0.1:PORT` and `[broker] port = PORT` name (not,
+    # say, the dashboard's `--http 127.0.0.1:8080`).
+    ports = sorted({int(p) for p in re.findall(r"=127\.0\.0\.1:(\d{4,5})\b", markdown)}
                    | {int(p) for p in re.findall(r"^port = (\d+)", markdown, re.M)})
     mapping = {p: free_port() for p in ports}
     for old, new in mapping.items():
