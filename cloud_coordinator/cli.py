@@ -52,6 +52,27 @@ def coordinator_run(config_path: Path, log_level: str | None) -> None:
     raise SystemExit(code)
 
 
+@coordinator.command("serve")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar="FEDTIER_STATE_DIR",
+              default="fedtier-state", show_default=True,
+              help="The state directory whose coordinator.db holds the rollouts (also $FEDTIER_STATE_DIR).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+def coordinator_serve(state_dir: Path, log_level: str) -> None:
+    """Serve every rollout of a store, as a long-running service, until SIGINT/SIGTERM.
+
+    Rollouts are created and steered with `fedtier rollout ...`, which writes into the same
+    store; this process picks each change up within a second. A restart resumes every rollout
+    where the store left it (a paused one stays paused). Exit codes as `coordinator run`.
+
+    Example: fedtier coordinator serve --state-dir /var/lib/fedtier/coordinator
+    """
+    from cloud_coordinator.service import serve
+    from fedtier.runtime import logs
+
+    logs.setup(log_level, node="cloud")
+    raise SystemExit(serve(state_dir))
+
+
 def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None:
     """The demo's summary, for a rollout that ended (nothing if it was interrupted)."""
     from cloud_coordinator.console import make_console

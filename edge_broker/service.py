@@ -41,7 +41,7 @@ from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import NoisePlan
 from fedtier.runtime.metrics import Metrics
-from fedtier.runtime.node_base import ACCEPTED, REJECTED, NodeBase
+from fedtier.runtime.node_base import ACCEPTED, EXPECTED_DROPS, REJECTED, NodeBase
 from fedtier.security.manifest import Manifest
 from fedtier.security.signing import ManifestGate, open_manifest
 from fedtier.transport import topics
@@ -89,6 +89,19 @@ class EdgeNode(NodeBase):
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
         self._online: set[str] = set()  # nodes seen coming online since this edge started
+        self._rejected: dict[str, int] = defaultdict(int)
+        """Messages refused (by typed reason) and updates dropped (by reason, duplicates aside) since the
+        last cell update: sent up in its ``stats["rejected"]`` for ``fedtier rollout status``."""
+
+    def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
+        super().reject(inbound, exc)
+        self._rejected[exc.reason] += 1
+
+    def diagnostics(self, actions: Sequence[Action]) -> None:
+        super().diagnostics(actions)
+        for action in actions:
+            if isinstance(action, Dropped) and action.reason not in EXPECTED_DROPS:
+                self._rejected[action.reason] += 1
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -263,7 +276,9 @@ class EdgeNode(NodeBase):
                 stored = self.store.output(msg.key)
                 if stored is None:
                     if isinstance(msg, CellUpdate):
-                        msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
+                        rejected = [[reason, n] for reason, n in sorted(self._rejected.items())]
+                        self._rejected = defaultdict(int)
+                        msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats, "rejected": rejected})
                         if self._refuse_clear_aggregate(rollout, msg):
                             continue
                     stored = msg.encode(action.encodings)

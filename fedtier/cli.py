@@ -28,6 +28,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "privacy": ("cloud_coordinator.privacy_cli", "privacy"),
     "data": ("cloud_coordinator.data_cli", "data"),
     "init": ("cloud_coordinator.init_cli", "init"),
+    "rollout": ("cloud_coordinator.rollout_cli", "rollout"),
+    "devices": ("cloud_coordinator.rollout_cli", "devices"),
 }
 
 SHORT_HELP = {
@@ -42,6 +44,8 @@ SHORT_HELP = {
     "privacy": "Differential privacy: a rollout's noise plan, and its ledger's epsilon report.",
     "data": "Your own data: split a CSV or .npz table into per-device shards.",
     "init": "Write a commented starter rollout (your own model and data) to edit.",
+    "rollout": "Operate rollouts: create, start, pause, status, models, export, promote, rollback.",
+    "devices": "The device inventory: presence, versions, last round contributed.",
 }
 
 
