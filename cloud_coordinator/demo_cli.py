@@ -74,19 +74,26 @@ import click
                    "deleted after a successful run).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Give up after this many seconds.")
+@click.option("--keep-running", is_flag=True,
+              help="Run the coordinator as `coordinator serve` and leave the whole fleet up after the last round "
+                   "(restarting nodes that die) for `fedtier rollout ...` / `fedtier devices list`; Ctrl-C stops it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
          privacy: bool, epsilon: float | None, delta: float | None, clip: float | None, trusted: str | None,
          compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
-         timeout_s: float, as_json: bool) -> None:
+         timeout_s: float, keep_running: bool, as_json: bool) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
     device as separate processes (the real `fedtier ... run` commands), trains an MLP on
     scikit-learn's digits split non-iid across the devices with onnxruntime-training, shows
     each round's accuracy (a live bar on a terminal), and ends with a summary: accuracy per
-    round, bytes per tier, wall time. Ctrl-C or SIGTERM stops every process it started.
+    round, bytes per tier, wall time. Ctrl-C or SIGTERM stops every process it started. A node
+    that dies is restarted (as a service manager would), and the demo says so.
+
+    With --keep-running the fleet stays up after the last round: operate it with `fedtier
+    rollout ...` and `fedtier devices list` (FEDTIER_STATE_DIR=<workdir>/coordinator).
 
     With --algorithm fedxl the task is binary with rare positives, every device holding one
     class, and each round also shows AUROC and partial AUROC (FPR <= 0.3, 0.5).
@@ -98,6 +105,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
         fedtier demo
         fedtier demo --algorithm fedxl
         fedtier demo --privacy --compare
+        fedtier demo --keep-running --workdir /tmp/fleet
         fedtier demo --privacy --epsilon 4 --trusted cell-a,cell-b --workdir /tmp/dp-demo
     """
     from cloud_coordinator.demo import Demo, DemoError, DemoOptions, PrivacyDemo, Terminated, raise_on_termination
@@ -105,6 +113,8 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     privacy_only = {"--epsilon": epsilon, "--delta": delta, "--clip": clip, "--trusted": trusted,
                     "--compare": compare or None}
     given = [name for name, value in privacy_only.items() if value is not None]
+    if keep_running and compare:
+        raise click.UsageError("--keep-running leaves one fleet up: it does not go with --compare")
     if given and not privacy:
         raise click.UsageError(f"{', '.join(given)} only make sense with --privacy")
     dp = None
@@ -114,7 +124,8 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
                        local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
-                       secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python)
+                       secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python,
+                       keep_running=keep_running)
     view = ConsoleView(enabled=not as_json)
     try:
         runner = Demo(opts, view)
