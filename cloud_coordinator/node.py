@@ -41,7 +41,7 @@ from cloud_coordinator.rollout import PreparedRollout
 from cloud_coordinator.store import CoordinatorStore
 from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, Dropped, Finished, RoundClosed, SendToChild
-from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import LateMessageError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.runtime.metrics import Metrics
 from fedtier.runtime.node_base import ACCEPTED, NodeBase
 from fedtier.security.manifest import Manifest
@@ -333,6 +333,10 @@ class CloudNode(NodeBase):
         if msg is None:
             return
         try:
+            if isinstance(msg, CellUpdate) and (self.role is None or self.finished):
+                # paused between rounds, not started, or over: an edge re-sending a closed round's update
+                raise LateMessageError(f"update for round {msg.round} of {self.rollout}, which has no round open "
+                                       f"({self.store.status(self.rollout)})")
             if isinstance(msg, CellUpdate):
                 self._on_update(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             elif isinstance(msg, ArtifactRequest):

@@ -53,6 +53,13 @@ def _finite(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+def _desired(row: dict[str, Any]) -> str:
+    """What was asked of a rollout; an ended rollout asks nothing more (its status, then)."""
+    if row["status"] in ("finished", "stopped") or not row["desired"]:
+        return str(row["status"])
+    return str(row["desired"])
+
+
 def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
     """The whole status of ``rollout``: lifecycle, open round, accuracy, epsilon, bytes, and per cell
     devices online/known, updates accepted and rejected by reason, stragglers, deployed version.
@@ -101,7 +108,7 @@ def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
         "rollout": rollout,
         "algorithm": config.get("algorithm", "fedavg"),
         "status": row["status"],
-        "desired": row["desired"] or row["status"],
+        "desired": _desired(row),
         "created": row["created"],
         "finished": row["finished"],
         "rounds_planned": int(config.get("rounds", 0)),
@@ -123,7 +130,7 @@ def rollout_list(store: CoordinatorStore) -> list[dict[str, Any]]:
     for row in store.rollout_rows():
         rounds = store.rounds(row["rollout"])
         out.append({"rollout": row["rollout"], "algorithm": row["config"].get("algorithm", "fedavg"),
-                    "status": row["status"], "desired": row["desired"] or row["status"],
+                    "status": row["status"], "desired": _desired(row),
                     "rounds_closed": len(rounds), "rounds_planned": int(row["config"].get("rounds", 0)),
                     "last_accuracy": _finite(rounds[-1].get("accuracy")) if rounds else None,
                     "created": row["created"]})

@@ -21,8 +21,11 @@ import pytest
 from click.testing import CliRunner
 from fleet_helpers import Procs
 from fleet_threads import ThreadFleet
+from mqtt_helpers import RawClient
 
 from fedtier.cli import cli
+from fedtier.transport import topics
+from fedtier.wire.messages import CellUpdate
 
 pytestmark = pytest.mark.broker
 
@@ -109,7 +112,15 @@ def test_rollout_lifecycle_pause_restart_inventory_export_and_canary(mosquitto, 
         assert serve.popen.wait(10) == -signal.SIGKILL
         serve = procs.start("coordinator-1", [*FEDTIER, "coordinator", "serve", "--state-dir", state])
         wait_until(lambda: "is paused before round" in serve.text(), 60, "the restarted coordinator", procs)
+        # An edge re-sending a closed round's update to the paused rollout is refused as late, not a crash.
+        raw = RawClient(mosquitto.host, mosquitto.port, "late-edge")
+        stale = CellUpdate(rollout="t", round=0, sender=cells[0], delta={"w": np.zeros(2, np.float32)}, weight=2.0,
+                           reported=tuple(created["cells"][cells[0]]))
+        raw.publish(topics.edge_up("t", cells[0], stale.KIND), stale.encode())
+        raw.close()
+        wait_until(lambda: "rejected message" in serve.text(), 20, "the late update's rejection", procs)
         time.sleep(2.0)  # presence redelivered, nothing reopened
+        assert serve.popen.poll() is None and "late" in serve.text()
         assert status() == before
 
         # Resume to the end.
