@@ -364,6 +364,10 @@ class CloudNode(NodeBase):
         node = self.came_online(inbound, parsed)
         if node is None or node not in self.prepared.cells:
             return
+        if self.active and not self.finished:
+            # An edge (re)connected: the retained manifest again, in case the broker lost it (restarted
+            # without persistence); the same bytes, so an edge that has it changes nothing.
+            self.tx.publish(topics.manifest(self.rollout), self.manifest_bytes, retain=True)
         if self.role is not None and not self.finished:
             self._execute(self.role.resend(node, now), now)
 

@@ -295,6 +295,8 @@ class EdgeNode(NodeBase):
         if node is None:
             return
         self._online.add(node)
+        if node != self.parent:
+            self._republish_manifests()
         trainer = self.presence_docs.get(node, {}).get("trainer")
         if trainer is not None:  # optional: devices announce their training backend (older ones do not)
             log.info("%s came online (trainer: %s)", node, trainer)
@@ -336,6 +338,14 @@ class EdgeNode(NodeBase):
         missing = [d for d in manifest.digests_for(self.cell).values() if not self.cache.has(d)]
         if missing:
             self._request_from_cloud(manifest.rollout, missing, now=None)
+
+    def _republish_manifests(self) -> None:
+        """Publish the cell's retained manifests again (the same bytes) when a device comes online. A broker
+        restarted without persistence has lost them, and a device that (re)starts then would wait for a
+        manifest forever; devices take the same manifest again as a no-op."""
+        for rollout, (_, payload) in self.store.manifests().items():
+            if rollout in self.manifests:
+                self.cell_tx.publish(topics.cell_manifest(rollout, self.cell), payload, retain=True)
 
     def _allowed_digests(self, rollout: str) -> set[str]:
         manifest = self.manifests.get(rollout)

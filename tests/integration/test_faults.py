@@ -86,10 +86,12 @@ def test_a_node_killed_mid_round_is_restarted_and_the_rollout_ends_with_the_undi
     killed_mid_round = False
     from cloud_coordinator.status import cells_of
 
-    late = cells_of(cfg.to_dict())[cells[0]][-1]  # victim edge: this device joins only after the restart
+    # This device joins only after the restart: its cell cannot close round 0 before, so the kill lands
+    # while the round is open (the other cell's update accepted, at the edge or at the coordinator).
+    late = cells_of(cfg.to_dict())[cells[0] if victim == "edge" else cells[-1]][-1]
     try:
         for device in paths.devices:
-            if not (victim == "edge" and device == late):
+            if device != late:
                 fleet.start_device(device)
         for cell in cells[1:] if victim == "edge" else cells:
             fleet.start_edge(cell)
@@ -97,12 +99,13 @@ def test_a_node_killed_mid_round_is_restarted_and_the_rollout_ends_with_the_undi
         edge_proc = edge(0) if victim == "edge" else None
         # Execute: wait until round 1 is half done at the victim, kill it with SIGKILL, restart it.
         if victim == "coordinator":
-            # a cell's update of round >= 1 accepted and durable, the other cell's not yet
-            _wait(lambda: _count(db, "SELECT COUNT(*) FROM inputs WHERE round >= 1") == 1, 120, "a cell update", procs)
+            # one cell's update of round 0 accepted and durable; the other cell waits for its late device
+            _wait(lambda: _count(db, "SELECT COUNT(*) FROM inputs") == 1, 120, "a cell update", procs)
             serve.send(signal.SIGKILL)
-            killed_mid_round = _count(db, "SELECT COUNT(*) FROM inputs") >= 1
+            killed_mid_round = _count(db, "SELECT COUNT(*) FROM rounds") == 0
             serve.popen.wait(10)
             serve = coordinator(1)
+            fleet.start_device(late)
         elif victim == "edge":
             # one device's update of round 0 accepted by the edge; the cell waits for its other device
             _wait(lambda: _count(edge_db, "SELECT COUNT(*) FROM inputs WHERE kind = 'device_update'") >= 1, 120,
@@ -112,14 +115,15 @@ def test_a_node_killed_mid_round_is_restarted_and_the_rollout_ends_with_the_undi
             killed_mid_round = _count(edge_db, "SELECT COUNT(*) FROM outputs") == 0
             edge_proc.popen.wait(10)
             edge_proc = edge(1)
-            fleet.start_device(late)
+            fleet.start_device(late)  # now its cell can close
         else:
-            _wait(lambda: _count(db, "SELECT COUNT(*) FROM open_rounds WHERE round >= 1") == 1, 120, "round 1", procs)
+            _wait(lambda: _count(db, "SELECT COUNT(*) FROM inputs") == 1, 120, "a cell update", procs)
             broker.proc.kill()
             broker.proc.wait(10)
-            killed_mid_round = _count(db, "SELECT COUNT(*) FROM rounds") < ROUNDS
+            killed_mid_round = _count(db, "SELECT COUNT(*) FROM rounds") == 0
             time.sleep(1.0)  # everyone notices the broker is gone
             broker = start_mosquitto(tmp_path / "broker2", port=broker.port)
+            fleet.start_device(late)
 
         def finished() -> bool:
             return _count(db, "SELECT COUNT(*) FROM rollouts WHERE status = 'finished'") == 1
@@ -148,3 +152,75 @@ def test_a_node_killed_mid_round_is_restarted_and_the_rollout_ends_with_the_undi
     assert not any("Traceback" in t for t in texts.values()), texts
     if victim == "coordinator":
         assert "resuming rollout t at round" in texts["coordinator-1"]
+
+
+@pytest.mark.slow
+def test_a_device_offline_for_several_rounds_is_a_straggler_and_its_stale_updates_count_once(
+        tmp_path: Path, small_rollout: Any) -> None:
+    """Quorum 2 of 3 and a 2 s deadline: a device frozen (SIGSTOP) for several rounds is left out at each
+    deadline and named a straggler; thawed, it delivers what it had queued once — refused as late, never
+    applied — and contributes again to the following rounds."""
+    from cloud_coordinator.config import RolloutConfig
+    from cloud_coordinator.fleet import write_fleet
+    from cloud_coordinator.status import cells_of, rollout_status
+    from cloud_coordinator.store import CoordinatorStore
+    from fedtier.runtime.config import load
+
+    rounds = 10
+    broker = start_mosquitto(tmp_path / "broker")
+    plain = small_rollout(rounds=rounds, topology={"cells": 1, "devices_per_cell": 3},
+                          fedavg={"quorum": 0.6, "deadline_s": 2.0}).to_dict()
+    plain.pop("broker", None)
+    plain.pop("state_dir", None)
+    paths = write_fleet(plain, tmp_path / "fleet", {"host": broker.host, "port": broker.port})
+    cfg = load(RolloutConfig, paths.coordinator)
+    ((cell, members),) = cells_of(cfg.to_dict()).items()
+    frozen = members[-1]
+    db = cfg.state_dir / "coordinator.db"
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    store = CoordinatorStore(db)
+    store.create_rollout(cfg.rollout, cfg.to_dict())
+    store.set_desired(cfg.rollout, "running")
+    store.close()
+    fleet = ThreadFleet(paths)
+    procs = Procs(tmp_path)
+
+    def closed() -> int:
+        return _count(db, "SELECT COUNT(*) FROM rounds")
+
+    try:
+        for device in members[:-1]:
+            fleet.start_device(device)
+        fleet.start_edge(cell)
+        agent = procs.start("agent", [*FEDTIER, "agent", "run", "--config", str(paths.devices[frozen])])
+        procs.start("coordinator", [*FEDTIER, "coordinator", "serve", "--state-dir", str(cfg.state_dir)])
+        _wait(lambda: closed() >= 2, 120, "two rounds with every device", procs)
+        agent.send(signal.SIGSTOP)
+        at_freeze = closed()
+        _wait(lambda: closed() >= at_freeze + 4, 60, "rounds without the frozen device", procs)
+        store = CoordinatorStore(db)
+        while_frozen = rollout_status(store, cfg.rollout)
+        store.close()
+        agent.send(signal.SIGCONT)
+        _wait(lambda: _count(db, "SELECT COUNT(*) FROM rollouts WHERE status = 'finished'") == 1, 120,
+              "the rollout to finish", procs)
+        fleet.check()
+        store = CoordinatorStore(db)
+        status = rollout_status(store, cfg.rollout)
+        history = store.rounds(cfg.rollout)
+        store.close()
+    finally:
+        fleet.stop()
+        procs.close()
+        broker.stop()
+
+    # Assert: left out at each deadline while frozen, and named a straggler.
+    assert while_frozen["cells"][cell]["stragglers"] == [frozen]
+    reported = [set(r["cells"][cell]["reported"]) for r in history]
+    out = [i for i, r in enumerate(reported) if frozen not in r]
+    assert len(out) >= 3 and all(len(reported[i]) == 2 for i in out)
+    # Back, it contributes again; what it had queued was refused as late, once each, never applied.
+    assert frozen in reported[-1] and len(reported[-1]) == 3
+    assert status["cells"][cell]["updates_accepted"] == sum(len(r) for r in reported)
+    rejected = status["cells"][cell]["updates_rejected"]
+    assert set(rejected) <= {"late", "wrong_round"} and sum(rejected.values()) <= len(out), rejected
