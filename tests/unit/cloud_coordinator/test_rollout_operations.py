@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from cloud_coordinator.canary import promote, rollback
@@ -76,3 +77,21 @@ def test_a_candidate_with_nan_or_worse_accuracy_is_not_promoted_and_the_canary_r
     assert {d["node"]: d["model_version"] for d in device_inventory(store) if d["role"] == "device"} == \
         {"d0": 1, "d1": 1, "d2": 1}
     assert [p["passed"] for p in store.promotions("r")] == [True, False, True, False, True, False]
+
+
+def test_status_watch_refreshes_in_place_until_ctrl_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cloud_coordinator.rollout_cli as rollout_cli
+
+    _store(tmp_path).close()
+    sleeps = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(rollout_cli.time, "sleep", sleep)
+    result = CliRunner().invoke(cli, ["rollout", "status", "r", "--watch", "--interval", "0.5",
+                                      "--state-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert sleeps == [0.5, 0.5, 0.5] and "rounds closed 3/4" in result.output and "cell-a" in result.output
