@@ -21,6 +21,12 @@ import pytest
 from conftest import start_mosquitto
 from fleet_helpers import Procs
 from fleet_threads import ThreadFleet
+from mqtt_helpers import RawClient
+
+from fedtier.algorithms import aggregate
+from fedtier.transport import topics
+from fedtier.wire import messages
+from fedtier.wire.messages import DeviceUpdate
 
 pytestmark = pytest.mark.broker
 
@@ -188,6 +194,8 @@ def test_a_device_offline_for_several_rounds_is_a_straggler_and_its_stale_update
     def closed() -> int:
         return _count(db, "SELECT COUNT(*) FROM rounds")
 
+    observer = RawClient(broker.host, broker.port, "observer")  # every device update, as the edge received it
+    observer.subscribe(topics.cell_up_filter(cell))
     try:
         for device in members[:-1]:
             fleet.start_device(device)
@@ -208,11 +216,19 @@ def test_a_device_offline_for_several_rounds_is_a_straggler_and_its_stale_update
         store = CoordinatorStore(db)
         status = rollout_status(store, cfg.rollout)
         history = store.rounds(cfg.rollout)
+        initial, final = store.model(cfg.rollout, 0), store.model(cfg.rollout, rounds)
         store.close()
     finally:
+        observer.close()
         fleet.stop()
         procs.close()
         broker.stop()
+    sent: dict[tuple[int, str], Any] = {}
+    while not observer.messages.empty():
+        _, payload = observer.messages.get_nowait()
+        msg = messages.decode_message(payload)
+        if isinstance(msg, DeviceUpdate):
+            sent.setdefault((msg.round, msg.sender), msg.delta)
 
     # Assert: left out at each deadline while frozen, and named a straggler.
     assert while_frozen["cells"][cell]["stragglers"] == [frozen]
@@ -224,3 +240,11 @@ def test_a_device_offline_for_several_rounds_is_a_straggler_and_its_stale_update
     assert status["cells"][cell]["updates_accepted"] == sum(len(r) for r in reported)
     rejected = status["cells"][cell]["updates_rejected"]
     assert set(rejected) <= {"late", "wrong_round"} and sum(rejected.values()) <= len(out), rejected
+    # The final model is the undisturbed computation over exactly the accepted updates: each round, the mean
+    # of the deltas of the devices it counted, once each (one cell: the cloud adds its cell's mean).
+    assert initial is not None and final is not None
+    expected = dict(initial.params)
+    for r, members_r in enumerate(reported):
+        expected = aggregate.add(expected, aggregate.weighted_mean([(sent[(r, d)], 1.0) for d in sorted(members_r)]))
+    for name, value in expected.items():
+        np.testing.assert_allclose(final.params[name], value, rtol=0, atol=1e-5)
