@@ -95,3 +95,20 @@ def test_status_watch_refreshes_in_place_until_ctrl_c(tmp_path: Path, monkeypatc
                                       "--state-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert sleeps == [0.5, 0.5, 0.5] and "rounds closed 3/4" in result.output and "cell-a" in result.output
+
+
+def test_status_sums_bytes_per_tier_and_reports_the_ledgers_epsilon(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    store.commit_round("r", 3, 4, PARAMS, 0.9, 0.5, {
+        "bytes": {"device_up": 100, "edge_up": 40}, "privacy": {"epsilon_max": 1.5, "budget_epsilon": 8.0},
+        "cells": {"cell-a": {"reported": ["d0"], "missing": ["d1"], "rejected": {"late": 2}},
+                  "cell-b": {"reported": ["d2"], "missing": [], "rejected": {}}}})
+    store.set_open_round("r", 4, ["cell-a"])
+    status = rollout_status(store, "r")
+    assert status["bytes"] == {"device_up": 100, "edge_up": 40}
+    assert status["epsilon_spent"] == 1.5 and status["epsilon_budget"] == 8.0 and status["open_round"] == 4
+    a, b = status["cells"]["cell-a"], status["cells"]["cell-b"]
+    assert a["round_open"] and not b["round_open"]
+    assert a["updates_accepted"] == 1 and a["updates_rejected"] == {"late": 2} and a["stragglers"] == ["d1"]
+    assert b["updates_accepted"] == 1 and b["stragglers"] == []
+    assert json.loads(json.dumps(status)) == status  # plain JSON types (--json, dashboards)
