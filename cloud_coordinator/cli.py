@@ -64,6 +64,54 @@ def coordinator_run(config_path: Path, log_level: str | None, http: str | None) 
     raise SystemExit(code)
 
 
+@coordinator.command("serve")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar="FEDTIER_STATE_DIR",
+              default="fedtier-state", show_default=True,
+              help="The state directory whose coordinator.db holds the rollouts (also $FEDTIER_STATE_DIR).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+def coordinator_serve(state_dir: Path, log_level: str) -> None:
+    """Serve every rollout of a store, as a long-running service, until SIGINT/SIGTERM.
+
+    Rollouts are created and steered with `fedtier rollout ...`, which writes into the same
+    store; this process picks each change up within a second. A restart resumes every rollout
+    where the store left it (a paused one stays paused). Exit codes as `coordinator run`.
+
+    Example: fedtier coordinator serve --state-dir /var/lib/fedtier/coordinator
+    """
+    from cloud_coordinator.service import serve
+    from fedtier.runtime import logs
+
+    logs.setup(log_level, node="cloud")
+    raise SystemExit(serve(state_dir))
+
+
+@coordinator.command("install-service")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default="/var/lib/fedtier-coordinator",
+              show_default=True, help="The store the service serves (rollout configs' state_dir).")
+@click.option("--print", "print_only", is_flag=True, help="Print the unit instead of writing it.")
+@click.option("--unit-dir", type=click.Path(file_okay=False, path_type=Path), default="/etc/systemd/system",
+              show_default=True, help="Where to write the unit file.")
+@click.option("--user", default=None, help="Run the service as this user (default root).")
+def coordinator_install_service(state_dir: Path, print_only: bool, unit_dir: Path, user: str | None) -> None:
+    """Write a systemd unit running `fedtier coordinator serve` for a store: restarted on failure (not
+    on exit code 77, refused credentials), StateDirectory=fedtier-coordinator, SIGTERM to stop.
+
+    Example: fedtier coordinator install-service --print
+    """
+    from fedtier.runtime.service_unit import unit
+
+    service = unit(role="coordinator", node="serve", args=["coordinator", "serve", "--state-dir",
+                                                           str(state_dir.absolute())],
+                   state_dir="fedtier-coordinator", user=user)
+    from fedtier.runtime.service_unit import install
+
+    if print_only:
+        click.echo(service.text, nl=False)
+        return
+    path = install(service, unit_dir)
+    click.echo(f"wrote {path}; now: systemctl daemon-reload && systemctl enable --now {service.name}")
+
+
 def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None:
     """The demo's summary, for a rollout that ended (nothing if it was interrupted)."""
     from cloud_coordinator.console import make_console

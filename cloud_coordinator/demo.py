@@ -200,6 +200,7 @@ class DemoOptions:
     """Tables merged into the rollout config: [aggregation], [server_optimizer], [attack], and the
     algorithm's proximal_mu / partial_work (``cloud_coordinator.strategy_cli``)."""
     secure_aggregation: bool = False  # SecAgg+ in every cell: edges see only their cell's sum (fedavg)
+    keep_running: bool = False  # coordinator serve + rollout create; the fleet stays up after the last round
 
 
 @dataclass
@@ -221,6 +222,14 @@ class _Proc:
     popen: subprocess.Popen
     log: Path
     role: str
+    argv: list[str] = field(default_factory=list)
+    restarts: int = 0
+
+
+MAX_RESTARTS = 5
+"""How often the demo restarts one node that died (a service manager's Restart=on-failure) before it gives up."""
+KEEP_RUNNING_STATE = "coordinator"
+"""With --keep-running: the coordinator's state directory under the work directory (FEDTIER_STATE_DIR)."""
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -396,14 +405,14 @@ class Demo:
     def _spawn(self, name: str, role: str, argv: list[str]) -> _Proc:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = self.logs / f"{name}.log"
-        fh = open(log, "wb")
+        fh = open(log, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # Own session: a Ctrl-C in the terminal reaches only the demo, which then stops every
         # child in order; the reaper covers a demo killed hard (module docstring).
         popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, env=env, cwd=self.workdir)
         fh.close()
-        proc = _Proc(name, popen, log, role)
+        proc = _Proc(name, popen, log, role, list(argv))
         self.procs.append(proc)
         self._tell_reaper(f"+{popen.pid}")
         return proc
@@ -477,6 +486,43 @@ class Demo:
         if not wait_for_port(port, READY_TIMEOUT_S):
             raise DemoError(f"the {self.broker_kind} broker did not open port {port}:\n{_tail(self.procs[-1].log)}")
 
+    def restart_dead(self) -> None:
+        """Restart every node (not the broker) that exited with a failure, as systemd's Restart=on-failure
+        would, and say so. Exit code 77 (credentials refused) is not retried; nor is a node that died
+        ``MAX_RESTARTS`` times. A coordinator that ended with 0 finished its rollout."""
+        for i, p in enumerate(self.procs):
+            code = p.popen.poll()
+            if code is None or p.role == "broker" or (p.role == "coordinator" and code == 0):
+                continue
+            if code == 77 or p.restarts >= MAX_RESTARTS:
+                raise DemoError(f"{p.name} exited with code {code}; last lines of {p.log}:\n{_tail(p.log)}")
+            self._tell_reaper(f"-{p.popen.pid}")
+            self.say(f"{p.name} died (exit code {code}); restarted it, as a service manager would "
+                     f"(restart {p.restarts + 1}; log {p.log})")
+            new = self._spawn(p.name, p.role, p.argv)
+            new.restarts = p.restarts + 1
+            self.procs[i] = new
+            self.procs.pop()
+
+    def register_rollout(self, paths: FleetPaths) -> Path:
+        """--keep-running: register and start the rollout in the coordinator's store, as
+        ``fedtier rollout create --config ... --start`` does. Returns the metrics file it writes."""
+        from cloud_coordinator.config import RolloutConfig
+        from cloud_coordinator.store import CoordinatorStore
+        from fedtier.runtime.config import load
+
+        cfg = load(RolloutConfig, paths.coordinator)
+        metrics = cfg.state_dir / f"metrics-{cfg.rollout}.json"
+        cfg = replace(cfg, metrics_file=metrics)
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+        try:
+            store.create_rollout(cfg.rollout, cfg.to_dict())
+            store.set_desired(cfg.rollout, "running")
+        finally:
+            store.close()
+        return metrics
+
     def start_nodes(self, paths: FleetPaths) -> None:
         fedtier = [sys.executable, "-m", "fedtier"]
         http: list[str] = []
@@ -485,8 +531,12 @@ class Demo:
             http = ["--http", f"127.0.0.1:{port}"]
             self.dashboard_url = f"http://127.0.0.1:{port}/"
             self.say(f"dashboard: {self.dashboard_url} (read-only; up while the coordinator runs)")
-        self._spawn("coordinator", "coordinator",
-                    [*fedtier, "coordinator", "run", "--config", str(paths.coordinator), *http])
+        if self.opts.keep_running:
+            self._spawn("coordinator", "coordinator", [*fedtier, "coordinator", "serve", "--state-dir",
+                                                       str(self.workdir / KEEP_RUNNING_STATE)])
+        else:
+            self._spawn("coordinator", "coordinator",
+                        [*fedtier, "coordinator", "run", "--config", str(paths.coordinator), *http])
         for cell, path in paths.edges.items():
             self._spawn(f"edge-{cell}", "edge", [*fedtier, "edge", "run", "--config", str(path)])
         # absolute() but not resolve(): a venv's python is a symlink to the base interpreter
@@ -547,14 +597,19 @@ class Demo:
                 plan = self.privacy_plan(paths.coordinator)
                 for line in plan_lines(plan, self.members()):
                     self.say(line)
+            metrics = self.workdir / "coordinator" / "metrics.json"
+            if o.keep_running:
+                metrics = self.register_rollout(paths)
             self.start_nodes(paths)
             self.say(f"started {len(self.procs)} processes (logs: {self.logs})")
             self.view.rounds_started(o.rounds)
             try:
-                doc = self.follow(self.workdir / "coordinator" / "metrics.json", started)
+                doc = self.follow(metrics, started)
             finally:
                 self.view.rounds_ended()
             rows = doc["rounds"]
+            if o.keep_running:
+                self.keep_running(paths)
             self.stop_all()
             privacy = None
             if plan is not None:
@@ -598,6 +653,19 @@ class Demo:
                      "(a robustness test)")
         return out
 
+    def keep_running(self, paths: FleetPaths) -> None:
+        """--keep-running: the rollout ended; leave the fleet up (restarting nodes that die) for the
+        operator's commands until Ctrl-C or SIGTERM."""
+        state = self.workdir / KEEP_RUNNING_STATE
+        self.say(f"rollout finished; the fleet keeps running (broker, coordinator serve, {len(paths.edges)} edges, "
+                 f"{len(paths.devices)} agents) until Ctrl-C. Try:")
+        self.say(f"  export FEDTIER_STATE_DIR={state}")
+        self.say("  fedtier rollout status demo; fedtier devices list; fedtier rollout models demo")
+        self.say(f"  fedtier rollout create --config {paths.coordinator} (another rollout: change its rollout id)")
+        while True:
+            self.restart_dead()
+            time.sleep(0.5)
+
     def privacy_plan(self, coordinator_config: Path) -> dict[str, Any]:
         """``fedtier privacy plan``'s document of the written rollout config (the same code)."""
         from cloud_coordinator.config import RolloutConfig
@@ -616,10 +684,8 @@ class Demo:
             if time.perf_counter() - started > self.opts.timeout_s:
                 raise DemoError(f"timed out after {self.opts.timeout_s:.0f}s at round {seen}/{self.opts.rounds}; "
                                 f"logs in {self.logs}")
-            for p in self.procs:
-                code = p.popen.poll()
-                if code is not None and not (p is coordinator and code == 0):
-                    raise DemoError(f"{p.name} exited with code {code}; last lines of {p.log}:\n{_tail(p.log)}")
+            self.restart_dead()
+            coordinator = next(p for p in self.procs if p.role == "coordinator")
             finished = False
             try:
                 m = metrics_path.stat().st_mtime

@@ -85,20 +85,27 @@ from cloud_coordinator.strategy_cli import overrides, pop_values, strategy_optio
 @click.option("--dashboard", is_flag=True,
               help="The coordinator also serves its read-only web dashboard on a free 127.0.0.1 port; the demo "
                    "prints the URL (open it while the rounds run).")
+@click.option("--keep-running", is_flag=True,
+              help="Run the coordinator as `coordinator serve` and leave the whole fleet up after the last round "
+                   "(restarting nodes that die) for `fedtier rollout ...` / `fedtier devices list`; Ctrl-C stops it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 @strategy_options
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
          secure_aggregation: bool, privacy: bool, epsilon: float | None, delta: float | None, clip: float | None,
          trusted: str | None, compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
-         timeout_s: float, dashboard: bool, as_json: bool, **strategy: Any) -> None:
+         timeout_s: float, dashboard: bool, keep_running: bool, as_json: bool, **strategy: Any) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
     Starts a broker on a free port, one coordinator, one edge per cell and one agent per
     device as separate processes (the real `fedtier ... run` commands), trains an MLP on
     scikit-learn's digits split non-iid across the devices with onnxruntime-training, shows
     each round's accuracy (a live bar on a terminal), and ends with a summary: accuracy per
-    round, bytes per tier, wall time. Ctrl-C or SIGTERM stops every process it started.
+    round, bytes per tier, wall time. Ctrl-C or SIGTERM stops every process it started. A node
+    that dies is restarted (as a service manager would), and the demo says so.
+
+    With --keep-running the fleet stays up after the last round: operate it with `fedtier
+    rollout ...` and `fedtier devices list` (FEDTIER_STATE_DIR=<workdir>/coordinator).
 
     With --algorithm fedxl the task is binary with rare positives, every device holding one
     class, and each round also shows AUROC and partial AUROC (FPR <= 0.3, 0.5).
@@ -118,6 +125,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
         fedtier demo --algorithm hsgd
         fedtier demo --privacy --compare
         fedtier demo --secure-aggregation
+        fedtier demo --keep-running --workdir /tmp/fleet
         fedtier demo --privacy --epsilon 4 --trusted cell-a,cell-b --workdir /tmp/dp-demo
         fedtier demo --dashboard --rounds 100
         fedtier demo --edge-aggregator median --attack sign_flip --attack-fraction 0.2
@@ -133,6 +141,11 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     privacy_only = {"--epsilon": epsilon, "--delta": delta, "--clip": clip, "--trusted": trusted,
                     "--compare": compare or None}
     given = [name for name, value in privacy_only.items() if value is not None]
+    if keep_running and compare:
+        raise click.UsageError("--keep-running leaves one fleet up: it does not go with --compare")
+    if keep_running and dashboard:
+        raise click.UsageError("--dashboard serves from `coordinator run`; --keep-running runs `coordinator serve`, "
+                               "which has no dashboard yet: use one of the two")
     if given and not privacy:
         raise click.UsageError(f"{', '.join(given)} only make sense with --privacy")
     dp = None
@@ -144,7 +157,8 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
                        local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
                        secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python, dashboard=dashboard,
-                       strategy=extra, secure_aggregation=secure_aggregation)
+                       strategy=extra, secure_aggregation=secure_aggregation,
+                       keep_running=keep_running)
     view = ConsoleView(enabled=not as_json)
     try:
         runner = Demo(opts, view)

@@ -42,7 +42,7 @@ from cloud_coordinator.rollout import PreparedRollout
 from cloud_coordinator.store import CoordinatorStore
 from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, Dropped, Finished, RoundClosed, SendToChild
-from fedtier.errors import RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import LateMessageError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.runtime.metrics import Metrics
 from fedtier.runtime.node_base import ACCEPTED, NodeBase
 from fedtier.security.manifest import Manifest
@@ -104,6 +104,14 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def _rejected_counts(value: Any) -> dict[str, int]:
+    """A cell's ``stats["rejected"]`` (``[[reason, count], ...]``, see the edge) as a dict; anything else is empty."""
+    if not isinstance(value, list):
+        return {}
+    return {str(p[0]): int(p[1]) for p in value
+            if isinstance(p, list) and len(p) == 2 and isinstance(p[1], (int, float))}
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -145,6 +153,13 @@ class CloudNode(NodeBase):
         self._last_close = self._started_at
         self.observed = CoordinatorMetrics(self.metrics, prepared.cells)
         """Per-cell Prometheus series (devices online, dropouts, epsilon ...), docs/operations.md."""
+        self.desired = "running"
+        """What the operator asked (``fedtier rollout start|pause|resume|stop``), polled from the store."""
+        self.active = False
+        """The manifest is out and the rollout is served (running, or paused between rounds)."""
+        self.control_poll_s = 0.5
+        self._next_poll = 0.0
+        self._open_recorded: int | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -162,10 +177,36 @@ class CloudNode(NodeBase):
         if self.cfg.attack is not None:
             log.warning("%s (%s): a robustness test, not a real rollout", self.cfg.attack.describe(),
                         ", ".join(self.cfg.attackers()) or "no device at this fraction")
+        self.desired = self.store.desired(self.rollout) or "running"
+        if self.desired == "stopped":
+            self._stop_by_operator()
+            return
+        if self.desired == "created":
+            log.info("rollout %s is created, not started: waiting for `fedtier rollout start %s`", self.rollout,
+                     self.rollout)
+            return
+        self._activate(now)
+
+    def _activate(self, now: float) -> None:
+        """Publish the manifest and take up the rollout where the store left it: open the next round,
+        or (paused between rounds) only stand by until it is resumed."""
+        self.active = True
         self.manifest_bytes = self._issue_manifest()
         self.tx.publish(topics.manifest(self.rollout), self.manifest_bytes, retain=True)
         self.history = self.store.rounds(self.rollout)
+        latest = self.store.latest_model(self.rollout)
+        open_round = self.store.open_round(self.rollout)
+        next_round = 0 if latest is None else latest.round + 1
+        if self.desired == "paused" and (open_round is None or open_round["round"] != next_round):
+            self.store.set_status(self.rollout, "paused")
+            log.info("rollout %s is paused before round %d: `fedtier rollout resume %s` opens it", self.rollout,
+                     next_round, self.rollout)
+            return
+        self._start_role(now)
 
+    def _start_role(self, now: float) -> None:
+        """Build the algorithm's cloud role from the newest model version and open its round (replaying
+        the updates the store kept for it). Also how a paused rollout resumes."""
         latest = self.store.latest_model(self.rollout)
         if latest is None:
             self.store.save_initial_model(self.rollout, self.prepared.initial_params)
@@ -197,6 +238,7 @@ class CloudNode(NodeBase):
             if saved is not None:  # the server optimizer's moments, as committed with this model version
                 self.role.load_strategy_state(saved)
                 log.info("rollout %s: server-side strategy state of model version %d restored", self.rollout, version)
+        self.store.set_status(self.rollout, "running")
         self._execute(self.role.start(now), now)
         for payload in self.store.inputs(self.rollout):
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
@@ -207,7 +249,7 @@ class CloudNode(NodeBase):
         so nodes see nothing new), or a fresh one — a new version, an expiry, signed when a key
         is configured — for a new rollout or when the stored one has expired."""
         stored = self.store.manifest(self.rollout)
-        if stored is not None:
+        if stored:  # b"": created by `fedtier rollout create`, not issued yet
             manifest = open_manifest(stored, {})
             if manifest.expires is None or manifest.expires > self.wall_clock() + 60:
                 self.manifest = manifest
@@ -244,7 +286,38 @@ class CloudNode(NodeBase):
 
         self.tx.publish(topics.manifest(self.rollout), b"", retain=True, on_done=acked)
 
+    def _poll_control(self, now: float) -> None:
+        """Act on the operator's desired state: start, stop at once, resume; a pause takes effect when
+        the open round closes (``_execute``)."""
+        if now < self._next_poll or self.finished:
+            return
+        self._next_poll = now + self.control_poll_s
+        desired = self.store.desired(self.rollout) or "running"
+        if desired == self.desired:
+            return
+        log.info("rollout %s: operator asked %s (was %s)", self.rollout, desired, self.desired)
+        self.desired = desired
+        if desired == "stopped":
+            self._stop_by_operator()
+        elif desired == "running" and not self.active:
+            self._activate(now)
+        elif desired == "running" and self.role is None:
+            log.info("rollout %s resumed", self.rollout)
+            self._start_role(now)
+        elif desired == "paused" and self.role is not None:
+            log.info("rollout %s: pause asked; round %d finishes, no new round opens", self.rollout, self.role.round)
+
+    def _stop_by_operator(self) -> None:
+        self.finished = True
+        self.stop_reason = "stopped by the operator"
+        self.store.set_status(self.rollout, "stopped")
+        self.store.set_open_round(self.rollout, None)
+        log.warning("rollout %s stopped by the operator", self.rollout)
+        self.write_metrics()
+        self._clear_retained()
+
     def tick(self, now: float) -> None:
+        self._poll_control(now)
         if self.role is not None and not self.finished:
             self._execute(self.role.tick(now), now)
             if not self.finished:
@@ -271,6 +344,10 @@ class CloudNode(NodeBase):
         if msg is None:
             return
         try:
+            if isinstance(msg, CellUpdate) and (self.role is None or self.finished):
+                # paused between rounds, not started, or over: an edge re-sending a closed round's update
+                raise LateMessageError(f"update for round {msg.round} of {self.rollout}, which has no round open "
+                                       f"({self.store.status(self.rollout)})")
             if isinstance(msg, CellUpdate):
                 self._on_update(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             elif isinstance(msg, ArtifactRequest):
@@ -295,11 +372,27 @@ class CloudNode(NodeBase):
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
         self.observed.presence(parsed.device, inbound.payload)
+        self._record_presence(inbound, parsed)
         node = self.came_online(inbound, parsed)
         if node is None or node not in self.prepared.cells:
             return
+        if self.active and not self.finished:
+            # An edge (re)connected: the retained manifest again, in case the broker lost it (restarted
+            # without persistence); the same bytes, so an edge that has it changes nothing.
+            self.tx.publish(topics.manifest(self.rollout), self.manifest_bytes, retain=True)
         if self.role is not None and not self.finished:
             self._execute(self.role.resend(node, now), now)
+
+    def _record_presence(self, inbound: Inbound, parsed: topics.Topic) -> None:
+        """Keep every node's presence document in the store: the device inventory (``fedtier devices list``)."""
+        if parsed.device is None or not inbound.payload:
+            return
+        try:
+            doc = json.loads(inbound.payload.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return  # came_online rejects and counts it
+        if isinstance(doc, dict) and doc.get("node", parsed.device) == parsed.device:
+            self.store.record_presence(parsed.device, doc, self.wall_clock())
 
     def _serve_artifacts(self, req: ArtifactRequest) -> None:
         files = self.prepared.artifact_files()
@@ -316,15 +409,34 @@ class CloudNode(NodeBase):
 
     def _execute(self, actions: Sequence[Action], now: float) -> None:
         self.diagnostics(actions)
+        holding = False
+        opened: dict[int, list[str]] = {}
         for action in actions:
+            if isinstance(action, SendToChild) and holding:
+                continue  # paused: the next round's tasks are not sent; resuming rebuilds them from the store
             if isinstance(action, SendToChild):
+                opened.setdefault(action.message.round, []).append(action.child)
                 payload = action.message.encode()
                 sent = self.tx.publish(topics.cloud_down(self.rollout, action.child, action.message.KIND), payload)
                 self._round_bytes[action.message.round]["cloud_down_bytes"] += sent or len(payload)
             elif isinstance(action, RoundClosed):
                 self._close(action)
+                self._next_poll = 0.0
+                self._poll_control(now)
+                if self.finished:
+                    holding = True  # stopped by the operator
+                elif self.desired == "paused" and action.round + 1 < self.cfg.rounds:
+                    holding = True
+                    self.role = None
+                    self.store.set_open_round(self.rollout, None)
+                    self._open_recorded = None
+                    self.store.set_status(self.rollout, "paused")
+                    log.info("rollout %s paused after round %d", self.rollout, action.round)
             elif isinstance(action, Finished):
+                if self.finished:
+                    continue
                 self.finished = True
+                self.store.set_open_round(self.rollout, None)
                 if action.reason != "completed":
                     self.stop_reason = action.reason
                     self.store.set_status(self.rollout, "stopped")
@@ -334,6 +446,10 @@ class CloudNode(NodeBase):
                     log.info("rollout %s finished after %d rounds", self.rollout, action.rounds)
                 self.write_metrics()
                 self._clear_retained()
+        for round_, cells in opened.items():
+            if not self.finished and round_ != self._open_recorded and self.role is not None:
+                self._open_recorded = round_
+                self.store.set_open_round(self.rollout, round_, cells)
 
     def _close(self, closed: RoundClosed) -> None:
         result = self.evaluator(dict(closed.params)) if self.evaluator is not None else None
@@ -366,6 +482,12 @@ class CloudNode(NodeBase):
             "q2": closed.metrics.get("q2"),
             **({"attack": self.attack_summary()} if self.cfg.attack is not None else {}),
             "config": closed.metrics.get("config"),
+            "cells": {c: {"reported": list(closed.reported.get(c, ())),
+                          "missing": sorted(set(self.prepared.cells.get(c, ())) - set(closed.reported.get(c, ()))),
+                          "rejected": _rejected_counts(cells.get(c, {}).get("rejected")),
+                          "device_up_bytes": int(cells.get(c, {}).get("device_up_bytes", 0)),
+                          "device_down_bytes": int(cells.get(c, {}).get("device_down_bytes", 0))}
+                      for c in sorted(self.prepared.cells)},
             "round_s": wall - self._last_close,
             "elapsed_s": wall - self._started_at,
         }
@@ -384,6 +506,8 @@ class CloudNode(NodeBase):
         self.store.commit_round(self.rollout, closed.round, int(closed.metrics.get("model_version", 0)),
                                 closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear,
                                 strategy_state=state() if callable(state) else None)
+        self.store.record_contributions(self.rollout, closed.round, int(closed.metrics.get("model_version", 1)) - 1,
+                                        [d for r in closed.reported.values() for d in r])
         self.history.append(row)
         self.metrics.set("fedtier_round", closed.round)
         if result is not None and result.accuracy is not None:

@@ -76,6 +76,23 @@ CREATE TABLE IF NOT EXISTS privacy_releases (
     mode TEXT NOT NULL, observed INTEGER NOT NULL, PRIMARY KEY (rollout, round, node, step));
 CREATE TABLE IF NOT EXISTS strategy_state (
     rollout TEXT NOT NULL, version INTEGER NOT NULL, state BLOB NOT NULL, PRIMARY KEY (rollout, version));
+CREATE TABLE IF NOT EXISTS control (
+    rollout TEXT PRIMARY KEY, desired TEXT NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS open_rounds (
+    rollout TEXT PRIMARY KEY, round INTEGER NOT NULL, opened REAL NOT NULL, cells TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS presence (
+    node TEXT PRIMARY KEY, role TEXT, cell TEXT, state TEXT NOT NULL, since REAL, last_seen REAL NOT NULL,
+    doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS contributions (
+    rollout TEXT NOT NULL, device TEXT NOT NULL, round INTEGER NOT NULL, model_version INTEGER NOT NULL,
+    PRIMARY KEY (rollout, device));
+CREATE TABLE IF NOT EXISTS deployments (
+    rollout TEXT NOT NULL, cell TEXT NOT NULL, version INTEGER NOT NULL, since REAL NOT NULL,
+    PRIMARY KEY (rollout, cell));
+CREATE TABLE IF NOT EXISTS promotions (
+    rollout TEXT NOT NULL, id INTEGER NOT NULL, candidate INTEGER NOT NULL, previous INTEGER,
+    canary TEXT NOT NULL, passed INTEGER NOT NULL, reasons TEXT NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (rollout, id));
 CREATE TABLE IF NOT EXISTS privacy_clear (
     rollout TEXT NOT NULL, round INTEGER NOT NULL, step INTEGER NOT NULL, sender TEXT NOT NULL,
     receiver TEXT NOT NULL, receiver_trusted INTEGER NOT NULL, PRIMARY KEY (rollout, round, step, sender));
@@ -193,6 +210,130 @@ class CoordinatorStore:
             rows = db.execute("SELECT round, closed, accuracy, loss, metrics FROM rounds WHERE rollout=?"
                                     " ORDER BY round", (rollout,)).fetchall()
         return [{"round": r, "closed": c, "accuracy": a, "loss": lo, **json.loads(m)} for r, c, a, lo, m in rows]
+
+    # --- operations: desired state, open round, presence, versions (fedtier rollout / devices) ---------
+
+    def create_rollout(self, rollout: str, config: Mapping[str, Any]) -> bool:
+        """Register a rollout that no coordinator has started yet (``fedtier rollout create``).
+
+        Returns False if the store already has a rollout of that id (nothing is changed).
+        The manifest is issued by the coordinator when it first hosts the rollout.
+        """
+        now = time.time()
+        with self.db.transaction() as db:
+            cur = db.execute("INSERT OR IGNORE INTO rollouts VALUES (?,?,?,?,?,NULL)",
+                             (rollout, json.dumps(config, sort_keys=True, default=str), b"", "created", now))
+            if cur.rowcount == 0:
+                return False
+            db.execute("INSERT OR REPLACE INTO control VALUES (?,?,?)", (rollout, "created", now))
+        return True
+
+    def set_desired(self, rollout: str, desired: str) -> None:
+        """What the operator asked for: ``running``, ``paused`` or ``stopped`` (the coordinator polls it)."""
+        with self.db.locked() as db:
+            db.execute("INSERT OR REPLACE INTO control VALUES (?,?,?)", (rollout, desired, time.time()))
+
+    def desired(self, rollout: str) -> str | None:
+        with self.db.locked() as db:
+            row = db.execute("SELECT desired FROM control WHERE rollout=?", (rollout,)).fetchone()
+        return row[0] if row else None
+
+    def rollout_rows(self) -> list[dict[str, Any]]:
+        """Every rollout: id, status (what the coordinator did), desired (what was asked), created, finished."""
+        with self.db.locked() as db:
+            rows = db.execute("SELECT r.rollout, r.status, c.desired, r.created, r.finished, r.config FROM rollouts r "
+                              "LEFT JOIN control c ON c.rollout = r.rollout ORDER BY r.created, r.rollout").fetchall()
+        return [{"rollout": r, "status": s, "desired": d, "created": c, "finished": f, "config": json.loads(cfg)}
+                for r, s, d, c, f, cfg in rows]
+
+    def set_open_round(self, rollout: str, round: int | None, cells: Sequence[str] = ()) -> None:
+        """The round the coordinator has open (``None``: none, e.g. paused between rounds)."""
+        with self.db.locked() as db:
+            if round is None:
+                db.execute("DELETE FROM open_rounds WHERE rollout=?", (rollout,))
+            else:
+                db.execute("INSERT OR REPLACE INTO open_rounds VALUES (?,?,?,?)",
+                           (rollout, round, time.time(), json.dumps(sorted(cells))))
+
+    def open_round(self, rollout: str) -> dict[str, Any] | None:
+        with self.db.locked() as db:
+            row = db.execute("SELECT round, opened, cells FROM open_rounds WHERE rollout=?", (rollout,)).fetchone()
+        return None if row is None else {"round": row[0], "opened": row[1], "cells": json.loads(row[2])}
+
+    def record_presence(self, node: str, doc: Mapping[str, Any], now: float) -> bool:
+        """Keep the newest presence document of ``node``; ``last_seen`` moves only when it changes
+        (a retained document redelivered after a reconnection is not a sighting). True if changed."""
+        text = json.dumps(doc, sort_keys=True, default=str)
+        since = doc.get("since")
+        with self.db.transaction() as db:
+            row = db.execute("SELECT doc FROM presence WHERE node=?", (node,)).fetchone()
+            if row is not None and row[0] == text:
+                return False
+            db.execute("INSERT OR REPLACE INTO presence VALUES (?,?,?,?,?,?,?)",
+                       (node, doc.get("role"), doc.get("cell"), str(doc.get("state", "unknown")),
+                        float(since) if isinstance(since, (int, float)) else None, now, text))
+        return True
+
+    def presence(self) -> list[dict[str, Any]]:
+        with self.db.locked() as db:
+            rows = db.execute("SELECT node, last_seen, doc FROM presence ORDER BY node").fetchall()
+        return [{**json.loads(doc), "node": node, "last_seen": seen} for node, seen, doc in rows]
+
+    def record_contributions(self, rollout: str, round: int, model_version: int, devices: Sequence[str]) -> None:
+        """The devices whose updates made it into ``round`` (trained from ``model_version``)."""
+        with self.db.locked() as db:
+            db.executemany("INSERT OR REPLACE INTO contributions VALUES (?,?,?,?)",
+                           [(rollout, d, round, model_version) for d in devices])
+
+    def contributions(self) -> dict[str, dict[str, Any]]:
+        """device -> its latest contribution (rollout, round, model version) over every rollout."""
+        with self.db.locked() as db:
+            rows = db.execute("SELECT rollout, device, round, model_version FROM contributions "
+                              "ORDER BY rollout").fetchall()
+        out: dict[str, dict[str, Any]] = {}
+        for rollout, device, rnd, version in rows:
+            out[device] = {"rollout": rollout, "round": rnd, "model_version": version}
+        return out
+
+    def models(self, rollout: str) -> list[dict[str, Any]]:
+        """The version registry: version, round, sha256, created, and the round's test accuracy."""
+        with self.db.locked() as db:
+            rows = db.execute("SELECT m.version, m.round, m.sha256, m.created, r.accuracy FROM models m "
+                              "LEFT JOIN rounds r ON r.rollout = m.rollout AND r.round = m.round "
+                              "WHERE m.rollout=? ORDER BY m.version", (rollout,)).fetchall()
+        return [{"version": v, "round": r, "sha256": s, "created": c, "accuracy": a} for v, r, s, c, a in rows]
+
+    def set_deployment(self, rollout: str, cells: Sequence[str], version: int) -> None:
+        """The model version ``cells`` serve for inference (canary, promotion, rollback)."""
+        now = time.time()
+        with self.db.locked() as db:
+            db.executemany("INSERT OR REPLACE INTO deployments VALUES (?,?,?,?)",
+                           [(rollout, c, int(version), now) for c in cells])
+
+    def clear_deployment(self, rollout: str, cell: str) -> None:
+        with self.db.locked() as db:
+            db.execute("DELETE FROM deployments WHERE rollout=? AND cell=?", (rollout, cell))
+
+    def deployments(self, rollout: str) -> dict[str, int]:
+        with self.db.locked() as db:
+            rows = db.execute("SELECT cell, version FROM deployments WHERE rollout=?", (rollout,)).fetchall()
+        return {c: int(v) for c, v in rows}
+
+    def add_promotion(self, rollout: str, candidate: int, previous: int | None, canary: Sequence[str],
+                      passed: bool, reasons: Sequence[str]) -> int:
+        with self.db.transaction() as db:
+            (last,) = db.execute("SELECT COALESCE(MAX(id), -1) FROM promotions WHERE rollout=?", (rollout,)).fetchone()
+            db.execute("INSERT INTO promotions VALUES (?,?,?,?,?,?,?,?)",
+                       (rollout, last + 1, candidate, previous, json.dumps(list(canary)), int(passed),
+                        json.dumps(list(reasons)), time.time()))
+        return int(last + 1)
+
+    def promotions(self, rollout: str) -> list[dict[str, Any]]:
+        with self.db.locked() as db:
+            rows = db.execute("SELECT id, candidate, previous, canary, passed, reasons, created FROM promotions "
+                              "WHERE rollout=? ORDER BY id", (rollout,)).fetchall()
+        return [{"id": i, "candidate": c, "previous": p, "canary": json.loads(cn), "passed": bool(ok),
+                 "reasons": json.loads(rs), "created": t} for i, c, p, cn, ok, rs, t in rows]
 
     # --- privacy ledger ------------------------------------------------------------------------
 

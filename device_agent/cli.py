@@ -81,3 +81,39 @@ def enroll_cmd(name: str, out_dir: Path) -> None:
 
     csr = enroll(name, out_dir)
     click.echo(f"key: {out_dir / 'key.pem'} (keep it here)\nCSR: {csr} (send this to the operator)")
+
+
+@agent.command("install-service")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="The device config the service runs (or --bundle).")
+@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="The enrollment bundle the service runs (or --config).")
+@click.option("--print", "print_only", is_flag=True, help="Print the unit instead of writing it.")
+@click.option("--unit-dir", type=click.Path(file_okay=False, path_type=Path), default="/etc/systemd/system",
+              show_default=True, help="Where to write the unit file.")
+@click.option("--user", default=None, help="Run the service as this user (default root).")
+def install_service_cmd(config_path: Path | None, bundle_dir: Path | None, print_only: bool, unit_dir: Path,
+                        user: str | None) -> None:
+    """Write a systemd unit that runs this agent: restarted on failure (not on exit code 77,
+    refused credentials), state in /var/lib/fedtier-agent (StateDirectory), SIGTERM to stop.
+
+    \b
+        fedtier agent install-service --bundle /etc/fedtier/dev-00 --print
+        fedtier agent install-service --config /etc/fedtier/device.toml --user fedtier
+    """
+    from fedtier.runtime.service_unit import unit
+
+    if (config_path is None) == (bundle_dir is None):
+        raise click.UsageError("give exactly one of --config and --bundle")
+    chosen = config_path if config_path is not None else bundle_dir
+    assert chosen is not None
+    source = ["--config" if config_path is not None else "--bundle", str(chosen.absolute())]
+    node = chosen.stem
+    service = unit(role="agent", node=node, args=["agent", "run", *source], state_dir="fedtier-agent", user=user)
+    from fedtier.runtime.service_unit import install
+
+    if print_only:
+        click.echo(service.text, nl=False)
+        return
+    path = install(service, unit_dir)
+    click.echo(f"wrote {path}; now: systemctl daemon-reload && systemctl enable --now {service.name}")

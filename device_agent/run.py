@@ -12,6 +12,7 @@ from device_agent.data import LocalData, load_data_dir, load_eval_dir
 from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
 from device_agent.trainers import describe_backend, make_trainer, resolve_kind
+from fedtier import __version__
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.artifacts.cache import ArtifactCache
 from fedtier.runtime import identity, mqtt_service
@@ -50,7 +51,8 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
     inbox: queue.Queue = queue.Queue()
     max_bytes = int(cfg.max_message_mb * (1 << 20))
     tx = mqtt.from_config(cfg.broker, name="cell", client_id=cfg.device_id, inbox=inbox,
-                          status={"node": cfg.device_id, "role": "device", "cell": cfg.cell, "trainer": backend},
+                          status={"node": cfg.device_id, "role": "device", "cell": cfg.cell, "trainer": backend,
+                                  "version": __version__},
                           max_message_bytes=max_bytes)
 
     def provider(bundle: ArtifactBundle) -> Trainer:

@@ -37,3 +37,29 @@ def run_cmd(config_path: Path, log_level: str | None) -> None:
     cfg = load(EdgeConfig, config_path)
     logs.setup(log_level or cfg.log_level, node=cfg.cell)
     raise SystemExit(run(cfg))
+
+
+@edge.command("install-service")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path), required=True,
+              help="The edge config the service runs.")
+@click.option("--print", "print_only", is_flag=True, help="Print the unit instead of writing it.")
+@click.option("--unit-dir", type=click.Path(file_okay=False, path_type=Path), default="/etc/systemd/system",
+              show_default=True, help="Where to write the unit file.")
+@click.option("--user", default=None, help="Run the service as this user (default root).")
+def install_service_cmd(config_path: Path, print_only: bool, unit_dir: Path, user: str | None) -> None:
+    """Write a systemd unit that runs this gateway's edge: restarted on failure (not on exit code 77,
+    refused credentials), state in /var/lib/fedtier-edge (StateDirectory), SIGTERM to stop.
+
+    Example: fedtier edge install-service --config /etc/fedtier/edge.toml --print
+    """
+    from fedtier.runtime.service_unit import unit
+
+    service = unit(role="edge", node=config_path.stem, args=["edge", "run", "--config", str(config_path.absolute())],
+                   state_dir="fedtier-edge", user=user)
+    from fedtier.runtime.service_unit import install
+
+    if print_only:
+        click.echo(service.text, nl=False)
+        return
+    path = install(service, unit_dir)
+    click.echo(f"wrote {path}; now: systemctl daemon-reload && systemctl enable --now {service.name}")

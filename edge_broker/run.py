@@ -10,6 +10,7 @@ import threading
 from edge_broker.config import EdgeConfig
 from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
+from fedtier import __version__
 from fedtier.artifacts.cache import ArtifactCache
 from fedtier.runtime import identity, mqtt_service
 from fedtier.runtime.config import BrokerConfig
@@ -31,7 +32,7 @@ def build(cfg: EdgeConfig) -> tuple[EdgeNode, list[mqtt.MqttTransport], "queue.Q
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     inbox: queue.Queue = queue.Queue()
     max_bytes = int(cfg.max_message_mb * (1 << 20))
-    status = {"node": cfg.cell, "role": "edge", "cell": cfg.cell}
+    status = {"node": cfg.cell, "role": "edge", "cell": cfg.cell, "version": __version__}
     # Chunks are acknowledged as soon as they are stored, so they are stored durably.
     if cfg.cell_broker != cfg.cloud_broker and _same_address(cfg.cell_broker, cfg.cloud_broker):
         log.warning("[cell_broker] (%s:%d) and [cloud_broker] (%s:%d) reach the same broker but differ: the edge opens "

@@ -44,8 +44,8 @@ from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import NoisePlan
 from fedtier.runtime.metrics import Metrics
+from fedtier.runtime.node_base import ACCEPTED, EXPECTED_DROPS, REJECTED, NodeBase
 from fedtier.secagg import messages as secagg_messages
-from fedtier.runtime.node_base import ACCEPTED, REJECTED, NodeBase
 from fedtier.security.manifest import Manifest
 from fedtier.security.signing import ManifestGate, open_manifest
 from fedtier.transport import topics
@@ -101,6 +101,19 @@ class EdgeNode(NodeBase):
         self._task_arrived: dict[tuple[str, int], float] = {}
         """When each open round's cell task arrived (monotonic), for ``AGGREGATION_SECONDS``."""
         self._online: set[str] = set()  # nodes seen coming online since this edge started
+        self._rejected: dict[str, int] = defaultdict(int)
+        """Messages refused (by typed reason) and updates dropped (by reason, duplicates aside) since the
+        last cell update: sent up in its ``stats["rejected"]`` for ``fedtier rollout status``."""
+
+    def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
+        super().reject(inbound, exc)
+        self._rejected[exc.reason] += 1
+
+    def diagnostics(self, actions: Sequence[Action]) -> None:
+        super().diagnostics(actions)
+        for action in actions:
+            if isinstance(action, Dropped) and action.reason not in EXPECTED_DROPS:
+                self._rejected[action.reason] += 1
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -286,10 +299,14 @@ class EdgeNode(NodeBase):
                 stored = self.store.output(msg.key)
                 if stored is None:
                     if isinstance(msg, CellUpdate):
+                        rejected = [[reason, n] for reason, n in sorted(self._rejected.items())]
+                        self._rejected = defaultdict(int)
                         if getattr(self.roles.get(rollout), "sampling_secretly", False):
-                            # byte counts count the sampled devices' messages: participation stays in the cell
+                            # byte and reject counts count the sampled devices' messages: participation
+                            # stays in the cell
                             stats = dict.fromkeys(("device_up_bytes", "device_up_f32_bytes", "device_down_bytes"), 0)
-                        msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats})
+                            rejected = []
+                        msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats, "rejected": rejected})
                         if self._refuse_clear_aggregate(rollout, msg):
                             continue
                     stored = msg.encode(action.encodings)
@@ -309,6 +326,8 @@ class EdgeNode(NodeBase):
         if node is None:
             return
         self._online.add(node)
+        if node != self.parent:
+            self._republish_manifests()
         trainer = self.presence_docs.get(node, {}).get("trainer")
         if trainer is not None:  # optional: devices announce their training backend (older ones do not)
             log.info("%s came online (trainer: %s)", node, trainer)
@@ -350,6 +369,14 @@ class EdgeNode(NodeBase):
         missing = [d for d in manifest.digests_for(self.cell).values() if not self.cache.has(d)]
         if missing:
             self._request_from_cloud(manifest.rollout, missing, now=None)
+
+    def _republish_manifests(self) -> None:
+        """Publish the cell's retained manifests again (the same bytes) when a device comes online. A broker
+        restarted without persistence has lost them, and a device that (re)starts then would wait for a
+        manifest forever; devices take the same manifest again as a no-op."""
+        for rollout, (_, payload) in self.store.manifests().items():
+            if rollout in self.manifests:
+                self.cell_tx.publish(topics.cell_manifest(rollout, self.cell), payload, retain=True)
 
     def _allowed_digests(self, rollout: str) -> set[str]:
         manifest = self.manifests.get(rollout)

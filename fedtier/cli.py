@@ -29,6 +29,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("cloud_coordinator.data_cli", "data"),
     "init": ("cloud_coordinator.init_cli", "init"),
     "report": ("cloud_coordinator.report_cli", "report"),
+    "rollout": ("cloud_coordinator.rollout_cli", "rollout"),
+    "devices": ("cloud_coordinator.rollout_cli", "devices"),
 }
 
 SHORT_HELP = {
@@ -44,6 +46,8 @@ SHORT_HELP = {
     "data": "Your own data: split a CSV or .npz table into per-device shards.",
     "init": "Write a commented starter rollout (your own model and data) to edit.",
     "report": "Plot a rollout from the coordinator's store (PNGs and a markdown summary).",
+    "rollout": "Operate rollouts: create, start, pause, status, models, export, promote, rollback.",
+    "devices": "The device inventory: presence, versions, last round contributed.",
 }
 
 

@@ -134,6 +134,8 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
         "m.stats.device_up_bytes": Field(PUBLIC, _BYTES),
         "m.stats.device_up_f32_bytes": Field(PUBLIC, _BYTES + " (as float32)"),
         "m.stats.device_down_bytes": Field(PUBLIC, _BYTES),
+        "m.stats.rejected": Field(PUBLIC, "how many messages the edge refused since its last update, by typed "
+                                          "reason (protocol faults: late, duplicate key, bad signature...), not data"),
         "m.privacy.trusted": Field(PUBLIC, "the cell's trust label, from the plan"),
         "m.privacy.steps": Field(PUBLIC, "who reported in each edge round (participation)"),
         **_prefixed("m.privacy.releases[].", _RELEASE),
@@ -166,6 +168,7 @@ STATUS: Mapping[str, Field] = {
     "since": Field(PUBLIC, "when the node connected (wall clock; nothing about data)"),
     "instance": Field(PUBLIC, "a random id drawn per process at start (detects two processes under one identity)"),
     "trainer": Field(PUBLIC, "the device's training backend (ort, portable or torch): software, not data"),
+    "version": Field(PUBLIC, "the fedtier version the node runs (the device inventory): software, not data"),
 }
 """The retained presence document (JSON) every MQTT node publishes on ``ft/v1/status/<node>``."""
 

@@ -27,9 +27,9 @@ ROLES = {"cloud": "cloud", "edge": "edge", "all": None}
 
 
 def documented() -> list[tuple[str, str]]:
-    """(name, on) of every row of the table under "## Metrics" in docs/operations.md."""
+    """(name, on) of every row of the table under "### Metrics" in docs/operations.md."""
     text = (ROOT / "docs" / "operations.md").read_text()
-    section = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    section = re.split(r"\n#{1,3} ", text.split("### Metrics", 1)[1], maxsplit=1)[0]
     rows = re.findall(r"^\| `([a-z_]+)` \| \w+ \|[^|]*\| ([^|]+) \|", section, re.MULTILINE)
     assert len(rows) >= 15, rows
     return [(name, on.strip()) for name, on in rows]

@@ -93,6 +93,7 @@ def test_device_config_defaults_to_auto_and_knows_every_kind(tmp_path: Path) -> 
 @pytest.mark.parametrize("kind, backend", [("auto", "ort"), ("portable", "portable")])
 def test_the_agent_announces_its_backend_in_its_presence(tmp_path: Path, kind: str, backend: str) -> None:
     from device_agent.run import build
+    from fedtier import __version__
 
     np.savez(tmp_path / "train.npz", x=np.zeros((4, 64), np.float32), y=np.arange(4))
     cfg = DeviceConfig.from_mapping({"device_id": "d1", "cell": "c1", "data_dir": str(tmp_path),
@@ -101,7 +102,7 @@ def test_the_agent_announces_its_backend_in_its_presence(tmp_path: Path, kind: s
     try:
         status = dict(tx.status)
         assert isinstance(status.pop("instance"), str)  # a random id per process (copied-bundle detection)
-        assert status == {"node": "d1", "role": "device", "cell": "c1", "trainer": backend}
+        assert status == {"node": "d1", "role": "device", "cell": "c1", "trainer": backend, "version": __version__}
     finally:
         node.state.close()
 

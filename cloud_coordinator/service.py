@@ -1,0 +1,167 @@
+"""``fedtier coordinator serve``: one long-running coordinator process for every rollout of a store.
+
+The operator's commands (``fedtier rollout create|start|pause|resume|stop|promote|rollback``)
+never talk to this process: they write rows into its SQLite store (``coordinator.db`` in the
+state directory) and this process polls them — a new rollout is picked up within
+``SCAN_S`` seconds, a desired state within ``CloudNode.control_poll_s``. Reads
+(``rollout status``, ``devices list``, ``rollout models``) come straight from the store. So the
+CLI needs no port, no credentials beyond file access, and works while the coordinator is down;
+the store is the one source of truth, which is also what makes a restart resume everything.
+
+One MQTT connection serves every rollout: messages on a rollout's topics go to its
+``CloudNode``; presence goes to all of them (and into the store's device inventory). The
+connection uses the ``[broker]`` and ``cloud_id`` of the rollouts, which ``rollout create``
+keeps identical across one store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from cloud_coordinator.config import RolloutConfig
+from cloud_coordinator.node import CloudNode
+from cloud_coordinator.store import CoordinatorStore
+from fedtier.errors import UnexpectedMessageError
+from fedtier.runtime import identity, mqtt_service
+from fedtier.runtime.metrics import Metrics
+from fedtier.runtime.node_base import NodeBase
+from fedtier.transport import topics
+from fedtier.transport.base import Inbound, Transport
+
+log = logging.getLogger("fedtier.coordinator")
+
+SCAN_S = 1.0
+"""How often the service looks for rollouts created since it started."""
+SERVED = ("created", "running", "paused")
+"""Rollout statuses the service hosts (finished and stopped ones are over)."""
+
+
+def stored_config(row: dict[str, Any]) -> RolloutConfig:
+    """A rollout's config as ``rollout create`` stored it (plain data, paths already absolute)."""
+    return RolloutConfig.from_mapping(row["config"], source=f"rollout {row['rollout']} (stored config)")
+
+
+class CoordinatorService(NodeBase):
+    """Hosts a ``CloudNode`` per served rollout of ``store`` over one transport."""
+
+    def __init__(self, *, store: CoordinatorStore, transport: Transport, cloud_id: str,
+                 make_node: Callable[[RolloutConfig], CloudNode], metrics: Metrics | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        super().__init__(cloud_id, metrics or Metrics(node=cloud_id, role="cloud"), log, 256 << 20)
+        self.store = store
+        self.tx = transport
+        self.make_node = make_node
+        self.wall_clock = wall_clock
+        self.nodes: dict[str, CloudNode] = {}
+        self._next_scan = 0.0
+
+    def start(self, now: float) -> None:
+        self.tx.subscribe(topics.edge_up_filter())
+        self.tx.subscribe(topics.ALL_STATUS)
+        self._scan(now)
+
+    def _scan(self, now: float) -> None:
+        self._next_scan = now + SCAN_S
+        for row in self.store.rollout_rows():
+            rollout = row["rollout"]
+            if rollout in self.nodes or row["status"] not in SERVED:
+                continue
+            log.info("hosting rollout %s (%s)", rollout, row["status"])
+            node = self.make_node(stored_config(row))
+            self.nodes[rollout] = node
+            node.start(now)
+
+    def tick(self, now: float) -> None:
+        if now >= self._next_scan:
+            self._scan(now)
+        for rollout, node in list(self.nodes.items()):
+            node.tick(now)
+            if node.done:
+                log.info("rollout %s is %s: no longer hosted", rollout, self.store.status(rollout))
+                del self.nodes[rollout]
+
+    def handle(self, inbound: Inbound, now: float) -> None:
+        parsed = self.parse_topic(inbound)
+        if parsed is None:
+            return
+        if parsed.channel == "status":
+            self._record_presence(inbound, parsed)
+            for hosted in list(self.nodes.values()):
+                hosted.handle(inbound, now)
+            return
+        node = self.nodes.get(parsed.rollout or "")
+        if node is None:
+            if parsed.channel == "edge_up":
+                self.reject(inbound, UnexpectedMessageError(f"message for rollout {parsed.rollout!r}, which this "
+                                                            "coordinator does not serve"))
+            return
+        node.handle(inbound, now)
+
+    def _record_presence(self, inbound: Inbound, parsed: topics.Topic) -> None:
+        if parsed.device is None or not inbound.payload:
+            return
+        try:
+            doc = json.loads(inbound.payload.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return
+        if isinstance(doc, dict) and doc.get("node", parsed.device) == parsed.device:
+            self.store.record_presence(parsed.device, doc, self.wall_clock())
+
+
+def wait_for_rollout(store: CoordinatorStore, stop: threading.Event, poll_s: float = 1.0) -> dict[str, Any] | None:
+    """The first served rollout of the store (its broker settings open the connection); waits for one."""
+    said = False
+    while not stop.is_set():
+        rows = [r for r in store.rollout_rows() if r["status"] in SERVED] or store.rollout_rows()
+        if rows:
+            return rows[0]
+        if not said:
+            log.info("no rollout in the store yet: waiting for `fedtier rollout create`")
+            said = True
+        stop.wait(poll_s)
+    return None
+
+
+def serve(state_dir: Path, stop: threading.Event | None = None) -> int:
+    """Serve every rollout in ``state_dir/coordinator.db`` until a signal (or ``stop``)."""
+    from cloud_coordinator.node import OrtEvaluator
+    from cloud_coordinator.rollout import prepare
+    from cloud_coordinator.run import validate
+    from fedtier.transport import mqtt
+    from fedtier.transport.chunking import SqliteChunkStore
+
+    stop = stop or threading.Event()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    store = CoordinatorStore(state_dir / "coordinator.db")
+    if threading.current_thread() is threading.main_thread():
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+    first = wait_for_rollout(store, stop)
+    if first is None:
+        return 0
+    base = stored_config(first)
+    if not identity.preflight(base.cloud_id, [base.broker]):
+        return mqtt_service.EXIT_UNAUTHORIZED
+    inbox: queue.Queue = queue.Queue()
+    tx = mqtt.from_config(base.broker, name="cloud", client_id=base.cloud_id, inbox=inbox,
+                          status={"node": base.cloud_id, "role": "cloud"},
+                          chunk_store=SqliteChunkStore(str(state_dir / "chunks.db")))
+
+    def make_node(cfg: RolloutConfig) -> CloudNode:
+        validate(cfg)
+        prepared = prepare(cfg)
+        return CloudNode(prepared=prepared, transport=tx, store=store, evaluator=OrtEvaluator.for_rollout(prepared))
+
+    service = CoordinatorService(store=store, transport=tx, cloud_id=base.cloud_id, make_node=make_node)
+    if base.metrics_port:
+        service.metrics.serve(base.metrics_port)
+    log.info("coordinator serving the rollouts of %s; broker %s:%d", state_dir, base.broker.host, base.broker.port)
+    return mqtt_service.run(service, [tx], inbox, start=service.start, stop=stop, install_signals=False)

@@ -1,0 +1,189 @@
+"""What an operator (and a dashboard) reads about rollouts and devices: plain data from the store.
+
+Every function here reads only the coordinator's SQLite store — never the running process —
+so ``fedtier rollout status`` works whether or not the coordinator runs, and gives the same
+answer before and after it restarts (the store is the rollout's whole state). The results are
+plain ``dict``/``list`` values of JSON types, for ``--json``, the rich tables, and whatever else
+(metrics exporters, a report, a web page) wants to show them.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from cloud_coordinator.store import CoordinatorStore
+from fedtier.errors import ConfigError
+
+STORE_FILE = "coordinator.db"
+
+
+def open_store(state_dir: Path | str) -> CoordinatorStore:
+    """The coordinator's store in ``state_dir`` (it must exist: a coordinator or ``rollout create`` made it).
+
+    Raises:
+        ConfigError: no store there.
+    """
+    path = Path(state_dir) / STORE_FILE
+    if not path.is_file():
+        raise ConfigError(f"no coordinator store at {path}: `fedtier rollout create --config ...` makes one "
+                          "(or pass --state-dir / set FEDTIER_STATE_DIR to the coordinator's state_dir)",
+                          key="state_dir")
+    return CoordinatorStore(path)
+
+
+def _config(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
+    for row in store.rollout_rows():
+        if row["rollout"] == rollout:
+            return row
+    known = ", ".join(r["rollout"] for r in store.rollout_rows()) or "none"
+    raise ConfigError(f"no rollout {rollout!r} in this store (rollouts: {known})", key="rollout")
+
+
+def cells_of(config: dict[str, Any]) -> dict[str, list[str]]:
+    """The rollout's cells and their devices, from its stored config."""
+    from cloud_coordinator.config import TopologyConfig
+
+    topology = TopologyConfig.from_mapping(config.get("topology", {}), prefix="topology")
+    return {c: list(m) for c, m in topology.layout().items()}
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _desired(row: dict[str, Any]) -> str:
+    """What was asked of a rollout; an ended rollout asks nothing more (its status, then)."""
+    if row["status"] in ("finished", "stopped") or not row["desired"]:
+        return str(row["status"])
+    return str(row["desired"])
+
+
+def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
+    """The whole status of ``rollout``: lifecycle, open round, accuracy, epsilon, bytes, and per cell
+    devices online/known, updates accepted and rejected by reason, stragglers, deployed version.
+
+    Only state the coordinator stored (no clock is read), so it is stable across restarts.
+    """
+    row = _config(store, rollout)
+    config = row["config"]
+    cells = cells_of(config)
+    rounds = store.rounds(rollout)
+    presence = {p["node"]: p for p in store.presence()}
+    open_round = store.open_round(rollout)
+    deployed = store.deployments(rollout)
+    models = store.models(rollout)
+    last = rounds[-1] if rounds else {}
+    privacy = last.get("privacy") or {}
+    totals: dict[str, int] = {}
+    for r in rounds:
+        for tier, n in (r.get("bytes") or {}).items():
+            totals[tier] = totals.get(tier, 0) + int(n)
+    per_cell: dict[str, Any] = {}
+    for cell, members in cells.items():
+        online = sorted(d for d in members if presence.get(d, {}).get("state") == "online")
+        accepted = 0
+        rejected: dict[str, int] = {}
+        for r in rounds:
+            info = (r.get("cells") or {}).get(cell)
+            if info is None:  # a round closed before per-cell rows existed
+                continue
+            accepted += len(info.get("reported", []))
+            for reason, n in (info.get("rejected") or {}).items():
+                rejected[reason] = rejected.get(reason, 0) + int(n)
+        last_cell = (last.get("cells") or {}).get(cell, {})
+        per_cell[cell] = {
+            "devices_known": len(members),
+            "devices_online": len(online),
+            "offline": sorted(set(members) - set(online)),
+            "edge": presence.get(cell, {}).get("state", "unknown"),
+            "round_open": open_round is not None and cell in open_round["cells"],
+            "updates_accepted": accepted,
+            "updates_rejected": dict(sorted(rejected.items())),
+            "stragglers": list(last_cell.get("missing", [])),
+            "deployed_version": deployed.get(cell),
+        }
+    return {
+        "rollout": rollout,
+        "algorithm": config.get("algorithm", "fedavg"),
+        "status": row["status"],
+        "desired": _desired(row),
+        "created": row["created"],
+        "finished": row["finished"],
+        "rounds_planned": int(config.get("rounds", 0)),
+        "rounds_closed": len(rounds),
+        "open_round": None if open_round is None else open_round["round"],
+        "model_version": models[-1]["version"] if models else None,
+        "last_accuracy": _finite(last.get("accuracy")),
+        "last_loss": _finite(last.get("loss")),
+        "epsilon_spent": privacy.get("epsilon_max"),
+        "epsilon_budget": _finite(privacy.get("budget_epsilon")),
+        "bytes": dict(sorted(totals.items())),
+        "cells": per_cell,
+    }
+
+
+def rollout_list(store: CoordinatorStore) -> list[dict[str, Any]]:
+    """One line per rollout: id, algorithm, status, desired, rounds closed/planned, last accuracy."""
+    out = []
+    for row in store.rollout_rows():
+        rounds = store.rounds(row["rollout"])
+        out.append({"rollout": row["rollout"], "algorithm": row["config"].get("algorithm", "fedavg"),
+                    "status": row["status"], "desired": _desired(row),
+                    "rounds_closed": len(rounds), "rounds_planned": int(row["config"].get("rounds", 0)),
+                    "last_accuracy": _finite(rounds[-1].get("accuracy")) if rounds else None,
+                    "created": row["created"]})
+    return out
+
+
+def device_inventory(store: CoordinatorStore, cell: str | None = None) -> list[dict[str, Any]]:
+    """Every node the coordinator has seen (presence) or that a rollout names, one dict each.
+
+    Fields: node, role, cell, state (online/offline/unknown), since, last_seen, agent_version,
+    trainer, instance, last_round (rollout, round it last contributed to), trained_version (the
+    model version that round started from) and model_version (the version its cell serves:
+    ``fedtier rollout promote`` / ``rollback``; None until one is promoted).
+    """
+    presence = {p["node"]: p for p in store.presence()}
+    contributions = store.contributions()
+    member_of: dict[str, tuple[str, str]] = {}  # device or edge -> (rollout, cell), the newest rollout naming it
+    deployed: dict[tuple[str, str], int] = {}
+    for row in store.rollout_rows():
+        for c, members in cells_of(row["config"]).items():
+            member_of[c] = (row["rollout"], c)  # the cell's edge
+            for d in members:
+                member_of[d] = (row["rollout"], c)
+        for c, v in store.deployments(row["rollout"]).items():
+            deployed[(row["rollout"], c)] = v
+    nodes = sorted(set(presence) | set(member_of))
+    out = []
+    for node in nodes:
+        doc = presence.get(node, {})
+        rollout, node_cell = member_of.get(node, (None, doc.get("cell")))
+        role = doc.get("role") or ("device" if node in member_of and member_of[node][1] != node else
+                                   "edge" if node in member_of else None)
+        if role == "cloud":
+            continue
+        if role == "edge" and node_cell is None:
+            node_cell = node
+        if cell is not None and node_cell != cell:
+            continue
+        contribution = contributions.get(node)
+        out.append({
+            "node": node, "role": role, "cell": node_cell, "rollout": rollout,
+            "state": doc.get("state", "unknown"), "since": doc.get("since"), "last_seen": doc.get("last_seen"),
+            "agent_version": doc.get("version"), "trainer": doc.get("trainer"), "instance": doc.get("instance"),
+            "last_round": None if contribution is None else contribution["round"],
+            "trained_version": None if contribution is None else contribution["model_version"],
+            "model_version": deployed.get((rollout, node_cell)) if rollout and node_cell else None,
+        })
+    return out
+
+
+def model_registry(store: CoordinatorStore, rollout: str) -> list[dict[str, Any]]:
+    """The rollout's model versions (version, round, accuracy, sha256, created) and which cells serve each."""
+    _config(store, rollout)
+    deployed = store.deployments(rollout)
+    return [{**{k: _finite(v) for k, v in m.items()},
+             "cells": sorted(c for c, v in deployed.items() if v == m["version"])} for m in store.models(rollout)]
