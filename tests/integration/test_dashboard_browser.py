@@ -55,9 +55,12 @@ def _stored(db: Path, rollout: str, round_: int) -> dict:
 
 
 def _demo(workdir: Path) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
-    """``fedtier demo --dashboard`` (4 devices, 60 short rounds) with its output lines on a queue."""
+    """``fedtier demo --dashboard`` (4 devices, 200 short rounds) with its output lines on a queue.
+
+    Rounds this small take about 0.1 s on an idle machine: 200 of them keep the rollout up long
+    enough for the page (polling once a second) to show several closed rounds."""
     proc = subprocess.Popen([sys.executable, "-m", "fedtier", "demo", "--dashboard", "--devices", "4", "--cells", "2",
-                             "--rounds", "60", "--broker", "mosquitto", "--workdir", str(workdir)],
+                             "--rounds", "200", "--broker", "mosquitto", "--workdir", str(workdir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
 
@@ -75,6 +78,7 @@ def test_the_dashboard_of_a_demo_shows_the_live_round_and_accuracy(tmp_path: Pat
     require(mosquitto_binary() is not None, "Mosquitto (apt-get install mosquitto)")
     db = tmp_path / "demo" / "coordinator" / "coordinator.db"
     seen: list[tuple[int, str]] = []
+    progress = float("nan")
     output: list[str] = []
     proc, lines = _demo(tmp_path / "demo")
     try:
@@ -106,11 +110,11 @@ def test_the_dashboard_of_a_demo_shows_the_live_round_and_accuracy(tmp_path: Pat
                     if shown.isdigit() and (not seen or int(shown) > seen[-1][0]):
                         # The page renders one API answer at a time: round and accuracy belong together.
                         seen.append((int(shown), page.inner_text("#accuracy")))
-                        if len(seen) == 2:
+                        if len(seen) == 2:  # a later round is still to come: the bar is part-way
+                            progress = float(page.get_attribute("#progress", "value") or "nan")
                             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
                     time.sleep(0.1)
                 cells = page.inner_text("#cells tbody")
-                progress = float(page.get_attribute("#progress", "value") or "nan")
             finally:
                 browser.close()
         assert proc.wait(timeout=60) == 0
