@@ -125,7 +125,8 @@ def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
 
 
 def rollout_list(store: CoordinatorStore) -> list[dict[str, Any]]:
-    """One line per rollout: id, algorithm, status, desired, rounds closed/planned, last accuracy."""
+    """One line per rollout: id, algorithm, status, desired, rounds closed/planned, last accuracy, created,
+    finished."""
     out = []
     for row in store.rollout_rows():
         rounds = store.rounds(row["rollout"])
@@ -133,7 +134,7 @@ def rollout_list(store: CoordinatorStore) -> list[dict[str, Any]]:
                     "status": row["status"], "desired": _desired(row),
                     "rounds_closed": len(rounds), "rounds_planned": int(row["config"].get("rounds", 0)),
                     "last_accuracy": _finite(rounds[-1].get("accuracy")) if rounds else None,
-                    "created": row["created"]})
+                    "created": row["created"], "finished": row["finished"]})
     return out
 
 

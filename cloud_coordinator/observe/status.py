@@ -1,20 +1,22 @@
 """The read side of a coordinator's store, as plain dataclasses: what `fedtier report` plots and the
 dashboard shows.
 
-One module reads the store (``rollouts``, ``rounds``, ``models``; the schema is the coordinator's,
-never written here), so that both views agree and can be pointed at another status source in one
-place. A running coordinator adds what only it knows (``Live``): devices online per cell and the
-rejects by reason, from its metrics; offline (``fedtier report``) those are ``None``/empty.
+It is built on ``cloud_coordinator.status`` — the functions behind ``fedtier rollout status``,
+``rollout list`` and ``rollout models`` — and never reads the store's tables itself, so the
+dashboard, the report and the operator's CLI show one truth: ``RolloutStatus.operator`` *is* the
+document ``fedtier rollout status ROLLOUT --json`` prints, and devices online per cell come from the
+same presence rows. What only a running coordinator knows (``Live``: the rejects by reason, from
+its metrics) is added when one runs; offline (``fedtier report``) it is empty.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
+from cloud_coordinator import status as operator_status
 from cloud_coordinator.report import round_epsilon
 from cloud_coordinator.store import CoordinatorStore
 
@@ -44,8 +46,8 @@ class RoundStatus:
 class CellStatus:
     cell: str
     devices_known: int
-    devices_online: int | None
-    """``None`` when no coordinator is running to watch presence."""
+    devices_online: int
+    """Devices whose last presence the coordinator recorded is ``online`` (as ``rollout status``)."""
     reported_last_round: int
     stragglers: list[str]
     """Devices of the cell missing from the last closed round."""
@@ -58,6 +60,13 @@ class ModelVersionStatus:
     """The round that produced it (-1: the initial model)."""
     sha256: str
     created: float
+    accuracy: float | None = None
+    """The coordinator's test accuracy when the round that produced it closed."""
+    cells: list[str] = field(default_factory=list)
+    """Cells that serve this version (``rollout promote`` / ``rollback``)."""
+    canary: str | None = None
+    """This version's canary state (``canary_state``): ``canary``, ``promoted``, ``rejected`` (the
+    reasons are in ``RolloutStatus.promotions``), ``rolled back to``, or ``None``."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,8 @@ class RolloutSummary:
     """After the last closed round."""
     created: float
     finished: float | None
+    desired: str = ""
+    """What the operator last asked (``running``, ``paused``, ``stopped``; an ended rollout: its status)."""
 
 
 @dataclass(frozen=True)
@@ -81,10 +92,17 @@ class RolloutStatus:
     models: list[ModelVersionStatus]
     rejects: dict[str, float] = field(default_factory=dict)
     """Messages the coordinator rejected, by reason (live only)."""
+    operator: dict[str, Any] = field(default_factory=dict)
+    """The document of ``fedtier rollout status ROLLOUT --json``, word for word."""
+    promotions: list[dict[str, Any]] = field(default_factory=list)
+    """Every promotion (candidate, previous, canary cells, passed, reasons), oldest first."""
 
     @property
     def round_in_progress(self) -> int | None:
         """The open round (0-based), or ``None`` when the rollout is over."""
+        open_round = self.operator.get("open_round")
+        if open_round is not None:
+            return int(open_round)
         s = self.summary
         if s.status != "running" or s.rounds_closed >= s.rounds_planned:
             return None
@@ -106,7 +124,6 @@ class RolloutStatus:
 class Live(Protocol):
     """What a running coordinator knows beyond its store."""
 
-    def devices_online(self, cell: str) -> int | None: ...
     def rejects(self) -> dict[str, float]: ...
 
 
@@ -126,47 +143,59 @@ class StoreStatus:
     def rollouts(self) -> list[RolloutSummary]:
         store = self._open()
         try:
-            with store.db.locked() as db:
-                rows = db.execute("SELECT rollout, config, status, created, finished FROM rollouts "
-                                  "ORDER BY created").fetchall()
-            out = []
-            for rollout, config, status, created, finished in rows:
-                cfg = json.loads(config)
-                rounds = store.rounds(rollout)
-                out.append(RolloutSummary(rollout=rollout, status=status, algorithm=str(cfg.get("algorithm", "?")),
-                                          rounds_planned=int(cfg.get("rounds", 0)), rounds_closed=len(rounds),
-                                          accuracy=rounds[-1]["accuracy"] if rounds else None, created=created,
-                                          finished=finished))
-            return out
+            return [RolloutSummary(rollout=r["rollout"], status=r["status"], algorithm=str(r["algorithm"]),
+                                   rounds_planned=r["rounds_planned"], rounds_closed=r["rounds_closed"],
+                                   accuracy=r["last_accuracy"], created=r["created"], finished=r["finished"],
+                                   desired=r["desired"])
+                    for r in operator_status.rollout_list(store)]
         finally:
             store.close()
 
     def rollout(self, rollout: str) -> RolloutStatus:
         """Everything about one rollout; ``KeyError`` if the store does not have it."""
-        summary = next((s for s in self.rollouts() if s.rollout == rollout), None)
-        if summary is None:
-            raise KeyError(rollout)
         store = self._open()
         try:
-            with store.db.locked() as db:
-                config = json.loads(db.execute("SELECT config FROM rollouts WHERE rollout=?",
-                                               (rollout,)).fetchone()[0])
-                models = [ModelVersionStatus(version=v, round=r, sha256=sha, created=c) for v, r, sha, c in db.execute(
-                    "SELECT version, round, sha256, created FROM models WHERE rollout=? ORDER BY version",
-                    (rollout,)).fetchall()]
+            if rollout not in {r["rollout"] for r in store.rollout_rows()}:
+                raise KeyError(rollout)
+            operator = operator_status.rollout_status(store, rollout)
+            registry = operator_status.model_registry(store, rollout)
+            promotions = store.promotions(rollout)
             rows = store.rounds(rollout)
+            config = next(r["config"] for r in store.rollout_rows() if r["rollout"] == rollout)
         finally:
             store.close()
+        summary = RolloutSummary(rollout=rollout, status=operator["status"], algorithm=str(operator["algorithm"]),
+                                 rounds_planned=operator["rounds_planned"], rounds_closed=operator["rounds_closed"],
+                                 accuracy=operator["last_accuracy"], created=operator["created"],
+                                 finished=operator["finished"], desired=operator["desired"])
         layout = cell_layout(config)
         rounds = [round_status(row, layout) for row in rows]
         last = rounds[-1] if rounds else None
         cells = [CellStatus(cell=cell, devices_known=len(devices),
-                            devices_online=self.live.devices_online(cell) if self.live is not None else None,
+                            devices_online=int(operator["cells"][cell]["devices_online"]),
                             reported_last_round=last.reported_per_cell.get(cell, 0) if last else 0,
                             stragglers=[d for d in devices if last and d in last.missing])
                  for cell, devices in layout.items()]
+        latest = {p["candidate"]: p for p in promotions}  # the newest promotion of each candidate
+        models = [ModelVersionStatus(version=m["version"], round=m["round"], sha256=m["sha256"], created=m["created"],
+                                     accuracy=m["accuracy"], cells=m["cells"],
+                                     canary=canary_state(latest.get(m["version"]), m["cells"]))
+                  for m in registry]
         rejects = self.live.rejects() if self.live is not None else {}
-        return RolloutStatus(summary=summary, rounds=rounds, cells=cells, models=models, rejects=rejects)
+        return RolloutStatus(summary=summary, rounds=rounds, cells=cells, models=models, rejects=rejects,
+                             operator=operator, promotions=promotions)
+
+
+def canary_state(promotion: Mapping[str, Any] | None, serving: Sequence[str]) -> str | None:
+    """A version's canary state from its newest promotion (``cloud_coordinator.canary``):
+    ``promoted`` (its gate passed), ``rejected`` (its gate failed), ``rolled back to`` (``rollout
+    rollback`` chose it), ``canary`` (its canary cells serve it while the gate decides: no promotion
+    is recorded yet); ``None`` when it was never promoted."""
+    if promotion is None:
+        return "canary" if serving else None
+    if not promotion["canary"]:
+        return "rolled back to"
+    return "promoted" if promotion["passed"] else "rejected"
 
 
 def cell_layout(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:

@@ -14,9 +14,6 @@ from cloud_coordinator.store import CoordinatorStore
 
 
 class _Live:
-    def devices_online(self, cell: str) -> int | None:
-        return {"cell-a": 1}.get(cell, 0)
-
     def rejects(self) -> dict[str, float]:
         return {"sha_mismatch": 2.0}
 
@@ -38,6 +35,13 @@ def store(tmp_path: Path) -> Path:
                "missing": missing, "model_version": rnd + 1, "round_s": 0.5,
                "bytes": {"device_up": 1000, "device_down": 2000, "edge_up": 300, "cloud_down": 400}}
         s.commit_round("r1", rnd, rnd + 1, params, acc, 1.0 - acc, row)
+    s.record_presence("dev-00", {"role": "device", "cell": "cell-a", "state": "online"}, 1.0)
+    s.record_presence("dev-02", {"role": "device", "cell": "cell-b", "state": "offline"}, 1.0)
+    s.set_deployment("r1", ["cell-a", "cell-b"], 1)  # version 1 promoted everywhere ...
+    s.add_promotion("r1", 1, None, ["cell-a"], True, [])
+    s.set_deployment("r1", ["cell-a"], 2)  # ... version 2 on its canary cell, its gate failed
+    s.add_promotion("r1", 2, 1, ["cell-a"], False, ["accuracy 0.62 below 0.70 - margin"])
+    s.set_deployment("r1", ["cell-a"], 1)
     s.close()
     return path
 
@@ -58,7 +62,9 @@ def test_the_api_lists_rollouts_and_serves_one(store: Path) -> None:
         {"cell": "cell-a", "devices_known": 2, "devices_online": 1, "reported_last_round": 2, "stragglers": []},
         {"cell": "cell-b", "devices_known": 2, "devices_online": 0, "reported_last_round": 1,
          "stragglers": ["dev-03"]}]
-    assert [m["version"] for m in doc["models"]] == [0, 1, 2]
+    assert [(m["version"], m["cells"], m["canary"]) for m in doc["models"]] == \
+        [(0, [], None), (1, ["cell-a", "cell-b"], "promoted"), (2, [], "rejected")]
+    assert doc["promotions"][-1]["reasons"] == ["accuracy 0.62 below 0.70 - margin"]
     assert doc["rejects"] == {"sha_mismatch": 2.0}
     assert missing.status_code == 404 and "nope" in missing.json()["error"]
 
@@ -124,3 +130,22 @@ def test_no_device_gateway_or_core_module_imports_the_web_stack() -> None:
             names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
             names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
             assert not names & web_stack, (path, names & web_stack)
+
+
+def test_the_api_carries_the_operators_status_document(store: Path) -> None:
+    """One truth: the dashboard's rollout document embeds what ``fedtier rollout status --json`` prints."""
+    from cloud_coordinator.status import rollout_status
+
+    client = TestClient(web.create_app(StoreStatus(store)))
+    s = CoordinatorStore(store)
+    try:
+        expected = rollout_status(s, "r1")
+    finally:
+        s.close()
+
+    doc = client.get("/api/rollouts/r1").json()
+
+    assert doc["operator"] == expected
+    assert doc["operator"]["last_accuracy"] == doc["rounds"][-1]["accuracy"] == 0.625
+    assert [c["devices_online"] for c in doc["cells"]] == [expected["cells"][c]["devices_online"]
+                                                          for c in ("cell-a", "cell-b")]
