@@ -746,10 +746,11 @@ class RolloutConfig(Section):
                 raise self.error(str(exc), "qhetfed.plan.round_budget_s", prefix=prefix, source=source) from None
 
     def _check_secure_aggregation(self, *, prefix: str, source: str | None) -> None:
-        """Secure aggregation: no noise plan yet (distributed DP), and every cell can reach s_min."""
-        if self.privacy is not None:
-            raise self.error("secure aggregation with [privacy] (distributed DP) is not supported yet: drop one of "
-                             "them (docs/secure_aggregation.md)", "fedavg.secure_aggregation",
+        """Secure aggregation: every cell can reach s_min; with [privacy], distributed DP (docs/privacy.md)."""
+        if self.privacy is not None and self.privacy.device_sampling == "fixed":
+            raise self.error("distributed DP (secure aggregation with [privacy]) samples devices by Poisson only: "
+                             "each device decides for itself, in secret, so nobody draws a fixed-size sample; "
+                             "use device_sampling = \"poisson\" or \"none\"", "privacy.device_sampling",
                              prefix=prefix, source=source)
         if self.aggregation is not None:
             from fedtier.algorithms import strategies

@@ -255,8 +255,6 @@ class Demo:
                              "Limitations)")
         if opts.secure_aggregation and opts.algorithm != "fedavg":
             raise ValueError("--secure-aggregation runs with fedavg (docs/secure_aggregation.md)")
-        if opts.secure_aggregation and opts.privacy is not None:
-            raise ValueError("--secure-aggregation with --privacy (distributed DP) is not supported yet")
         self.opts = opts
         self.view = view
         self.dashboard_url: str | None = None

@@ -49,7 +49,8 @@ from cloud_coordinator.strategy_cli import overrides, pop_values, strategy_optio
                    "over Mosquitto with mutual TLS and per-role ACLs, as a production fleet would.")
 @click.option("--secure-aggregation", "secure_aggregation", is_flag=True,
               help="fedavg with SecAgg+ in every cell: each edge learns only its cell's sum, never a device's "
-                   "update (docs/secure_aggregation.md).")
+                   "update (docs/secure_aggregation.md). With --privacy: distributed DP, the devices share the "
+                   "noise a trusted edge would add (docs/privacy.md).")
 @click.option("--privacy", is_flag=True,
               help="Differential privacy with trust labels (fedavg, hier_qsgd, hist): devices under untrusted "
                    "cells add Gaussian noise to every update, trusted cells add it towards the cloud; shows the "
@@ -125,6 +126,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
         fedtier demo --algorithm hsgd
         fedtier demo --privacy --compare
         fedtier demo --secure-aggregation
+        fedtier demo --secure-aggregation --privacy --epsilon 8
         fedtier demo --keep-running --workdir /tmp/fleet
         fedtier demo --privacy --epsilon 4 --trusted cell-a,cell-b --workdir /tmp/dp-demo
         fedtier demo --dashboard --rounds 100
@@ -270,6 +272,9 @@ def _print_summary(opts: Any, result: Any, baseline: Any) -> None:
     if p is not None:
         labels = ", ".join(f"{cell} " + ("trusted (its edge adds noise)" if c["trusted"]
                                          else "untrusted (its devices add noise)") for cell, c in p["cells"].items())
+        if opts.secure_aggregation:
+            labels = ("distributed DP in every cell, whatever its label: its devices add shares of the noise and "
+                      "its edge sees only their sum (secure aggregation)")
         multipliers = ", ".join(f"{tier} tier z {z:.3g}" for tier, z in p["noise_multiplier"].items())
         facts += [("epsilon (ledger)", f"{p['epsilon']:.4g} of {p['budget_epsilon']:g} at delta {p['delta']:g} "
                                        "(largest over devices, recomputed from the coordinator's ledger rows)"),

@@ -192,7 +192,7 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
                         f"budget {budget:g}: the rollout {stop}")
     if snr is not None:
         warnings += snr.warnings(p.epsilon)
-    if not p.require_tls and any(r.kind == DEVICE and not r.injects for r in rows):
+    if not p.require_tls and any(r.kind == DEVICE and not r.injects and not r.distributed for r in rows):
         warnings.append("require_tls = false: devices under trusted cells may send clear updates without TLS")
     header = {
         "config": str(config_path), "rollout": cfg.rollout, "algorithm": cfg.algorithm,
@@ -200,6 +200,7 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
         "rounds": cfg.rounds, "edge_rounds": tau, "local_steps": local_steps, "require_tls": p.require_tls,
         "cells": len(cfg.topology.layout()), "devices": len(samples), "accountant": p.accountant,
         "device_sampling": p.device_sampling, "sample_rate": q, "secure_noise": p.secure_noise,
+        "distributed_min_survivors": calibrate.distributed_min_survivors(cfg),
     }
     if p.calibration == "paper":
         header.update(alpha=m.details["alpha"], sampling_rate=m.details["sampling_rate"],
@@ -237,7 +238,14 @@ def render_plan(doc: dict[str, Any]) -> str:
             ("schedule", f"{doc['rounds']} rounds x {doc['edge_rounds']} edge rounds x {doc['local_steps']} "
                          "local steps"),
             ("require_tls", "yes" if doc["require_tls"] else "no")]
-    if doc.get("device_sampling", "none") != "none":
+    s_min = doc.get("distributed_min_survivors", 0)
+    if s_min:
+        rows.append(("distributed DP", f"secure aggregation in every cell: each device adds 1/{s_min} of its cell's "
+                                       f"noise variance (s_min = {s_min} survivors at least), no edge sees an update "
+                                       "and none adds noise; a cell's sum is charged as a trusted edge's release"
+                                       + (", its devices sampling themselves in secret" if doc.get(
+                                           "device_sampling", "none") != "none" else "") + " (docs/privacy.md)"))
+    elif doc.get("device_sampling", "none") != "none":
         rows.append(("sampling", f"{doc['device_sampling']} at q = {doc['sample_rate']:g} per round: trusted edges "
                                  "sample in secret and release a fixed-denominator sum (amplified); devices under "
                                  "untrusted edges pay full price, sampled at most "
@@ -330,6 +338,9 @@ def _node_cells(label: str, n: dict[str, Any], require_tls: bool) -> list[str]:
     from cloud_coordinator.privacy.report import fmt
 
     declared = {None: "-", True: "trusted", False: "untrusted"}[n["declared"]]
+    if n.get("distributed") and n["kind"] == "device":  # distributed DP: a share of its cell's release
+        return [label, str(n["layer"]), n["parent"] or "-", declared, "-", "share", "0", fmt(n["sensitivity"]),
+                fmt(n["z"]), fmt(n["sigma"]), n["why"]]
     if n["kind"] == "device":
         effective = "-"
         tls = "(TLS required)" if require_tls else "(TLS NOT required)"

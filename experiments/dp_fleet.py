@@ -25,6 +25,7 @@ Usage: ``python experiments/dp_fleet.py [--config experiments/dp_fleet.toml] [--
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import sys
 import time
@@ -89,9 +90,13 @@ def trusted_cells(spec: dict[str, Any], p: float, seed: int) -> list[str]:
     return [str(c) for c in np.random.default_rng(seed).permutation(names)[: round(p * len(names))]]
 
 
-def rollout_mapping(spec: dict[str, Any], p: float, eps: float, seed: int) -> dict[str, Any]:
-    """The rollout config a private run's plan comes from (which cells are trusted: drawn by seed)."""
+def rollout_mapping(spec: dict[str, Any], p: float, eps: float, seed: int, secagg: bool = False) -> dict[str, Any]:
+    """The rollout config a private run's plan comes from (which cells are trusted: drawn by seed); ``secagg``:
+    secure aggregation in every cell with s_min from ``[secagg]``, so the plan is distributed DP."""
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in spec["rollout"].items()}
+    if secagg:
+        base["fedavg"] = {**base.get("fedavg", {}), "secure_aggregation": True, "weighting": "uniform",
+                          "secagg_min_survivors": spec["secagg"]["min_survivors"]}
     base.update(rounds=spec["rounds"], seed=seed,
                 topology={"cells": spec["cells"], "devices_per_cell": spec["devices_per_cell"],
                           "trusted": {c: True for c in trusted_cells(spec, p, seed)}},
@@ -103,15 +108,16 @@ def rollout_mapping(spec: dict[str, Any], p: float, eps: float, seed: int) -> di
 
 def all_mappings(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Every private run's rollout config (tests/unit/test_docs.py loads them all)."""
-    return [rollout_mapping(spec, p, e, s) for e in spec["epsilons"] for p in spec["p_trusted"] for s in spec["seeds"]]
+    plain = [rollout_mapping(spec, p, e, s) for e in spec["epsilons"] for p in spec["p_trusted"] for s in spec["seeds"]]
+    return plain + [rollout_mapping(spec, 0.0, e, s, secagg=True) for e in spec["epsilons"] for s in spec["seeds"]]
 
 
-def plan_for(spec: dict[str, Any], p: float, eps: float, seed: int) -> Any:
+def plan_for(spec: dict[str, Any], p: float, eps: float, seed: int, secagg: bool = False) -> Any:
     """The rollout's noise plan and cell layout, from a real RolloutConfig."""
     from cloud_coordinator.config import RolloutConfig
     from cloud_coordinator.privacy.calibrate import make_plan
 
-    cfg = RolloutConfig.from_mapping(rollout_mapping(spec, p, eps, seed))
+    cfg = RolloutConfig.from_mapping(rollout_mapping(spec, p, eps, seed, secagg))
     return make_plan(cfg, {}), {c: tuple(m) for c, m in cfg.topology.layout().items()}
 
 
@@ -133,8 +139,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     w = np.zeros((spec["data"]["features"] + 1, spec["data"]["classes"]))
     q, t = spec["sample_rate"], spec["train"]
     plan = layout = None
+    secagg = bool(job.get("secagg"))
     if eps is not None:
-        plan, layout = plan_for(spec, p, eps, seed)
+        plan, layout = plan_for(spec, p, eps, seed, secagg)
     cells = sorted(layout) if layout is not None else [f"c{i}" for i in range(n_cells)]
     index = {c: np.arange(i * per_cell, (i + 1) * per_cell) for i, c in enumerate(cells)}
     names = {c: (layout[c] if layout is not None else tuple(f"{c}-{j}" for j in range(per_cell))) for c in cells}
@@ -150,9 +157,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         count_total = 0.0
         for c in cells:
             idx = index[c]
-            trusted = plan is not None and plan.cells[c].trusted
-            chosen = rng.random(per_cell) < q
-            if plan is not None and not trusted:  # the cloud samples, within each device's release cap
+            distributed = plan is not None and plan.cells[c].distributed
+            trusted = plan is not None and plan.cells[c].trusted and not distributed
+            chosen = rng.random(per_cell) < q  # distributed DP: each device's own secret draw
+            if plan is not None and not trusted and not distributed:  # the cloud samples, within the release cap
                 chosen &= released[idx] < plan.device_release_cap
             sel = idx[chosen]
             deltas = local_deltas(w, x[sel], y[sel], t["local_steps"], t["lr"]) if len(sel) else \
@@ -164,7 +172,17 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 continue
             norms = np.linalg.norm(deltas, axis=1)
             clipped = deltas * np.minimum(1.0, clip / np.maximum(norms, 1e-12))[:, None]
-            if trusted:
+            if distributed:
+                # Secure aggregation: every member (no dropouts here) adds its share sigma_d of the cell's noise,
+                # the sampled ones their clipped delta too; the edge unmasks the sum only and divides by q n.
+                # The n shares N(0, sigma_d^2) sum to N(0, n sigma_d^2): drawn at once (the same distribution).
+                shares = noise.add({"d": np.zeros(w.size)}, plan.device_sigma(c) * math.sqrt(per_cell), "dp", c,
+                                   "shares", rnd)["d"]
+                total = clipped.sum(axis=0) + shares
+                updates.append(total / plan.release_denominator(c, per_cell))
+                weights.append(per_cell)
+                ledger.add(names[c], plan.distributed_release(c, per_cell, per_cell)[2], 1, sampling_rate=q)
+            elif trusted:
                 sigma = plan.edge_sigma(c) * clip / plan.clip  # sigma scales with the round's C
                 z_charged = plan.edge_charged_z(c)
                 if clip_state is not None:  # the count's noise takes a share of z: the update gets more
@@ -192,7 +210,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             clip_state.update(count_total, q * n)
         accs.append(accuracy(w, xt, yt))
     out = {"seed": seed, "p": p, "eps": eps, "accuracy": accs[-1], "curve": accs, "clips": clips,
-           "seconds": time.perf_counter() - start, "adaptive": bool(adaptive)}
+           "seconds": time.perf_counter() - start, "adaptive": bool(adaptive), "secagg": secagg}
     if plan is not None:
         for c in cells:  # every device is listed, sampled or not
             ledger.add(names[c], 0.0, 0)
@@ -235,12 +253,15 @@ def main() -> None:
              for s in spec["seeds"]]
     a = spec["adaptive"]
     jobs += [{"spec": spec, "seed": s, "p": a["p_trusted"], "eps": a["epsilon"], "adaptive": a} for s in spec["seeds"]]
+    jobs += [{"spec": spec, "seed": s, "p": 0.0, "eps": e, "secagg": True} for e in spec["epsilons"]
+             for s in spec["seeds"]]
     start = time.perf_counter()
     results = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         for r in pool.map(run_cached, jobs):
             tag = ("non-DP" if r["eps"] is None
-                   else f"p={r['p']} eps={r['eps']}" + (" adaptive" if r["adaptive"] else ""))
+                   else f"p={r['p']} eps={r['eps']}" + (" adaptive" if r["adaptive"] else "")
+                   + (" secure aggregation" if r.get("secagg") else ""))
             print(f"{tag} seed {r['seed']}: accuracy {r['accuracy']:.3f}"
                   + (f", ledger epsilon {r['epsilon']:.3f} (PLD {r['epsilon_pld']:.3f})" if r["eps"] else "")
                   + f" [{r['seconds']:.0f} s]", flush=True)
@@ -261,7 +282,8 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
     import matplotlib.pyplot as plt
 
     base = [r["accuracy"] for r in results if r["eps"] is None]
-    fixed = [r for r in results if r["eps"] is not None and not r["adaptive"]]
+    fixed = [r for r in results if r["eps"] is not None and not r["adaptive"] and not r.get("secagg")]
+    dist = [r for r in results if r.get("secagg")]
     rows, checks = [], []
     for p in spec["p_trusted"]:
         for e in spec["epsilons"]:
@@ -324,6 +346,8 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
         f"{int(spec['sample_rate'] * spec['devices_per_cell'])} sampled devices per cell and no amplification, "
         "the noise on the fleet's mean is far larger than with trusted edges at the same epsilon.",
         "",
+        *distributed_lines(spec, base, fixed, dist),
+        "",
         f"Adaptive clipping (p = {a['p_trusted']:g}, epsilon {a['epsilon']:g}, C starting at {a['start_clip']} — "
         f"{spec['clip'] / a['start_clip']:.0f}x below the hand-picked C — target quantile "
         f"{a['target_quantile']}, its noised clipped count (std {a['count_stddev_per_cell']} per cell) paid "
@@ -343,6 +367,10 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
         means = [statistics.mean(r["accuracy"] for r in fixed if r["p"] == p and r["eps"] == e)
                  for e in spec["epsilons"]]
         axes[0].plot(spec["epsilons"], means, marker="o", label=f"p = {p:g}")
+    if dist:
+        axes[0].plot(spec["epsilons"], [statistics.mean(r["accuracy"] for r in dist if r["eps"] == e)
+                                        for e in spec["epsilons"]], marker="s", ls="--",
+                     label="p = 0, secure aggregation (distributed DP)")
     axes[0].axhline(statistics.mean(base), color="k", ls="--", label="non-DP")
     axes[0].axhline(statistics.mean(base) - 0.03, color="grey", ls=":", label="non-DP - 3 points")
     axes[0].set_xlabel("epsilon (target; ledger within it)")
@@ -364,9 +392,46 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
                 [[f"{e:g}", f"{100 * g:.1f}", "yes" if g <= 0.03 else "no"] for e, g in checks])
 
 
+def distributed_lines(spec: dict[str, Any], base: list[float], fixed: list[dict[str, Any]],
+                      dist: list[dict[str, Any]]) -> list[str]:
+    """Issue 18: untrusted edges with secure aggregation (distributed DP) beside trusted edges and local DP."""
+    if not dist:
+        return []
+    s_min = spec["secagg"]["min_survivors"]
+    rows, verdicts = [], []
+    for e in spec["epsilons"]:
+        acc = [r["accuracy"] for r in dist if r["eps"] == e]
+        trusted = [r["accuracy"] for r in fixed if r["p"] == 1.0 and r["eps"] == e]
+        local = [r["accuracy"] for r in fixed if r["p"] == 0.0 and r["eps"] == e]
+        gap = statistics.mean(trusted) - statistics.mean(acc)
+        rows.append([f"{e:g}", _ms(acc), _ms(trusted), _ms(local), f"{100 * gap:.1f}",
+                     f"{max(r['epsilon'] for r in dist if r['eps'] == e):.3f}",
+                     f"{statistics.mean(r['device_z'] for r in dist if r['eps'] == e):.3f}"])
+        verdicts.append(f"epsilon {e:g}: {100 * gap:.1f} points below trusted — "
+                        f"{'met' if gap <= 0.01 else 'NOT met'}")
+    return [
+        "### Untrusted edges with secure aggregation: distributed DP",
+        "",
+        f"Every cell untrusted (p = 0) but running SecAgg+ with s_min = {s_min} of {spec['devices_per_cell']} "
+        "(issue 18): each device decides in secret whether it is sampled, every member takes part in the protocol "
+        f"and adds N(0, sigma_sum^2 / {s_min}) — the sampled ones to their clipped delta, the others to zeros — and "
+        "the edge, which can unmask only the cell's sum, divides it by q·n. The release is a trusted edge's, "
+        f"with sqrt(n / s_min) = {math.sqrt(spec['devices_per_cell'] / s_min):.3f} times its noise when all n "
+        "survive (the plan covers any accepted sum); the ledger charges it as a Poisson-sampled Gaussian "
+        "(`plan.distributed_release`). Same data, seeds, sampling rate and accountant as the table above; the "
+        "masking itself is exact (tests/unit/fedtier/algorithms/test_secure_fedavg.py) and is not rerun here.",
+        "",
+        md_table(["epsilon target", "distributed DP (3 seeds)", "trusted edges, p = 1", "local DP, p = 0",
+                  "points below trusted", "ledger epsilon (RDP, max)", "device z (its share)"], rows),
+        "",
+        "Acceptance (within 1 accuracy point of trusted edges, far above local DP): " + "; ".join(verdicts) + ".",
+    ]
+
+
 def args_line(spec: dict[str, Any]) -> str:
     return f"{len(spec['seeds'])} seeds × p ∈ {{{', '.join(f'{p:g}' for p in spec['p_trusted'])}}} × epsilon ∈ " \
-           f"{{{', '.join(f'{e:g}' for e in spec['epsilons'])}}} + non-DP + adaptive clipping"
+           f"{{{', '.join(f'{e:g}' for e in spec['epsilons'])}}} + non-DP + adaptive clipping + secure " \
+           "aggregation (distributed DP)"
 
 
 if __name__ == "__main__":

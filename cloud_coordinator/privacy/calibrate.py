@@ -27,7 +27,7 @@ for ``fedtier privacy plan``; ``make_plan`` is the two-tier plan a rollout runs 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from cloud_coordinator.config import RolloutConfig
@@ -151,24 +151,49 @@ def make_plan(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> NoisePla
     def edge_z(members: int) -> float:
         return edge_multiplier(cfg, members) if p.device_sampling == "fixed" else m.edge_z
 
-    plans = {cell: CellPlan(trusted=tree[cell].trusted, members=len(members),
-                            device_z=0.0 if tree[cell].trusted else m.device_z,
-                            edge_z=edge_z(len(members)) if tree[cell].trusted else 0.0)
-             for cell, members in cells.items()}
+    s_min = distributed_min_survivors(cfg)
+    if s_min:  # distributed DP: every cell's release is planned as a trusted edge's, its noise from the devices
+        plans = {cell: CellPlan(trusted=tree[cell].trusted, members=len(members), device_z=1.0,
+                                edge_z=edge_z(len(members)), min_survivors=s_min) for cell, members in cells.items()}
+    else:
+        plans = {cell: CellPlan(trusted=tree[cell].trusted, members=len(members),
+                                device_z=0.0 if tree[cell].trusted else m.device_z,
+                                edge_z=edge_z(len(members)) if tree[cell].trusted else 0.0)
+                 for cell, members in cells.items()}
     budget = p.budget_epsilon if p.budget_epsilon is not None else p.epsilon
     details = dict(m.details)
     q = sample_rate(cfg)
-    plan = NoisePlan(mode=p.calibration, epsilon=p.epsilon, delta=p.delta, budget_epsilon=budget, clip=p.clip,
+    plan = _plan(cfg, plans, details, tau, q, budget)
+    if s_min:  # each device's share of its cell's noise: sigma_sum / sqrt(s_min)
+        plans = {c: replace(cp, device_z=plan.distributed_device_z(c, cp.edge_z, s_min)) for c, cp in plans.items()}
+        details.update(distributed_min_survivors=s_min)
+        details["epsilon_device_tier"] = 0.0  # no release of a device's own: only its cell's noised sum
+        plan = _plan(cfg, plans, details, tau, q, budget)
+    edge_tier = [c for c, cp in plans.items() if cp.trusted or cp.distributed]
+    if edge_tier:  # what the ledger will charge the edge tier: the worst such cell, sound sensitivity
+        details["epsilon_edge_tier"] = max(
+            accountant.epsilon([(plan.edge_charged_z(c), cfg.rounds, *plan.edge_event(c))], p.delta,
+                               accounting=p.accountant) for c in edge_tier)
+    return plan
+
+
+def distributed_min_survivors(cfg: RolloutConfig) -> int:
+    """s_min when the rollout runs distributed DP (``[fedavg] secure_aggregation`` under ``[privacy]``), else 0."""
+    section = getattr(cfg, cfg.algorithm, None)
+    if cfg.privacy is None or section is None or not getattr(section, "secure_aggregation", False):
+        return 0
+    return int(section.secagg_min_survivors)
+
+
+def _plan(cfg: RolloutConfig, plans: dict[str, CellPlan], details: dict[str, Any], tau: int, q: float,
+          budget: float) -> NoisePlan:
+    p = cfg.privacy
+    assert p is not None
+    return NoisePlan(mode=p.calibration, epsilon=p.epsilon, delta=p.delta, budget_epsilon=budget, clip=p.clip,
                      edge_rounds=tau, rounds=cfg.rounds, require_tls=p.require_tls, cells=plans, details=details,
                      accountant=p.accountant, sampling=p.device_sampling, sample_rate=q,
                      device_release_cap=release_cap(cfg.rounds, q) if p.device_sampling != "none" else 0,
                      secure_noise=p.secure_noise, sample_seed=int(cfg.seed))
-    trusted = [c for c, cp in plans.items() if cp.trusted]
-    if trusted:  # what the ledger will charge the edge tier: the worst trusted cell, sound sensitivity
-        details["epsilon_edge_tier"] = max(
-            accountant.epsilon([(plan.edge_charged_z(c), cfg.rounds, *plan.edge_event(c))], p.delta,
-                               accounting=p.accountant) for c in trusted)
-    return plan
 
 
 @dataclass(frozen=True)
@@ -188,6 +213,7 @@ class PlanRow:
     z: float
     sigma: float
     protects: int  # devices whose data its noise covers
+    distributed: bool = False  # distributed DP: a device adds a share of its cell's noise, its cell releases
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in self.__dict__.items()}
@@ -231,4 +257,31 @@ def plan_rows(cfg: RolloutConfig, device_samples: Mapping[str, int],
                             declared=node.declared, trusted=node.trusted, why=node.why, injects=node.injects,
                             releases=releases, sensitivity=sens, z=z, sigma=sigma,
                             protects=node.devices if node.injects else 0))
+    if distributed_min_survivors(cfg):
+        rows = _distributed_rows(cfg, device_samples, rows)
     return rows
+
+
+def _distributed_rows(cfg: RolloutConfig, device_samples: Mapping[str, int], rows: list[PlanRow]) -> list[PlanRow]:
+    """Distributed DP (secure aggregation): devices add shares of their cell's noise and release nothing of
+    their own; each cell's sum is the release (the injection point), charged as a trusted edge's release
+    (``fedtier.privacy.plan``) with ``s_min`` survivors, the least noise the protocol accepts."""
+    plan = make_plan(cfg, device_samples)
+    s_min = distributed_min_survivors(cfg)
+    out = []
+    for row in rows:
+        if row.kind == DEVICE and row.parent is not None and row.parent in plan.cells:
+            out.append(replace(row, injects=False, distributed=True, releases=0, sensitivity=plan.device_sensitivity,
+                               z=plan.cells[row.parent].device_z, sigma=plan.device_sigma(row.parent), protects=0,
+                               why=f"adds a 1/{s_min} share of {row.parent}'s noise variance to its update; "
+                                   "releases nothing alone (secure aggregation)"))
+        elif row.node in plan.cells:
+            n = plan.cells[row.node].members
+            sigma, sens, z = plan.distributed_release(row.node, s_min, n)
+            out.append(replace(row, injects=True, distributed=True, releases=cfg.rounds, sensitivity=sens, z=z,
+                               sigma=sigma, protects=n,
+                               why=f"sees only its cell's sum (secure aggregation): >= {s_min} devices' noise "
+                                   "shares make it one release a round (distributed DP); the edge adds nothing"))
+        else:
+            out.append(row)
+    return out

@@ -109,7 +109,9 @@ def estimate(plan: NoisePlan, parameters: Mapping[str, int], *, cells_averaged: 
     signal = tau * clip
     variance: dict[str, float] = {}
     for cell, p in plan.cells.items():
-        if p.trusted:
+        if p.distributed:  # every member adds its share; the sum is divided by n (or the fixed q n)
+            variance[cell] = p.members * plan.device_sigma(cell) ** 2 / plan.release_denominator(cell, p.members) ** 2
+        elif p.trusted:
             variance[cell] = plan.edge_sigma(cell) ** 2
         else:
             # under device sampling an untrusted cell averages about q n devices a round
@@ -118,12 +120,12 @@ def estimate(plan: NoisePlan, parameters: Mapping[str, int], *, cells_averaged: 
     ratios = {c: Ratio(signal, math.sqrt(parameters[c] * v), c) for c, v in variance.items()}
 
     def worst(trusted: bool) -> Ratio | None:
-        tier = [r for c, r in ratios.items() if plan.cells[c].trusted == trusted]
+        tier = [r for c, r in ratios.items() if plan.cells[c].hides_participation == trusted]
         return min(tier, key=lambda r: r.snr) if tier else None
 
     weights = {c: plan.cells[c].members for c in plan.cells}
     share = {c: weights[c] ** 2 * v for c, v in variance.items()}
-    trusted_share = sum(s for c, s in share.items() if plan.cells[c].trusted)
+    trusted_share = sum(s for c, s in share.items() if plan.cells[c].hides_participation)
     dominant = "edge" if trusted_share > sum(share.values()) - trusted_share else "device"
     if cells_averaged:
         m = max(parameters[c] for c in plan.cells)

@@ -135,14 +135,15 @@ class Cloud(StateGuard):
         cell left without a member gets no task, and the round does not wait for it.
 
         Under a noise plan with device sampling the cloud samples the devices of untrusted cells (public,
-        within their release cap: ``NoisePlan.untrusted_sample``); trusted cells get every member and sample
-        in secret themselves."""
+        within their release cap: ``NoisePlan.untrusted_sample``); trusted and distributed-DP cells get every
+        member and sample in secret themselves."""
         plan = self._noise_plan()
         if plan is None or not plan.sampled:
             return dict(self.cells)
         out: dict[str, tuple[str, ...]] = {}
         for cell, members in self.cells.items():
-            chosen = members if plan.cells[cell].trusted else plan.untrusted_sample(cell, members, self.round)
+            chosen = members if plan.cells[cell].hides_participation else plan.untrusted_sample(cell, members,
+                                                                                                self.round)
             if chosen:
                 out[cell] = tuple(chosen)
         return out

@@ -18,9 +18,19 @@ cell's round (a ``Note("secagg_abort")`` with the typed reason); the cloud's quo
 then closes the round without that cell and the next round starts as usual.
 
 Restrictions (validated): one edge round, uniform weighting (the edge sees only a sum, so it
-cannot weight), no quantization (the ring encoding is the quantizer), no noise plan yet, no
-federated evaluation (a device's held-out statistics would be individual values in clear).
-A device that restarts mid-round has lost its session keys: it is a dropout for that round.
+cannot weight), no quantization (the ring encoding is the quantizer), no federated evaluation
+(a device's held-out statistics would be individual values in clear). A device that restarts
+mid-round has lost its session keys: it is a dropout for that round.
+
+Under a noise plan every cell runs distributed DP (``fedtier.privacy.plan``, docs/privacy.md):
+a device clips its delta to C, adds its share ``sigma_d = sigma_sum / sqrt(s_min)`` of the cell's
+noise, and only then rounds into the ring (sized by ``NoisePlan.ring_clip`` so that its clipping
+practically never touches the noise); the edge, which sees the sum alone, adds nothing and
+reports one release record for the cell (``sqrt(|U3|) sigma_d`` on the sum, ``|U3| >= s_min``).
+With device sampling every member takes part in the protocol and decides in secret (its own
+noise source) whether it is sampled: the sampled train and contribute their noised clipped
+delta, the others noise alone; the edge divides the sum by the public ``q n`` as a trusted edge
+does, so the release never reveals who or how many were sampled.
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ from fedtier.algorithms.cloud import Cloud
 from fedtier.algorithms.common import check_int, check_like
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.algorithms.hier_qsgd import _DeviceBase, _EdgeBase
+from fedtier.privacy import audit
+from fedtier.privacy.mechanism import clip
+from fedtier.privacy.plan import NoisePlan
 from fedtier.errors import (
     LateMessageError,
     LocalProtocolError,
@@ -94,18 +107,34 @@ class SecureFedAvgConfig(FedAvgConfig):
             raise LocalProtocolError("secure aggregation runs one edge round per global round (edge_rounds = 1)")
         if self.weighting != "uniform":
             raise LocalProtocolError("secure aggregation needs weighting = 'uniform' (the edge sees only a sum)")
-        if self.privacy is not None:
-            raise LocalProtocolError("secure aggregation with a noise plan (distributed DP) is not supported yet")
         check_int(self.secagg_min_survivors, "secagg_min_survivors", 1)
         check_int(self.secagg_degree, "secagg_degree", 2)
         self.params(1)  # validates threshold, bits and clip
 
-    def params(self, members: int) -> SecAggParams:
-        """The protocol's parameters for a cell of ``members`` devices."""
+    def params(self, members: int, ring_clip: float | None = None) -> SecAggParams:
+        """The protocol's parameters for a cell of ``members`` devices; ``ring_clip`` replaces
+        ``secagg_clip`` under distributed DP (``NoisePlan.ring_clip``: room for the noise)."""
         return SecAggParams(min_survivors=self.secagg_min_survivors, degree=self.secagg_degree,
                             threshold_fraction=float(self.secagg_threshold),
-                            codec=ring.RingCodec(bits=self.secagg_bits, clip=float(self.secagg_clip),
+                            codec=ring.RingCodec(bits=self.secagg_bits,
+                                                 clip=float(self.secagg_clip if ring_clip is None else ring_clip),
                                                  max_inputs=max(1, members)))
+
+
+def distributed_plan(plan: NoisePlan | None, cell: str, min_survivors: int) -> NoisePlan | None:
+    """The task's plan if the cell runs distributed DP with the protocol's own ``s_min``; ``None``
+    without a plan. A plan whose s_min is not the protocol's could accept sums with less noise than
+    planned: refused."""
+    if plan is None:
+        return None
+    p = plan.cells[cell]
+    if not p.distributed:
+        raise UnexpectedMessageError(f"secure aggregation under a noise plan needs distributed DP for cell {cell!r} "
+                                     "(the plan's cell has no min_survivors)")
+    if p.min_survivors != min_survivors:
+        raise UnexpectedMessageError(f"the plan's s_min {p.min_survivors} for cell {cell!r} is not the protocol's "
+                                     f"secagg_min_survivors {min_survivors}: a smaller sum would carry less noise")
+    return plan
 
 
 def edge_sees_individual_updates(config: Any) -> bool:
@@ -129,7 +158,7 @@ class Device(_DeviceBase):
     """Trains like a FedAvg device, then takes part in the cell's SecAgg+ round."""
 
     CONFIG: ClassVar[type[Any]] = SecureFedAvgConfig
-    SUPPORTS_PRIVACY: ClassVar[bool] = False
+    SUPPORTS_PRIVACY: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs["evaluate"] = False  # held-out statistics would reach the edge in clear
@@ -148,8 +177,14 @@ class Device(_DeviceBase):
             if answer is not None:
                 return answer
             self._session, self._encoded, self._members = None, None, message.members
-            self._state = RoleState.TRAINING
             c = self._config
+            distributed_plan(self._plan, self.cell, c.secagg_min_survivors)
+            if not self._sampled():  # distributed DP with sampling: take part with noise alone
+                self._state = RoleState.TRAINING
+                return self.trained(self._round, LocalResult(
+                    delta={n: np.zeros_like(v) for n, v in self._params.items()}, num_samples=0, mean_loss=0.0,
+                    steps=0))
+            self._state = RoleState.TRAINING
             return [LocalTrain(round=self._round, step=0, params=self._params, steps=c.local_steps,
                                batch_size=c.batch_size, lr=c.lr,
                                stream=(c.seed, "batches", self.rollout, self.device_id, self._round, 0))]
@@ -206,10 +241,10 @@ class Device(_DeviceBase):
             return [Dropped("superseded", f"local/{round}", f"now at round {self._round}")]
         check_like(self._params, result.delta, "local result")
         c = self._config
-        params = c.params(len(self._members))
-        self._encoded = params.codec.encode(ring.flatten(result.delta),
-                                            stream(c.seed, "secagg_rounding", self.rollout, self.device_id,
-                                                   self._round))
+        vector, ring_clip = self._privatized(result.delta)
+        params = c.params(len(self._members), ring_clip)
+        self._encoded = params.codec.encode(vector, stream(c.seed, "secagg_rounding", self.rollout, self.device_id,
+                                                           self._round))
         self._session = DeviceSession(self.device_id, self._members, params, c.seed, self.rollout, self._round)
         keys = self._session.advertise()
         self._uploaded(0)
@@ -218,21 +253,48 @@ class Device(_DeviceBase):
                                         c_pk=keys.c_pk, s_pk=keys.s_pk, b_commit=keys.b_commit))]
 
 
+    def _sampled(self) -> bool:
+        """Whether this device contributes its update this round: always, except under distributed DP
+        with device sampling, where it draws ``u < q`` from its own noise source — a secret from the
+        edge, which sees every member take part either way."""
+        plan = self._plan
+        if plan is None or not plan.sampled:
+            return True
+        u = self.noise.generator("sample", self.rollout, self.device_id, self._round).random()
+        return bool(u < plan.sample_rate)
+
+    def _privatized(self, delta: Any) -> tuple[np.ndarray, float | None]:
+        """The vector to encode and the ring's clip: the delta as is without a plan; under distributed DP
+        the delta clipped to C plus this device's share of the cell's noise, and a ring clip with room
+        for the noise (noise before rounding: docs/privacy.md "Distributed DP")."""
+        plan = self._plan
+        if plan is None:
+            return ring.flatten(delta), None
+        clipped, _ = clip(delta, plan.clip)
+        noised = self.noise.add(clipped, plan.device_sigma(self.cell), "dp", self.rollout, self.device_id,
+                                self._round, 0, secure=plan.secure_noise)
+        vector = ring.flatten(noised)
+        return vector, plan.ring_clip(self.cell, vector.size)
+
+
 class Edge(_EdgeBase):
     """Runs the cell's SecAgg+ round; forwards the decoded mean of the survivors' updates."""
 
     CONFIG: ClassVar[type[Any]] = SecureFedAvgConfig
-    SUPPORTS_PRIVACY: ClassVar[bool] = False
+    SUPPORTS_PRIVACY: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.session: EdgeSession | None = None
         self.aborts: list[Abort] = []
+        self._survivors: list[str] = []
 
     def _start(self, config: Any) -> None:
         assert self._task is not None
         length = sum(int(np.prod(p.shape)) for p in self._params.values())
-        self.session = EdgeSession(self._task.members, config.params(len(self._task.members)), config.seed,
+        plan = distributed_plan(self._plan, self.cell, config.secagg_min_survivors)
+        ring_clip = plan.ring_clip(self.cell, length) if plan is not None else None
+        self.session = EdgeSession(self._task.members, config.params(len(self._task.members), ring_clip), config.seed,
                                    self.rollout, self._task.round, length)
 
     @property
@@ -338,11 +400,32 @@ class Edge(_EdgeBase):
         codec = self.session.params.codec if self.session is not None else None
         assert codec is not None
         n = len(result.survivors)
-        mean = ring.unflatten(codec.decode_sum(result.total) / n, self._params)
         ids = list(result.survivors)
+        plan = self._plan
+        # Under distributed DP with sampling: the fixed, public denominator q n (as a trusted edge's release).
+        denominator = plan.release_denominator(self.cell, n) if plan is not None else float(n)
+        mean = ring.unflatten(codec.decode_sum(result.total) / denominator, self._params)
         self._updates = {d: None for d in ids}  # the base's bookkeeping: no per-device values are kept
+        self._survivors = ids
         return [Note("secagg_unmasked", {"round": self.round, "survivors": n}),
                 *self._forward(mean, ids, [1.0] * n, 0.0, 0.0)]
+
+    def _privatize(self, delta: Any) -> tuple[Any, dict[str, Any] | None]:
+        """Distributed DP: the sum already carries the devices' noise; the edge adds none and reports the
+        cell's one release (``NoisePlan.distributed_release``), charged like a trusted edge's."""
+        plan = self._plan
+        if plan is None:
+            return delta, None
+        assert self._task is not None
+        ids = sorted(self._survivors)
+        sigma, sensitivity, z = plan.distributed_release(self.cell, len(ids), len(ids))
+        record = audit.release_record(plan=plan, node=self.cell, event="edge", round=self._task.round, step=0,
+                                      sigma=sigma, sensitivity=sensitivity, z=z, protected=ids, reporters=len(ids))
+        record["inputs"].update(distributed=True, min_survivors=plan.cells[self.cell].min_survivors,
+                                survivors=len(ids))
+        report = {"trusted": plan.cells[self.cell].trusted, "distributed": True, "steps": [ids],
+                  "releases": [record], "clear": []}
+        return delta, report
 
     def _abort(self, abort: Abort) -> list[Action]:
         self.aborts.append(abort)

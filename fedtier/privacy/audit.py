@@ -124,6 +124,9 @@ def check_cell_update(plan: NoisePlan, cell: str, round: int, privacy: Mapping[s
         raise MissingReleaseError(f"cell {cell} reports devices without a step record")
     if bool(privacy.get("trusted")) != p.trusted:
         raise MissingReleaseError(f"cell {cell} says trusted={privacy.get('trusted')!r}, the plan {p.trusted}")
+    if p.distributed:
+        _check_distributed(plan, cell, round, privacy, steps, releases)
+        return
     if p.trusted:
         own = [r for r in releases if isinstance(r, Mapping) and r.get("node") == cell and r.get("event") == "edge"]
         if len(own) != 1:
@@ -149,3 +152,33 @@ def check_cell_update(plan: NoisePlan, cell: str, round: int, privacy: Mapping[s
     for i, step_reporters in enumerate(steps):
         for device in step_reporters:
             check_device_release(plan, cell, device, round, i, by_key.get((device, i)))
+
+
+def _check_distributed(plan: NoisePlan, cell: str, round: int, privacy: Mapping[str, Any], steps: list[Any],
+                       releases: list[Any]) -> None:
+    """A distributed-DP cell (secure aggregation): one release for the cell, made of at least ``s_min``
+    devices' noise shares, covering everyone in the sum, at no less than the planned multiplier."""
+    p = plan.cells[cell]
+    if privacy.get("distributed") is not True:
+        raise MissingReleaseError(f"cell {cell} runs distributed DP (secure aggregation) but its report does not "
+                                  "say so: its update may hold no device noise")
+    own = [r for r in releases if isinstance(r, Mapping) and r.get("node") == cell and r.get("event") == "edge"]
+    if len(own) != 1 or len(steps) != 1 or not steps[0]:
+        raise MissingReleaseError(f"distributed-DP cell {cell} sent its sum without exactly one release over one "
+                                  f"step (found {len(own)} releases, {len(steps)} steps)")
+    record = own[0]
+    if record.get("round") != round:
+        raise MissingReleaseError(f"noise record of cell {cell} is for round {record.get('round')!r}")
+    survivors = steps[0]
+    if set(survivors) - set(record.get("protected") or ()):
+        raise MissingReleaseError(f"noise release of cell {cell} does not cover {sorted(set(survivors))}")
+    inputs = record.get("inputs") or {}
+    if not isinstance(inputs, Mapping) or _number(inputs, "survivors") < p.min_survivors \
+            or len(survivors) < p.min_survivors:
+        raise MissingReleaseError(f"cell {cell}'s sum holds the noise of fewer than s_min = {p.min_survivors} "
+                                  "devices")
+    planned = plan.edge_charged_z(cell)
+    if _z(record) < planned * (1 - Z_TOLERANCE):
+        raise MissingReleaseError(f"cell {cell}'s sum carries noise with multiplier {_z(record):.6g}, below the "
+                                  f"planned {planned:.6g}")
+    _check_charge(record, plan.edge_sensitivity(p.members if plan.sampled else len(survivors)))

@@ -86,6 +86,11 @@ _RELEASE: Mapping[str, Field] = {
     "inputs.sample_rate": Field(PUBLIC, "device sampling only: q of the amplified release, from the plan"),
     "inputs.population": Field(PUBLIC, "fixed-size device sampling only: the cell's size n, from the plan (0: "
                                        "Poisson)"),
+    "inputs.distributed": Field(PUBLIC, "distributed DP only: the release is the cell's sum of its devices' noise "
+                                        "shares (from the plan)"),
+    "inputs.min_survivors": Field(PUBLIC, "distributed DP only: s_min, from the plan"),
+    "inputs.survivors": Field(PUBLIC, "distributed DP only: how many devices' shares the sum holds (participation "
+                                      "in the protocol)"),
 }
 
 
@@ -99,6 +104,8 @@ _EVAL: Mapping[str, Field] = {key: Field(WITHHELD, _EVAL_WHY) for key in ("loss"
 
 _BYTES = ("byte count of the cell's traffic in the round: a function of message counts (participation), tensor "
           "shapes, encodings and public header fields (floats are always 8 bytes)")
+
+_SECAGG_KEYS = "a fresh public key of the round's key agreement: protocol randomness, not data"
 
 UPWARD: Mapping[str, Mapping[str, Field]] = {
     # device -> its edge. Classes apply when the edge is untrusted (to a trusted one: clear, over TLS).
@@ -137,11 +144,38 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
         "m.stats.rejected": Field(PUBLIC, "how many messages the edge refused since its last update, by typed "
                                           "reason (protocol faults: late, duplicate key, bad signature...), not data"),
         "m.privacy.trusted": Field(PUBLIC, "the cell's trust label, from the plan"),
+        "m.privacy.distributed": Field(PUBLIC, "distributed DP (secure aggregation): the cell's release is its "
+                                               "devices' noised sum, from the plan"),
         "m.privacy.steps": Field(PUBLIC, "who reported in each edge round (participation)"),
         **_prefixed("m.privacy.releases[].", _RELEASE),
         "m.privacy.clear[].sender": Field(PUBLIC, "a clear hop inside the trusted cell (participation)"),
         "m.privacy.clear[].receiver": Field(PUBLIC, "the trusted cell (topology)"),
         "m.privacy.clear[].step": Field(PUBLIC, _SCHEDULE),
+    },
+    # device -> edge under secure aggregation (distributed DP): the protocol's messages
+    # (fedtier.secagg.protocol). The edge never holds an unmasked individual update.
+    "secagg_keys": {
+        **HEADER,
+        "m.c_pk": Field(DERIVED, _SECAGG_KEYS),
+        "m.s_pk": Field(DERIVED, _SECAGG_KEYS),
+        "m.b_commit": Field(DERIVED, "commitment to the self-mask seed: a hash of protocol randomness, not data"),
+    },
+    "secagg_shares": {
+        **HEADER,
+        "m.shares.*": Field(DERIVED, "per neighbour, shares of the self-mask seed and key encrypted for that "
+                                     "neighbour: protocol randomness, not data"),
+    },
+    "secagg_masked": {
+        **HEADER,
+        "body": Field(NOISED, "the delta clipped to C plus the device's share N(0, sigma_sum^2 / s_min) of its "
+                              "cell's noise, rounded into the ring, plus pairwise and self masks: to the edge, "
+                              "uniformly random alone; only the cell's sum is ever unmasked"),
+        "m.width": Field(PUBLIC, "bytes per ring element (secagg_bits of the config)"),
+    },
+    "secagg_reveal": {
+        **HEADER,
+        "m.shares.*": Field(DERIVED, "per neighbour, one Shamir share of a self-mask seed (survivor) or of a "
+                                     "key (dropped): protocol randomness, not data"),
     },
     # device -> edge, edge -> cloud: artifact files by digest.
     "artifact_request": {
@@ -184,9 +218,6 @@ REFUSED: Mapping[str, str] = {
     "hsgd_embeddings": "HSGD's embeddings (a device's zeta2, a host's Z1 rows) and the host's head theta0 are "
                        "data-dependent releases the mechanism does not cover: a config with [privacy] and "
                        "algorithm = hsgd is refused, and so are its roles given a noise plan",
-    **{kind: "secure aggregation (docs/secure_aggregation.md) with a noise plan, distributed DP, is not implemented: a "
-             "config with [privacy] and secure_aggregation = true is refused, and so are its roles given a noise plan"
-       for kind in ("secagg_keys", "secagg_shares", "secagg_masked", "secagg_reveal")},
 }
 """Upward message types that never travel under a noise plan."""
 
@@ -218,6 +249,9 @@ SAMPLED: Mapping[str, Mapping[str, Field]] = {
         "m.privacy.releases[].protected": Field(PUBLIC, _HIDDEN + "every member: the amplified release covers "
                                                                   "the whole cell, sampled or not"),
         "m.privacy.releases[].inputs.reporters": Field(PUBLIC, _HIDDEN + "n, the cell's size"),
+        "m.privacy.releases[].inputs.survivors": Field(PUBLIC, "distributed DP: every member takes part in the "
+                                                               "protocol, sampled or not, so this is how many "
+                                                               "answered, never how many were sampled"),
         "m.privacy.releases[].sigma": Field(PUBLIC, _HIDDEN + "z C / (q n): fixed by the plan, whoever reported"),
         "m.privacy.releases[].sensitivity": Field(PUBLIC, _HIDDEN + "C / (q n) (2C / round(q n) fixed-size): "
                                                                     "fixed by the plan"),
@@ -242,8 +276,13 @@ untrusted cells send ``m.num_samples`` as 0 (``Device._sent_samples``)."""
 
 
 def classify(kind: str, path: str) -> Field | None:
-    """The class of ``path`` in an upward message of type ``kind``; ``None`` if it is not listed."""
-    return UPWARD.get(kind, {}).get(path)
+    """The class of ``path`` in an upward message of type ``kind``; ``None`` if it is not listed. A listed
+    path ending in ``.*`` stands for every key of a map keyed by node ids (``m.shares.<neighbour>``)."""
+    fields = UPWARD.get(kind, {})
+    if path in fields:
+        return fields[path]
+    head, _, _ = path.rpartition(".")
+    return fields.get(f"{head}.*") if head else None
 
 
 def unlisted(kind: str, flat: Mapping[str, Any]) -> list[str]:
@@ -251,7 +290,8 @@ def unlisted(kind: str, flat: Mapping[str, Any]) -> list[str]:
     of maps (``m.privacy.clear = []``) is fine when its elements' fields are listed."""
     fields = UPWARD.get(kind, {})
     return sorted(path for path, value in flat.items()
-                  if path not in fields and not (value == [] and any(f.startswith(f"{path}[].") for f in fields)))
+                  if classify(kind, path) is None
+                  and not (value == [] and any(f.startswith(f"{path}[].") for f in fields)))
 
 
 def flatten(header: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

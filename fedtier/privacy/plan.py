@@ -37,6 +37,16 @@ adversary does not learn who was sampled:
 * a device under an *untrusted* edge gets no amplification: its edge and the cloud see whether it
   released. Each release is charged at full price, and the cloud samples it at most
   ``device_release_cap`` times, the count its noise is calibrated for.
+
+Distributed DP (``[fedavg] secure_aggregation = true``; docs/privacy.md "Distributed DP"). No edge
+sees a device's update, only its cell's sum (SecAgg+), so the cell's release is planned like a
+trusted edge's — the same ``edge_z``, sensitivity and sampling — but its noise comes from the
+devices: each adds ``N(0, sigma_d^2)`` with ``sigma_d^2 = sigma_sum^2 / s_min`` (``s_min``, the
+fewest survivors the protocol accepts), so every sum the edge can unmask carries at least the
+planned ``sigma_sum``. Under sampling every member takes part in the protocol and the sampled
+ones alone add their clipped delta (the others contribute noise only): who was sampled stays
+hidden from the edge as from a trusted edge's cloud, and the release is the same fixed-denominator
+sum. Whatever the cell's trust label, its edge adds nothing.
 """
 
 from __future__ import annotations
@@ -122,15 +132,34 @@ class CellPlan:
         members: devices in the cell (the planned reporters).
         device_z: noise multiplier of each device release (0 when the edge is trusted: clear).
         edge_z: noise multiplier of the edge's release to the cloud (0 when untrusted: it adds nothing).
+            Under distributed DP: the multiplier the cell's release must carry (the devices add it).
+        min_survivors: s_min under distributed DP (secure aggregation): each device adds the share
+            ``1 / s_min`` of the release's noise variance. 0: not distributed.
     """
 
     trusted: bool
     members: int
     device_z: float
     edge_z: float
+    min_survivors: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        """Distributed DP: the devices add the cell's noise in shares, the edge only sums (SecAgg+)."""
+        return self.min_survivors > 0
+
+    @property
+    def hides_participation(self) -> bool:
+        """Whether who reported stays inside the cell: a trusted edge, or distributed DP (no edge sees
+        an individual update, and under sampling every member takes part)."""
+        return self.trusted or self.distributed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"trusted": self.trusted, "members": self.members, "device_z": self.device_z, "edge_z": self.edge_z}
+        out: dict[str, Any] = {"trusted": self.trusted, "members": self.members, "device_z": self.device_z,
+                               "edge_z": self.edge_z}
+        if self.distributed:
+            out["min_survivors"] = self.min_survivors
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +220,13 @@ class NoisePlan:
         if self.edge_rounds < 1 or self.rounds < 1:
             raise ValueError("privacy edge_rounds and rounds must be >= 1")
         for cell, p in self.cells.items():
-            if p.members < 1 or p.device_z < 0 or p.edge_z < 0:
+            if p.members < 1 or p.device_z < 0 or p.edge_z < 0 or p.min_survivors < 0:
                 raise ValueError(f"privacy plan of cell {cell!r} is invalid: {p}")
+            if p.distributed and not (p.edge_z > 0 and p.device_z > 0 and p.min_survivors <= p.members):
+                raise ValueError(f"distributed-DP cell {cell!r} needs edge_z > 0, device_z > 0 and "
+                                 f"min_survivors <= members: {p}")
+            if p.distributed and self.edge_rounds != 1:
+                raise ValueError("distributed DP (secure aggregation) needs edge_rounds = 1")
             if p.trusted and p.edge_z <= 0:
                 raise ValueError(f"trusted cell {cell!r} must add noise towards the cloud (edge_z > 0)")
             if not p.trusted and p.device_z <= 0:
@@ -259,6 +293,35 @@ class NoisePlan:
     def device_sigma(self, cell: str) -> float:
         return self.cells[cell].device_z * self.device_sensitivity
 
+    def release_denominator(self, cell: str, reporters: int) -> float:
+        """What a cell's release divides its devices' sum by: the fixed ``edge_denominator`` under
+        sampling, else the number of ``reporters`` (a mean)."""
+        return self.edge_denominator(cell) if self.sampled else float(max(1, reporters))
+
+    def distributed_device_z(self, cell: str, edge_z: float, min_survivors: int) -> float:
+        """A device's multiplier under distributed DP: its sigma ``sigma_sum / sqrt(s_min)`` over the
+        device sensitivity, where ``sigma_sum`` is the noise a trusted edge would put on the cell's sum
+        (``edge_z`` times the sum's calibrated sensitivity)."""
+        n = self.cells[cell].members
+        sigma_sum = edge_z * self.calibrated_edge_sensitivity(n) * self.release_denominator(cell, n)
+        return sigma_sum / math.sqrt(min_survivors) / self.device_sensitivity
+
+    def distributed_release(self, cell: str, survivors: int, reporters: int) -> tuple[float, float, float]:
+        """(sigma, sensitivity, z) of a distributed-DP cell's release when ``survivors`` devices' noise is in
+        the unmasked sum and ``reporters`` is what the release divides by (``release_denominator``):
+        ``sigma = sqrt(survivors) sigma_d / denominator``, the sound sensitivity as a trusted edge's."""
+        denominator = self.release_denominator(cell, reporters)
+        sigma = math.sqrt(survivors) * self.device_sigma(cell) / denominator
+        sensitivity = self.edge_sensitivity(self.cells[cell].members if self.sampled else reporters)
+        return sigma, sensitivity, sigma / sensitivity
+
+    def ring_clip(self, cell: str, length: int) -> float:
+        """An L2 bound a distributed-DP device's noisy update stays under except with probability
+        ``exp(-50)`` (Gaussian norm concentration: ``P(||N(0, s^2 I_d)|| > s (sqrt(d) + t)) <= exp(-t^2/2)``,
+        t = 10): the secure-aggregation ring is sized for it, so its clipping practically never acts on
+        the noise (docs/privacy.md "Distributed DP")."""
+        return self.clip + self.device_sigma(cell) * (math.sqrt(max(1, int(length))) + 10.0)
+
     def edge_sigma(self, cell: str, reporters: int | None = None) -> float:
         """The noise a trusted edge adds when ``reporters`` (default: every member) reported."""
         p = self.cells[cell]
@@ -294,7 +357,8 @@ class NoisePlan:
         try:
             cells = {str(c): CellPlan(trusted=bool(_typed(p["trusted"], bool)), members=int(_typed(p["members"], int)),
                                       device_z=float(_typed(p["device_z"], float)),
-                                      edge_z=float(_typed(p["edge_z"], float)))
+                                      edge_z=float(_typed(p["edge_z"], float)),
+                                      min_survivors=int(_typed(p.get("min_survivors", 0), int)))
                      for c, p in dict(data["cells"]).items()}
             return cls(mode=str(data["mode"]), epsilon=float(_typed(data["epsilon"], float)),
                        delta=float(_typed(data["delta"], float)),

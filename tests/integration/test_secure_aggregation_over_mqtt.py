@@ -88,3 +88,39 @@ def test_an_offline_device_is_a_dropout_and_its_cell_still_closes(mosquitto, sma
     assert [r["round"] for r in history] == [0, 1]
     assert all(r["devices_reported"] == 5 for r in history), history
     assert all(offline in r["missing"] for r in history)
+
+
+def test_distributed_dp_over_mosquitto_puts_each_cells_release_on_the_ledger(mosquitto, small_rollout,
+                                                                             tmp_path: Path) -> None:
+    """[privacy] with secure aggregation: the devices add their noise shares, the edges only unmask sums, and
+    the coordinator's ledger holds one distributed release per cell and round, charged to every member."""
+    from cloud_coordinator.config import RolloutConfig
+    from cloud_coordinator.fleet import write_fleet
+
+    cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3},
+                        privacy={"epsilon": 8.0, "clip": 1.0, "require_tls": False},
+                        fedavg={**SECURE["fedavg"], "weighting": "uniform"})
+    plain = cfg.to_dict()
+    plain.pop("broker", None)
+    plain["state_dir"] = str(tmp_path / "fleet" / "coordinator")
+    paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
+    fleet = ThreadFleet(paths)
+    try:
+        fleet.start_all()
+        cloud = fleet.wait_finished(timeout=120)
+    finally:
+        fleet.stop()
+    for name, running in fleet.nodes.items():
+        assert running.node.metrics.total(REJECTED) == 0, (name, running.node.metrics.snapshot())
+    assert [r["round"] for r in cloud.history] == [0, 1]
+
+    cfg = load(RolloutConfig, paths.coordinator)
+    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    try:
+        rows = store.privacy_releases(cfg.rollout)
+    finally:
+        store.close()
+    assert {(r["round"], r["node"]) for r in rows} == {(r, c) for r in (0, 1) for c in ("cell-a", "cell-b")}
+    assert all(r["event"] == "edge" and r["observed"] and r["inputs"]["distributed"] for r in rows)
+    assert all(r["inputs"]["survivors"] == 3 and len(r["protected"]) == 3 for r in rows)
+    assert max(cloud.history[-1]["privacy"]["epsilon"].values()) <= 8.0 + 1e-6

@@ -138,10 +138,9 @@ def test_message_types_refused_under_privacy_are() -> None:
     assert not qhetfed.Device.SUPPORTS_PRIVACY and not qhetfed.Edge.SUPPORTS_PRIVACY
     assert not fedxl.Device.SUPPORTS_PRIVACY and not fedxl.Edge.SUPPORTS_PRIVACY
     assert not any(r.SUPPORTS_PRIVACY for r in (hsgd.Device, hsgd.Host, hsgd.Edge))
-    assert not secure_fedavg.Device.SUPPORTS_PRIVACY and not secure_fedavg.Edge.SUPPORTS_PRIVACY
+    assert secure_fedavg.Device.SUPPORTS_PRIVACY and secure_fedavg.Edge.SUPPORTS_PRIVACY  # distributed DP
     assert set(disclosure.REFUSED) == {"device_gradient", "xrisk_device_update", "xrisk_cell_update",
-                                       "hsgd_embeddings", "secagg_keys", "secagg_shares", "secagg_masked",
-                                       "secagg_reveal"}
+                                       "hsgd_embeddings"}
 
 
 def test_chunk_headers_are_classified() -> None:
@@ -219,3 +218,40 @@ def test_under_device_sampling_the_cloud_cannot_tell_who_was_sampled(small_rollo
             elif field.disclosure == NOISED and values[0] == values[1]:
                 problems.append(f"{key[1]} {path} is the same with other noise")
     assert problems == []
+
+
+def test_under_distributed_dp_every_field_is_classified_and_the_masked_inputs_carry_noise(
+        small_rollout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Secure aggregation with [privacy]: every upward field of the protocol and of the cell updates is listed;
+    what a device sends differs with the noise (its share is in the masked input), never with the data alone
+    except through the noised values; the cell updates' privacy reports are public."""
+    def config(noise_seed: int) -> RolloutConfig:
+        return small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3, "trusted": {"cell-a": True}},
+                             privacy={"epsilon": 8.0, "clip": 1.0, "require_tls": False, "noise_seed": noise_seed},
+                             fedavg={**SCHEDULE, "edge_rounds": 1, "weighting": "uniform",
+                                     "secure_aggregation": True, "secagg_min_survivors": 2})
+
+    prepared = prepare(config(1))
+    a = _run(config(1), prepared, monkeypatch)
+    b = _run(config(2), prepared, monkeypatch)
+    c = _run(config(1), _other_data(prepared), monkeypatch)
+    assert a.keys() == b.keys() == c.keys()
+    kinds = {str(header["t"]) for header, _ in a.values()}
+    assert {"secagg_keys", "secagg_shares", "secagg_masked", "secagg_reveal", "cell_update"} <= kinds, kinds
+    assert "device_update" not in kinds  # no individual update ever reaches an edge
+
+    problems: list[str] = []
+    for key, (header, body) in sorted(a.items()):
+        kind = str(header["t"])
+        problems += [f"{key[1]}: {path} is not classified" for path in disclosure.unlisted(kind, header)]
+        for path in sorted(set(header) | ({"body"} if body else set())):
+            field = disclosure.classify(kind, path)
+            va, vb, vc = (run[1] if path == "body" else run[0].get(path) for run in (a[key], b[key], c[key]))
+            if field is not None and field.disclosure == PUBLIC and not va == vb == vc:
+                problems.append(f"{key[1]} {path} is public but differs between runs")
+            if field is not None and field.disclosure == NOISED and va == vb:
+                problems.append(f"{key[1]} {path} is the same with other noise: the noise is missing")
+    assert problems == []
+    updates = [h for h, _ in a.values() if h["t"] == "cell_update"]
+    assert all(h["m.privacy.distributed"] is True for h in updates)
+    assert all(h["m.privacy.releases[].inputs.survivors"] == [3] for h in updates)

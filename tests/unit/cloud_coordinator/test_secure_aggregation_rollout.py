@@ -38,8 +38,9 @@ def test_config_names_bad_keys(small_rollout) -> None:
         small_rollout(fedavg={"secure_aggregation": True, "secagg_threshold": 0.5})
     with pytest.raises(ConfigError, match="aggregation.edge"):
         small_rollout(fedavg={"secure_aggregation": True}, aggregation={"edge": "median"})
-    with pytest.raises(ConfigError, match="secure_aggregation"):
-        small_rollout(fedavg={"secure_aggregation": True}, privacy={"epsilon": 8.0, "clip": 1.0})
+    with pytest.raises(ConfigError, match="privacy.device_sampling"):  # distributed DP: devices sample themselves
+        small_rollout(fedavg={"secure_aggregation": True}, privacy={"epsilon": 8.0, "clip": 1.0,
+                                                                   "device_sampling": "fixed", "sample_rate": 0.5})
     assert not edge_sees_individual_updates(small_rollout(fedavg={"secure_aggregation": True}).algorithm_config())
     assert edge_sees_individual_updates(small_rollout().algorithm_config())
     secure = small_rollout(fedavg={"secure_aggregation": True})
