@@ -43,11 +43,16 @@ def weighted_mean(items: Sequence[tuple[Tensors, float]]) -> dict[str, np.ndarra
     out: dict[str, np.ndarray] = {}
     for name in names:
         acc = np.zeros(np.shape(items[0][0][name]), dtype=np.float64)
+        scaled = np.empty_like(acc)  # one reused buffer: no temporary arrays per contribution
         for (tensors, _), w in zip(items, weights, strict=True):
             arr = tensors[name]
-            if arr.shape != acc.shape:
-                raise LocalProtocolError(f"{name}: shape {arr.shape} != {acc.shape}")
-            acc += w * arr.astype(np.float64)
+            if np.shape(arr) != acc.shape:
+                raise LocalProtocolError(f"{name}: shape {np.shape(arr)} != {acc.shape}")
+            if w == 1.0:
+                np.add(acc, arr, out=acc)  # cast to float64 chunk by chunk inside the ufunc
+            else:
+                np.multiply(arr, w, out=scaled)  # the same float64 product as w * float64(arr)
+                np.add(acc, scaled, out=acc)
         out[name] = (acc / total).astype(np.float32)
     return out
 

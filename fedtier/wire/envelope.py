@@ -120,8 +120,11 @@ def _raw_float(dtype: str, itemsize: int) -> Encoding:
         return EncodedTensor(spec={}, data=a.tobytes())
 
     def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: bytes) -> np.ndarray:
-        arr = np.frombuffer(data, dtype=np_dtype).reshape(shape).astype(np.float32)
-        return arr
+        if np_dtype == np.dtype(np.float32):  # little-endian host: a plain aligned copy (astype from an
+            out = np.empty(len(data) // itemsize, dtype=np.float32)  # unaligned buffer is several times slower)
+            out.view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+            return out.reshape(shape)
+        return np.frombuffer(data, dtype=np_dtype).reshape(shape).astype(np.float32)
 
     def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
         return _numel(shape) * itemsize

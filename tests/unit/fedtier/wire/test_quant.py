@@ -172,3 +172,26 @@ def test_unused_codes_and_padding_are_rejected(valid) -> None:
     codes[-1] |= 0b00000001  # 13 values x 3 bits = 39 bits: bit 40 is padding
     with pytest.raises(TensorSpecError, match="padding"):
         wire.decode(_tamper(payload, body=body[:4] + bytes(codes)))
+
+
+def _unpack_reference(data: bytes, bits: int, numel: int) -> np.ndarray:
+    """The straightforward bit-matrix decoding the vectorized ``unpack`` must equal."""
+    all_bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    matrix = all_bits[: numel * bits].reshape(numel, bits).astype(np.int64)
+    return (matrix @ (1 << np.arange(bits - 1, -1, -1)) - quant.levels(bits)).astype(np.int16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(2, 8), numel=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_unpack_equals_the_bit_matrix_decoding_and_inverts_pack(bits: int, numel: int, seed: int) -> None:
+    s = quant.levels(bits)
+    k = np.random.default_rng(seed).integers(-s, s + 1, size=numel).astype(np.int16)
+    data = quant.pack(k, bits)
+    got = quant.unpack(data, bits, numel)
+    assert got.dtype == np.int16
+    assert np.array_equal(got, k) and np.array_equal(got, _unpack_reference(data, bits, numel))
+    if (numel * bits) % 8:  # a set padding bit is refused on every path
+        bad = bytearray(data)
+        bad[-1] |= 1
+        with pytest.raises(ValueError, match="padding"):
+            quant.unpack(bytes(bad), bits, numel)

@@ -1,0 +1,35 @@
+"""The codec benchmark's harness at a tiny size: it runs, measures every encoding and size asked for, skips
+what is above the memory cap, and writes its JSON (correctness of the harness only; no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_codec_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_codec", ROOT / "benchmarks" / "bench_codec.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys.modules["_common"], "RESULTS", tmp_path)
+
+    results = bench.main(["--reps", "2", "--params", "500", "--sizes", "2x100,5x50,100x100",
+                          "--max-elements", "1000", "--name", "tiny"])
+
+    written = json.loads((tmp_path / "tiny.json").read_text())
+    assert written["machine"]["cpus"] >= 1
+    assert set(bench.ENCODINGS) <= set(results["codec"]) and results["codec"]["params"] == 500
+    # QSGD at fewer bits puts fewer bytes on the wire; f16 about half of f32
+    sizes = {e: results["codec"][e]["bytes"] for e in bench.ENCODINGS}
+    assert sizes["qsgd2"] < sizes["qsgd4"] < sizes["qsgd8"] < sizes["f16"] < sizes["f32"]
+    assert [(r["n"], r["d"]) for r in results["aggregation"]] == [(2, 100), (5, 50), (100, 100)]
+    assert "skipped" in results["aggregation"][2] and "f32" in results["aggregation"][0]
+    assert all(r["qsgd4"]["fraction_of_numpy"] > 0 for r in results["aggregation"][:2])
