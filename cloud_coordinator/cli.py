@@ -177,9 +177,17 @@ def coordinator_export(config_path: Path, out: Path, version: int | None, as_jso
 @click.option("--trainer", type=click.Choice(["ort", "portable"]), default=None,
               help="The devices' training backend (overrides [simulation] trainer, default ort): portable trains "
                    "from the bundle's standard-ONNX graph, as a board without onnxruntime-training does.")
+@click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where the devices run: local (this process) or ray (sharded over Ray actors, the same model; "
+                   "needs fedtier[ray]).")
+@click.option("--address", default=None, metavar="ADDR",
+              help="With --backend ray: an existing Ray cluster (e.g. ray://head:10001 or auto); default: start "
+                   "a local Ray for this run.")
+@click.option("--shards", type=click.IntRange(1), default=None,
+              help="With --backend ray: how many actors share the devices [default: the CPUs Ray has].")
 @strategy_options
 def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json: bool, log_level: str,
-             trainer: str | None, **strategy: Any) -> None:
+             trainer: str | None, backend: str, address: str | None, shards: int | None, **strategy: Any) -> None:
     """Run a rollout with every device, edge and the cloud in this process (in-memory transport).
 
     The same roles and node code as a real deployment; one shared ORT session per
@@ -191,6 +199,7 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
         fedtier simulate --config experiments/digits_fedavg.toml --rounds 5 --trainer portable
         fedtier simulate --config experiments/digits_fedavg.toml --edge-aggregator median --attack sign_flip
         fedtier simulate --config experiments/digits_fedavg.toml --server-optimizer adam --server-lr 0.03
+        fedtier simulate --config experiments/digits_fedavg.toml --backend ray --shards 2
     """
     import dataclasses
 
@@ -198,10 +207,13 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
     from cloud_coordinator.console import RoundProgress, make_console
     from cloud_coordinator.report import epsilon_spent, round_epsilon, round_line, summary
     from cloud_coordinator.simulate import simulate as run_simulation
+    from fedtier.errors import ConfigError
     from fedtier.runtime import logs
     from fedtier.runtime.config import load, read_toml
 
     logs.setup(log_level)
+    if backend == "local" and (address is not None or shards is not None):
+        raise click.UsageError("--address and --shards only make sense with --backend ray")
     cfg = load(RolloutConfig, config_path)
     extra = overrides(pop_values(strategy), cfg.algorithm)
     if extra:  # the options override the file; the merged config is validated like a file
@@ -222,7 +234,12 @@ def simulate(config_path: Path, rounds: int | None, output: Path | None, as_json
             progress.line(round_line(row, cfg.rounds))
             progress.update(row["round"] + 1, accuracy=row.get("accuracy"), epsilon=round_epsilon(row))
 
-        result = run_simulation(cfg, on_round=on_round)
+        try:
+            result = run_simulation(cfg, on_round=on_round, backend=backend, address=address, shards=shards)
+        except ConfigError as exc:
+            if exc.key != "backend":
+                raise
+            raise click.UsageError(str(exc)) from None
     wall = time.perf_counter() - started
     if as_json:
         doc: dict = {"rollout": cfg.rollout, "rounds": result.rounds, "wall_s": wall,

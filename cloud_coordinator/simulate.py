@@ -100,9 +100,13 @@ class TrainObjective:
         return {"train_objective": float(sum(losses) / len(losses))}
 
 
+BACKENDS = ("local", "ray")
+
+
 def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
              on_round: Callable[[dict[str, Any]], None] | None = None,
-             prepared: PreparedRollout | None = None) -> SimulationResult:
+             prepared: PreparedRollout | None = None, backend: str = "local", address: str | None = None,
+             shards: int | None = None) -> SimulationResult:
     """Run ``cfg`` to completion in memory; write metrics to ``cfg.metrics_path``.
 
     Args:
@@ -112,7 +116,14 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
             workdir resumes the rollout after its last committed round.
         on_round: called with each round's metrics row as it closes.
         prepared: a ``prepare(cfg)`` result to reuse (tests that run several paths).
+        backend: ``local`` (every device in this process) or ``ray`` (the devices sharded over Ray
+            actors, ``cloud_coordinator.simulate_ray``; the same final model).
+        address: with ``ray``, an existing Ray cluster's address (default: start a local Ray).
+        shards: with ``ray``, how many actors (default: the CPUs Ray has).
     """
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown simulation backend {backend!r}: choose one of {', '.join(BACKENDS)}",
+                          key="backend")
     t0 = time.perf_counter()
     prepared = prepared or prepare(cfg)
     if cfg.simulation.trainer == "portable":
@@ -133,21 +144,16 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         trainers = SharedTrainers(cfg.simulation.threads, cfg.simulation.trainer)
         attackers = set(cfg.attackers())
 
+        remote = None
+        if backend == "ray":
+            from cloud_coordinator.simulate_ray import RayDevices
+
+            remote = RayDevices(cfg, prepared, broker, root, address=address, shards=shards)
         nodes: list[Any] = []
         for cell, members in prepared.cells.items():
-            for device in members:
-                x, y = prepared.data.train[device]
-                held = prepared.data.holdout.get(device)
-                tx = broker.connect(device)
-                provider: Any = trainers
-                if device in attackers:
-                    provider, y = _attacker(cfg, prepared, device, trainers, y)
-                node = DeviceNode(device_id=device, cell=cell, transport=tx, data=LocalData(x=x, y=y),
-                                  trainer_provider=provider, state=DeviceState(":memory:"), cache=cache,
-                                  bundles_dir=root / "bundles", noise=noise_source(cfg, device),
-                                  eval_data=LocalData(x=held[0], y=held[1]) if held is not None else None)
-                tx.set_handler(_bind(node, broker))
-                nodes.append(node)
+            for device in members if remote is None else ():
+                nodes.append(device_node(cfg, prepared, broker, device, cell, trainers=trainers, cache=cache,
+                                         bundles_dir=root / "bundles", attacker=device in attackers))
             cell_tx, up_tx = broker.connect(f"{cell}/cell"), broker.connect(f"{cell}/cloud")
             edge = EdgeNode(cell=cell, cell_transport=cell_tx, cloud_transport=up_tx, store=EdgeStore(":memory:"),
                             cache=ArtifactCache(root / "edges" / cell), parent=cfg.cloud_id,
@@ -165,10 +171,30 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         cloud_tx.set_handler(_bind(cloud, broker))
 
         try:
-            result = _run(cfg, broker, nodes, cloud, prepared, t0)
+            result = _run(cfg, broker, nodes, cloud, prepared, t0, remote)
         finally:
             store.close()
+            if remote is not None:
+                remote.close()
     return result
+
+
+def device_node(cfg: RolloutConfig, prepared: PreparedRollout, broker: MemoryBroker, device: str, cell: str, *,
+                trainers: SharedTrainers, cache: ArtifactCache, bundles_dir: Path, attacker: bool) -> DeviceNode:
+    """One simulated device on ``broker``: its data shard, the shared trainers, its own state and noise
+    (the in-process backend and every Ray shard build devices here, so both run the same nodes)."""
+    x, y = prepared.data.train[device]
+    held = prepared.data.holdout.get(device)
+    tx = broker.connect(device)
+    provider: Any = trainers
+    if attacker:
+        provider, y = _attacker(cfg, prepared, device, trainers, y)
+    node = DeviceNode(device_id=device, cell=cell, transport=tx, data=LocalData(x=x, y=y),
+                      trainer_provider=provider, state=DeviceState(":memory:"), cache=cache,
+                      bundles_dir=bundles_dir, noise=noise_source(cfg, device),
+                      eval_data=LocalData(x=held[0], y=held[1]) if held is not None else None)
+    tx.set_handler(_bind(node, broker))
+    return node
 
 
 def _attacker(cfg: RolloutConfig, prepared: PreparedRollout, device: str, trainers: SharedTrainers,
@@ -215,25 +241,39 @@ def _require_portable_graphs(prepared: PreparedRollout) -> None:
 
 
 def _run(cfg: RolloutConfig, broker: MemoryBroker, nodes: list[Any], cloud: CloudNode, prepared: PreparedRollout,
-         t0: float) -> SimulationResult:
+         t0: float, remote: Any = None) -> SimulationResult:
+    """Deliver until the rollout finishes; ``remote``: devices elsewhere (``simulate_ray.RayDevices``)."""
+    if remote is not None:
+        remote.start(broker)  # its devices start first, as the local devices come first in ``nodes``
     for node in nodes:
         node.start(broker.now)
     cloud.start(broker.now)
     stalled_ticks = 0
     while not cloud.finished:
-        delivered = broker.run_until_idle()
+        delivered = _settle(broker, remote)
         if cloud.finished:
             break
         # Idle but not finished: let virtual time pass so deadlines can fire.
         broker.now += VIRTUAL_TICK_S
+        if remote is not None:
+            remote.tick(broker)
         for node in [*nodes, cloud]:
             node.tick(broker.now)
         stalled_ticks = 0 if delivered else stalled_ticks + 1
         if stalled_ticks > 10 * cfg.deadline_s + 100:
             raise RuntimeError(f"simulation stalled in round {cloud.role.round}: nothing moves")
-    broker.run_until_idle()
+    _settle(broker, remote)
     return SimulationResult(rounds=list(cloud.history), params=cloud.params, prepared=prepared,
                             wall_s=time.perf_counter() - t0)
+
+
+def _settle(broker: MemoryBroker, remote: Any) -> int:
+    """Run the broker until idle and, with remote devices, exchange their mail until nobody has any."""
+    delivered = broker.run_until_idle()
+    while remote is not None and remote.pending():
+        remote.exchange(broker)
+        delivered += 1 + broker.run_until_idle()
+    return delivered
 
 
 def _bind(node: Any, broker: MemoryBroker) -> Callable[[Any], None]:

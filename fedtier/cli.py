@@ -31,6 +31,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("cloud_coordinator.report_cli", "report"),
     "rollout": ("cloud_coordinator.rollout_cli", "rollout"),
     "devices": ("cloud_coordinator.rollout_cli", "devices"),
+    "fleet": ("cloud_coordinator.fleet_cli", "fleet"),
 }
 
 SHORT_HELP = {
@@ -48,6 +49,7 @@ SHORT_HELP = {
     "report": "Plot a rollout from the coordinator's store (PNGs and a markdown summary).",
     "rollout": "Operate rollouts: create, start, pause, status, models, export, promote, rollback.",
     "devices": "The device inventory: presence, versions, last round contributed.",
+    "fleet": "Emulate a large fleet on this machine through a real Mosquitto, and time its rounds.",
 }
 
 

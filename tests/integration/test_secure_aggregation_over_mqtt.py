@@ -93,12 +93,13 @@ def test_an_offline_device_is_a_dropout_and_its_cell_still_closes(mosquitto, sma
 def test_distributed_dp_over_mosquitto_puts_each_cells_release_on_the_ledger(mosquitto, small_rollout,
                                                                              tmp_path: Path) -> None:
     """[privacy] with secure aggregation: the devices add their noise shares, the edges only unmask sums, and
-    the coordinator's ledger holds one distributed release per cell and round, charged to every member."""
+    the coordinator's ledger holds one distributed release per cell and round, charged to every member. A cell
+    labelled trusted runs the same way: nothing clear travels, so plain MQTT is accepted (require_tls stays on)."""
     from cloud_coordinator.config import RolloutConfig
     from cloud_coordinator.fleet import write_fleet
 
-    cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3},
-                        privacy={"epsilon": 8.0, "clip": 1.0, "require_tls": False},
+    cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3, "trusted": {"cell-a": True}},
+                        privacy={"epsilon": 8.0, "clip": 1.0},
                         fedavg={**SECURE["fedavg"], "weighting": "uniform"})
     plain = cfg.to_dict()
     plain.pop("broker", None)

@@ -31,7 +31,7 @@ def test_every_command_has_help(args: list[str]) -> None:
 
 def test_lazy_commands_match_the_group() -> None:
     assert set(LAZY_COMMANDS) == {"agent", "edge", "coordinator", "simulate", "demo", "broker", "plan", "provision",
-                                  "privacy", "data", "init", "report", "rollout", "devices"}
+                                  "privacy", "data", "init", "report", "rollout", "devices", "fleet"}
 
 
 @pytest.mark.parametrize("command", [["agent", "run"], ["edge", "run"], ["coordinator", "run"], ["simulate"]])

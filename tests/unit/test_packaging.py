@@ -130,6 +130,8 @@ def test_the_agent_and_edge_extras_hold_no_dashboard_plotting_or_browser() -> No
     assert not (names["agent"] | names["edge"]) & web
     assert {"starlette", "uvicorn", "matplotlib", "prometheus-client"} <= names["coordinator"]
     assert "playwright" in names["dev"]
+    assert extras["ray"] == ["ray>=2.9"] and "ray" not in names["agent"] | names["edge"] | names["coordinator"]
+    assert "fedtier[agent,edge,coordinator,ray]" in extras["all"]
 
 
 # --- against the package index -------------------------------------------------------------------------

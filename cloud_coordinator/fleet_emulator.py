@@ -1,0 +1,312 @@
+"""``fedtier fleet emulate``: a large fleet on one machine, through a real Mosquitto.
+
+Every device is a real device agent — the node ``fedtier agent run`` builds (``device_agent.run.build``),
+with its own MQTT client, identity, outbox (SQLite in its state dir) and noise — running on a thread
+of this process; the edges and the coordinator are real nodes too (``edge_broker.run.build``,
+``cloud_coordinator.run.build``), each on its own thread and connection. Two things differ from a
+fleet of processes, both for memory and both stated in the result:
+
+* the devices of this process share one trainer per bundle (one ORT session per architecture), and
+  a lock serializes their local training (two threads must not swap parameters into one session at
+  once);
+* ``compute_delay_ms`` adds a simulated on-device compute time to every local run, outside that lock,
+  so that a round can be made to wait for slow devices the way a real fleet's does.
+
+The rollout uses the synthetic task (40 samples a device, MLP 64-64-10 by default); the result gives
+each round's time, the slowest device's local run (which includes waiting for the shared session),
+the median device's training, all training of the round, and the round overhead: round time minus
+the slowest device's run (the broker, decoding, aggregation, evaluation and the protocol's waits).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from cloud_coordinator.demo import free_port, mosquitto_path, wait_for_port
+from fedtier.errors import ConfigError
+
+log = logging.getLogger("fedtier.fleet")
+
+
+@dataclass
+class EmulatorOptions:
+    devices: int = 100
+    cells: int = 1
+    rounds: int = 3
+    broker: str | None = None  # HOST:PORT of a running broker; None: start a Mosquitto for the run
+    stagger_s: float = 0.0  # spread the devices' start over this many seconds
+    compute_delay_ms: float = 0.0
+    local_steps: int = 5
+    hidden: int = 64
+    deadline_s: float = 120.0
+    seed: int = 0
+    workdir: Path | None = None
+
+
+@dataclass
+class RoundTiming:
+    round: int
+    round_s: float
+    slowest_device_s: float
+    """The last device's local run, from its task to its update: its training, its wait for the shared
+    session while others trained, and the simulated delay."""
+    median_device_s: float
+    """A device's training alone (median)."""
+    training_s: float
+    """All devices' training, one after the other (the shared session serializes it)."""
+    devices_reported: int
+    accuracy: float | None
+
+    @property
+    def overhead_s(self) -> float:
+        """The round's time beyond its slowest device's local run."""
+        return self.round_s - self.slowest_device_s
+
+
+@dataclass
+class EmulationResult:
+    devices: int
+    cells: int
+    rounds: list[RoundTiming]
+    start_s: float  # from the first thread started to every device connected and subscribed
+    wall_s: float
+    peak_rss_mb: float
+    threads: int
+    broker: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"devices": self.devices, "cells": self.cells, "start_s": self.start_s, "wall_s": self.wall_s,
+                "peak_rss_mb": self.peak_rss_mb, "threads": self.threads, "broker": self.broker, "notes": self.notes,
+                "rounds": [{**r.__dict__, "overhead_s": r.overhead_s} for r in self.rounds]}
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (each device holds a socket and a database)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _start_mosquitto(workdir: Path, clients: int) -> tuple[subprocess.Popen, int]:
+    mosq = mosquitto_path()
+    if mosq is None:
+        raise ConfigError("no Mosquitto: install it (apt-get install mosquitto) or pass --broker HOST:PORT",
+                          key="broker")
+    port = free_port()
+    conf = workdir / "mosquitto.conf"
+    conf.write_text("\n".join(["allow_anonymous true", "persistence false", "log_dest stdout",
+                               "max_queued_messages 100000", f"listener {port} 127.0.0.1",
+                               f"max_connections {clients + 64}"]) + "\n")
+
+    def more_files() -> None:  # the broker holds one socket per client
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+    proc = subprocess.Popen([mosq, "-c", str(conf)], stdout=(workdir / "mosquitto.log").open("wb"),
+                            stderr=subprocess.STDOUT, preexec_fn=more_files)
+    if not wait_for_port(port, 10):
+        proc.kill()
+        raise RuntimeError(f"Mosquitto did not open port {port}: see {workdir / 'mosquitto.log'}")
+    return proc, port
+
+
+def rollout_mapping(opts: EmulatorOptions) -> dict[str, Any]:
+    """The emulated rollout: the synthetic task, ``cells`` cells sharing the devices."""
+    per_cell = -(-opts.devices // opts.cells)
+    return {"rollout": "emulated", "rounds": opts.rounds, "seed": opts.seed,
+            "model": {"kind": "mlp", "hidden": [opts.hidden]},
+            "topology": {"cells": opts.cells, "devices_per_cell": per_cell},
+            "data": {"dataset": "synthetic", "samples": 40 * per_cell * opts.cells, "features": 64, "classes": 10,
+                     "partition": "dirichlet", "alpha": 0.5, "seed": opts.seed},
+            "fedavg": {"local_steps": opts.local_steps, "batch_size": 16, "lr": 0.1, "deadline_s": opts.deadline_s}}
+
+
+class _SharedTrainers:
+    """One trainer per bundle for every emulated device of this process, and the lock around its use."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._trainers: dict[str, Any] = {}
+
+    def provider(self, kind: str, threads: int) -> Callable[[Any], Any]:
+        from device_agent.trainers import make_trainer
+
+        def get(bundle: Any) -> Any:
+            with self.lock:
+                if bundle.bundle_id not in self._trainers:
+                    self._trainers[bundle.bundle_id] = make_trainer(kind, bundle, threads=threads)
+                return self._trainers[bundle.bundle_id]
+
+        return get
+
+
+class FleetEmulator:
+    """Builds, runs and stops an emulated fleet (see the module docstring)."""
+
+    def __init__(self, opts: EmulatorOptions, progress: Callable[[str], None] | None = None) -> None:
+        if opts.devices < 1 or opts.cells < 1 or opts.devices < opts.cells:
+            raise ConfigError("need at least one device per cell", key="devices")
+        self.opts = opts
+        self.say = progress or (lambda text: None)
+        self.shared = _SharedTrainers()
+        # (round, device, seconds of its local run incl. waiting for the shared session, seconds training)
+        self.runs: list[tuple[int, str, float, float]] = []
+        self._runs_lock = threading.Lock()
+        self.threads: list[tuple[str, threading.Thread, threading.Event, list[BaseException]]] = []
+
+    def _locked_train(self, device: str, train: Callable[..., Any]) -> Callable[..., Any]:
+        delay = self.opts.compute_delay_ms / 1000.0
+
+        def run(trainer: Any, action: Any) -> Any:
+            start = time.perf_counter()
+            with self.shared.lock:
+                began = time.perf_counter()
+                result = train(trainer, action)
+                trained = time.perf_counter() - began
+            if delay:
+                time.sleep(delay)
+            with self._runs_lock:
+                self.runs.append((int(action.round), device, time.perf_counter() - start, trained))
+            return result
+
+        return run
+
+    def _spawn(self, name: str, node: Any, transports: list[Any], inbox: Any,
+               done: Callable[[], bool] = lambda: False) -> None:
+        from fedtier.runtime import mqtt_service
+
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                mqtt_service.run(node, transports, inbox, start=node.start, stop=stop, install_signals=False,
+                                 done=done)
+            except BaseException as exc:  # noqa: BLE001 - reported by check()
+                errors.append(exc)
+
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self.threads.append((name, thread, stop, errors))
+
+    def check(self) -> None:
+        for name, _, _, errors in self.threads:
+            if errors:
+                raise RuntimeError(f"node {name} crashed: {errors[0]!r}") from errors[0]
+
+    def run(self) -> EmulationResult:
+        from cloud_coordinator.config import RolloutConfig
+        from cloud_coordinator.fleet import write_fleet
+        from cloud_coordinator.run import build as build_cloud
+        from device_agent.config import DeviceConfig
+        from device_agent.run import build as build_device
+        from edge_broker.config import EdgeConfig
+        from edge_broker.run import build as build_edge
+        from fedtier.runtime.config import load
+
+        o = self.opts
+        started = time.perf_counter()
+        own_dir = o.workdir is None
+        workdir = Path(tempfile.mkdtemp(prefix="fedtier-fleet-")) if own_dir else Path(o.workdir)  # type: ignore[arg-type]
+        workdir.mkdir(parents=True, exist_ok=True)
+        limit = raise_fd_limit()
+        if limit < 3 * o.devices + 64:
+            raise ConfigError(f"{o.devices} devices need about {3 * o.devices + 64} open files; this process may open "
+                              f"{limit} (raise `ulimit -n`)", key="devices")
+        broker_proc = None
+        try:
+            if o.broker is None:
+                broker_proc, port = _start_mosquitto(workdir, o.devices + o.cells + 1)
+                host, broker_label = "127.0.0.1", f"Mosquitto on 127.0.0.1:{port} (started for the run)"
+            else:
+                host, _, port_text = o.broker.rpartition(":")
+                host, port, broker_label = host or "127.0.0.1", int(port_text), f"{o.broker}"
+            self.say(f"writing the fleet: {o.devices} devices in {o.cells} cells ({workdir})")
+            paths = write_fleet(rollout_mapping(o), workdir, {"host": host, "port": port},
+                                device_settings={"trainer": "auto"})
+            devices = list(paths.devices)[: o.devices]
+            t_start = time.perf_counter()
+            step = o.stagger_s / max(1, len(devices))
+            for i, device in enumerate(devices):
+                cfg = load(DeviceConfig, paths.devices[device])
+                node, tx, inbox = build_device(cfg)
+                node.trainer_provider = self.shared.provider(_resolved(cfg.trainer), cfg.threads)
+                node.train = self._locked_train(device, node.train)  # type: ignore[method-assign]
+                self._spawn(device, node, [tx], inbox)
+                if step:
+                    time.sleep(step)
+                if (i + 1) % 100 == 0:
+                    self.say(f"started {i + 1} of {len(devices)} devices")
+            for cell in paths.edges:
+                edge, transports, inbox = build_edge(load(EdgeConfig, paths.edges[cell]))
+                self._spawn(cell, edge, transports, inbox)
+            cloud, tx, inbox = build_cloud(load(RolloutConfig, paths.coordinator))
+            self._spawn("coordinator", cloud, [tx], inbox, done=lambda: cloud.finished)
+            start_s = time.perf_counter() - t_start
+            seen = 0
+            while not cloud.finished:
+                self.check()
+                if len(cloud.history) > seen:
+                    row = cloud.history[seen]
+                    self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
+                             f"{row['round_s']:.2f} s, accuracy {row.get('accuracy', float('nan')):.4f}")
+                    seen += 1
+                time.sleep(0.05)
+            history = list(cloud.history)
+        finally:
+            for _, _, stop, _ in self.threads:
+                stop.set()
+            for _, thread, _, _ in self.threads:
+                thread.join(10)
+            if broker_proc is not None:
+                broker_proc.terminate()
+                broker_proc.wait(10)
+            if own_dir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        return EmulationResult(devices=o.devices, cells=o.cells, rounds=self._timings(history), start_s=start_s,
+                               wall_s=time.perf_counter() - started, peak_rss_mb=_peak_rss_mb(),
+                               threads=threading.active_count(), broker=broker_label,
+                               notes=["devices share one trainer per bundle in this process; their local runs are "
+                                      "serialized by a lock (a real fleet trains in parallel on its own CPUs)"]
+                               + ([f"each local run also sleeps {o.compute_delay_ms:g} ms (simulated device compute)"]
+                                  if o.compute_delay_ms else []))
+
+    def _timings(self, history: list[dict[str, Any]]) -> list[RoundTiming]:
+        out = []
+        for row in history:
+            runs = [(total, trained) for r, _, total, trained in self.runs if r == row["round"]]
+            out.append(RoundTiming(round=int(row["round"]), round_s=float(row["round_s"]),
+                                   slowest_device_s=max((t for t, _ in runs), default=0.0),
+                                   median_device_s=statistics.median(t for _, t in runs) if runs else 0.0,
+                                   training_s=sum(t for _, t in runs),
+                                   devices_reported=int(row["devices_reported"]), accuracy=row.get("accuracy")))
+        return out
+
+
+def _resolved(kind: str) -> str:
+    from device_agent.trainers import resolve_kind
+
+    return str(resolve_kind(kind))
+
+
+def _peak_rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
