@@ -2,11 +2,13 @@
 
 Every device is a real device agent — the node ``fedtier agent run`` builds (``device_agent.run.build``),
 with its own MQTT client, identity, outbox (SQLite in its state dir) and noise — running on a thread
-of this process; the edges and the coordinator are real nodes too (``edge_broker.run.build``,
-``cloud_coordinator.run.build``), each on its own thread and connection. Two things differ from a
-fleet of processes, both for memory and both stated in the result:
+of a worker process that hosts up to ``DEVICES_PER_PROCESS`` of them (paho-mqtt waits on its socket
+with ``select``, which cannot watch a descriptor numbered 1024 or more, and each device holds about
+six); the edges and the coordinator are real nodes too (``edge_broker.run.build``,
+``cloud_coordinator.run.build``), each on its own thread and connection in the main process. Two
+things differ from a fleet of separate devices, both for memory and both stated in the result:
 
-* the devices of this process share one trainer per bundle (one ORT session per architecture), and
+* the devices of one worker share one trainer per bundle (one ORT session per architecture), and
   a lock serializes their local training (two threads must not swap parameters into one session at
   once);
 * ``compute_delay_ms`` adds a simulated on-device compute time to every local run, outside that lock,
@@ -81,6 +83,7 @@ class EmulationResult:
     start_s: float  # from the first thread started to every device connected and subscribed
     wall_s: float
     peak_rss_mb: float
+    """Of the main process (edges, coordinator); the workers hold the devices."""
     threads: int
     broker: str
     notes: list[str] = field(default_factory=list)
@@ -152,39 +155,38 @@ class _SharedTrainers:
         return get
 
 
-class FleetEmulator:
-    """Builds, runs and stops an emulated fleet (see the module docstring)."""
+DEVICES_PER_PROCESS = 120
+"""Devices one worker process hosts: about six descriptors each stays below ``select``'s 1024."""
 
-    def __init__(self, opts: EmulatorOptions, progress: Callable[[str], None] | None = None) -> None:
-        if opts.devices < 1 or opts.cells < 1 or opts.devices < opts.cells:
-            raise ConfigError("need at least one device per cell", key="devices")
-        self.opts = opts
-        self.say = progress or (lambda text: None)
+
+class _DeviceHost:
+    """Device agents on threads of one process, sharing a trainer; records each local run's time."""
+
+    def __init__(self, compute_delay_ms: float) -> None:
         self.shared = _SharedTrainers()
+        self.delay = compute_delay_ms / 1000.0
         # (round, device, seconds of its local run incl. waiting for the shared session, seconds training)
         self.runs: list[tuple[int, str, float, float]] = []
         self._runs_lock = threading.Lock()
         self.threads: list[tuple[str, threading.Thread, threading.Event, list[BaseException]]] = []
 
     def _locked_train(self, device: str, train: Callable[..., Any]) -> Callable[..., Any]:
-        delay = self.opts.compute_delay_ms / 1000.0
-
         def run(trainer: Any, action: Any) -> Any:
             start = time.perf_counter()
             with self.shared.lock:
                 began = time.perf_counter()
                 result = train(trainer, action)
                 trained = time.perf_counter() - began
-            if delay:
-                time.sleep(delay)
+            if self.delay:
+                time.sleep(self.delay)
             with self._runs_lock:
                 self.runs.append((int(action.round), device, time.perf_counter() - start, trained))
             return result
 
         return run
 
-    def _spawn(self, name: str, node: Any, transports: list[Any], inbox: Any,
-               done: Callable[[], bool] = lambda: False) -> None:
+    def spawn(self, name: str, node: Any, transports: list[Any], inbox: Any,
+              done: Callable[[], bool] = lambda: False) -> None:
         from fedtier.runtime import mqtt_service
 
         stop = threading.Event()
@@ -201,17 +203,65 @@ class FleetEmulator:
         thread.start()
         self.threads.append((name, thread, stop, errors))
 
-    def check(self) -> None:
-        for name, _, _, errors in self.threads:
-            if errors:
-                raise RuntimeError(f"node {name} crashed: {errors[0]!r}") from errors[0]
+    def add_device(self, config_path: Path) -> None:
+        from device_agent.config import DeviceConfig
+        from device_agent.run import build
+        from fedtier.runtime.config import load
+
+        cfg = load(DeviceConfig, config_path)
+        node, tx, inbox = build(cfg)
+        node.trainer_provider = self.shared.provider(_resolved(cfg.trainer), cfg.threads)
+        node.train = self._locked_train(cfg.device_id, node.train)  # type: ignore[method-assign]
+        self.spawn(cfg.device_id, node, [tx], inbox)
+
+    def errors(self) -> list[str]:
+        return [f"node {name} crashed: {errors[0]!r}" for name, _, _, errors in self.threads if errors]
+
+    def stop(self) -> None:
+        for _, _, stop, _ in self.threads:
+            stop.set()
+        for _, thread, _, _ in self.threads:
+            thread.join(10)
+
+
+def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, ready: Any, stop: Any,
+            results: Any) -> None:
+    """A worker process: host ``config_paths``' devices until ``stop``, then report their runs."""
+    raise_fd_limit()
+    logging.basicConfig(level=logging.WARNING)
+    host = _DeviceHost(compute_delay_ms)
+    try:
+        for path in config_paths:
+            host.add_device(Path(path))
+            if step_s:
+                time.sleep(step_s)
+        ready.put(len(config_paths))
+        while not stop.wait(0.2):
+            if host.errors():
+                break
+    finally:
+        host.stop()
+        results.put({"runs": host.runs, "errors": host.errors()})
+
+
+class FleetEmulator:
+    """Builds, runs and stops an emulated fleet (see the module docstring)."""
+
+    def __init__(self, opts: EmulatorOptions, progress: Callable[[str], None] | None = None) -> None:
+        if opts.devices < 1 or opts.cells < 1 or opts.devices < opts.cells:
+            raise ConfigError("need at least one device per cell", key="devices")
+        self.opts = opts
+        self.say = progress or (lambda text: None)
+        self.servers = _DeviceHost(0.0)  # the edges and the coordinator, on threads of this process
+        self.runs: list[tuple[int, str, float, float]] = []
+        self.workers = 0
 
     def run(self) -> EmulationResult:
+        import multiprocessing
+
         from cloud_coordinator.config import RolloutConfig
         from cloud_coordinator.fleet import write_fleet
         from cloud_coordinator.run import build as build_cloud
-        from device_agent.config import DeviceConfig
-        from device_agent.run import build as build_device
         from edge_broker.config import EdgeConfig
         from edge_broker.run import build as build_edge
         from fedtier.runtime.config import load
@@ -221,14 +271,14 @@ class FleetEmulator:
         own_dir = o.workdir is None
         workdir = Path(tempfile.mkdtemp(prefix="fedtier-fleet-")) if own_dir else Path(o.workdir)  # type: ignore[arg-type]
         workdir.mkdir(parents=True, exist_ok=True)
-        limit = raise_fd_limit()
-        if limit < 3 * o.devices + 64:
-            raise ConfigError(f"{o.devices} devices need about {3 * o.devices + 64} open files; this process may open "
-                              f"{limit} (raise `ulimit -n`)", key="devices")
+        raise_fd_limit()
         broker_proc = None
+        ctx = multiprocessing.get_context("spawn")
+        stop, ready, results = ctx.Event(), ctx.Queue(), ctx.Queue()
+        procs: list[Any] = []
         try:
             if o.broker is None:
-                broker_proc, port = _start_mosquitto(workdir, o.devices + o.cells + 1)
+                broker_proc, port = _start_mosquitto(workdir, o.devices + 2 * o.cells + 1)
                 host, broker_label = "127.0.0.1", f"Mosquitto on 127.0.0.1:{port} (started for the run)"
             else:
                 host, _, port_text = o.broker.rpartition(":")
@@ -236,28 +286,36 @@ class FleetEmulator:
             self.say(f"writing the fleet: {o.devices} devices in {o.cells} cells ({workdir})")
             paths = write_fleet(rollout_mapping(o), workdir, {"host": host, "port": port},
                                 device_settings={"trainer": "auto"})
-            devices = list(paths.devices)[: o.devices]
+            devices = [str(paths.devices[d]) for d in list(paths.devices)[: o.devices]]
             t_start = time.perf_counter()
-            step = o.stagger_s / max(1, len(devices))
-            for i, device in enumerate(devices):
-                cfg = load(DeviceConfig, paths.devices[device])
-                node, tx, inbox = build_device(cfg)
-                node.trainer_provider = self.shared.provider(_resolved(cfg.trainer), cfg.threads)
-                node.train = self._locked_train(device, node.train)  # type: ignore[method-assign]
-                self._spawn(device, node, [tx], inbox)
-                if step:
-                    time.sleep(step)
-                if (i + 1) % 100 == 0:
-                    self.say(f"started {i + 1} of {len(devices)} devices")
+            groups = [devices[i:i + DEVICES_PER_PROCESS] for i in range(0, len(devices), DEVICES_PER_PROCESS)]
+            self.workers = len(groups)
+            step = o.stagger_s / max(1, len(devices)) * len(groups)
+            for group in groups:
+                proc = ctx.Process(target=_worker, args=(group, o.compute_delay_ms, step, ready, stop, results),
+                                   daemon=True)
+                proc.start()
+                procs.append(proc)
+            hosted = 0
+            while hosted < len(devices):
+                try:
+                    hosted += int(ready.get(timeout=600))
+                except Exception as exc:  # queue.Empty
+                    raise RuntimeError("the device workers did not start within 10 minutes") from exc
+                self.say(f"started {hosted} of {len(devices)} devices in {len(groups)} worker process(es)")
             for cell in paths.edges:
                 edge, transports, inbox = build_edge(load(EdgeConfig, paths.edges[cell]))
-                self._spawn(cell, edge, transports, inbox)
+                self.servers.spawn(cell, edge, transports, inbox)
             cloud, tx, inbox = build_cloud(load(RolloutConfig, paths.coordinator))
-            self._spawn("coordinator", cloud, [tx], inbox, done=lambda: cloud.finished)
+            self.servers.spawn("coordinator", cloud, [tx], inbox, done=lambda: cloud.finished)
             start_s = time.perf_counter() - t_start
             seen = 0
             while not cloud.finished:
-                self.check()
+                problems = self.servers.errors()
+                if problems:
+                    raise RuntimeError(problems[0])
+                if any(not p.is_alive() for p in procs):
+                    raise RuntimeError("a device worker process died")
                 if len(cloud.history) > seen:
                     row = cloud.history[seen]
                     self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
@@ -265,11 +323,19 @@ class FleetEmulator:
                     seen += 1
                 time.sleep(0.05)
             history = list(cloud.history)
+            stop.set()
+            for _ in procs:
+                report = results.get(timeout=60)
+                self.runs.extend(tuple(r) for r in report["runs"])
+                if report["errors"]:
+                    raise RuntimeError(report["errors"][0])
         finally:
-            for _, _, stop, _ in self.threads:
-                stop.set()
-            for _, thread, _, _ in self.threads:
-                thread.join(10)
+            stop.set()
+            self.servers.stop()
+            for proc in procs:
+                proc.join(30)
+                if proc.is_alive():
+                    proc.kill()
             if broker_proc is not None:
                 broker_proc.terminate()
                 broker_proc.wait(10)
@@ -278,8 +344,9 @@ class FleetEmulator:
         return EmulationResult(devices=o.devices, cells=o.cells, rounds=self._timings(history), start_s=start_s,
                                wall_s=time.perf_counter() - started, peak_rss_mb=_peak_rss_mb(),
                                threads=threading.active_count(), broker=broker_label,
-                               notes=["devices share one trainer per bundle in this process; their local runs are "
-                                      "serialized by a lock (a real fleet trains in parallel on its own CPUs)"]
+                               notes=[f"devices in {self.workers} worker process(es) of at most {DEVICES_PER_PROCESS}; "
+                                      "those of one worker share one trainer per bundle and train one at a time "
+                                      "(a real fleet trains in parallel on its own CPUs)"]
                                + ([f"each local run also sleeps {o.compute_delay_ms:g} ms (simulated device compute)"]
                                   if o.compute_delay_ms else []))
 

@@ -39,3 +39,22 @@ def test_the_cli_refuses_more_cells_than_devices() -> None:
     done = subprocess.run([sys.executable, "-m", "fedtier", "fleet", "emulate", "--devices", "2", "--cells", "3"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "at least one device per cell" in done.stderr
+
+
+def test_bench_fleet_harness_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench_fleet.py at 10 devices, one repetition (its own Mosquitto); no timing asserted."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_fleet", root / "benchmarks" / "bench_fleet.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys.modules["_common"], "RESULTS", tmp_path)
+
+    results = bench.main(["--sizes", "10", "--reps", "1", "--rounds", "2", "--name", "tiny"])
+
+    (row,) = results["sizes"]
+    assert row["devices"] == 10 and row["round_s"]["median"] > 0 and row["training_s"]["median"] > 0
+    assert "| 10 | 1 |" in bench.table(results) and (tmp_path / "tiny.json").is_file()

@@ -1,0 +1,84 @@
+"""Fleet rounds through a real Mosquitto: ``fedtier fleet emulate`` at several fleet sizes.
+
+Each repetition is a fresh ``fedtier fleet emulate --json`` (its own Mosquitto, one cell, the synthetic
+task, MLP 64-64-10, 5 local steps). Round 0 also distributes the model's artifacts to every device, so
+the table reports rounds 1 and later: the round time, the round overhead (round time minus the
+slowest device's local run) and, as the baseline measured in the same run, the devices' training
+(all of it, one after the other: each worker process shares one session). Median over the
+repetitions of each run's median, with the spread.
+
+    python benchmarks/bench_fleet.py                                 # the table in docs/benchmarks.md
+    python benchmarks/bench_fleet.py --sizes 10 --reps 1 --rounds 2  # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def emulate(devices: int, rounds: int, timeout: float) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "fedtier", "fleet", "emulate", "--devices", str(devices),
+                          "--rounds", str(rounds), "--json"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{devices} devices failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| devices | reps | round s | overhead s (round − slowest device) | devices' training s | "
+             "round 0 s (with artifacts) | start-up s |", "|---|---|---|---|---|---|---|"]
+    for r in results["sizes"]:
+        def cell(key: str, r: dict[str, Any] = r) -> str:
+            v = r[key]
+            return f"{v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f})"
+
+        lines.append(f"| {r['devices']:,} | {r['reps']} | {cell('round_s')} | {cell('overhead_s')} | "
+                     f"{cell('training_s')} | {cell('round0_s')} | {cell('start_s')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="100,300", help="devices, comma-separated")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--name", default="fleet")
+    args = ap.parse_args(argv)
+    results: dict[str, Any] = {"setup": f"one cell, synthetic task, MLP 64-64-10, 5 local steps, {args.rounds} rounds",
+                               "sizes": []}
+    for devices in (int(x) for x in args.sizes.split(",")):
+        runs = [emulate(devices, args.rounds, args.timeout) for _ in range(args.reps)]
+        later = [[r for r in run["rounds"] if r["round"] > 0] for run in runs]
+        row = {"devices": devices, "reps": args.reps,
+               "round_s": spread([statistics.median(r["round_s"] for r in rs) for rs in later]),
+               "overhead_s": spread([statistics.median(r["overhead_s"] for r in rs) for rs in later]),
+               "training_s": spread([statistics.median(r["training_s"] for r in rs) for rs in later]),
+               "round0_s": spread([run["rounds"][0]["round_s"] for run in runs]),
+               "start_s": spread([run["start_s"] for run in runs])}
+        results["sizes"].append(row)
+        print(devices, f"{row['round_s']['median']:.2f} s/round", flush=True)
+    path = write(args.name, results)
+    print(table(results))
+    print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
