@@ -77,6 +77,17 @@ def test_secure_aggregation_demo_runs_through_mosquitto() -> None:
     assert all(r["devices_reported"] == 6 for r in result["rounds"])
 
 
+def test_secure_aggregation_with_privacy_runs_distributed_dp_through_mosquitto() -> None:
+    """`--secure-aggregation --privacy`: the devices share the noise; each cell makes one release a round."""
+    require(mosquitto_binary() is not None, "Mosquitto")
+    result = run_demo("--secure-aggregation", "--privacy", "--devices", "6", "--cells", "2", "--rounds", "3")
+    p = result["privacy"]
+    assert result["secure_aggregation"] is True and len(result["rounds"]) == 3
+    assert all(r["devices_reported"] == 6 for r in result["rounds"])
+    assert p["ledger_agrees"] and 0 < p["epsilon"] <= p["target_epsilon"] * (1 + 1e-9)
+    assert p["ledger_releases"] == 3 * 2  # one distributed release per cell and round, none per device
+
+
 def test_demo_runs_qhetfed_and_reports_uplink_savings() -> None:
     require(mosquitto_binary() is not None, "Mosquitto")
     proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--algorithm", "qhetfed", "--devices", "4",
