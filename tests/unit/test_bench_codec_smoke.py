@@ -33,3 +33,14 @@ def test_bench_codec_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.Mon
     assert [(r["n"], r["d"]) for r in results["aggregation"]] == [(2, 100), (5, 50), (100, 100)]
     assert "skipped" in results["aggregation"][2] and "f32" in results["aggregation"][0]
     assert all(r["qsgd4"]["fraction_of_numpy"] > 0 for r in results["aggregation"][:2])
+
+
+def test_python_m_benchmarks_lists_and_refuses_unknown_names() -> None:
+    import subprocess
+
+    listed = subprocess.run([sys.executable, "-m", "benchmarks"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    unknown = subprocess.run([sys.executable, "-m", "benchmarks", "nope"], capture_output=True, text=True, cwd=ROOT,
+                             timeout=60)
+
+    assert listed.returncode == 0 and "codec" in listed.stdout and "fleet" in listed.stdout and "ray" in listed.stdout
+    assert unknown.returncode == 2 and "no benchmark 'nope'" in unknown.stderr
