@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import write  # noqa: E402
+from _common import spread, write  # noqa: E402
 
 from fedtier.algorithms.aggregate import weighted_mean  # noqa: E402
 from fedtier.algorithms.common import quantize  # noqa: E402
@@ -61,7 +61,7 @@ def _timed(fn: Callable[[], Any], reps: int) -> list[float]:
 
 
 def _stats(times: list[float]) -> dict[str, float]:
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+    return {f"{key}_s": value for key, value in spread(times).items()}
 
 
 def codec(params: int, reps: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write  # noqa: E402
+from _common import spread, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,10 +34,6 @@ def emulate(devices: int, rounds: int, timeout: float) -> dict[str, Any]:
     if out.returncode != 0:
         raise RuntimeError(f"{devices} devices failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout)
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def table(results: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write  # noqa: E402
+from _common import spread, write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,10 +56,6 @@ def run(devices: int, per_cell: int, rounds: int, store: str, backend: str, shar
     if out.returncode != 0:
         raise RuntimeError(f"{backend} at {devices} devices failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def table(results: dict[str, Any]) -> str:

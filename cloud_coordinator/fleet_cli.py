@@ -44,7 +44,7 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
 
     \b
         fedtier fleet emulate --devices 100
-        fedtier fleet emulate --devices 1000 --cells 1 --rounds 3 --compute-delay-ms 50
+        fedtier fleet emulate --devices 300 --cells 1 --rounds 3 --compute-delay-ms 50
         fedtier fleet emulate --devices 500 --cells 5 --broker 127.0.0.1:1883 --json
     """
     from cloud_coordinator.console import make_console

@@ -338,8 +338,7 @@ class DeviceNode(NodeBase):
             return
         plan = NoisePlan.from_dict(carried)
         cell = plan.cells.get(self.cell)
-        if cell is not None and cell.trusted and not cell.distributed and plan.require_tls \
-                and not getattr(self.tx, "secure", False):
+        if cell is not None and cell.clear_to_edge and plan.require_tls and not getattr(self.tx, "secure", False):
             raise PrivacyViolationError(f"cell {self.cell} is trusted, so updates go to it without noise, but the "
                                         "broker connection has no TLS (configure [broker] tls_*; or set "
                                         "[privacy] require_tls = false on the coordinator for a lab setup)")

@@ -235,8 +235,7 @@ class EdgeNode(NodeBase):
             return
         plan = NoisePlan.from_dict(privacy)
         cell = plan.cells.get(self.cell)
-        if cell is not None and cell.trusted and not cell.distributed and plan.require_tls \
-                and not getattr(self.cell_tx, "secure", False):
+        if cell is not None and cell.clear_to_edge and plan.require_tls and not getattr(self.cell_tx, "secure", False):
             raise PrivacyViolationError(f"cell {self.cell} is trusted, so its devices send clear updates, but the "
                                         "cell broker connection has no TLS (configure [cell_broker] tls_*)")
 

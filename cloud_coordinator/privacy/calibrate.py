@@ -169,7 +169,7 @@ def make_plan(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> NoisePla
         details.update(distributed_min_survivors=s_min)
         details["epsilon_device_tier"] = 0.0  # no release of a device's own: only its cell's noised sum
         plan = _plan(cfg, plans, details, tau, q, budget)
-    edge_tier = [c for c, cp in plans.items() if cp.trusted or cp.distributed]
+    edge_tier = [c for c, cp in plans.items() if cp.cell_releases]
     if edge_tier:  # what the ledger will charge the edge tier: the worst such cell, sound sensitivity
         details["epsilon_edge_tier"] = max(
             accountant.epsilon([(plan.edge_charged_z(c), cfg.rounds, *plan.edge_event(c))], p.delta,

@@ -74,7 +74,7 @@ class PrivacyLedger:
         ``(z, count, q, population)`` for a trusted edge's sampled (amplified) releases."""
         cell = next(c for c, m in self.cells.items() if device in m)
         p = self.plan.cells[cell]
-        if p.trusted or p.distributed:  # charged against the sound sensitivity, every member reporting (smallest z)
+        if p.cell_releases:  # charged against the sound sensitivity, with every member reporting (the smallest z)
             q, population = self.plan.edge_event(cell)  # amplified by the edge's secret sampling, if any
             if q < 1.0:
                 return [(self.plan.edge_charged_z(cell), rounds, q, population)]
@@ -122,7 +122,7 @@ class PrivacyLedger:
             p = self.plan.cells[cell]
             report = reports.get(cell) or {}
             seen = {(r["node"], int(r["step"])): r for r in report.get("releases", ())}
-            if p.trusted or p.distributed:  # distributed DP: the cell's one release, as a trusted edge's
+            if p.cell_releases:  # a trusted edge's release, or under distributed DP its devices' summed shares
                 record = seen.get((cell, 0))
                 if record is not None:
                     # Charged to every member, reported or not, like the planned release below: who is on the

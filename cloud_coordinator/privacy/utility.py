@@ -120,12 +120,12 @@ def estimate(plan: NoisePlan, parameters: Mapping[str, int], *, cells_averaged: 
     ratios = {c: Ratio(signal, math.sqrt(parameters[c] * v), c) for c, v in variance.items()}
 
     def worst(trusted: bool) -> Ratio | None:
-        tier = [r for c, r in ratios.items() if plan.cells[c].hides_participation == trusted]
+        tier = [r for c, r in ratios.items() if plan.cells[c].cell_releases == trusted]
         return min(tier, key=lambda r: r.snr) if tier else None
 
     weights = {c: plan.cells[c].members for c in plan.cells}
     share = {c: weights[c] ** 2 * v for c, v in variance.items()}
-    trusted_share = sum(s for c, s in share.items() if plan.cells[c].hides_participation)
+    trusted_share = sum(s for c, s in share.items() if plan.cells[c].cell_releases)
     dominant = "edge" if trusted_share > sum(share.values()) - trusted_share else "device"
     if cells_averaged:
         m = max(parameters[c] for c in plan.cells)

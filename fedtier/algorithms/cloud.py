@@ -142,7 +142,7 @@ class Cloud(StateGuard):
             return dict(self.cells)
         out: dict[str, tuple[str, ...]] = {}
         for cell, members in self.cells.items():
-            chosen = members if plan.cells[cell].hides_participation else plan.untrusted_sample(cell, members,
+            chosen = members if plan.cells[cell].cell_releases else plan.untrusted_sample(cell, members,
                                                                                                 self.round)
             if chosen:
                 out[cell] = tuple(chosen)

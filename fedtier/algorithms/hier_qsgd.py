@@ -424,8 +424,7 @@ class _EdgeBase(StateGuard):
         if self._state is RoleState.COLLECTING:
             notes.append(Note("round_abandoned", {"round": self.round, "step": self._step}))
         self._members = tuple(task.members)
-        if plan is not None and plan.sampled and plan.cells[self.cell].trusted \
-                and not plan.cells[self.cell].distributed:
+        if plan is not None and plan.sampled and plan.cells[self.cell].clear_to_edge:
             # Device sampling: this trusted edge draws its round's sample in secret (its CSPRNG-seeded
             # source, never the cloud's); the task its devices see names only the sampled ones.
             task = dataclasses.replace(task, members=self._draw_sample(plan, task))
@@ -444,8 +443,7 @@ class _EdgeBase(StateGuard):
     def sampling_secretly(self) -> bool:
         """This edge samples its members in secret and releases a fixed-denominator sum (docs/privacy.md)."""
         plan = self._plan
-        return plan is not None and plan.sampled and plan.cells[self.cell].trusted \
-            and not plan.cells[self.cell].distributed  # distributed DP: the devices sample themselves
+        return plan is not None and plan.sampled and plan.cells[self.cell].clear_to_edge
 
     def _draw_sample(self, plan: NoisePlan, task: CellTask) -> tuple[str, ...]:
         """Poisson (each member with probability q) or fixed-size (round(q n) of n) from a secret stream."""

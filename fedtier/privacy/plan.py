@@ -149,10 +149,17 @@ class CellPlan:
         return self.min_survivors > 0
 
     @property
-    def hides_participation(self) -> bool:
-        """Whether who reported stays inside the cell: a trusted edge, or distributed DP (no edge sees
-        an individual update, and under sampling every member takes part)."""
+    def cell_releases(self) -> bool:
+        """Whether the cell's aggregate is the release, planned and charged as a trusted edge's: a trusted
+        edge adds the noise, or (distributed DP) its devices add shares of it. Who reported then stays
+        inside the cell: no edge sees an individual update, and under sampling every member takes part."""
         return self.trusted or self.distributed
+
+    @property
+    def clear_to_edge(self) -> bool:
+        """Whether devices send clear updates to the edge, which adds the noise: a trusted, not distributed
+        cell (under distributed DP nothing clear travels)."""
+        return self.trusted and not self.distributed
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"trusted": self.trusted, "members": self.members, "device_z": self.device_z,

@@ -43,15 +43,9 @@ def test_the_cli_refuses_more_cells_than_devices() -> None:
 
 def test_bench_fleet_harness_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/bench_fleet.py at 10 devices, one repetition (its own Mosquitto); no timing asserted."""
-    import importlib.util
+    from bench_helpers import load_benchmark
 
-    root = Path(__file__).resolve().parents[2]
-    monkeypatch.syspath_prepend(str(root / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_fleet", root / "benchmarks" / "bench_fleet.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    monkeypatch.setattr(sys.modules["_common"], "RESULTS", tmp_path)
+    bench = load_benchmark("fleet", tmp_path, monkeypatch)
 
     results = bench.main(["--sizes", "10", "--reps", "1", "--rounds", "2", "--name", "tiny"])
 

@@ -4,6 +4,7 @@ simulator's model, and the edges only ever receive secure-aggregation messages f
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,11 +21,11 @@ SECURE = {"fedavg": {"local_steps": 20, "lr": 0.2, "secure_aggregation": True, "
                      "secagg_clip": 100.0}}
 
 
-def test_secure_rounds_over_mosquitto(mosquitto, small_rollout, tmp_path: Path) -> None:
-    from cloud_coordinator.config import RolloutConfig
+def _run_fleet(cfg: Any, mosquitto: Any, tmp_path: Path) -> tuple[dict, Any, ThreadFleet, Any]:
+    """``cfg``'s fleet on threads through the test's Mosquitto, run to the end: (its config as plain data, the
+    fleet's paths, the fleet, the coordinator node)."""
     from cloud_coordinator.fleet import write_fleet
 
-    cfg = small_rollout(rounds=3, **SECURE)
     plain = cfg.to_dict()
     plain.pop("broker", None)
     plain["state_dir"] = str(tmp_path / "fleet" / "coordinator")
@@ -35,6 +36,13 @@ def test_secure_rounds_over_mosquitto(mosquitto, small_rollout, tmp_path: Path) 
         cloud = fleet.wait_finished(timeout=120)
     finally:
         fleet.stop()
+    return plain, paths, fleet, cloud
+
+
+def test_secure_rounds_over_mosquitto(mosquitto, small_rollout, tmp_path: Path) -> None:
+    from cloud_coordinator.config import RolloutConfig
+
+    plain, paths, fleet, cloud = _run_fleet(small_rollout(rounds=3, **SECURE), mosquitto, tmp_path)
     edges = {name: fleet.nodes[name].node for name in paths.edges}
     assert edges, sorted(fleet.nodes)
     for name, running in fleet.nodes.items():
@@ -96,21 +104,11 @@ def test_distributed_dp_over_mosquitto_puts_each_cells_release_on_the_ledger(mos
     the coordinator's ledger holds one distributed release per cell and round, charged to every member. A cell
     labelled trusted runs the same way: nothing clear travels, so plain MQTT is accepted (require_tls stays on)."""
     from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.fleet import write_fleet
 
     cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3, "trusted": {"cell-a": True}},
                         privacy={"epsilon": 8.0, "clip": 1.0},
                         fedavg={**SECURE["fedavg"], "weighting": "uniform"})
-    plain = cfg.to_dict()
-    plain.pop("broker", None)
-    plain["state_dir"] = str(tmp_path / "fleet" / "coordinator")
-    paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
-    fleet = ThreadFleet(paths)
-    try:
-        fleet.start_all()
-        cloud = fleet.wait_finished(timeout=120)
-    finally:
-        fleet.stop()
+    _, paths, fleet, cloud = _run_fleet(cfg, mosquitto, tmp_path)
     for name, running in fleet.nodes.items():
         assert running.node.metrics.total(REJECTED) == 0, (name, running.node.metrics.snapshot())
     assert [r["round"] for r in cloud.history] == [0, 1]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_helpers import load_benchmark
 from conftest import require
 
 from cloud_coordinator.simulate import simulate
@@ -57,12 +58,7 @@ def test_simulate_cli_refuses_ray_options_without_the_ray_backend(tmp_path: Path
 def test_bench_ray_harness_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: Any) -> None:
     """benchmarks/bench_ray.py at 20 devices, one repetition: both backends run and agree (no timing asserted)."""
     _ray()
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_ray", ROOT / "benchmarks" / "bench_ray.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    monkeypatch.setattr(sys.modules["_common"], "RESULTS", tmp_path)
+    bench = load_benchmark("ray", tmp_path, monkeypatch)
 
     results = bench.main(["--sizes", "20", "--per-cell", "10", "--rounds", "1", "--reps", "1", "--name", "tiny"])
 

@@ -3,23 +3,18 @@ what is above the memory cap, and writes its JSON (correctness of the harness on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_codec_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_codec", ROOT / "benchmarks" / "bench_codec.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    monkeypatch.setattr(sys.modules["_common"], "RESULTS", tmp_path)
+    bench = load_benchmark("codec", tmp_path, monkeypatch)
 
     results = bench.main(["--reps", "2", "--params", "500", "--sizes", "2x100,5x50,100x100",
                           "--max-elements", "1000", "--name", "tiny"])
