@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install fedtier for development on this machine: Mosquitto (if missing, via apt-get),
+# Install fedtier for development on this machine: Mosquitto, Chromium and PostgreSQL (if missing, via apt-get),
 # the CPU build of torch 2.13.0 (any other torch pulls several GB of CUDA packages),
 # then fedtier with every extra; and .venv-portable/, a small second environment set up as
 # a board without onnxruntime-training has it (stock onnxruntime, no torch), in which tests
@@ -22,6 +22,16 @@ if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium
+fi
+
+# A PostgreSQL server for the store tests: they start their own (initdb + pg_ctl in a temporary
+# directory, on a free port), so only the binaries are needed; nothing here configures a cluster.
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  echo "install.sh: installing PostgreSQL with apt-get" >&2
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q postgresql
 fi
 
 PYTHON="${PYTHON:-python3}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -30,11 +31,15 @@ def coordinator() -> None:
 @click.option("--http", "http", metavar="HOST:PORT", default=None,
               help="Also serve the read-only web dashboard and its JSON API (/api/) here, e.g. 127.0.0.1:8080; "
                    "off by default. A host beyond loopback exposes it without a login.")
-def coordinator_run(config_path: Path, log_level: str | None, http: str | None) -> None:
+@click.option("--store", "store_url", metavar="URL", default=None,
+              help="Override the config's `store`: sqlite:///PATH or postgresql://USER@HOST:PORT/DB.")
+def coordinator_run(config_path: Path, log_level: str | None, http: str | None, store_url: str | None) -> None:
     """Run the rollout over MQTT until its last round closes (or SIGINT/SIGTERM).
 
-    State (rounds, model versions, accepted updates of the open round) is in
-    <state_dir>/coordinator.db: run the same command again to resume after a crash. When
+    State (rounds, model versions, accepted updates of the open round) is in the config's
+    `store` (default <state_dir>/coordinator.db, SQLite; or PostgreSQL): run the same command
+    again to resume after a crash. A second coordinator of the same rollout and store is
+    refused, with the name of the one that runs it. When
     the rollout ends it prints a summary (accuracy per round, bytes per tier, where the
     metrics are, how to export the model) and clears the rollout's retained messages.
 
@@ -45,7 +50,7 @@ def coordinator_run(config_path: Path, log_level: str | None, http: str | None) 
     Example: fedtier coordinator run --config fleet/coordinator/hand1.toml
              fedtier coordinator run --config fleet/coordinator/hand1.toml --http 127.0.0.1:8080
     """
-    from cloud_coordinator.config import RolloutConfig
+    from cloud_coordinator.config import RolloutConfig, store_url_check
     from cloud_coordinator.observe.web import parse_bind
     from cloud_coordinator.run import run
     from fedtier.runtime import logs
@@ -56,6 +61,12 @@ def coordinator_run(config_path: Path, log_level: str | None, http: str | None) 
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--http") from None
     cfg = load(RolloutConfig, config_path)
+    if store_url is not None:
+        try:
+            store_url_check(store_url)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--store") from None
+        cfg = dataclasses.replace(cfg, store=store_url)
     logs.setup(log_level or cfg.log_level, node=cfg.cloud_id)
     started = time.perf_counter()
     code = run(cfg, http=bind)
@@ -68,21 +79,29 @@ def coordinator_run(config_path: Path, log_level: str | None, http: str | None) 
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar="FEDTIER_STATE_DIR",
               default="fedtier-state", show_default=True,
               help="The state directory whose coordinator.db holds the rollouts (also $FEDTIER_STATE_DIR).")
+@click.option("--store", "store_url", metavar="URL", envvar="FEDTIER_STORE", default=None,
+              help="Serve this store instead of <state-dir>/coordinator.db, e.g. postgresql://fedtier@db:5432/fedtier "
+                   "(also $FEDTIER_STORE). Chunks in transit stay in --state-dir.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
-def coordinator_serve(state_dir: Path, log_level: str) -> None:
+def coordinator_serve(state_dir: Path, store_url: str | None, log_level: str) -> None:
     """Serve every rollout of a store, as a long-running service, until SIGINT/SIGTERM.
 
     Rollouts are created and steered with `fedtier rollout ...`, which writes into the same
     store; this process picks each change up within a second. A restart resumes every rollout
     where the store left it (a paused one stays paused). Exit codes as `coordinator run`.
 
+    Two coordinators may serve one PostgreSQL store: each rollout is driven by one of them (a
+    lock in the database); the other takes a rollout over if its coordinator stops.
+
+    \b
     Example: fedtier coordinator serve --state-dir /var/lib/fedtier/coordinator
+             fedtier coordinator serve --store postgresql://fedtier@db.internal:5432/fedtier
     """
     from cloud_coordinator.service import serve
     from fedtier.runtime import logs
 
     logs.setup(log_level, node="cloud")
-    raise SystemExit(serve(state_dir))
+    raise SystemExit(serve(state_dir, store_url=store_url))
 
 
 @coordinator.command("install-service")

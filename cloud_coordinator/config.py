@@ -636,6 +636,12 @@ class SimulationConfig(Section):
                              prefix=prefix, source=source)
 
 
+def store_url_check(value: str) -> None:
+    """Validator: a store URL fedtier can open (``cloud_coordinator.store_backend`` opens it)."""
+    if not value.startswith(("sqlite:///", "postgresql://", "postgresql+psycopg://")):
+        raise ValueError(f"{value!r} is not sqlite:///PATH or postgresql://USER@HOST:PORT/DB")
+
+
 @dataclass(frozen=True)
 class RolloutConfig(Section):
     """A training campaign (``fedtier coordinator run``, ``fedtier simulate``)."""
@@ -645,6 +651,9 @@ class RolloutConfig(Section):
     rounds: int = opt(20, min=1, help="Global rounds.")
     seed: int = opt(0, help="Rollout seed: names every RNG stream (minibatches, ...).")
     state_dir: Path = opt(Path("fedtier-state"), help="Coordinator state: SQLite database and artifact store.")
+    store: str | None = opt(None, check=store_url_check,
+                            help="The coordinator's store: sqlite:///PATH or postgresql://USER@HOST:PORT/DB "
+                                 "(default sqlite:///<state_dir>/coordinator.db; docs/deployment.md).")
     metrics_file: Path | None = opt(None, help="Per-round metrics JSON (default <state_dir>/metrics.json).")
     cloud_id: str = opt("cloud", check=node_id, help="The coordinator's node id.")
     artifact_store: Path | None = opt(None, help="Content-addressed artifact store (default <state_dir>/artifacts).")
@@ -673,6 +682,13 @@ class RolloutConfig(Section):
                                                                    "qhetfed; none when absent).")
     attack: AttackSection | None = opt(None, help="Attacking devices, for robustness tests (simulate and demo only; "
                                                   "none when absent).")
+
+    @property
+    def store_location(self) -> str:
+        """The store's URL: ``store``, else SQLite in ``state_dir``."""
+        from cloud_coordinator.store_backend import store_url
+
+        return store_url(self.state_dir, self.store)
 
     @property
     def metrics_path(self) -> Path:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cloud_coordinator.config import RolloutConfig
-from cloud_coordinator.store import CoordinatorStore
 from fedtier.errors import ConfigError
 
 
@@ -37,10 +36,10 @@ def export_model(cfg: RolloutConfig, out: Path | str, *, version: int | None = N
     from device_agent.trainers.ort import OrtTrainer
     from models.export import OUTPUT_NAME
 
-    db = cfg.state_dir / "coordinator.db"
-    if not db.is_file():
-        raise ConfigError(f"no coordinator state at {db}: run the rollout first", key="state_dir")
-    store = CoordinatorStore(db)
+    from cloud_coordinator.status import open_store
+
+    store = open_store(cfg.state_dir, cfg.store)
+    db = store.where
     try:
         model = store.latest_model(cfg.rollout) if version is None else store.model(cfg.rollout, version)
     finally:

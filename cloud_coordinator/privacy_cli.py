@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import sqlite3
-from contextlib import closing
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -401,22 +399,19 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     if db_path is not None:
-        db = db_path
+        location = str(db_path)
     elif cfg is not None:
-        db = cfg.state_dir / "coordinator.db"
+        location = cfg.store_location
     else:
         raise click.UsageError("say which rollout: --config ROLLOUT.toml, or --db PATH with --rollout ID")
     rollout = rollout_id or (cfg.rollout if cfg is not None else None)
     if rollout is None:
-        raise click.UsageError(f"--db {db} needs --rollout ID (or --config naming the rollout)")
-    if not db.is_file():
-        where = f" (state_dir of {config_path})" if db_path is None else ""
-        raise click.UsageError(f"no coordinator database at {db}{where}: has the rollout run?")
-    metrics_path = cfg.metrics_path if cfg is not None else db.parent / "metrics.json"
+        raise click.UsageError(f"--db {db_path} needs --rollout ID (or --config naming the rollout)")
+    store, db = _open_store(location, f" (the store of {config_path})" if db_path is None else "")
+    metrics_path = cfg.metrics_path if cfg is not None else Path(db_path or ".").parent / "metrics.json"
     metrics = _read_metrics(metrics_path, rollout)
     p = cfg.privacy if cfg is not None else None
     plan = metrics.get("noise_plan") or {}
-    store = _open_store(db)
     try:
         status = store.status(rollout)
         if status is None:
@@ -464,7 +459,7 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
     if metrics.get("_error"):
         doc["warnings"].append(metrics["_error"])
     out = out_path if out_path is not None else (cfg.state_dir if cfg is not None and db_path is None
-                                                 else db.parent) / "privacy_epsilon.png"
+                                                 else Path(db_path or ".").parent) / "privacy_epsilon.png"
     rep.plot_epsilon(doc["rounds"], out, budget=budget, delta=delta, mode=doc["mode"], rollout=rollout)
     doc["plot"] = str(out)
     doc["metrics_file"] = str(metrics_path) if metrics.get("_found") else None
@@ -475,21 +470,26 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
         click.echo(f"\nplot: {out}")
 
 
-def _open_store(db: Path) -> Any:
-    """The coordinator's store at ``db``, after checking (read-only) that it is one: opening a store
-    creates its tables, which must not happen to some other SQLite file given by mistake."""
+def _open_store(location: str, where: str) -> tuple[Any, str]:
+    """The coordinator's store at ``location`` and its name for messages, after checking (without
+    writing) that it is one: opening a store creates its tables, which must not happen to some
+    other database given by mistake."""
+    from cloud_coordinator import store_backend as backend
     from cloud_coordinator.store import CoordinatorStore
 
+    url = backend.parse_url(location)
+    name = backend.display(url) if "://" in location else location
     try:
-        with closing(sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True)) as conn:
-            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    except sqlite3.DatabaseError as exc:
-        raise click.UsageError(f"{db} is not a coordinator database: {exc}") from None
+        tables = backend.existing_tables(url)
+    except ConfigError as exc:
+        raise click.UsageError(exc.message) from None
+    if tables is None:
+        raise click.UsageError(f"no coordinator database at {name}{where}: has the rollout run?")
     missing = {"rollouts", "rounds", "privacy_releases", "privacy_clear"} - tables
     if missing:
-        raise click.UsageError(f"{db} is not a coordinator database with a privacy ledger "
+        raise click.UsageError(f"{name} is not a coordinator database with a privacy ledger "
                                f"(no table {', '.join(sorted(missing))})")
-    return CoordinatorStore(db)
+    return CoordinatorStore(location), name
 
 
 def _read_metrics(path: Path, rollout: str) -> dict[str, Any]:

@@ -10,14 +10,15 @@ import click
 
 @click.command()
 @click.argument("rollout")
-@click.option("--store", "store_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="The coordinator's database (<state_dir>/coordinator.db).")
+@click.option("--store", "store_path", metavar="PATH|URL", default=None,
+              help="The coordinator's store: its SQLite file (<state_dir>/coordinator.db) or its URL "
+                   "(postgresql://...).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The rollout config the coordinator ran (its state_dir holds the database).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Directory for report.md and the PNGs (default: report-ROLLOUT).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
-def report(rollout: str, store_path: Path | None, config_path: Path | None, out: Path | None, as_json: bool) -> None:
+def report(rollout: str, store_path: str | None, config_path: Path | None, out: Path | None, as_json: bool) -> None:
     """Plot a rollout from the coordinator's store: accuracy and loss per round, bytes per tier
     (cumulative), accuracy against bytes, epsilon per round, devices reporting per round and cell;
     and report.md, a summary that links the plots. Works during a rollout too.
@@ -35,7 +36,7 @@ def report(rollout: str, store_path: Path | None, config_path: Path | None, out:
         from cloud_coordinator.config import RolloutConfig
         from fedtier.runtime.config import load
 
-        store_path = load(RolloutConfig, config_path).state_dir / "coordinator.db"
+        store_path = load(RolloutConfig, config_path).store_location
     assert store_path is not None
     try:
         status = StoreStatus(store_path).rollout(rollout)

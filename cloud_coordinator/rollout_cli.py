@@ -3,15 +3,18 @@
 Commands that change something write the desired state (or a deployment) into the store; the
 running coordinator (``fedtier coordinator serve``, or ``coordinator run`` for its one rollout)
 polls it and acts. Commands that read come straight from the store (``cloud_coordinator.status``)
-and work whether or not the coordinator runs. The store is found in ``--state-dir`` (default
+and work whether or not the coordinator runs. The store is ``--store URL`` (``$FEDTIER_STORE``:
+a rollout config's ``store``, e.g. PostgreSQL), else the SQLite file in ``--state-dir`` (default
 ``$FEDTIER_STATE_DIR``, else ``fedtier-state``: the default ``state_dir`` of a rollout config).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,17 +23,47 @@ import click
 from fedtier.errors import ConfigError
 
 STATE_DIR_ENV = "FEDTIER_STATE_DIR"
+STORE_ENV = "FEDTIER_STORE"
 
-state_dir_option = click.option(
-    "--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar=STATE_DIR_ENV, default="fedtier-state",
-    show_default=True, help=f"The coordinator's state directory (its coordinator.db); also ${STATE_DIR_ENV}.")
+
+@dataclass(frozen=True)
+class StoreRef:
+    """Where a command finds the coordinator's store: ``--store URL``, else ``--state-dir``'s SQLite file."""
+
+    state_dir: Path
+    url: str | None = None
+
+    def __str__(self) -> str:
+        if self.url is None:
+            return str(self.state_dir)
+        from cloud_coordinator.store_backend import display, parse_url
+
+        return display(parse_url(self.url))
+
+
+def state_dir_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--state-dir`` and ``--store``, passed to ``command`` as one ``state_dir: StoreRef``."""
+
+    @click.option("--state-dir", "state_dir_path", type=click.Path(file_okay=False, path_type=Path),
+                  envvar=STATE_DIR_ENV, default="fedtier-state", show_default=True,
+                  help=f"The coordinator's state directory (its coordinator.db); also ${STATE_DIR_ENV}.")
+    @click.option("--store", "store_url", metavar="URL", envvar=STORE_ENV, default=None,
+                  help="The coordinator's store when it is not <state-dir>/coordinator.db, e.g. "
+                       f"postgresql://fedtier@db:5432/fedtier (a rollout config's `store`); also ${STORE_ENV}.")
+    @functools.wraps(command)
+    def wrapper(*args: Any, state_dir_path: Path, store_url: str | None, **kwargs: Any) -> Any:
+        return command(*args, state_dir=StoreRef(state_dir_path, store_url), **kwargs)
+
+    return wrapper
+
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON (for machines) instead of a table.")
 
 
-def _store(state_dir: Path) -> Any:
+def _store(where: StoreRef) -> Any:
     from cloud_coordinator.status import open_store
 
-    return open_store(state_dir)
+    return open_store(where.state_dir, where.url)
 
 
 def _echo_json(obj: Any) -> None:
@@ -63,6 +96,12 @@ def rollout() -> None:
 # --- lifecycle -----------------------------------------------------------------------------------
 
 
+def _display_store(url: str) -> str:
+    from cloud_coordinator.store_backend import display, parse_url
+
+    return display(parse_url(url))
+
+
 def plan_of(cfg: Any) -> dict[str, Any]:
     """What ``rollout create`` prints: cells, devices, algorithm, rounds, privacy summary."""
     cells = cfg.topology.layout()
@@ -72,7 +111,7 @@ def plan_of(cfg: Any) -> dict[str, Any]:
         "cells": {c: list(m) for c, m in cells.items()}, "devices": sum(len(m) for m in cells.values()),
         "deadline_s": cfg.deadline_s, "quorum": getattr(cfg, cfg.algorithm).quorum,
         "broker": f"{cfg.broker.host}:{cfg.broker.port}", "state_dir": str(cfg.state_dir),
-        "privacy": None,
+        "store": _display_store(cfg.store_location), "privacy": None,
     }
     if cfg.privacy is not None:
         p = cfg.privacy
@@ -82,13 +121,13 @@ def plan_of(cfg: Any) -> dict[str, Any]:
     return plan
 
 
-SHARED_KEYS = ("broker", "cloud_id", "state_dir", "signing_key")
+SHARED_KEYS = ("broker", "cloud_id", "state_dir", "store", "signing_key")
 """Settings every rollout of one store shares: one coordinator process, one connection, one key."""
 
 
 @rollout.command("create")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="The rollout config (docs/configuration.md). Its state_dir names the store.")
+              help="The rollout config (docs/configuration.md). Its store (or state_dir) names the store.")
 @click.option("--start", "start_now", is_flag=True, help="Start it at once (else `fedtier rollout start ID`).")
 @json_option
 def rollout_create(config_path: Path, start_now: bool, as_json: bool) -> None:
@@ -96,7 +135,7 @@ def rollout_create(config_path: Path, start_now: bool, as_json: bool) -> None:
 
     Everything that can be checked before a round is checked now (keys, values, the signing
     key, the topology); the model's artifacts are built when the coordinator first hosts it.
-    Every rollout of one store shares [broker], cloud_id, state_dir and signing_key. Its
+    Every rollout of one store shares [broker], cloud_id, state_dir, store and signing_key. Its
     metrics file defaults to <state_dir>/metrics-<rollout>.json.
 
     Example: fedtier rollout create --config fleet/configs/coordinator.toml --start
@@ -114,12 +153,12 @@ def rollout_create(config_path: Path, start_now: bool, as_json: bool) -> None:
         cfg = dataclasses.replace(cfg, metrics_file=cfg.state_dir / f"metrics-{cfg.rollout}.json")
     plain = cfg.to_dict()
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    store = CoordinatorStore(cfg.store_location)
     try:
         for row in store.rollout_rows():
             for key in SHARED_KEYS:
                 if row["config"].get(key) != json.loads(json.dumps(plain.get(key), default=str)):
-                    raise ConfigError(f"every rollout of {cfg.state_dir} shares {key} (one coordinator serves them); "
+                    raise ConfigError(f"every rollout of {store.where} shares {key} (one coordinator serves them); "
                                       f"rollout {row['rollout']} has {row['config'].get(key)!r}", key=key,
                                       source=str(config_path))
         if not store.create_rollout(cfg.rollout, plain):
@@ -145,9 +184,10 @@ def rollout_create(config_path: Path, start_now: bool, as_json: bool) -> None:
                      f"(`fedtier privacy plan --config {config_path}` for the noise plan)")
     else:
         lines.append("  privacy: off")
-    lines.append(f"  store: {cfg.state_dir / 'coordinator.db'}")
+    where = f"--store {cfg.store}" if cfg.store else f"--state-dir {cfg.state_dir}"
+    lines.append(f"  store: {plan['store']}")
     lines.append("  started: the coordinator opens round 0 within a second" if start_now else
-                 f"  next: fedtier rollout start {cfg.rollout} --state-dir {cfg.state_dir}")
+                 f"  next: fedtier rollout start {cfg.rollout} {where}")
     click.echo("\n".join(lines))
 
 
@@ -160,7 +200,7 @@ TRANSITIONS: dict[str, tuple[tuple[str, ...], str, str]] = {
 }
 
 
-def _transition(state_dir: Path, rollout_id: str, command: str, as_json: bool) -> None:
+def _transition(state_dir: StoreRef, rollout_id: str, command: str, as_json: bool) -> None:
     from cloud_coordinator.status import rollout_list
 
     allowed, desired, effect = TRANSITIONS[command]
@@ -190,7 +230,7 @@ def _lifecycle(command: str, example: str) -> Callable[..., None]:
     @click.argument("rollout_id", metavar="ROLLOUT")
     @state_dir_option
     @json_option
-    def cmd(rollout_id: str, state_dir: Path, as_json: bool) -> None:
+    def cmd(rollout_id: str, state_dir: StoreRef, as_json: bool) -> None:
         _transition(state_dir, rollout_id, command, as_json)
 
     return cmd
@@ -206,7 +246,7 @@ for _cmd in ("start", "pause", "resume", "stop"):
 @rollout.command("list")
 @state_dir_option
 @json_option
-def rollout_list_cmd(state_dir: Path, as_json: bool) -> None:
+def rollout_list_cmd(state_dir: StoreRef, as_json: bool) -> None:
     """List the rollouts of the store: status, desired state, rounds, last accuracy.
 
     Example: fedtier rollout list --state-dir fleet/coordinator --json
@@ -265,7 +305,7 @@ def status_table(doc: dict[str, Any]) -> Any:
 @json_option
 @click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
 @click.option("--interval", type=click.FloatRange(0.1), default=1.0, show_default=True, help="--watch refresh (s).")
-def rollout_status_cmd(rollout_id: str, state_dir: Path, as_json: bool, watch: bool, interval: float) -> None:
+def rollout_status_cmd(rollout_id: str, state_dir: StoreRef, as_json: bool, watch: bool, interval: float) -> None:
     """A rollout's status: per cell devices online/known, round open, updates accepted and rejected by
     reason, stragglers of the last round, served version; last accuracy, epsilon spent, bytes per tier.
 
@@ -303,7 +343,7 @@ def rollout_status_cmd(rollout_id: str, state_dir: Path, as_json: bool, watch: b
 @click.argument("rollout_id", metavar="ROLLOUT")
 @state_dir_option
 @json_option
-def rollout_models(rollout_id: str, state_dir: Path, as_json: bool) -> None:
+def rollout_models(rollout_id: str, state_dir: StoreRef, as_json: bool) -> None:
     """The version registry: each model version's round, test accuracy, sha256, when, cells serving it.
 
     Version 0 is the initial model; round r's model is version r + 1.
@@ -338,7 +378,7 @@ def rollout_models(rollout_id: str, state_dir: Path, as_json: bool) -> None:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="ONNX file to write.")
 @state_dir_option
 @json_option
-def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: Path, as_json: bool) -> None:
+def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: StoreRef, as_json: bool) -> None:
     """Write a model version as an inference ONNX file (input "input", output "logits") that
     onnxruntime.InferenceSession runs. Same as `fedtier coordinator export`, by rollout id.
 
@@ -375,7 +415,7 @@ def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: P
 @state_dir_option
 @json_option
 def rollout_promote(rollout_id: str, canary: str, version: int | None, margin: float, observe_s: float,
-                    state_dir: Path, as_json: bool) -> None:
+                    state_dir: StoreRef, as_json: bool) -> None:
     """Serve a new model version: canary cells first, then — if the health gate passes (finite
     parameters, accuracy not below the previous version by more than --margin, every canary agent
     and edge online) — every cell. A failed gate leaves every cell on the previous version and says
@@ -410,7 +450,7 @@ def rollout_promote(rollout_id: str, canary: str, version: int | None, margin: f
 @click.option("--to", "version", type=click.IntRange(0), required=True, help="The version every cell serves again.")
 @state_dir_option
 @json_option
-def rollout_rollback(rollout_id: str, version: int, state_dir: Path, as_json: bool) -> None:
+def rollout_rollback(rollout_id: str, version: int, state_dir: StoreRef, as_json: bool) -> None:
     """Every cell serves an earlier model version again (no gate: going back is the safe direction).
 
     Example: fedtier rollout rollback hand1 --to 3
@@ -440,7 +480,7 @@ def devices() -> None:
 @click.option("--cell", default=None, help="Only this cell's nodes.")
 @state_dir_option
 @json_option
-def devices_list(cell: str | None, state_dir: Path, as_json: bool) -> None:
+def devices_list(cell: str | None, state_dir: StoreRef, as_json: bool) -> None:
     """Every device and edge: online or not, since / last seen, agent version, trainer backend, last
     round contributed (and the model version it trained from), the model version its cell serves.
 

@@ -41,13 +41,19 @@ def build(cfg: RolloutConfig, on_round: Callable[[dict[str, Any]], None] | None 
           ) -> tuple[CloudNode, mqtt.MqttTransport, "queue.Queue"]:
     validate(cfg)
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    prepared = prepare(cfg)
+    store = CoordinatorStore(cfg.store_location)
+    try:
+        store.hold_rollout(cfg.rollout, cfg.cloud_id)  # refuses a second coordinator of this rollout
+        prepared = prepare(cfg)
+    except BaseException:
+        store.close()
+        raise
     inbox: queue.Queue = queue.Queue()
     tx = mqtt.from_config(cfg.broker, name="cloud", client_id=cfg.cloud_id, inbox=inbox,
                           status={"node": cfg.cloud_id, "role": "cloud"},
                           chunk_store=SqliteChunkStore(str(cfg.state_dir / "chunks.db")))
-    node = CloudNode(prepared=prepared, transport=tx, store=CoordinatorStore(cfg.state_dir / "coordinator.db"),
-                     evaluator=OrtEvaluator.for_rollout(prepared), on_round=on_round)
+    node = CloudNode(prepared=prepared, transport=tx, store=store, evaluator=OrtEvaluator.for_rollout(prepared),
+                     on_round=on_round)
     return node, tx, inbox
 
 
@@ -64,7 +70,7 @@ def run(cfg: RolloutConfig, stop: threading.Event | None = None,
         from cloud_coordinator.observe import web
         from cloud_coordinator.observe.status import StoreStatus
 
-        web.start(StoreStatus(cfg.state_dir / "coordinator.db", live=node.observed), *http)
+        web.start(StoreStatus(cfg.store_location, live=node.observed), *http)
     log.info("rollout %s: %s, %d rounds, %d cells, %d devices; broker %s:%d", cfg.rollout, cfg.algorithm,
              cfg.rounds, len(node.prepared.cells), len(node.prepared.devices), cfg.broker.host, cfg.broker.port)
     return mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop, done=lambda: node.done)

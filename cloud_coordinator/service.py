@@ -1,8 +1,8 @@
 """``fedtier coordinator serve``: one long-running coordinator process for every rollout of a store.
 
 The operator's commands (``fedtier rollout create|start|pause|resume|stop|promote|rollback``)
-never talk to this process: they write rows into its SQLite store (``coordinator.db`` in the
-state directory) and this process polls them — a new rollout is picked up within
+never talk to this process: they write rows into its store (SQLite, ``coordinator.db`` in the
+state directory, or PostgreSQL) and this process polls them — a new rollout is picked up within
 ``SCAN_S`` seconds, a desired state within ``CloudNode.control_poll_s``. Reads
 (``rollout status``, ``devices list``, ``rollout models``) come straight from the store. So the
 CLI needs no port, no credentials beyond file access, and works while the coordinator is down;
@@ -27,6 +27,7 @@ from typing import Any, Callable
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.node import CloudNode
 from cloud_coordinator.store import CoordinatorStore
+from cloud_coordinator.store_backend import RolloutHeldError
 from fedtier.errors import UnexpectedMessageError
 from fedtier.runtime import identity, mqtt_service
 from fedtier.runtime.metrics import Metrics
@@ -59,6 +60,8 @@ class CoordinatorService(NodeBase):
         self.make_node = make_node
         self.wall_clock = wall_clock
         self.nodes: dict[str, CloudNode] = {}
+        self.held_elsewhere: set[str] = set()
+        """Rollouts another coordinator drives (warned once; retried every scan)."""
         self._next_scan = 0.0
 
     def start(self, now: float) -> None:
@@ -72,8 +75,15 @@ class CoordinatorService(NodeBase):
             rollout = row["rollout"]
             if rollout in self.nodes or row["status"] not in SERVED:
                 continue
+            try:
+                node = self.make_node(stored_config(row))
+            except RolloutHeldError as exc:
+                if rollout not in self.held_elsewhere:
+                    log.warning("%s", exc)
+                    self.held_elsewhere.add(rollout)
+                continue
+            self.held_elsewhere.discard(rollout)
             log.info("hosting rollout %s (%s)", rollout, row["status"])
-            node = self.make_node(stored_config(row))
             self.nodes[rollout] = node
             node.start(now)
 
@@ -128,8 +138,11 @@ def wait_for_rollout(store: CoordinatorStore, stop: threading.Event, poll_s: flo
     return None
 
 
-def serve(state_dir: Path, stop: threading.Event | None = None) -> int:
-    """Serve every rollout in ``state_dir/coordinator.db`` until a signal (or ``stop``)."""
+def serve(state_dir: Path, stop: threading.Event | None = None, store_url: str | None = None) -> int:
+    """Serve every rollout of the store (``store_url``, else ``state_dir/coordinator.db``) until a
+    signal (or ``stop``). A rollout another coordinator holds is left to it (and taken over if it
+    stops holding it)."""
+    from cloud_coordinator.store_backend import store_url as resolve
     from cloud_coordinator.node import OrtEvaluator
     from cloud_coordinator.rollout import prepare
     from cloud_coordinator.run import validate
@@ -138,7 +151,7 @@ def serve(state_dir: Path, stop: threading.Event | None = None) -> int:
 
     stop = stop or threading.Event()
     state_dir.mkdir(parents=True, exist_ok=True)
-    store = CoordinatorStore(state_dir / "coordinator.db")
+    store = CoordinatorStore(resolve(state_dir, store_url))
     if threading.current_thread() is threading.main_thread():
         import signal
 
@@ -157,11 +170,15 @@ def serve(state_dir: Path, stop: threading.Event | None = None) -> int:
 
     def make_node(cfg: RolloutConfig) -> CloudNode:
         validate(cfg)
+        store.hold_rollout(cfg.rollout, base.cloud_id)
         prepared = prepare(cfg)
         return CloudNode(prepared=prepared, transport=tx, store=store, evaluator=OrtEvaluator.for_rollout(prepared))
 
     service = CoordinatorService(store=store, transport=tx, cloud_id=base.cloud_id, make_node=make_node)
     if base.metrics_port:
         service.metrics.serve(base.metrics_port)
-    log.info("coordinator serving the rollouts of %s; broker %s:%d", state_dir, base.broker.host, base.broker.port)
-    return mqtt_service.run(service, [tx], inbox, start=service.start, stop=stop, install_signals=False)
+    log.info("coordinator serving the rollouts of %s; broker %s:%d", store.where, base.broker.host, base.broker.port)
+    try:
+        return mqtt_service.run(service, [tx], inbox, start=service.start, stop=stop, install_signals=False)
+    finally:
+        store.close()

@@ -13,24 +13,23 @@ import math
 from pathlib import Path
 from typing import Any
 
+from cloud_coordinator import store_backend as backend
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.errors import ConfigError
 
-STORE_FILE = "coordinator.db"
-
-
-def open_store(state_dir: Path | str) -> CoordinatorStore:
-    """The coordinator's store in ``state_dir`` (it must exist: a coordinator or ``rollout create`` made it).
+def open_store(state_dir: Path | str, store: str | None = None) -> CoordinatorStore:
+    """The coordinator's store (``store``, else the SQLite file in ``state_dir``); it must exist: a
+    coordinator or ``rollout create`` made it. Nothing is created where there is none.
 
     Raises:
         ConfigError: no store there.
     """
-    path = Path(state_dir) / STORE_FILE
-    if not path.is_file():
-        raise ConfigError(f"no coordinator store at {path}: `fedtier rollout create --config ...` makes one "
-                          "(or pass --state-dir / set FEDTIER_STATE_DIR to the coordinator's state_dir)",
-                          key="state_dir")
-    return CoordinatorStore(path)
+    url = backend.parse_url(backend.store_url(state_dir, store))
+    if "rollouts" not in (backend.existing_tables(url) or set()):
+        raise ConfigError(f"no coordinator store at {backend.display(url)}: `fedtier rollout create --config ...` "
+                          "makes one (or pass --state-dir / set FEDTIER_STATE_DIR to the coordinator's state_dir, "
+                          "or --store / FEDTIER_STORE to its store URL)", key="store" if store else "state_dir")
+    return CoordinatorStore(url.render_as_string(hide_password=False))
 
 
 def _config(store: CoordinatorStore, rollout: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The coordinator's durable state (SQLite): rollouts, model versions, rounds, open-round inputs.
+"""The coordinator's durable state (SQLite or PostgreSQL): rollouts, model versions, rounds, open-round inputs.
 
 Model parameters are stored as wire envelopes (float32 tensors, sha256-checked), never
 pickled. A round is committed in one transaction together with its model version, so a
@@ -12,15 +12,21 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
 
 from fedtier import wire
-from fedtier.storage.sqlite import Database
+from cloud_coordinator import store_backend as backend
 
 
 def encode_params(params: Mapping[str, np.ndarray], *, rollout: str, round: int) -> bytes:
@@ -54,108 +60,195 @@ class ModelVersion:
     params: dict[str, np.ndarray]
 
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS rollouts (
-    rollout TEXT PRIMARY KEY, config TEXT NOT NULL, manifest BLOB NOT NULL,
-    status TEXT NOT NULL, created REAL NOT NULL, finished REAL);
-CREATE TABLE IF NOT EXISTS models (
-    rollout TEXT NOT NULL, version INTEGER NOT NULL, round INTEGER NOT NULL,
-    sha256 TEXT NOT NULL, params BLOB NOT NULL, created REAL NOT NULL,
-    PRIMARY KEY (rollout, version));
-CREATE TABLE IF NOT EXISTS rounds (
-    rollout TEXT NOT NULL, round INTEGER NOT NULL, closed REAL NOT NULL,
-    accuracy REAL, loss REAL, metrics TEXT NOT NULL, PRIMARY KEY (rollout, round));
-CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS inputs (
-    rollout TEXT NOT NULL, round INTEGER NOT NULL, msg_key TEXT NOT NULL,
-    payload BLOB NOT NULL, PRIMARY KEY (rollout, msg_key));
-CREATE TABLE IF NOT EXISTS privacy_releases (
-    rollout TEXT NOT NULL, round INTEGER NOT NULL, event TEXT NOT NULL, step INTEGER NOT NULL,
-    node TEXT NOT NULL, parent TEXT NOT NULL, parent_trusted INTEGER NOT NULL, protected TEXT NOT NULL,
-    sensitivity REAL NOT NULL, inputs TEXT NOT NULL, sigma REAL NOT NULL, noise_multiplier REAL NOT NULL,
-    mode TEXT NOT NULL, observed INTEGER NOT NULL, PRIMARY KEY (rollout, round, node, step));
-CREATE TABLE IF NOT EXISTS strategy_state (
-    rollout TEXT NOT NULL, version INTEGER NOT NULL, state BLOB NOT NULL, PRIMARY KEY (rollout, version));
-CREATE TABLE IF NOT EXISTS control (
-    rollout TEXT PRIMARY KEY, desired TEXT NOT NULL, updated REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS open_rounds (
-    rollout TEXT PRIMARY KEY, round INTEGER NOT NULL, opened REAL NOT NULL, cells TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS presence (
-    node TEXT PRIMARY KEY, role TEXT, cell TEXT, state TEXT NOT NULL, since REAL, last_seen REAL NOT NULL,
-    doc TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS contributions (
-    rollout TEXT NOT NULL, device TEXT NOT NULL, round INTEGER NOT NULL, model_version INTEGER NOT NULL,
-    PRIMARY KEY (rollout, device));
-CREATE TABLE IF NOT EXISTS deployments (
-    rollout TEXT NOT NULL, cell TEXT NOT NULL, version INTEGER NOT NULL, since REAL NOT NULL,
-    PRIMARY KEY (rollout, cell));
-CREATE TABLE IF NOT EXISTS promotions (
-    rollout TEXT NOT NULL, id INTEGER NOT NULL, candidate INTEGER NOT NULL, previous INTEGER,
-    canary TEXT NOT NULL, passed INTEGER NOT NULL, reasons TEXT NOT NULL, created REAL NOT NULL,
-    PRIMARY KEY (rollout, id));
-CREATE TABLE IF NOT EXISTS privacy_clear (
-    rollout TEXT NOT NULL, round INTEGER NOT NULL, step INTEGER NOT NULL, sender TEXT NOT NULL,
-    receiver TEXT NOT NULL, receiver_trusted INTEGER NOT NULL, PRIMARY KEY (rollout, round, step, sender));
-"""
+metadata = sa.MetaData()
+_str, _int, _real, _blob = sa.Text, sa.Integer, sa.Double, sa.LargeBinary
+
+
+def _table(name: str, *columns: sa.Column, key: Sequence[str]) -> sa.Table:
+    return sa.Table(name, metadata, *columns, sa.PrimaryKeyConstraint(*key))
+
+
+def _col(name: str, kind: Any, null: bool = False) -> sa.Column:
+    return sa.Column(name, kind, nullable=null)
+
+
+rollouts = _table("rollouts", _col("rollout", _str), _col("config", _str), _col("manifest", _blob),
+                  _col("status", _str), _col("created", _real), _col("finished", _real, True), key=["rollout"])
+models = _table("models", _col("rollout", _str), _col("version", _int), _col("round", _int), _col("sha256", _str),
+                _col("params", _blob), _col("created", _real), key=["rollout", "version"])
+rounds_t = _table("rounds", _col("rollout", _str), _col("round", _int), _col("closed", _real),
+                  _col("accuracy", _real, True), _col("loss", _real, True), _col("metrics", _str),
+                  key=["rollout", "round"])
+counters = _table("counters", _col("name", _str), _col("value", _int), key=["name"])
+inputs_t = _table("inputs", _col("rollout", _str), _col("round", _int), _col("msg_key", _str),
+                  _col("payload", _blob), _col("seq", _int), key=["rollout", "msg_key"])
+releases_t = _table("privacy_releases", _col("rollout", _str), _col("round", _int), _col("event", _str),
+                    _col("step", _int), _col("node", _str), _col("parent", _str), _col("parent_trusted", _int),
+                    _col("protected", _str), _col("sensitivity", _real), _col("inputs", _str), _col("sigma", _real),
+                    _col("noise_multiplier", _real), _col("mode", _str), _col("observed", _int),
+                    key=["rollout", "round", "node", "step"])
+strategy_t = _table("strategy_state", _col("rollout", _str), _col("version", _int), _col("state", _blob),
+                    key=["rollout", "version"])
+control = _table("control", _col("rollout", _str), _col("desired", _str), _col("updated", _real), key=["rollout"])
+open_rounds = _table("open_rounds", _col("rollout", _str), _col("round", _int), _col("opened", _real),
+                     _col("cells", _str), key=["rollout"])
+presence_t = _table("presence", _col("node", _str), _col("role", _str, True), _col("cell", _str, True),
+                    _col("state", _str), _col("since", _real, True), _col("last_seen", _real), _col("doc", _str),
+                    key=["node"])
+contributions_t = _table("contributions", _col("rollout", _str), _col("device", _str), _col("round", _int),
+                         _col("model_version", _int), key=["rollout", "device"])
+deployments_t = _table("deployments", _col("rollout", _str), _col("cell", _str), _col("version", _int),
+                       _col("since", _real), key=["rollout", "cell"])
+promotions_t = _table("promotions", _col("rollout", _str), _col("id", _int), _col("candidate", _int),
+                      _col("previous", _int, True), _col("canary", _str), _col("passed", _int), _col("reasons", _str),
+                      _col("created", _real), key=["rollout", "id"])
+clear_t = _table("privacy_clear", _col("rollout", _str), _col("round", _int), _col("step", _int),
+                 _col("sender", _str), _col("receiver", _str), _col("receiver_trusted", _int),
+                 key=["rollout", "round", "step", "sender"])
+leases = _table("leases", _col("rollout", _str), _col("holder", _str), _col("host", _str), _col("pid", _int),
+                _col("acquired", _real), key=["rollout"])
+schema_version = sa.Table("schema_version", metadata, _col("version", _int), _col("applied", _real))
 
 RELEASE_COLUMNS = ("rollout", "round", "event", "step", "node", "parent", "parent_trusted", "protected",
                    "sensitivity", "inputs", "sigma", "noise_multiplier", "mode", "observed")
 CLEAR_COLUMNS = ("rollout", "round", "step", "sender", "receiver", "receiver_trusted")
 
 
-def _release_values(rollout: str, r: Mapping[str, Any]) -> tuple[Any, ...]:
-    return (rollout, int(r["round"]), str(r["event"]), int(r["step"]), str(r["node"]), str(r["parent"]),
-            int(bool(r["parent_trusted"])), json.dumps(sorted(r["protected"])), float(r["sensitivity"]),
-            json.dumps(r.get("inputs", {}), sort_keys=True), float(r["sigma"]), float(r["noise_multiplier"]),
-            str(r["mode"]), int(bool(r["observed"])))
+def _release_row(rollout: str, r: Mapping[str, Any]) -> dict[str, Any]:
+    values = (rollout, int(r["round"]), str(r["event"]), int(r["step"]), str(r["node"]), str(r["parent"]),
+              int(bool(r["parent_trusted"])), json.dumps(sorted(r["protected"])), float(r["sensitivity"]),
+              json.dumps(r.get("inputs", {}), sort_keys=True), float(r["sigma"]), float(r["noise_multiplier"]),
+              str(r["mode"]), int(bool(r["observed"])))
+    return dict(zip(RELEASE_COLUMNS, values, strict=True))
 
 
 class CoordinatorStore:
-    def __init__(self, path: Path | str) -> None:
-        self.db = Database(path, SCHEMA)
+    """The coordinator's state in SQLite or PostgreSQL (``store_backend`` has what differs).
+
+    Args:
+        location: a SQLite file (``Path`` or path string), ``":memory:"``, or a URL
+            (``sqlite:///PATH``, ``postgresql://USER@HOST:PORT/DB``).
+
+    Raises:
+        ConfigError(key="store"): a URL of another database, a server that cannot be reached,
+            or a store written by a newer fedtier.
+    """
+
+    def __init__(self, location: Path | str) -> None:
+        self.url = backend.parse_url(location)
+        self.where = backend.display(self.url)
+        self.engine = backend.make_engine(self.url)
+        self.dialect = self.engine.dialect.name
+        # One user at a time in this process (node thread, paho callbacks, the dashboard): the
+        # transactions below are short, and SQLite allows one writer anyway.
+        self._lock = threading.RLock()
+        try:
+            backend.ensure_schema(self.engine, metadata, self.url)
+        except sa.exc.OperationalError as exc:
+            self.engine.dispose()
+            raise backend.connect_error(self.url, exc) from None
+        self._locks = backend.RolloutLocks(self.engine, self.url)
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        """One transaction: everything inside commits together, or nothing if it raises."""
+        with self._lock, self.engine.begin() as conn:
+            yield conn
+
+    def _insert(self, table: sa.Table) -> Any:
+        return (pg_insert if self.dialect == "postgresql" else sqlite_insert)(table)
+
+    def _upsert(self, conn: Connection, table: sa.Table, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Insert ``rows``, replacing any row with the same primary key."""
+        if not rows:
+            return
+        keys = [c.name for c in table.primary_key.columns]
+        stmt = self._insert(table)
+        stmt = stmt.on_conflict_do_update(index_elements=keys,
+                                          set_={c.name: stmt.excluded[c.name] for c in table.c if c.name not in keys})
+        conn.execute(stmt, list(rows))
+
+    def _insert_new(self, conn: Connection, table: sa.Table, row: Mapping[str, Any]) -> bool:
+        """Insert ``row`` unless its primary key exists; True if it was inserted."""
+        stmt = self._insert(table).values(dict(row)).on_conflict_do_nothing()
+        if self.dialect == "sqlite":  # rowcount is exact there (and RETURNING needs SQLite 3.35)
+            return conn.execute(stmt).rowcount > 0
+        key = table.primary_key.columns.values()[0]
+        return conn.execute(stmt.returning(key)).first() is not None  # psycopg reports no rowcount here
+
+    def _rows(self, stmt: Any) -> list[Any]:
+        """The rows of one query, read in a transaction of its own that takes no write lock."""
+        with self._lock, self.engine.connect() as conn:
+            conn.execution_options(**{backend.READ_ONLY: True})
+            rows = list(conn.execute(stmt).all())
+            conn.rollback()
+        return rows
+
+    # --- one coordinator per rollout -------------------------------------------------------------
+
+    def hold_rollout(self, rollout: str, holder: str) -> None:
+        """Become the one coordinator of ``rollout`` until ``close`` (or this process dies).
+
+        Raises:
+            RolloutHeldError: another coordinator holds it; the message names that one.
+        """
+        with self._lock:
+            if not self._locks.try_acquire(rollout):
+                raise backend.RolloutHeldError(rollout, self.lease(rollout), self.where)
+        with self._tx() as conn:
+            self._upsert(conn, leases, [{"rollout": rollout, **backend.holder_identity(holder)}])
+
+    def lease(self, rollout: str) -> dict[str, Any] | None:
+        """Who last took ``rollout``'s lock (holder, host, pid, acquired), or ``None``."""
+        rows = self._rows(sa.select(leases.c.holder, leases.c.host, leases.c.pid, leases.c.acquired)
+                          .where(leases.c.rollout == rollout))
+        return dict(rows[0]._mapping) if rows else None
 
     # --- rollouts ---------------------------------------------------------------------------------
 
     def ensure_rollout(self, rollout: str, config: Mapping[str, Any], manifest: bytes) -> None:
         """Create the rollout row if it does not exist (a restart keeps the original)."""
-        with self.db.locked() as db:
-            db.execute("INSERT OR IGNORE INTO rollouts VALUES (?,?,?,?,?,NULL)",
-                             (rollout, json.dumps(config, sort_keys=True, default=str), manifest, "running",
-                              time.time()))
+        with self._tx() as conn:
+            self._insert_new(conn, rollouts, {"rollout": rollout, "manifest": manifest, "status": "running",
+                                              "config": json.dumps(config, sort_keys=True, default=str),
+                                              "created": time.time(), "finished": None})
 
     def next_manifest_version(self) -> int:
         """A manifest version never issued before by this coordinator (devices refuse older ones)."""
-        with self.db.transaction() as db:
-            db.execute("INSERT INTO counters VALUES ('manifest_version', 1) ON CONFLICT(name) DO UPDATE SET "
-                       "value = value + 1")
-            return int(db.execute("SELECT value FROM counters WHERE name='manifest_version'").fetchone()[0])
+        stmt = self._insert(counters).values(name="manifest_version", value=1)
+        stmt = stmt.on_conflict_do_update(index_elements=["name"], set_={"value": counters.c.value + 1})
+        with self._tx() as conn:
+            conn.execute(stmt)
+            value = conn.execute(sa.select(counters.c.value).where(counters.c.name == "manifest_version"))
+            return int(value.scalar_one())
 
     def replace_manifest(self, rollout: str, manifest: bytes) -> None:
-        with self.db.locked() as db:
-            db.execute("UPDATE rollouts SET manifest=? WHERE rollout=?", (manifest, rollout))
+        with self._tx() as conn:
+            conn.execute(sa.update(rollouts).where(rollouts.c.rollout == rollout).values(manifest=manifest))
 
     def manifest(self, rollout: str) -> bytes | None:
-        with self.db.locked() as db:
-            row = db.execute("SELECT manifest FROM rollouts WHERE rollout=?", (rollout,)).fetchone()
-        return bytes(row[0]) if row else None
+        rows = self._rows(sa.select(rollouts.c.manifest).where(rollouts.c.rollout == rollout))
+        return bytes(rows[0][0]) if rows else None
 
     def set_status(self, rollout: str, status: str) -> None:
-        with self.db.locked() as db:
-            db.execute("UPDATE rollouts SET status=?, finished=CASE WHEN ?='finished' THEN ? ELSE finished END"
-                             " WHERE rollout=?", (status, status, time.time(), rollout))
+        values: dict[str, Any] = {"status": status}
+        if status == "finished":
+            values["finished"] = time.time()
+        with self._tx() as conn:
+            conn.execute(sa.update(rollouts).where(rollouts.c.rollout == rollout).values(**values))
 
     def status(self, rollout: str) -> str | None:
-        with self.db.locked() as db:
-            row = db.execute("SELECT status FROM rollouts WHERE rollout=?", (rollout,)).fetchone()
-        return row[0] if row else None
+        rows = self._rows(sa.select(rollouts.c.status).where(rollouts.c.rollout == rollout))
+        return rows[0][0] if rows else None
 
     # --- models and rounds ----------------------------------------------------------------------
 
     def save_initial_model(self, rollout: str, params: Mapping[str, np.ndarray]) -> None:
         blob = encode_params(params, rollout=rollout, round=0)
-        with self.db.locked() as db:
-            db.execute("INSERT OR IGNORE INTO models VALUES (?,?,?,?,?,?)",
-                             (rollout, 0, -1, hashlib.sha256(blob).hexdigest(), blob, time.time()))
+        with self._tx() as conn:
+            self._insert_new(conn, models, {"rollout": rollout, "version": 0, "round": -1,
+                                            "sha256": hashlib.sha256(blob).hexdigest(), "params": blob,
+                                            "created": time.time()})
 
     def commit_round(self, rollout: str, round: int, version: int, params: Mapping[str, np.ndarray],
                      accuracy: float | None, loss: float | None, metrics: Mapping[str, Any],
@@ -167,49 +260,50 @@ class CoordinatorStore:
         ``strategy_state`` (a server optimizer's moments after this round) lands in the same
         transaction, so a restarted coordinator resumes the model and its optimizer together."""
         blob = encode_params(params, rollout=rollout, round=round)
-        with self.db.transaction() as db:
+        now = time.time()
+        with self._tx() as conn:
             if strategy_state is not None:
-                db.execute("INSERT OR REPLACE INTO strategy_state VALUES (?,?,?)",
-                           (rollout, version, encode_state(strategy_state)))
-            db.executemany(f"INSERT OR REPLACE INTO privacy_releases VALUES ({','.join('?' * len(RELEASE_COLUMNS))})",
-                           [_release_values(rollout, r) for r in releases])
-            db.executemany(f"INSERT OR REPLACE INTO privacy_clear VALUES ({','.join('?' * len(CLEAR_COLUMNS))})",
-                           [(rollout, int(c["round"]), int(c["step"]), str(c["sender"]), str(c["receiver"]),
-                             int(bool(c["receiver_trusted"]))) for c in clear])
-            db.execute("INSERT OR REPLACE INTO models VALUES (?,?,?,?,?,?)",
-                       (rollout, version, round, hashlib.sha256(blob).hexdigest(), blob, time.time()))
-            db.execute("INSERT OR REPLACE INTO rounds VALUES (?,?,?,?,?,?)",
-                       (rollout, round, time.time(), accuracy, loss, json.dumps(metrics, default=float)))
-            db.execute("DELETE FROM inputs WHERE rollout=? AND round<=?", (rollout, round))
+                self._upsert(conn, strategy_t, [{"rollout": rollout, "version": version,
+                                                 "state": encode_state(strategy_state)}])
+            self._upsert(conn, releases_t, [_release_row(rollout, r) for r in releases])
+            self._upsert(conn, clear_t, [{"rollout": rollout, "round": int(c["round"]), "step": int(c["step"]),
+                                          "sender": str(c["sender"]), "receiver": str(c["receiver"]),
+                                          "receiver_trusted": int(bool(c["receiver_trusted"]))} for c in clear])
+            self._upsert(conn, models, [{"rollout": rollout, "version": version, "round": round,
+                                         "sha256": hashlib.sha256(blob).hexdigest(), "params": blob, "created": now}])
+            self._upsert(conn, rounds_t, [{"rollout": rollout, "round": round, "closed": now, "accuracy": accuracy,
+                                           "loss": loss, "metrics": json.dumps(metrics, default=float)}])
+            conn.execute(sa.delete(inputs_t).where(inputs_t.c.rollout == rollout, inputs_t.c.round <= round))
+
+    def _model(self, rollout: str, version: int | None) -> ModelVersion | None:
+        stmt = sa.select(models.c.version, models.c.round, models.c.sha256, models.c.params).where(
+            models.c.rollout == rollout)
+        stmt = stmt.order_by(models.c.version.desc()).limit(1) if version is None else stmt.where(
+            models.c.version == version)
+        rows = self._rows(stmt)
+        if not rows:
+            return None
+        v, r, sha, blob = rows[0]
+        return ModelVersion(version=v, round=r, sha256=sha, params=decode_params(bytes(blob)))
 
     def latest_model(self, rollout: str) -> ModelVersion | None:
-        with self.db.locked() as db:
-            row = db.execute("SELECT version, round, sha256, params FROM models WHERE rollout=?"
-                                   " ORDER BY version DESC LIMIT 1", (rollout,)).fetchone()
-        if row is None:
-            return None
-        return ModelVersion(version=row[0], round=row[1], sha256=row[2], params=decode_params(bytes(row[3])))
+        return self._model(rollout, None)
+
+    def model(self, rollout: str, version: int) -> ModelVersion | None:
+        return self._model(rollout, version)
 
     def strategy_state(self, rollout: str, version: int) -> dict[str, np.ndarray] | None:
         """The strategy state committed with model ``version`` (``None`` if that round kept none)."""
-        with self.db.locked() as db:
-            row = db.execute("SELECT state FROM strategy_state WHERE rollout=? AND version=?",
-                             (rollout, version)).fetchone()
-        return None if row is None else decode_state(bytes(row[0]))
-
-    def model(self, rollout: str, version: int) -> ModelVersion | None:
-        with self.db.locked() as db:
-            row = db.execute("SELECT version, round, sha256, params FROM models WHERE rollout=? AND version=?",
-                                   (rollout, version)).fetchone()
-        if row is None:
-            return None
-        return ModelVersion(version=row[0], round=row[1], sha256=row[2], params=decode_params(bytes(row[3])))
+        rows = self._rows(sa.select(strategy_t.c.state).where(strategy_t.c.rollout == rollout,
+                                                               strategy_t.c.version == version))
+        return None if not rows else decode_state(bytes(rows[0][0]))
 
     def rounds(self, rollout: str) -> list[dict[str, Any]]:
-        with self.db.locked() as db:
-            rows = db.execute("SELECT round, closed, accuracy, loss, metrics FROM rounds WHERE rollout=?"
-                                    " ORDER BY round", (rollout,)).fetchall()
-        return [{"round": r, "closed": c, "accuracy": a, "loss": lo, **json.loads(m)} for r, c, a, lo, m in rows]
+        t = rounds_t
+        rows = self._rows(sa.select(t.c.round, t.c.closed, t.c.accuracy, t.c.loss, t.c.metrics)
+                          .where(t.c.rollout == rollout).order_by(t.c.round))
+        return [{"round": r, "closed": c, "accuracy": _finite_or_none(a), "loss": _finite_or_none(lo),
+                 **json.loads(m)} for r, c, a, lo, m in rows]
 
     # --- operations: desired state, open round, presence, versions (fedtier rollout / devices) ---------
 
@@ -220,76 +314,75 @@ class CoordinatorStore:
         The manifest is issued by the coordinator when it first hosts the rollout.
         """
         now = time.time()
-        with self.db.transaction() as db:
-            cur = db.execute("INSERT OR IGNORE INTO rollouts VALUES (?,?,?,?,?,NULL)",
-                             (rollout, json.dumps(config, sort_keys=True, default=str), b"", "created", now))
-            if cur.rowcount == 0:
+        with self._tx() as conn:
+            if not self._insert_new(conn, rollouts, {"rollout": rollout, "config": json.dumps(
+                    config, sort_keys=True, default=str), "manifest": b"", "status": "created", "created": now,
+                    "finished": None}):
                 return False
-            db.execute("INSERT OR REPLACE INTO control VALUES (?,?,?)", (rollout, "created", now))
+            self._upsert(conn, control, [{"rollout": rollout, "desired": "created", "updated": now}])
         return True
 
     def set_desired(self, rollout: str, desired: str) -> None:
         """What the operator asked for: ``running``, ``paused`` or ``stopped`` (the coordinator polls it)."""
-        with self.db.locked() as db:
-            db.execute("INSERT OR REPLACE INTO control VALUES (?,?,?)", (rollout, desired, time.time()))
+        with self._tx() as conn:
+            self._upsert(conn, control, [{"rollout": rollout, "desired": desired, "updated": time.time()}])
 
     def desired(self, rollout: str) -> str | None:
-        with self.db.locked() as db:
-            row = db.execute("SELECT desired FROM control WHERE rollout=?", (rollout,)).fetchone()
-        return row[0] if row else None
+        rows = self._rows(sa.select(control.c.desired).where(control.c.rollout == rollout))
+        return rows[0][0] if rows else None
 
     def rollout_rows(self) -> list[dict[str, Any]]:
         """Every rollout: id, status (what the coordinator did), desired (what was asked), created, finished."""
-        with self.db.locked() as db:
-            rows = db.execute("SELECT r.rollout, r.status, c.desired, r.created, r.finished, r.config FROM rollouts r "
-                              "LEFT JOIN control c ON c.rollout = r.rollout ORDER BY r.created, r.rollout").fetchall()
-        return [{"rollout": r, "status": s, "desired": d, "created": c, "finished": f, "config": json.loads(cfg)}
-                for r, s, d, c, f, cfg in rows]
+        r, c = rollouts, control
+        rows = self._rows(sa.select(r.c.rollout, r.c.status, c.c.desired, r.c.created, r.c.finished, r.c.config)
+                          .select_from(r.outerjoin(c, c.c.rollout == r.c.rollout)).order_by(r.c.created, r.c.rollout))
+        return [{"rollout": rid, "status": s, "desired": d, "created": cr, "finished": f, "config": json.loads(cfg)}
+                for rid, s, d, cr, f, cfg in rows]
 
     def set_open_round(self, rollout: str, round: int | None, cells: Sequence[str] = ()) -> None:
         """The round the coordinator has open (``None``: none, e.g. paused between rounds)."""
-        with self.db.locked() as db:
+        with self._tx() as conn:
             if round is None:
-                db.execute("DELETE FROM open_rounds WHERE rollout=?", (rollout,))
+                conn.execute(sa.delete(open_rounds).where(open_rounds.c.rollout == rollout))
             else:
-                db.execute("INSERT OR REPLACE INTO open_rounds VALUES (?,?,?,?)",
-                           (rollout, round, time.time(), json.dumps(sorted(cells))))
+                self._upsert(conn, open_rounds, [{"rollout": rollout, "round": round, "opened": time.time(),
+                                                  "cells": json.dumps(sorted(cells))}])
 
     def open_round(self, rollout: str) -> dict[str, Any] | None:
-        with self.db.locked() as db:
-            row = db.execute("SELECT round, opened, cells FROM open_rounds WHERE rollout=?", (rollout,)).fetchone()
-        return None if row is None else {"round": row[0], "opened": row[1], "cells": json.loads(row[2])}
+        t = open_rounds
+        rows = self._rows(sa.select(t.c.round, t.c.opened, t.c.cells).where(t.c.rollout == rollout))
+        return None if not rows else {"round": rows[0][0], "opened": rows[0][1], "cells": json.loads(rows[0][2])}
 
     def record_presence(self, node: str, doc: Mapping[str, Any], now: float) -> bool:
         """Keep the newest presence document of ``node``; ``last_seen`` moves only when it changes
         (a retained document redelivered after a reconnection is not a sighting). True if changed."""
         text = json.dumps(doc, sort_keys=True, default=str)
         since = doc.get("since")
-        with self.db.transaction() as db:
-            row = db.execute("SELECT doc FROM presence WHERE node=?", (node,)).fetchone()
-            if row is not None and row[0] == text:
+        with self._tx() as conn:
+            old = conn.execute(sa.select(presence_t.c.doc).where(presence_t.c.node == node)).scalar()
+            if old == text:
                 return False
-            db.execute("INSERT OR REPLACE INTO presence VALUES (?,?,?,?,?,?,?)",
-                       (node, doc.get("role"), doc.get("cell"), str(doc.get("state", "unknown")),
-                        float(since) if isinstance(since, (int, float)) else None, now, text))
+            self._upsert(conn, presence_t, [{"node": node, "role": doc.get("role"), "cell": doc.get("cell"),
+                                             "state": str(doc.get("state", "unknown")),
+                                             "since": float(since) if isinstance(since, (int, float)) else None,
+                                             "last_seen": now, "doc": text}])
         return True
 
     def presence(self) -> list[dict[str, Any]]:
-        with self.db.locked() as db:
-            rows = db.execute("SELECT node, last_seen, doc FROM presence ORDER BY node").fetchall()
+        t = presence_t
+        rows = self._rows(sa.select(t.c.node, t.c.last_seen, t.c.doc).order_by(t.c.node))
         return [{**json.loads(doc), "node": node, "last_seen": seen} for node, seen, doc in rows]
 
     def record_contributions(self, rollout: str, round: int, model_version: int, devices: Sequence[str]) -> None:
         """The devices whose updates made it into ``round`` (trained from ``model_version``)."""
-        with self.db.locked() as db:
-            db.executemany("INSERT OR REPLACE INTO contributions VALUES (?,?,?,?)",
-                           [(rollout, d, round, model_version) for d in devices])
+        with self._tx() as conn:
+            self._upsert(conn, contributions_t, [{"rollout": rollout, "device": d, "round": round,
+                                                  "model_version": model_version} for d in devices])
 
     def contributions(self) -> dict[str, dict[str, Any]]:
         """device -> its latest contribution (rollout, round, model version) over every rollout."""
-        with self.db.locked() as db:
-            rows = db.execute("SELECT rollout, device, round, model_version FROM contributions "
-                              "ORDER BY rollout").fetchall()
+        t = contributions_t
+        rows = self._rows(sa.select(t.c.rollout, t.c.device, t.c.round, t.c.model_version).order_by(t.c.rollout))
         out: dict[str, dict[str, Any]] = {}
         for rollout, device, rnd, version in rows:
             out[device] = {"rollout": rollout, "round": rnd, "model_version": version}
@@ -297,51 +390,54 @@ class CoordinatorStore:
 
     def models(self, rollout: str) -> list[dict[str, Any]]:
         """The version registry: version, round, sha256, created, and the round's test accuracy."""
-        with self.db.locked() as db:
-            rows = db.execute("SELECT m.version, m.round, m.sha256, m.created, r.accuracy FROM models m "
-                              "LEFT JOIN rounds r ON r.rollout = m.rollout AND r.round = m.round "
-                              "WHERE m.rollout=? ORDER BY m.version", (rollout,)).fetchall()
-        return [{"version": v, "round": r, "sha256": s, "created": c, "accuracy": a} for v, r, s, c, a in rows]
+        m, r = models, rounds_t
+        rows = self._rows(sa.select(m.c.version, m.c.round, m.c.sha256, m.c.created, r.c.accuracy)
+                          .select_from(m.outerjoin(r, sa.and_(r.c.rollout == m.c.rollout, r.c.round == m.c.round)))
+                          .where(m.c.rollout == rollout).order_by(m.c.version))
+        return [{"version": v, "round": rd, "sha256": s, "created": c, "accuracy": _finite_or_none(a)}
+                for v, rd, s, c, a in rows]
 
     def set_deployment(self, rollout: str, cells: Sequence[str], version: int) -> None:
         """The model version ``cells`` serve for inference (canary, promotion, rollback)."""
         now = time.time()
-        with self.db.locked() as db:
-            db.executemany("INSERT OR REPLACE INTO deployments VALUES (?,?,?,?)",
-                           [(rollout, c, int(version), now) for c in cells])
+        with self._tx() as conn:
+            self._upsert(conn, deployments_t, [{"rollout": rollout, "cell": c, "version": int(version), "since": now}
+                                               for c in cells])
 
     def clear_deployment(self, rollout: str, cell: str) -> None:
-        with self.db.locked() as db:
-            db.execute("DELETE FROM deployments WHERE rollout=? AND cell=?", (rollout, cell))
+        with self._tx() as conn:
+            conn.execute(sa.delete(deployments_t).where(deployments_t.c.rollout == rollout,
+                                                        deployments_t.c.cell == cell))
 
     def deployments(self, rollout: str) -> dict[str, int]:
-        with self.db.locked() as db:
-            rows = db.execute("SELECT cell, version FROM deployments WHERE rollout=?", (rollout,)).fetchall()
-        return {c: int(v) for c, v in rows}
+        t = deployments_t
+        return {c: int(v) for c, v in self._rows(sa.select(t.c.cell, t.c.version).where(t.c.rollout == rollout))}
 
     def add_promotion(self, rollout: str, candidate: int, previous: int | None, canary: Sequence[str],
                       passed: bool, reasons: Sequence[str]) -> int:
-        with self.db.transaction() as db:
-            (last,) = db.execute("SELECT COALESCE(MAX(id), -1) FROM promotions WHERE rollout=?", (rollout,)).fetchone()
-            db.execute("INSERT INTO promotions VALUES (?,?,?,?,?,?,?,?)",
-                       (rollout, last + 1, candidate, previous, json.dumps(list(canary)), int(passed),
-                        json.dumps(list(reasons)), time.time()))
+        t = promotions_t
+        with self._tx() as conn:
+            last = conn.execute(sa.select(sa.func.coalesce(sa.func.max(t.c.id), -1)).where(t.c.rollout == rollout)
+                                ).scalar_one()
+            conn.execute(sa.insert(t).values(rollout=rollout, id=last + 1, candidate=candidate, previous=previous,
+                                             canary=json.dumps(list(canary)), passed=int(passed),
+                                             reasons=json.dumps(list(reasons)), created=time.time()))
         return int(last + 1)
 
     def promotions(self, rollout: str) -> list[dict[str, Any]]:
-        with self.db.locked() as db:
-            rows = db.execute("SELECT id, candidate, previous, canary, passed, reasons, created FROM promotions "
-                              "WHERE rollout=? ORDER BY id", (rollout,)).fetchall()
+        t = promotions_t
+        rows = self._rows(sa.select(t.c.id, t.c.candidate, t.c.previous, t.c.canary, t.c.passed, t.c.reasons,
+                                    t.c.created).where(t.c.rollout == rollout).order_by(t.c.id))
         return [{"id": i, "candidate": c, "previous": p, "canary": json.loads(cn), "passed": bool(ok),
-                 "reasons": json.loads(rs), "created": t} for i, c, p, cn, ok, rs, t in rows]
+                 "reasons": json.loads(rs), "created": when} for i, c, p, cn, ok, rs, when in rows]
 
     # --- privacy ledger ------------------------------------------------------------------------
 
     def privacy_releases(self, rollout: str) -> list[dict[str, Any]]:
         """Every release row of ``rollout``, in round order (``protected`` and ``inputs`` decoded)."""
-        with self.db.locked() as db:
-            rows = db.execute(f"SELECT {','.join(RELEASE_COLUMNS)} FROM privacy_releases WHERE rollout=? "
-                              "ORDER BY round, event, node, step", (rollout,)).fetchall()
+        t = releases_t
+        rows = self._rows(sa.select(*(t.c[c] for c in RELEASE_COLUMNS)).where(t.c.rollout == rollout)
+                          .order_by(t.c.round, t.c.event, t.c.node, t.c.step))
         out = []
         for row in rows:
             rec = dict(zip(RELEASE_COLUMNS, row, strict=True))
@@ -353,22 +449,32 @@ class CoordinatorStore:
         return out
 
     def privacy_clear(self, rollout: str) -> list[dict[str, Any]]:
-        with self.db.locked() as db:
-            rows = db.execute(f"SELECT {','.join(CLEAR_COLUMNS)} FROM privacy_clear WHERE rollout=? "
-                              "ORDER BY round, step, sender", (rollout,)).fetchall()
+        t = clear_t
+        rows = self._rows(sa.select(*(t.c[c] for c in CLEAR_COLUMNS)).where(t.c.rollout == rollout)
+                          .order_by(t.c.round, t.c.step, t.c.sender))
         return [{**dict(zip(CLEAR_COLUMNS, r, strict=True)), "receiver_trusted": bool(r[5])} for r in rows]
 
     # --- open-round inputs ----------------------------------------------------------------------
 
     def record_input(self, rollout: str, round: int, key: str, payload: bytes) -> None:
-        with self.db.locked() as db:
-            db.execute("INSERT OR IGNORE INTO inputs VALUES (?,?,?,?)", (rollout, round, key, payload))
+        t = inputs_t
+        with self._tx() as conn:
+            seq = conn.execute(sa.select(sa.func.coalesce(sa.func.max(t.c.seq), 0)).where(t.c.rollout == rollout)
+                               ).scalar_one()
+            self._insert_new(conn, t, {"rollout": rollout, "round": round, "msg_key": key, "payload": payload,
+                                       "seq": seq + 1})
 
     def inputs(self, rollout: str) -> list[bytes]:
-        with self.db.locked() as db:
-            return [bytes(p) for (p,) in db.execute(
-                "SELECT payload FROM inputs WHERE rollout=? ORDER BY round, rowid", (rollout,))]
+        t = inputs_t
+        return [bytes(p) for (p,) in self._rows(sa.select(t.c.payload).where(t.c.rollout == rollout)
+                                                .order_by(t.c.round, t.c.seq))]
 
     def close(self) -> None:
-        with self.db.locked() as db:
-            db.close()
+        with self._lock:
+            self._locks.release_all()
+            self.engine.dispose()
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    """SQLite turns a NaN into NULL, PostgreSQL keeps it: both read back as ``None``."""
+    return None if value is None or value != value else value

@@ -129,6 +129,25 @@ def mosquitto_factory(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
 
 
 @pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Any]:
+    """A PostgreSQL server of this test session (``tests/postgres_server.py``), on a free port."""
+    import postgres_server as pg
+
+    require(pg.available(), "PostgreSQL (initdb and pg_ctl, Debian's postgresql package)")
+    server = pg.PostgresServer.start(free_port())
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The coordinator's store, once in SQLite (a file in tmp_path) and once in a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'coordinator.db'}"
+    return request.getfixturevalue("postgres_server").create_database()
+
+
+@pytest.fixture(scope="session")
 def artifact_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One content-addressed artifact store for the whole session (each arch built once)."""
     return tmp_path_factory.mktemp("artifact-store")

@@ -12,11 +12,13 @@ its metrics) is added when one runs; offline (``fedtier report``) it is empty.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 from cloud_coordinator import status as operator_status
+from cloud_coordinator import store_backend
 from cloud_coordinator.report import round_epsilon
 from cloud_coordinator.store import CoordinatorStore
 
@@ -128,42 +130,42 @@ class Live(Protocol):
 
 
 class StoreStatus:
-    """Status of the rollouts in the coordinator store at ``path`` (opened per call: cheap, and
-    safe next to the coordinator's own connection, SQLite in WAL mode)."""
+    """Status of the rollouts in the coordinator store at ``location`` (a SQLite path or a store URL;
+    opened once, on first use: its reads take no write lock, so it is safe next to the
+    coordinator's own connection)."""
 
-    def __init__(self, path: Path | str, live: Live | None = None) -> None:
-        self.path = Path(path)
+    def __init__(self, location: Path | str, live: Live | None = None) -> None:
+        self.location = location
         self.live = live
+        self._store: CoordinatorStore | None = None
+        self._opening = threading.Lock()
 
     def _open(self) -> CoordinatorStore:
-        if not self.path.is_file():
-            raise FileNotFoundError(f"no coordinator store at {self.path}")
-        return CoordinatorStore(self.path)
+        with self._opening:
+            if self._store is None:
+                url = store_backend.parse_url(self.location)
+                if "rollouts" not in (store_backend.existing_tables(url) or set()):
+                    raise FileNotFoundError(f"no coordinator store at {store_backend.display(url)}")
+                self._store = CoordinatorStore(self.location)
+            return self._store
 
     def rollouts(self) -> list[RolloutSummary]:
-        store = self._open()
-        try:
-            return [RolloutSummary(rollout=r["rollout"], status=r["status"], algorithm=str(r["algorithm"]),
-                                   rounds_planned=r["rounds_planned"], rounds_closed=r["rounds_closed"],
-                                   accuracy=r["last_accuracy"], created=r["created"], finished=r["finished"],
-                                   desired=r["desired"])
-                    for r in operator_status.rollout_list(store)]
-        finally:
-            store.close()
+        return [RolloutSummary(rollout=r["rollout"], status=r["status"], algorithm=str(r["algorithm"]),
+                               rounds_planned=r["rounds_planned"], rounds_closed=r["rounds_closed"],
+                               accuracy=r["last_accuracy"], created=r["created"], finished=r["finished"],
+                               desired=r["desired"])
+                for r in operator_status.rollout_list(self._open())]
 
     def rollout(self, rollout: str) -> RolloutStatus:
         """Everything about one rollout; ``KeyError`` if the store does not have it."""
         store = self._open()
-        try:
-            if rollout not in {r["rollout"] for r in store.rollout_rows()}:
-                raise KeyError(rollout)
-            operator = operator_status.rollout_status(store, rollout)
-            registry = operator_status.model_registry(store, rollout)
-            promotions = store.promotions(rollout)
-            rows = store.rounds(rollout)
-            config = next(r["config"] for r in store.rollout_rows() if r["rollout"] == rollout)
-        finally:
-            store.close()
+        if rollout not in {r["rollout"] for r in store.rollout_rows()}:
+            raise KeyError(rollout)
+        operator = operator_status.rollout_status(store, rollout)
+        registry = operator_status.model_registry(store, rollout)
+        promotions = store.promotions(rollout)
+        rows = store.rounds(rollout)
+        config = next(r["config"] for r in store.rollout_rows() if r["rollout"] == rollout)
         summary = RolloutSummary(rollout=rollout, status=operator["status"], algorithm=str(operator["algorithm"]),
                                  rounds_planned=operator["rounds_planned"], rounds_closed=operator["rounds_closed"],
                                  accuracy=operator["last_accuracy"], created=operator["created"],

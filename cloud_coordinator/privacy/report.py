@@ -177,7 +177,7 @@ def clear_hops(clear: Sequence[Mapping[str, Any]], releases: Sequence[Mapping[st
             "violations": [{k: v for k, v in c.items() if k != "rollout"} for c in bad]}
 
 
-def build(*, rollout: str, db: Path, releases: Sequence[Mapping[str, Any]], clear: Sequence[Mapping[str, Any]],
+def build(*, rollout: str, db: Path | str, releases: Sequence[Mapping[str, Any]], clear: Sequence[Mapping[str, Any]],
           rounds: Sequence[Mapping[str, Any]], recomputed: Mapping[str, float], delta: float, budget: float,
           mode: str, status: str | None, rounds_planned: int | None, stopped: str | None,
           accounting: str = "rdp", by_accountant: Mapping[str, float] | None = None) -> dict[str, Any]:

@@ -34,7 +34,22 @@ ROUNDS = 4
 FEDTIER = [sys.executable, "-m", "fedtier"]
 
 
-def _count(db: Path, sql: str) -> int:
+_engines: dict[str, Any] = {}
+
+
+def _count(db: Path | str, sql: str) -> int:
+    """One number from a SQLite file (``Path``) or from a coordinator store's URL (``str``)."""
+    if isinstance(db, str):
+        import sqlalchemy as sa
+
+        from cloud_coordinator.store_backend import parse_url
+
+        engine = _engines.setdefault(db, sa.create_engine(parse_url(db), poolclass=sa.pool.NullPool))
+        try:
+            with engine.connect() as conn:
+                return int(conn.exec_driver_sql(sql).scalar() or 0)
+        except sa.exc.ProgrammingError:  # no such table yet
+            return 0
     if not db.exists():
         return 0
     conn = sqlite3.connect(db, timeout=5)
@@ -55,9 +70,10 @@ def _wait(predicate: Callable[[], bool], timeout: float, what: str, procs: Procs
     raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(p.text()[-2500:] for p in procs.started))
 
 
-@pytest.mark.parametrize("victim", ["coordinator", "edge", "broker"])
+@pytest.mark.parametrize(("victim", "backend"), [("coordinator", "sqlite"), ("coordinator", "postgresql"),
+                                                 ("edge", "sqlite"), ("broker", "sqlite")])
 def test_a_node_killed_mid_round_is_restarted_and_the_rollout_ends_with_the_undisturbed_model(
-        tmp_path: Path, small_rollout: Any, victim: str) -> None:
+        tmp_path: Path, small_rollout: Any, victim: str, backend: str, request: pytest.FixtureRequest) -> None:
     from cloud_coordinator.config import RolloutConfig
     from cloud_coordinator.fleet import write_fleet
     from cloud_coordinator.simulate import simulate
@@ -72,7 +88,9 @@ def test_a_node_killed_mid_round_is_restarted_and_the_rollout_ends_with_the_undi
     plain.pop("state_dir", None)
     paths = write_fleet(plain, tmp_path / "fleet", {"host": broker.host, "port": broker.port})
     cfg = load(RolloutConfig, paths.coordinator)
-    db = cfg.state_dir / "coordinator.db"
+    # the store: a SQLite file in the state dir, or a database of the test's PostgreSQL server
+    url = request.getfixturevalue("postgres_server").create_database() if backend == "postgresql" else None
+    db: Path | str = url or cfg.state_dir / "coordinator.db"
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     store = CoordinatorStore(db)
     store.create_rollout(cfg.rollout, cfg.to_dict())
@@ -83,7 +101,9 @@ def test_a_node_killed_mid_round_is_restarted_and_the_rollout_ends_with_the_undi
     procs = Procs(tmp_path)
 
     def coordinator(run: int) -> Any:
-        return procs.start(f"coordinator-{run}", [*FEDTIER, "coordinator", "serve", "--state-dir", str(cfg.state_dir)])
+        where = ["--store", url] if url else []
+        return procs.start(f"coordinator-{run}", [*FEDTIER, "coordinator", "serve", "--state-dir", str(cfg.state_dir),
+                                                  *where])
 
     def edge(run: int) -> Any:
         return procs.start(f"edge-{run}", [*FEDTIER, "edge", "run", "--config", str(paths.edges[cells[0]])])

@@ -131,7 +131,10 @@ def test_the_agent_and_edge_extras_hold_no_dashboard_plotting_or_browser() -> No
     assert {"starlette", "uvicorn", "matplotlib", "prometheus-client"} <= names["coordinator"]
     assert "playwright" in names["dev"]
     assert extras["ray"] == ["ray>=2.9"] and "ray" not in names["agent"] | names["edge"] | names["coordinator"]
-    assert "fedtier[agent,edge,coordinator,ray]" in extras["all"]
+    assert "fedtier[agent,edge,coordinator,ray,postgres]" in extras["all"]
+    sql = {"sqlalchemy", "psycopg", "psycopg2", "psycopg2-binary"}
+    assert "sqlalchemy" in names["coordinator"] and not (names["agent"] | names["edge"]) & sql
+    assert {Requirement(line).name for line in extras["postgres"]} == {"psycopg"}
 
 
 # --- against the package index -------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_a_rollout_over_budget_stops_before_the_offending_release(small_rollout,
         assert offline[device] == pytest.approx(eps, rel=1e-12)
 
 
-def test_a_device_that_misses_a_round_is_charged_anyway(small_rollout, tmp_path: Path) -> None:
+def test_a_device_that_misses_a_round_is_charged_anyway(small_rollout, tmp_path: Path, store_url: str) -> None:
     # The planned releases are charged whether or not the cloud sees them (an untrusted edge may
     # have), so every device's epsilon is the plan's, observed or not.
     cfg = private(small_rollout, tmp_path)
@@ -84,15 +84,20 @@ def test_a_device_that_misses_a_round_is_charged_anyway(small_rollout, tmp_path:
 
     prepared = prepare(cfg)
     assert prepared.noise_plan is not None
-    store = CoordinatorStore(":memory:")
+    store = CoordinatorStore(store_url)  # the ledger on SQLite and on PostgreSQL
     ledger = PrivacyLedger(store=store, rollout="t", plan=prepared.noise_plan, cells=prepared.cells,
                            cloud_id="cloud")
     releases, clear = ledger.rows_for_round(0, {})  # nobody reported
     assert len(releases) == 2 * 2 + 1 and not any(r["observed"] for r in releases) and clear == []
+    store.ensure_rollout("t", cfg.to_dict(), b"")
+    store.commit_round("t", 0, 1, prepared.initial_params, None, None, {}, releases=releases, clear=clear)
     ledger.charge(releases)
     eps = ledger.epsilons()
     z_dev = prepared.noise_plan.cells["cell-b"].device_z
     assert eps[prepared.cells["cell-b"][0]] == pytest.approx(accountant.epsilon([(z_dev, 2)], 1e-5))
+    offline = recompute(store, "t", 1e-5)  # the audit, from the stored rows alone
+    store.close()
+    assert offline.keys() == eps.keys() and all(offline[d] == pytest.approx(e, rel=1e-12) for d, e in eps.items())
 
 
 def test_learning_rate_zero_global_update_variance_through_the_shells(small_rollout, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The operator's view of a store: lifecycle commands, status, the canary gate (no broker needed)."""
+"""The operator's view of a store: lifecycle commands, status, the canary gate (no broker needed);
+each against SQLite and against a real PostgreSQL server (the ``store_url`` fixture)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ CONFIG = {"rollout": "r", "rounds": 4, "topology": {"members": {"cell-a": ["d0",
 PARAMS = {"w": np.ones((2, 2), np.float32)}
 
 
-def _store(tmp_path: Path) -> CoordinatorStore:
-    store = CoordinatorStore(tmp_path / "coordinator.db")
+def _store(url: str) -> CoordinatorStore:
+    store = CoordinatorStore(url)
     assert store.create_rollout("r", CONFIG) and not store.create_rollout("r", CONFIG)
     store.save_initial_model("r", PARAMS)
     for rnd, acc in enumerate([0.5, 0.8, 0.7]):
@@ -33,19 +34,23 @@ def _store(tmp_path: Path) -> CoordinatorStore:
     return store
 
 
-def test_lifecycle_commands_write_the_desired_state_and_refuse_what_does_not_apply(tmp_path: Path) -> None:
-    _store(tmp_path).close()
-    run = lambda *a: CliRunner().invoke(cli, [*a, "--state-dir", str(tmp_path), "--json"])  # noqa: E731
+def test_lifecycle_commands_write_the_desired_state_and_refuse_what_does_not_apply(store_url: str,
+                                                                                   tmp_path: Path) -> None:
+    _store(store_url).close()
+    run = lambda *a: CliRunner().invoke(cli, [*a, "--store", store_url, "--json"])  # noqa: E731
     assert run("rollout", "pause", "r").exit_code == 0
     assert run("rollout", "start", "r").exit_code == 2  # paused, not created
     assert json.loads(run("rollout", "resume", "r").output) == {"rollout": "r", "desired": "running", "was": "paused"}
     assert run("rollout", "stop", "r").exit_code == 0
     assert run("rollout", "status", "nope").exit_code == 2
-    assert CliRunner().invoke(cli, ["rollout", "list", "--state-dir", str(tmp_path / "none")]).exit_code == 2
+    assert json.loads(run("rollout", "list").output)[0]["desired"] == "stopped"
+    missing = CliRunner().invoke(cli, ["rollout", "list", "--state-dir", str(tmp_path / "none")])
+    assert missing.exit_code == 2 and "no coordinator store at" in missing.output
+    assert not (tmp_path / "none").exists()  # reading never creates a store
 
 
-def test_redelivered_presence_is_not_a_new_sighting(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+def test_redelivered_presence_is_not_a_new_sighting(store_url: str) -> None:
+    store = _store(store_url)
     assert not store.record_presence("d0", {"node": "d0", "cell": "cell-a", "state": "online", "since": 1.0,
                                             "role": "device"}, 99.0)
     assert {d["node"]: d["last_seen"] for d in device_inventory(store)}["d0"] == 10.0
@@ -56,8 +61,8 @@ def test_redelivered_presence_is_not_a_new_sighting(tmp_path: Path) -> None:
     assert status["rounds_closed"] == 3 and status["last_accuracy"] == 0.7 and status["model_version"] == 3
 
 
-def test_a_candidate_with_nan_or_worse_accuracy_is_not_promoted_and_the_canary_returns(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+def test_a_candidate_with_nan_or_worse_accuracy_is_not_promoted_and_the_canary_returns(store_url: str) -> None:
+    store = _store(store_url)
     first = promote(store, "r", ["cell-a"], version=2, observe_s=0)
     assert first.passed and first.deployed == {"cell-a": 2, "cell-b": 2}
     worse = promote(store, "r", ["cell-a"], version=3, margin=0.05, observe_s=0)  # 0.7 < 0.8 - 0.05
@@ -82,7 +87,7 @@ def test_a_candidate_with_nan_or_worse_accuracy_is_not_promoted_and_the_canary_r
 def test_status_watch_refreshes_in_place_until_ctrl_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import cloud_coordinator.rollout_cli as rollout_cli
 
-    _store(tmp_path).close()
+    _store(str(tmp_path / "coordinator.db")).close()
     sleeps = []
 
     def sleep(seconds: float) -> None:
@@ -97,8 +102,8 @@ def test_status_watch_refreshes_in_place_until_ctrl_c(tmp_path: Path, monkeypatc
     assert sleeps == [0.5, 0.5, 0.5] and "rounds closed 3/4" in result.output and "cell-a" in result.output
 
 
-def test_status_sums_bytes_per_tier_and_reports_the_ledgers_epsilon(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+def test_status_sums_bytes_per_tier_and_reports_the_ledgers_epsilon(store_url: str) -> None:
+    store = _store(store_url)
     store.commit_round("r", 3, 4, PARAMS, 0.9, 0.5, {
         "bytes": {"device_up": 100, "edge_up": 40}, "privacy": {"epsilon_max": 1.5, "budget_epsilon": 8.0},
         "cells": {"cell-a": {"reported": ["d0"], "missing": ["d1"], "rejected": {"late": 2}},
