@@ -27,10 +27,10 @@ from _common import spread, write  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def emulate(devices: int, rounds: int, timeout: float) -> dict[str, Any]:
+def emulate(devices: int, rounds: int, timeout: float, keepalive_s: int = 30) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "fedtier", "fleet", "emulate", "--devices", str(devices),
-                          "--rounds", str(rounds), "--json"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=timeout)
+                          "--rounds", str(rounds), "--keepalive-s", str(keepalive_s), "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"{devices} devices failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout)
@@ -56,11 +56,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--name", default="fleet")
+    ap.add_argument("--keepalive-s", type=int, default=30, help="the emulated nodes' MQTT keep-alive")
     args = ap.parse_args(argv)
-    results: dict[str, Any] = {"setup": f"one cell, synthetic task, MLP 64-64-10, 5 local steps, {args.rounds} rounds",
-                               "sizes": []}
+    results: dict[str, Any] = {"setup": f"one cell, synthetic task, MLP 64-64-10, 5 local steps, {args.rounds} rounds, "
+                                        f"keep-alive {args.keepalive_s} s", "sizes": []}
     for devices in (int(x) for x in args.sizes.split(",")):
-        runs = [emulate(devices, args.rounds, args.timeout) for _ in range(args.reps)]
+        runs = [emulate(devices, args.rounds, args.timeout, args.keepalive_s) for _ in range(args.reps)]
         later = [[r for r in run["rounds"] if r["round"] > 0] for run in runs]
         row = {"devices": devices, "reps": args.reps,
                "round_s": spread([statistics.median(r["round_s"] for r in rs) for rs in later]),

@@ -28,13 +28,16 @@ def fleet() -> None:
 @click.option("--compute-delay-ms", type=click.FloatRange(0), default=0.0, show_default=True,
               help="Simulated on-device compute time added to every local run.")
 @click.option("--local-steps", type=click.IntRange(1), default=5, show_default=True)
+@click.option("--keepalive-s", type=click.IntRange(5, 3600), default=30, show_default=True,
+              help="MQTT keep-alive of the emulated nodes; raise it (e.g. 600) when many devices share few cores "
+                   "and the broker drops them for silence (its log: \"Keep alive timeout\").")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep configs, data and node state here (default: a temporary directory, removed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s: float, compute_delay_ms: float,
-            local_steps: int, workdir: Path | None, as_json: bool, log_level: str) -> None:
+            local_steps: int, keepalive_s: int, workdir: Path | None, as_json: bool, log_level: str) -> None:
     """Run a rollout of DEVICES real device agents through a real Mosquitto, and time its rounds.
 
     The devices, edges and coordinator are the nodes `fedtier agent run`, `edge run` and
@@ -46,6 +49,7 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
         fedtier fleet emulate --devices 100
         fedtier fleet emulate --devices 300 --cells 1 --rounds 3 --compute-delay-ms 50
         fedtier fleet emulate --devices 500 --cells 5 --broker 127.0.0.1:1883 --json
+        fedtier fleet emulate --devices 1000 --keepalive-s 600 --rounds 3
     """
     from cloud_coordinator.console import make_console
     from cloud_coordinator.fleet_emulator import EmulatorOptions, FleetEmulator
@@ -53,7 +57,8 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
     logs.setup(log_level)
     console = make_console(stderr=True)
     opts = EmulatorOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, stagger_s=stagger_s,
-                           compute_delay_ms=compute_delay_ms, local_steps=local_steps, workdir=workdir)
+                           compute_delay_ms=compute_delay_ms, local_steps=local_steps, workdir=workdir,
+                           keepalive_s=keepalive_s)
     result = FleetEmulator(opts, progress=None if as_json else console.print).run()
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))

@@ -53,6 +53,9 @@ class EmulatorOptions:
     deadline_s: float = 120.0
     seed: int = 0
     workdir: Path | None = None
+    keepalive_s: int = 30
+    """MQTT keep-alive of every emulated node. A real board has its CPU to itself; thousands of emulated
+    devices on a few cores can starve their network threads past 30 s, and the broker then drops them."""
 
 
 @dataclass
@@ -284,7 +287,8 @@ class FleetEmulator:
                 host, _, port_text = o.broker.rpartition(":")
                 host, port, broker_label = host or "127.0.0.1", int(port_text), f"{o.broker}"
             self.say(f"writing the fleet: {o.devices} devices in {o.cells} cells ({workdir})")
-            paths = write_fleet(rollout_mapping(o), workdir, {"host": host, "port": port},
+            paths = write_fleet(rollout_mapping(o), workdir, {"host": host, "port": port,
+                                                              "keepalive_s": o.keepalive_s},
                                 device_settings={"trainer": "auto"})
             devices = [str(paths.devices[d]) for d in list(paths.devices)[: o.devices]]
             t_start = time.perf_counter()

@@ -1,0 +1,236 @@
+"""Agent footprint: peak RSS, time from process start to the first update published, and RSS over
+many rounds, of real ``fedtier agent run`` processes.
+
+A fleet of one cell runs as separate processes through its own Mosquitto, as on real hardware:
+``fedtier coordinator run``, ``fedtier edge run`` and ``--devices`` agents (the demo's model, an
+MLP 64-64-10 on scikit-learn's ``digits``, and its trainer, onnxruntime-training). Every agent's
+``/proc/PID/status`` is sampled while it runs (VmRSS, VmHWM); a subscriber on the broker records
+when each device's first update arrives. RSS is flat when the last tenth of the rounds holds no
+more than the second tenth (after the model's artifacts arrived and the session warmed up).
+The baseline measured in the same run: a bare Python that imports onnxruntime and opens the
+bundle's training session (what ORT alone costs).
+
+    python -m benchmarks agent                         # 1,000 rounds, 2 devices (the table in docs/benchmarks.md)
+    python -m benchmarks agent --rounds 3 --no-write   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FEDTIER = [sys.executable, "-m", "fedtier"]
+
+
+def status_kb(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of a live process, in kB (empty once it has exited)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in lines if ":" in line)
+            if k in ("VmRSS", "VmHWM")}
+
+
+def rounds_closed(db: Path) -> int:
+    if not db.exists():
+        return 0
+    try:
+        with sqlite3.connect(db, timeout=5) as conn:
+            return int(conn.execute("SELECT COUNT(*) FROM rounds").fetchone()[0])
+    except sqlite3.Error:
+        return 0
+
+
+def open_round(db: Path) -> bool:
+    if not db.exists():
+        return False
+    try:
+        with sqlite3.connect(db, timeout=5) as conn:
+            return conn.execute("SELECT COUNT(*) FROM open_rounds").fetchone()[0] > 0
+    except sqlite3.Error:
+        return False
+
+
+class FirstUpdates:
+    """A subscriber that records when each device's first update reaches the broker."""
+
+    def __init__(self, port: int) -> None:
+        import paho.mqtt.client as paho
+
+        from fedtier.transport import topics
+
+        self.first: dict[str, float] = {}
+        self._topics = topics
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="bench-agent-observer")
+        self.client.on_message = self._on_message
+        self.client.connect("127.0.0.1", port)
+        self.client.subscribe("#", qos=0)
+        self.client.loop_start()
+
+    def _on_message(self, _client: Any, _userdata: Any, msg: Any) -> None:
+        parsed = self._topics.parse(msg.topic)
+        if parsed is None or parsed.channel != "cell_up" or "update" not in (parsed.kind or ""):
+            return
+        if parsed.device and parsed.device not in self.first:
+            self.first[parsed.device] = time.monotonic()
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def ort_baseline(bundle_dir: Path) -> float:
+    """Peak RSS (MB) of a Python that only imports onnxruntime's training API (as the agent does: without
+    the torch that ``onnxruntime.training``'s own ``__init__`` would import) and opens the session."""
+    script = (
+        "from device_agent.trainers.ort_runtime import training_api\n"
+        "api = training_api()\n"
+        f"d = {str(bundle_dir)!r}\n"
+        "state = api.CheckpointState.load_checkpoint(d + '/checkpoint')\n"
+        "m = api.Module(d + '/training_model.onnx', state, d + '/eval_model.onnx')\n"
+        "o = api.Optimizer(d + '/optimizer_model.onnx', m)\n"
+        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    return int(out.stdout.strip()) / 1024
+
+
+def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path | None = None) -> dict[str, Any]:
+    from cloud_coordinator.demo import free_port, mosquitto_path, wait_for_port
+    from cloud_coordinator.fleet import write_fleet
+
+    mosq = mosquitto_path()
+    if mosq is None:
+        raise SystemExit("bench_agent needs Mosquitto (apt-get install mosquitto)")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        (work / "mosquitto.conf").write_text(f"allow_anonymous true\npersistence false\nlistener {port} 127.0.0.1\n")
+        procs: list[subprocess.Popen] = [subprocess.Popen([mosq, "-c", str(work / "mosquitto.conf")],
+                                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        try:
+            if not wait_for_port(port, 10):
+                raise RuntimeError("Mosquitto did not start")
+            plain = {"rollout": "footprint", "rounds": rounds, "seed": 0,
+                     "model": {"kind": "mlp", "hidden": [64]}, "topology": {"cells": 1, "devices_per_cell": devices},
+                     "data": {"dataset": "digits", "partition": "iid"},
+                     "fedavg": {"local_steps": local_steps, "batch_size": 16, "lr": 0.1, "deadline_s": 30.0}}
+            paths = write_fleet(plain, work / "fleet", {"host": "127.0.0.1", "port": port})
+            observer = FirstUpdates(port)
+            logs = work / "logs"
+            logs.mkdir(exist_ok=True)
+
+            def start(name: str, argv: list[str]) -> subprocess.Popen:
+                p = subprocess.Popen([*FEDTIER, *argv], cwd=ROOT, stdout=(logs / f"{name}.log").open("wb"),
+                                     stderr=subprocess.STDOUT)
+                procs.append(p)
+                return p
+
+            coordinator = start("coordinator", ["coordinator", "run", "--config", str(paths.coordinator)])
+            for cell, cfg in paths.edges.items():
+                start(f"edge-{cell}", ["edge", "run", "--config", str(cfg)])
+            # The coordinator builds the artifacts first; agents start once it has opened round 0 (their
+            # time to first update is then theirs: start-up, manifest, artifacts, training, upload).
+            db = paths.workdir / "coordinator" / "coordinator.db"
+            deadline = time.monotonic() + timeout
+            while not open_round(db) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            agents: dict[str, tuple[subprocess.Popen, float]] = {}
+            for device, cfg in paths.devices.items():
+                agents[device] = (start(f"agent-{device}", ["agent", "run", "--config", str(cfg)]), time.monotonic())
+            samples: list[dict[str, Any]] = []
+            peak: dict[str, int] = {}
+            stop = threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    closed = rounds_closed(db)
+                    for device, (proc, _) in agents.items():
+                        kb = status_kb(proc.pid)
+                        if kb:
+                            peak[device] = max(peak.get(device, 0), kb.get("VmHWM", 0))
+                            samples.append({"device": device, "round": closed, "rss_kb": kb.get("VmRSS", 0)})
+                    stop.wait(0.25)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            started = time.monotonic()
+            try:
+                coordinator.wait(timeout)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"the rollout did not finish in {timeout:g} s (logs in {logs})") from None
+            wall = time.monotonic() - started
+            stop.set()
+            sampler.join()
+            observer.close()
+            done = rounds_closed(db)
+            bundle = next((paths.workdir / "coordinator" / "artifacts").rglob("training_model.onnx")).parent
+            baseline = ort_baseline(bundle)
+        finally:
+            for p in reversed(procs):
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    per_device = {}
+    for device, (_, t0) in agents.items():
+        mine = [s for s in samples if s["device"] == device]
+        tenth = max(1, done // 10)
+        second = [s["rss_kb"] for s in mine if tenth <= s["round"] < 2 * tenth]
+        last = [s["rss_kb"] for s in mine if s["round"] >= done - tenth]
+        per_device[device] = {
+            "peak_rss_mb": round(peak.get(device, 0) / 1024, 1),
+            "first_update_s": round(observer.first[device] - t0, 2) if device in observer.first else None,
+            "rss_second_tenth_mb": round(max(second) / 1024, 1) if second else None,
+            "rss_last_tenth_mb": round(max(last) / 1024, 1) if last else None,
+        }
+    return {"devices": devices, "rounds": done, "wall_s": round(wall, 1), "ort_session_baseline_mb": round(baseline, 1),
+            "agents": per_device}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| agent | peak RSS MB | first update s | RSS MB, rounds in the 2nd tenth | RSS MB, last tenth |",
+             "|---|---|---|---|---|"]
+    for device, a in result["agents"].items():
+        lines.append(f"| {device} | {a['peak_rss_mb']} | {a['first_update_s']} | {a['rss_second_tenth_mb']} | "
+                     f"{a['rss_last_tenth_mb']} |")
+    lines.append(f"| ORT alone (import + training session) | {result['ort_session_baseline_mb']} | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1000)
+    ap.add_argument("--local-steps", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--keep", type=Path, default=None, help="keep configs, state and logs in this directory")
+    args = ap.parse_args(argv)
+    result = run(args.devices, args.rounds, args.local_steps, args.timeout, args.keep)
+    result["setup"] = (f"1 cell, {args.devices} agents as processes, digits MLP 64-64-10, {args.local_steps} local "
+                       f"steps of batch 16, {args.rounds} rounds, Mosquitto on loopback")
+    if not args.no_write:
+        print(f"wrote {write('agent', result)}")
+    print(json.dumps(result, indent=1) if os.environ.get("BENCH_JSON") else table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
