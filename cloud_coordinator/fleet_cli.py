@@ -18,7 +18,7 @@ def fleet() -> None:
 
 @fleet.command()
 @click.option("--devices", type=click.IntRange(1), default=100, show_default=True,
-              help="Device agents, each with its own MQTT client, identity and outbox, on threads of this process.")
+              help="Device agents, each with its own MQTT client, identity and outbox, in worker processes.")
 @click.option("--cells", type=click.IntRange(1), default=1, show_default=True, help="Cells (one edge each).")
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--broker", default=None, metavar="HOST:PORT",
@@ -28,6 +28,9 @@ def fleet() -> None:
 @click.option("--compute-delay-ms", type=click.FloatRange(0), default=0.0, show_default=True,
               help="Simulated on-device compute time added to every local run.")
 @click.option("--local-steps", type=click.IntRange(1), default=5, show_default=True)
+@click.option("--loop", type=click.Choice(["mux", "threads"]), default="mux", show_default=True,
+              help="How a worker process drives its devices: mux = all on one thread, sockets multiplexed (one "
+                   "worker per core); threads = a node thread and a network thread per device.")
 @click.option("--keepalive-s", type=click.IntRange(5, 3600), default=30, show_default=True,
               help="MQTT keep-alive of the emulated nodes; raise it (e.g. 600) when many devices share few cores "
                    "and the broker drops them for silence (its log: \"Keep alive timeout\").")
@@ -37,19 +40,21 @@ def fleet() -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s: float, compute_delay_ms: float,
-            local_steps: int, keepalive_s: int, workdir: Path | None, as_json: bool, log_level: str) -> None:
+            local_steps: int, loop: str, keepalive_s: int, workdir: Path | None, as_json: bool, log_level: str) -> None:
     """Run a rollout of DEVICES real device agents through a real Mosquitto, and time its rounds.
 
     The devices, edges and coordinator are the nodes `fedtier agent run`, `edge run` and
-    `coordinator run` build, on threads of this process; the devices share one ORT session per
-    model (docs/benchmarks.md, "Fleet emulator"). Prints each round's time, its slowest device's
-    local run and the overhead beyond it.
+    `coordinator run` build: the devices in worker processes (by default each drives its
+    devices on one thread, their sockets multiplexed; --loop threads gives each its own), the
+    edges and the coordinator on threads of this process; the devices of a worker share one ORT
+    session per model (docs/benchmarks.md, "Fleet emulator"). Prints each round's time, its
+    slowest device's local run and the overhead beyond it.
 
     \b
         fedtier fleet emulate --devices 100
         fedtier fleet emulate --devices 300 --cells 1 --rounds 3 --compute-delay-ms 50
         fedtier fleet emulate --devices 500 --cells 5 --broker 127.0.0.1:1883 --json
-        fedtier fleet emulate --devices 1000 --keepalive-s 600 --rounds 3
+        fedtier fleet emulate --devices 10000 --cells 10 --keepalive-s 600
     """
     from cloud_coordinator.console import make_console
     from cloud_coordinator.fleet_emulator import EmulatorOptions, FleetEmulator
@@ -58,7 +63,7 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
     console = make_console(stderr=True)
     opts = EmulatorOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, stagger_s=stagger_s,
                            compute_delay_ms=compute_delay_ms, local_steps=local_steps, workdir=workdir,
-                           keepalive_s=keepalive_s)
+                           loop=loop, keepalive_s=keepalive_s)
     result = FleetEmulator(opts, progress=None if as_json else console.print).run()
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))

@@ -23,6 +23,7 @@ the slowest device's run (the broker, decoding, aggregation, evaluation and the 
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import shutil
 import statistics
@@ -53,6 +54,9 @@ class EmulatorOptions:
     deadline_s: float = 120.0
     seed: int = 0
     workdir: Path | None = None
+    loop: str = "mux"
+    """How a worker process drives its devices: "mux", all on one thread, their sockets multiplexed
+    (``fleet_mux``); or "threads", a node thread and a network thread per device."""
     keepalive_s: int = 30
     """MQTT keep-alive of every emulated node. A real board has its CPU to itself; thousands of emulated
     devices on a few cores can starve their network threads past 30 s, and the broker then drops them."""
@@ -159,7 +163,9 @@ class _SharedTrainers:
 
 
 DEVICES_PER_PROCESS = 120
-"""Devices one worker process hosts: about six descriptors each stays below ``select``'s 1024."""
+"""Devices one threaded worker process hosts: about six descriptors each stays below ``select``'s 1024."""
+MUX_DEVICES_PER_PROCESS = 2000
+"""Devices one multiplexed worker hosts at most: about six descriptors each, within a 20,000 file limit."""
 
 
 class _DeviceHost:
@@ -206,7 +212,8 @@ class _DeviceHost:
         thread.start()
         self.threads.append((name, thread, stop, errors))
 
-    def add_device(self, config_path: Path) -> None:
+    def build_device(self, config_path: Path) -> tuple[str, Any, Any, Any]:
+        """A device as ``fedtier agent run`` builds it, sharing this host's trainer and timing its runs."""
         from device_agent.config import DeviceConfig
         from device_agent.run import build
         from fedtier.runtime.config import load
@@ -215,7 +222,11 @@ class _DeviceHost:
         node, tx, inbox = build(cfg)
         node.trainer_provider = self.shared.provider(_resolved(cfg.trainer), cfg.threads)
         node.train = self._locked_train(cfg.device_id, node.train)  # type: ignore[method-assign]
-        self.spawn(cfg.device_id, node, [tx], inbox)
+        return cfg.device_id, node, tx, inbox
+
+    def add_device(self, config_path: Path) -> None:
+        name, node, tx, inbox = self.build_device(config_path)
+        self.spawn(name, node, [tx], inbox)
 
     def errors(self) -> list[str]:
         return [f"node {name} crashed: {errors[0]!r}" for name, _, _, errors in self.threads if errors]
@@ -228,11 +239,14 @@ class _DeviceHost:
 
 
 def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, ready: Any, stop: Any,
-            results: Any) -> None:
+            results: Any, loop: str = "threads") -> None:
     """A worker process: host ``config_paths``' devices until ``stop``, then report their runs."""
     raise_fd_limit()
     logging.basicConfig(level=logging.WARNING)
     host = _DeviceHost(compute_delay_ms)
+    if loop == "mux":
+        _mux_worker(host, config_paths, step_s, ready, stop, results)
+        return
     try:
         for path in config_paths:
             host.add_device(Path(path))
@@ -245,6 +259,24 @@ def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, rea
     finally:
         host.stop()
         results.put({"runs": host.runs, "errors": host.errors()})
+
+
+def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready: Any, stop: Any,
+                results: Any) -> None:
+    """``_worker`` with every device on this process's one thread (``fleet_mux``)."""
+    from cloud_coordinator.fleet_mux import MuxHost
+
+    mux = MuxHost()
+    try:
+        for path in config_paths:
+            mux.add(*host.build_device(Path(path)))
+            if step_s:
+                time.sleep(step_s)
+        ready.put(len(config_paths))
+        mux.run(lambda: stop.is_set() or bool(mux.errors()))
+    finally:
+        mux.close()
+        results.put({"runs": host.runs, "errors": mux.errors()})
 
 
 class FleetEmulator:
@@ -292,12 +324,16 @@ class FleetEmulator:
                                 device_settings={"trainer": "auto"})
             devices = [str(paths.devices[d]) for d in list(paths.devices)[: o.devices]]
             t_start = time.perf_counter()
-            groups = [devices[i:i + DEVICES_PER_PROCESS] for i in range(0, len(devices), DEVICES_PER_PROCESS)]
+            if o.loop == "mux":  # one busy thread per worker: as many workers as cores, or more if descriptors run out
+                count = max(1, min(len(devices), max(os.cpu_count() or 1, -(-len(devices) // MUX_DEVICES_PER_PROCESS))))
+                groups = [devices[i::count] for i in range(count)]
+            else:
+                groups = [devices[i:i + DEVICES_PER_PROCESS] for i in range(0, len(devices), DEVICES_PER_PROCESS)]
             self.workers = len(groups)
             step = o.stagger_s / max(1, len(devices)) * len(groups)
             for group in groups:
-                proc = ctx.Process(target=_worker, args=(group, o.compute_delay_ms, step, ready, stop, results),
-                                   daemon=True)
+                proc = ctx.Process(target=_worker, args=(group, o.compute_delay_ms, step, ready, stop, results,
+                                                         o.loop), daemon=True)
                 proc.start()
                 procs.append(proc)
             hosted = 0
@@ -348,9 +384,12 @@ class FleetEmulator:
         return EmulationResult(devices=o.devices, cells=o.cells, rounds=self._timings(history), start_s=start_s,
                                wall_s=time.perf_counter() - started, peak_rss_mb=_peak_rss_mb(),
                                threads=threading.active_count(), broker=broker_label,
-                               notes=[f"devices in {self.workers} worker process(es) of at most {DEVICES_PER_PROCESS}; "
-                                      "those of one worker share one trainer per bundle and train one at a time "
-                                      "(a real fleet trains in parallel on its own CPUs)"]
+                               notes=[f"devices in {self.workers} worker process(es), " + (
+                                   "each driving its devices on one thread (their sockets multiplexed)"
+                                   if o.loop == "mux" else
+                                   f"of at most {DEVICES_PER_PROCESS}, a node thread and a network thread per device")
+                                   + "; those of one worker share one trainer per bundle and train one at a time "
+                                     "(a real fleet trains in parallel on its own CPUs)"]
                                + ([f"each local run also sleeps {o.compute_delay_ms:g} ms (simulated device compute)"]
                                   if o.compute_delay_ms else []))
 

@@ -39,6 +39,7 @@ from cloud_coordinator import metrics_eval
 from cloud_coordinator.observe.prom import CoordinatorMetrics
 from cloud_coordinator.report import epsilon_spent
 from cloud_coordinator.rollout import PreparedRollout
+from cloud_coordinator.presence import PresenceBuffer
 from cloud_coordinator.store import CoordinatorStore
 from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, Dropped, Finished, RoundClosed, SendToChild
@@ -135,6 +136,8 @@ class CloudNode(NodeBase):
         self.rollout = cfg.rollout
         self.tx = transport
         self.store = store
+        self.presence: PresenceBuffer | None = PresenceBuffer(store)
+        """The device inventory's writer; ``None`` when a ``CoordinatorService`` records presence for all."""
         self.evaluator = evaluator
         self.on_round = on_round
         self.extra_metrics = extra_metrics
@@ -317,6 +320,8 @@ class CloudNode(NodeBase):
         self._clear_retained()
 
     def tick(self, now: float) -> None:
+        if self.presence is not None:
+            self.presence.flush_due(now)
         self._poll_control(now)
         if self.role is not None and not self.finished:
             self._execute(self.role.tick(now), now)
@@ -391,8 +396,8 @@ class CloudNode(NodeBase):
             doc = json.loads(inbound.payload.decode())
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             return  # came_online rejects and counts it
-        if isinstance(doc, dict) and doc.get("node", parsed.device) == parsed.device:
-            self.store.record_presence(parsed.device, doc, self.wall_clock())
+        if self.presence is not None and isinstance(doc, dict) and doc.get("node", parsed.device) == parsed.device:
+            self.presence.add(parsed.device, doc, self.wall_clock())
 
     def _serve_artifacts(self, req: ArtifactRequest) -> None:
         files = self.prepared.artifact_files()

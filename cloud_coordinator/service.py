@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.node import CloudNode
+from cloud_coordinator.presence import PresenceBuffer
 from cloud_coordinator.store import CoordinatorStore
 from cloud_coordinator.store_backend import RolloutHeldError
 from fedtier.errors import UnexpectedMessageError
@@ -60,6 +61,7 @@ class CoordinatorService(NodeBase):
         self.make_node = make_node
         self.wall_clock = wall_clock
         self.nodes: dict[str, CloudNode] = {}
+        self.presence = PresenceBuffer(store)
         self.held_elsewhere: set[str] = set()
         """Rollouts another coordinator drives (warned once; retried every scan)."""
         self._next_scan = 0.0
@@ -83,11 +85,13 @@ class CoordinatorService(NodeBase):
                     self.held_elsewhere.add(rollout)
                 continue
             self.held_elsewhere.discard(rollout)
+            node.presence = None  # this service records every node's presence once, for all its rollouts
             log.info("hosting rollout %s (%s)", rollout, row["status"])
             self.nodes[rollout] = node
             node.start(now)
 
     def tick(self, now: float) -> None:
+        self.presence.flush_due(now)
         if now >= self._next_scan:
             self._scan(now)
         for rollout, node in list(self.nodes.items()):
@@ -121,7 +125,7 @@ class CoordinatorService(NodeBase):
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             return
         if isinstance(doc, dict) and doc.get("node", parsed.device) == parsed.device:
-            self.store.record_presence(parsed.device, doc, self.wall_clock())
+            self.presence.add(parsed.device, doc, self.wall_clock())
 
 
 def wait_for_rollout(store: CoordinatorStore, stop: threading.Event, poll_s: float = 1.0) -> dict[str, Any] | None:

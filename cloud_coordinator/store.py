@@ -356,17 +356,28 @@ class CoordinatorStore:
     def record_presence(self, node: str, doc: Mapping[str, Any], now: float) -> bool:
         """Keep the newest presence document of ``node``; ``last_seen`` moves only when it changes
         (a retained document redelivered after a reconnection is not a sighting). True if changed."""
-        text = json.dumps(doc, sort_keys=True, default=str)
-        since = doc.get("since")
+        return bool(self.record_presences({node: (doc, now)}))
+
+    def record_presences(self, docs: Mapping[str, tuple[Mapping[str, Any], float]]) -> list[str]:
+        """``record_presence`` for many nodes in one transaction (a fleet of thousands announces itself at
+        once); returns the nodes whose document changed."""
+        if not docs:
+            return []
+        texts = {node: json.dumps(doc, sort_keys=True, default=str) for node, (doc, _) in docs.items()}
+        rows = []
         with self._tx() as conn:
-            old = conn.execute(sa.select(presence_t.c.doc).where(presence_t.c.node == node)).scalar()
-            if old == text:
-                return False
-            self._upsert(conn, presence_t, [{"node": node, "role": doc.get("role"), "cell": doc.get("cell"),
-                                             "state": str(doc.get("state", "unknown")),
-                                             "since": float(since) if isinstance(since, (int, float)) else None,
-                                             "last_seen": now, "doc": text}])
-        return True
+            old = dict(conn.execute(sa.select(presence_t.c.node, presence_t.c.doc)
+                                    .where(presence_t.c.node.in_(list(docs)))).all())
+            for node, (doc, now) in docs.items():
+                if old.get(node) == texts[node]:
+                    continue
+                since = doc.get("since")
+                rows.append({"node": node, "role": doc.get("role"), "cell": doc.get("cell"),
+                             "state": str(doc.get("state", "unknown")),
+                             "since": float(since) if isinstance(since, (int, float)) else None,
+                             "last_seen": now, "doc": texts[node]})
+            self._upsert(conn, presence_t, rows)
+        return [str(r["node"]) for r in rows]
 
     def presence(self) -> list[dict[str, Any]]:
         t = presence_t

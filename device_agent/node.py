@@ -54,6 +54,7 @@ from fedtier.artifacts.cache import ArtifactCache
 from fedtier.errors import (
     ArtifactError,
     ConfigError,
+    DecodeError,
     LocalProtocolError,
     PrivacyViolationError,
     RemoteProtocolError,
@@ -71,6 +72,7 @@ from fedtier.training.layout import ArchSpec
 from fedtier.training.trainer import Trainer
 from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport
+from fedtier.wire import envelope
 from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask, EvalStats
 
 log = logging.getLogger("fedtier.agent")
@@ -150,7 +152,10 @@ class DeviceNode(NodeBase):
 
     def tick(self, now: float) -> None:
         for rollout in list(self.incoming):
-            self._ensure_ready(rollout, now)
+            # Files arrive through ``_on_artifact``; a tick only re-asks for the missing ones when due (checking
+            # the cache every tick costs a thousand devices of one machine more than their training).
+            if now - self._asked.get(rollout, -math.inf) >= ARTIFACT_RETRY_S:
+                self._ensure_ready(rollout, now)
         for rollout, role in self.roles.items():
             self._execute(role.tick(now), now, rollout)
 
@@ -165,6 +170,10 @@ class DeviceNode(NodeBase):
             return
         if parsed.device is not None and parsed.device != self.device_id:
             return  # another device's catch-up message
+        if parsed.kind == ArtifactRequest.KIND:
+            return  # another device's request echoed on a shared broker
+        if parsed.kind == ArtifactBlob.KIND and not self._wants_blob(parsed.rollout, inbound.payload):
+            return  # another device's download on the shared downlink: dropped before its body is hashed
         msg = self.decode_inbound(inbound, parsed)
         if msg is None:
             return
@@ -178,8 +187,6 @@ class DeviceNode(NodeBase):
                 self._execute(role.receive(msg, now), now, msg.rollout)
             elif isinstance(msg, ArtifactBlob):
                 self._on_artifact(msg, now)
-            elif isinstance(msg, ArtifactRequest):
-                return  # another device's request echoed on a shared broker
             else:
                 raise UnexpectedMessageError(f"device does not accept {msg.KIND}")
         except RemoteProtocolError as exc:
@@ -213,6 +220,22 @@ class DeviceNode(NodeBase):
             self._pending_task[task.rollout] = task  # keep the newest until artifacts are in
             return
         self._run_task(task, now)
+
+    def _wants_blob(self, rollout: str | None, payload: bytes) -> bool:
+        """Whether an artifact broadcast holds a file this device still needs, from its header alone.
+
+        Every device of a cell receives every artifact the edge broadcasts (once per request window);
+        in a cell of 1,000 devices that start over minutes, decoding each (a sha256 over its body)
+        costs more than the training. A header that cannot be read is decoded, so it is rejected and
+        counted as usual."""
+        manifest, _ = self.incoming.get(rollout or "", (None, b""))
+        if manifest is None:
+            return False
+        try:
+            sha = envelope.peek_header(payload).get("m", {}).get("sha256")
+        except (DecodeError, AttributeError):
+            return True
+        return sha in manifest.digests_for(self.cell).values() and not self.cache.has(str(sha))
 
     def _on_artifact(self, blob: ArtifactBlob, now: float) -> None:
         manifest, _ = self.incoming.get(blob.rollout, (None, b""))

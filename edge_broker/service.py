@@ -70,9 +70,11 @@ AGGREGATION_SECONDS = "fedtier_edge_aggregation_seconds"
 """Histogram: from a round's cell task arriving to the cell's update leaving for the cloud."""
 
 ARTIFACT_REREQUEST_S = 5.0
-ARTIFACT_RESERVE_S = 2.0
+ARTIFACT_RESERVE_S = 0.5
 """The cell downlink is a broadcast: one copy reaches every device, so a file asked for by
-many devices at once is published once per this many seconds, not once per request."""
+many devices at once is published at most once per this many seconds, not once per request.
+A request that arrives within that time of a broadcast may have missed it (its device was not
+subscribed yet), so it is answered by one more broadcast when the time is up (``tick``)."""
 
 
 class EdgeNode(NodeBase):
@@ -96,6 +98,8 @@ class EdgeNode(NodeBase):
         self._requested: dict[str, float] = {}
         self._wanted: set[str] = set()  # digests devices asked for that were not cached yet
         self._served: dict[str, float] = {}
+        self._deferred: dict[str, str] = {}
+        """sha -> rollout of files asked for again within ``ARTIFACT_RESERVE_S`` of their broadcast."""
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
         self._task_arrived: dict[tuple[str, int], float] = {}
@@ -176,6 +180,7 @@ class EdgeNode(NodeBase):
                      f"still in {', '.join(sorted(self.roles))}" if self.roles else "idle until the next rollout")
 
     def tick(self, now: float) -> None:
+        self._serve_deferred(now)
         for rollout, role in list(self.roles.items()):
             self._execute(rollout, role.tick(now))
             waiting = role.overdue(now)
@@ -401,7 +406,8 @@ class EdgeNode(NodeBase):
         missing = []
         for sha in req.digests:
             if now - self._served.get(sha, -math.inf) < ARTIFACT_RESERVE_S:
-                continue  # just broadcast to the cell; the requester receives that copy
+                self._deferred[sha] = req.rollout  # broadcast moments ago: once more when the time is up
+                continue
             data = self.cache.get(sha)
             if data is None:
                 missing.append(sha)
@@ -410,6 +416,19 @@ class EdgeNode(NodeBase):
         if missing:
             self._wanted.update(missing)
             self._request_from_cloud(req.rollout, missing, now)
+
+    def _serve_deferred(self, now: float) -> None:
+        for sha, rollout in list(self._deferred.items()):
+            if now - self._served.get(sha, -math.inf) < ARTIFACT_RESERVE_S:
+                continue
+            del self._deferred[sha]
+            manifest = self.manifests.get(rollout)
+            data = self.cache.get(sha)
+            if manifest is None or data is None:
+                continue  # the rollout ended, or the file is not here (a device asks again)
+            names = {digest: name for name, digest in manifest.digests_for(self.cell).items()}
+            if sha in names:
+                self._serve(rollout, sha, names[sha], data, now)
 
     def _serve(self, rollout: str, sha: str, name: str, data: bytes, now: float) -> None:
         blob = ArtifactBlob(rollout=rollout, round=0, sender=self.cell, sha256=sha, name=name, data=data)

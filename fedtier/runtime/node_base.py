@@ -143,7 +143,7 @@ class NodeBase:
         self._overdue[key] = now
         self.log.warning("%s is past its deadline and still waits for %s (a quorum below 1.0 closes a round "
                          "without them at the deadline): check that they run and reach their broker",
-                         what, ", ".join(waiting))
+                         what, listed(waiting))
 
     def decode_inbound(self, inbound: Inbound, parsed: topics.Topic) -> Message | None:
         """Decode an envelope-carrying message and check it against the topic it came on.
@@ -200,3 +200,11 @@ def run_loop(node: Node, inbox: "queue.Queue[Inbound]", stop: threading.Event, *
         if now >= next_tick:
             node.tick(now)
             next_tick = now + tick_s
+
+
+def listed(names: Sequence[str], limit: int = 20) -> str:
+    """``names`` for a log line: all of them up to ``limit``, else the first ``limit`` and how many more
+    (a cell of 1,000 devices must not write a 10 kB line)."""
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} and {len(names) - limit} more ({len(names)} in all)"

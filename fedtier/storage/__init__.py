@@ -1,4 +1,4 @@
-"""Local durable state: SQLite as every fedtier store uses it (one connection, WAL, transactions).
+"""Local durable state of devices and edges: SQLite (one connection, WAL, transactions).
 
 May import: ``fedtier.errors`` only.
 """

@@ -1,5 +1,6 @@
-"""SQLite as every fedtier store uses it: one connection shared by threads under a lock,
-write-ahead logging, and explicit transactions for changes that must land together."""
+"""SQLite as the device's and the edge's stores use it: one connection shared by threads under a lock,
+write-ahead logging, and explicit transactions for changes that must land together. (The
+coordinator's store, SQLite or PostgreSQL, is ``cloud_coordinator/store.py`` on SQLAlchemy.)"""
 
 from __future__ import annotations
 

@@ -185,6 +185,7 @@ class MqttTransport(ChunkingMixin):
         self._pending: list[tuple[str, bytes, bool, DoneCallback | None]] = []
         self._connected = threading.Event()
         self._closing = False
+        self._external_loop = False
         self.denials: list[tuple[str, int]] = []
         self.secure = tls is not None
         """Whether payloads travel encrypted (clear DP payloads may only travel where this holds)."""
@@ -226,15 +227,21 @@ class MqttTransport(ChunkingMixin):
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> "MqttTransport":
-        """Connect in the background (retrying with back-off until the broker answers)."""
+    def start(self, *, external_loop: bool = False) -> "MqttTransport":
+        """Connect in the background (retrying with back-off until the broker answers).
+
+        ``external_loop``: no network thread; the caller drives the client's socket (``client.reconnect``,
+        ``loop_read``/``loop_write``/``loop_misc``), as the fleet emulator does for hundreds of
+        devices on one thread (``cloud_coordinator/fleet_mux.py``)."""
         kwargs: dict[str, Any] = {}
         if self.protocol == 5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.session_expiry_s
             kwargs = {"clean_start": False, "properties": props}
         self.client.connect_async(self.host, self.port, keepalive=self.keepalive, **kwargs)
-        self.client.loop_start()
+        self._external_loop = external_loop
+        if not external_loop:
+            self.client.loop_start()
         return self
 
     def wait_connected(self, timeout: float) -> bool:
@@ -252,11 +259,13 @@ class MqttTransport(ChunkingMixin):
             self._publish_raw(topics.status(self.status["node"]),
                               json.dumps({**self.status, "state": "offline"}).encode(), True,
                               lambda ok: done.set())
-            done.wait(timeout)
+            if not self._external_loop:  # else nobody reads the acknowledgement: the publish is written, not awaited
+                done.wait(timeout)
         try:
             self.client.disconnect()
         finally:
-            self.client.loop_stop()
+            if not self._external_loop:
+                self.client.loop_stop()
 
     # --- sending ---------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""``fedtier fleet emulate``: real device agents on threads, real edges and coordinator, through the test's
-Mosquitto; every round closes with every device, and the timings add up."""
+"""``fedtier fleet emulate``: real device agents (all on one thread per worker, their sockets multiplexed, or a
+thread each), real edges and coordinator, through the test's Mosquitto; every round closes with every device,
+and the timings add up."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from cloud_coordinator.fleet_emulator import EmulatorOptions, FleetEmulator
 pytestmark = pytest.mark.broker
 
 
-def test_twenty_devices_in_two_cells_complete_their_rounds(mosquitto: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["mux", "threads"])
+def test_twenty_devices_in_two_cells_complete_their_rounds(mosquitto: Any, tmp_path: Path, loop: str) -> None:
     said: list[str] = []
     opts = EmulatorOptions(devices=20, cells=2, rounds=2, broker=f"{mosquitto.host}:{mosquitto.port}",
-                           compute_delay_ms=20, workdir=tmp_path / "fleet")
+                           compute_delay_ms=20, workdir=tmp_path / "fleet", loop=loop)
 
     result = FleetEmulator(opts, progress=said.append).run()
 

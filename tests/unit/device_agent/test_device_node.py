@@ -104,6 +104,39 @@ def test_a_tampered_artifact_is_rejected_and_not_cached(setup) -> None:
     assert not node.cache.has(entry.sha256) and rollout not in node.trainers
 
 
+def test_a_broadcast_file_the_device_does_not_need_is_dropped_before_its_body_is_read(setup) -> None:
+    # In a cell of 1,000 devices starting over minutes the edge broadcasts each file many times: a device
+    # that has it (or needs nothing) must not hash every copy. A corrupt copy proves the body was not read.
+    prepared, broker, edge, received, node, cell = setup
+    rollout = prepared.config.rollout
+    node.start(0.0)
+
+    def corrupt_blob(name: str) -> bytes:
+        entry = prepared.bundle.files[name]
+        data = bytearray((prepared.bundle.directory / entry.filename).read_bytes())
+        data[0] ^= 0xFF
+        return ArtifactBlob(rollout=rollout, round=0, sender=cell, sha256=entry.sha256, name=entry.filename,
+                            data=bytes(data)).encode()
+
+    edge.publish(topics.cell_down(rollout, cell, ArtifactBlob.KIND), corrupt_blob("checkpoint"))
+    broker.run_until_idle()  # no manifest yet: nothing is wanted
+    assert node.metrics.get(REJECTED, reason="sha_mismatch") == 0
+    edge.publish(topics.cell_manifest(rollout, cell), prepared.manifest.encode(), retain=True)
+    entry = prepared.bundle.files["checkpoint"]
+    good = ArtifactBlob(rollout=rollout, round=0, sender=cell, sha256=entry.sha256, name=entry.filename,
+                        data=(prepared.bundle.directory / entry.filename).read_bytes())
+    edge.publish(topics.cell_down(rollout, cell, good.KIND), good.encode())
+    broker.run_until_idle()
+    assert node.cache.has(entry.sha256)
+    edge.publish(topics.cell_down(rollout, cell, ArtifactBlob.KIND), corrupt_blob("checkpoint"))  # already cached
+    broker.run_until_idle()
+    assert node.metrics.get(REJECTED, reason="sha_mismatch") == 0
+    needed = next(n for n in prepared.bundle.files if n != "checkpoint")
+    edge.publish(topics.cell_down(rollout, cell, ArtifactBlob.KIND), corrupt_blob(needed))  # still wanted: checked
+    broker.run_until_idle()
+    assert node.metrics.get(REJECTED, reason="sha_mismatch") == 1
+
+
 def test_unacknowledged_updates_are_resent_at_start(setup) -> None:
     prepared, broker, edge, received, node, cell = setup
     update = DeviceUpdate(rollout="t", round=4, sender=node.device_id,

@@ -101,6 +101,41 @@ def test_artifact_requests_are_served_from_the_cache_or_forwarded(tmp_path: Path
     assert rig.edge.metrics.get(REJECTED, reason="unexpected_message") == 1
 
 
+def test_a_request_just_after_a_broadcast_is_answered_by_one_more_when_the_window_ends(tmp_path: Path) -> None:
+    # A device that subscribed a moment after the broadcast missed it: its request, inside the window, is
+    # not answered at once (a thousand devices must not cause a thousand copies), but once the window ends.
+    from edge_broker.service import ARTIFACT_RESERVE_S
+
+    rig = Rig(tmp_path)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.broker.run_until_idle()
+    blob = ArtifactBlob(rollout=ROLLOUT, round=0, sender="cloud", sha256=SHA, name="t.onnx", data=FILE)
+    rig.cloud.publish(topics.cloud_down(ROLLOUT, CELL, blob.KIND), blob.encode())
+    rig.broker.run_until_idle()
+
+    def ask(device: str) -> None:
+        req = ArtifactRequest(rollout=ROLLOUT, round=0, sender=device, digests=(SHA,))
+        rig.devices.publish(topics.cell_up(ROLLOUT, CELL, device, req.KIND), req.encode())
+        rig.broker.run_until_idle()
+
+    def broadcasts() -> int:
+        return sum(isinstance(m, ArtifactBlob) for _, m in decoded(rig.at_cell))
+
+    rig.at_cell.clear()
+    ask("dev-0")
+    assert broadcasts() == 1
+    for device in ("dev-1", "dev-2", "dev-1"):  # inside the window: nothing more now
+        ask(device)
+    rig.edge.tick(rig.broker.now + ARTIFACT_RESERVE_S / 2)
+    assert broadcasts() == 1
+    rig.edge.tick(rig.broker.now + ARTIFACT_RESERVE_S)  # the window is over: one copy for all three
+    rig.broker.run_until_idle()
+    assert broadcasts() == 2
+    rig.edge.tick(rig.broker.now + 10 * ARTIFACT_RESERVE_S)  # nobody asked since: nothing more
+    rig.broker.run_until_idle()
+    assert broadcasts() == 2
+
+
 def test_a_member_coming_online_gets_the_open_task_on_its_own_topic(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.task()

@@ -64,6 +64,10 @@ def test_a_round_past_its_deadline_is_reported_then_repeated_at_intervals(caplog
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and all("past its deadline and still waits for" in m for m in lines)
     assert "cell cell-a" in lines[-1]
+    with caplog.at_level(logging.WARNING, logger="test.node"):
+        base.report_overdue("round 5 of rollout r", (5,), [f"dev-{i:03d}" for i in range(1000)], 140.0)
+    crowd = caplog.records[-1].getMessage()  # a cell of 1,000 devices: the first 20 and a count
+    assert "dev-019 and 980 more (1000 in all)" in crowd and "dev-020" not in crowd
 
 
 def test_a_late_message_is_a_straggler_and_a_rejection() -> None:
