@@ -1,7 +1,8 @@
 """Simulator scale: seconds per round and peak memory as the number of devices grows.
 
 All devices share one ORT session; each holds only its data, an in-memory SQLite outbox and
-a role. Usage: ``python benchmarks/bench_simulate.py``; writes benchmarks/results/simulate.json.
+a role. Usage: ``python -m benchmarks simulate [--sizes 2x6,10x10,...]``; writes
+benchmarks/results/simulate.json.
 """
 
 from __future__ import annotations
@@ -33,12 +34,18 @@ print(json.dumps({"devices": cells * per_cell, "cells": cells, "wall_s": round(w
 """
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
     import json
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="2x6,10x10,20x50,40x100,100x100",
+                    help="CELLSxDEVICES_PER_CELL, comma-separated")
+    args = ap.parse_args(argv)
+    sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as store:
-        for cells, per_cell in ((2, 6), (10, 10), (20, 50), (40, 100)):
+        for cells, per_cell in sizes:
             out = subprocess.run([sys.executable, "-c", SCRIPT, str(cells), str(per_cell), store],
                                  capture_output=True, text=True, check=True, cwd=ROOT)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

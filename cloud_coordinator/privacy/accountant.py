@@ -27,6 +27,7 @@ Two closed forms live here on purpose, and neither is used to report epsilon:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections import Counter
@@ -220,6 +221,7 @@ def epsilon(releases: Iterable[Any], delta: float, sampling_rate: float = 1.0, a
     return float(acc.get_epsilon(delta))
 
 
+@functools.lru_cache(maxsize=512)
 def noise_multiplier_for(target_epsilon: float, delta: float, releases: int, sampling_rate: float = 1.0,
                          accounting: str = "rdp", population: int = 0) -> float:
     """Smallest noise multiplier z (to relative 1e-6) such that ``releases`` Gaussian releases at z stay within
@@ -233,6 +235,9 @@ def noise_multiplier_for(target_epsilon: float, delta: float, releases: int, sam
     ``releases < 1`` (calibrating noise for zero releases is meaningless; returning "no noise" would be a trap).
     ``accounting`` picks the accountant (``rdp`` or ``pld``); ``population > 0`` makes each release a fixed-size
     sample of ``round(sampling_rate * population)`` out of ``population`` instead of a Poisson sample.
+
+    Results are cached: a pure function of its arguments, and a PLD bisection takes seconds, while one process
+    often solves the same one again (an experiment's seeds at the same epsilon, a plan and its comparisons).
 
     Note: dp_accounting's epsilon is not continuous in z at the low end. With finite orders (max 1024) it floors at
     about 0.0035 (delta 1e-5) until the RDP becomes tiny enough for its KL-divergence shortcut to return 0, so a
