@@ -513,7 +513,7 @@ class Demo:
         metrics = cfg.state_dir / f"metrics-{cfg.rollout}.json"
         cfg = replace(cfg, metrics_file=metrics)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+        store = CoordinatorStore(cfg.store_location)
         try:
             store.create_rollout(cfg.rollout, cfg.to_dict())
             store.set_desired(cfg.rollout, "running")

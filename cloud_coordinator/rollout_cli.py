@@ -34,11 +34,7 @@ class StoreRef:
     url: str | None = None
 
     def __str__(self) -> str:
-        if self.url is None:
-            return str(self.state_dir)
-        from cloud_coordinator.store_backend import display, parse_url
-
-        return display(parse_url(self.url))
+        return str(self.state_dir) if self.url is None else _display_store(self.url)
 
 
 def state_dir_option(command: Callable[..., Any]) -> Callable[..., Any]:

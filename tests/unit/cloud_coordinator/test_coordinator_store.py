@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -100,8 +101,6 @@ def test_a_holder_killed_with_sigkill_frees_its_rollout(store_url: str, tmp_path
             store.hold_rollout("r", "next")
             break
         except RolloutHeldError:
-            import time
-
             time.sleep(0.05)
     assert store.lease("r")["holder"] == "next"
     store.close()
