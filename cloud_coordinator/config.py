@@ -20,6 +20,7 @@ from fedtier.algorithms.secure_fedavg import SecureFedAvgConfig
 from fedtier.algorithms.fedxl import FedXLConfig
 from fedtier.algorithms.hier_qsgd import HierConfig
 from fedtier.algorithms.hist import HistConfig
+from fedtier.algorithms.hsgd import HsgdConfig
 from fedtier.algorithms.qhetfed import QHetFedConfig
 from fedtier.runtime.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
 from fedtier.training.layout import LOSSES, ArchSpec
@@ -28,7 +29,7 @@ from fedtier.transport.topics import check_id
 DATASETS = ("digits", "breast_cancer", "synthetic", "rare_event", "files")
 MODEL_KINDS = ("mlp", "cnn1d", "torch", "onnx")
 BUILTIN_MODELS = ("mlp", "cnn1d")
-ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl")
+ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl", "hsgd")
 SCORE_ALGORITHMS = ("fedxl",)  # X-risk algorithms: a one-output scorer trained through weighted scores
 PRIVATE_ALGORITHMS = ("fedavg", "hier_qsgd", "hist")  # the ones whose uplinks pass the DP mechanism
 
@@ -460,6 +461,57 @@ class FedXLSection(RoundSection):
                            upload_scores=self.upload_scores, participation=self.participation, **self.common(seed))
 
 
+def _embedding_bits(value: int) -> None:
+    if value != 32 and not 2 <= value <= 8:
+        raise ValueError(f"must be 32 (float32, the paper's HSGD) or a QSGD width 2..8 (C-HSGD: 7); got {value!r}")
+
+
+@dataclass(frozen=True)
+class HsgdSection(RoundSection):
+    """HSGD ("Communication-Efficient Hybrid Federated Learning for E-health with Horizontal and Vertical
+    Data Partitioning"): every cell has a feature party, its *host* (`fedtier agent run` with role =
+    "host"), holding the first ``host_features`` columns of every sample of the cell; each device holds the
+    other columns of its one sample. They train a split model (two encoders and a head) by exchanging
+    embeddings through the edge, never raw data (docs/hsgd.md).
+
+    The model is HSGD's own (``[model]`` is not used): a ReLU encoder of width ``embed_host`` on the host's
+    block, one of width ``embed_device`` on the devices', and a linear head over both.
+    """
+
+    global_interval: int = opt(2, min=1, help="P: iterations per cloud round (a multiple of local_interval).")
+    local_interval: int = opt(2, min=1, help="Q: iterations per local interval, between two embedding exchanges.")
+    alpha: float = opt(0.2, check=_unit_interval, help="Share of a cell's devices selected each interval, in (0, 1].")
+    bits_embedding: int = opt(32, check=_embedding_bits,
+                              help="QSGD width of the vertical path (embeddings and the head), 2..8, or 32 = "
+                                   "float32 (the paper's HSGD; C-HSGD is 7).")
+    host_features: int = opt(0, min=0, help="The host's block X1: the dataset's first host_features columns (0 = two "
+                                            "thirds of them); the devices hold the rest.")
+    embed_host: int = opt(8, min=1, help="d1: width of the host's embedding.")
+    embed_device: int = opt(8, min=1, help="d2: width of a device's embedding.")
+    hosts: dict[str, str] | None = opt(None, help="Cell -> its host's node id (default '<cell>-host').")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.global_interval % self.local_interval:
+            raise self.error(f"global_interval P = {self.global_interval} must be a multiple of local_interval "
+                             f"Q = {self.local_interval}", "global_interval", prefix=prefix, source=source)
+        for cell, host in (self.hosts or {}).items():
+            try:
+                check_id(host, "host")
+            except Exception as exc:
+                raise self.error(str(exc), f"hosts.{cell}", prefix=prefix, source=source) from None
+
+    def host_of(self, cell: str) -> str:
+        return (self.hosts or {}).get(cell, f"{cell}-host")
+
+    def split_columns(self, features: int) -> int:
+        """How many of ``features`` columns the host holds."""
+        return self.host_features or max(1, round(2 * features / 3))
+
+    def algorithm_config(self, seed: int, hosts: Mapping[str, str] | None = None) -> HsgdConfig:
+        return HsgdConfig(global_interval=self.global_interval, local_interval=self.local_interval, alpha=self.alpha,
+                          bits_embedding=self.bits_embedding, hosts=dict(hosts or {}), **self.common(seed))
+
+
 def _open_unit(value: float) -> None:
     if not 0 < value < 1:
         raise ValueError(f"must be in (0, 1); got {value!r}")
@@ -647,7 +699,8 @@ class RolloutConfig(Section):
     """A training campaign (``fedtier coordinator run``, ``fedtier simulate``)."""
 
     rollout: str = opt("default", check=node_id, help="Rollout id (appears in every topic).")
-    algorithm: str = opt("fedavg", choices=ALGORITHMS, help="Algorithm: fedavg, hier_qsgd, qhetfed, hist or fedxl.")
+    algorithm: str = opt("fedavg", choices=ALGORITHMS,
+                         help="Algorithm: fedavg, hier_qsgd, qhetfed, hist, fedxl or hsgd.")
     rounds: int = opt(20, min=1, help="Global rounds.")
     seed: int = opt(0, help="Rollout seed: names every RNG stream (minibatches, ...).")
     state_dir: Path = opt(Path("fedtier-state"), help="Coordinator state: SQLite database and artifact store.")
@@ -670,6 +723,7 @@ class RolloutConfig(Section):
     qhetfed: QHetFedSection = opt(default_factory=QHetFedSection, help="QHetFed settings.")
     hist: HistSection = opt(default_factory=HistSection, help="HIST settings.")
     fedxl: FedXLSection = opt(default_factory=FedXLSection, help="FeDXL settings.")
+    hsgd: HsgdSection = opt(default_factory=HsgdSection, help="HSGD settings (a host per cell; docs/hsgd.md).")
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="Cloud broker (coordinator run).")
     simulation: SimulationConfig = opt(default_factory=SimulationConfig, help="Simulator knobs.")
     privacy: PrivacySection | None = opt(None, help="Differential privacy (off when absent).")
@@ -717,6 +771,8 @@ class RolloutConfig(Section):
                     raise self.error(f"hidden layer of {self.model.hidden[k]} neurons cannot be split over "
                                      f"{cells} cells", "model.hidden", prefix=prefix, source=source)
         self._check_trust(prefix=prefix, source=source)
+        if self.algorithm == "hsgd":
+            self._check_hsgd(prefix=prefix, source=source)
         if self.algorithm in SCORE_ALGORITHMS:
             self._check_scorer(prefix=prefix, source=source)
         elif self.model.loss == "weighted_score":
@@ -855,6 +911,41 @@ class RolloutConfig(Section):
             except strategies.StrategyError as exc:
                 raise self.error(str(exc), "aggregation.cloud", prefix=prefix, source=source) from None
 
+    def _check_hsgd(self, *, prefix: str, source: str | None) -> None:
+        """HSGD trains its own split model on a built-in dataset's columns, without a noise plan."""
+        if self.privacy is not None:
+            raise self.error("hsgd's embeddings (zeta2, Z1) and head theta0 are data-dependent releases the "
+                             "differential-privacy mechanism does not cover yet, so a private rollout cannot run it "
+                             "(docs/hsgd.md)", "privacy", prefix=prefix, source=source)
+        if self.data.dataset == "files":
+            raise self.error("hsgd rollouts take a built-in dataset for now: the coordinator sizes the split model "
+                             "from its columns and evaluates on its test split; your own hybrid data is not "
+                             "supported yet (docs/hsgd.md)", "data.dataset", prefix=prefix, source=source)
+        if self.attack is not None:
+            raise self.error("the attacks of [attack] corrupt model updates of fedavg-style devices; hsgd has none "
+                             "yet", "attack", prefix=prefix, source=source)
+        if self.data.holdout:
+            raise self.error("hsgd devices hold one sample each: there is nothing to hold out (the coordinator "
+                             "evaluates on the test split)", "data.holdout", prefix=prefix, source=source)
+        if self.model.kind != "mlp" or self.model.factory or self.model.path:
+            raise self.error("hsgd trains its own split model (two encoders and a head: [hsgd] embed_host, "
+                             "embed_device); leave [model] unset", "model.kind", prefix=prefix, source=source)
+        cells = self.topology.layout()
+        devices = {d for members in cells.values() for d in members}
+        hosts = self.hsgd_hosts()
+        for cell in self.hsgd.hosts or {}:
+            if cell not in cells:
+                raise self.error(f"names cell {cell!r}, which is not in the topology ({', '.join(sorted(cells))})",
+                                 f"hsgd.hosts.{cell}", prefix=prefix, source=source)
+        clash = sorted(devices & set(hosts.values()))
+        if clash or len(set(hosts.values())) != len(hosts):
+            raise self.error(f"a host id must differ from every device id and from the other hosts' ({clash or hosts})",
+                             "hsgd.hosts", prefix=prefix, source=source)
+
+    def hsgd_hosts(self) -> dict[str, str]:
+        """HSGD: cell -> its host's node id."""
+        return {cell: self.hsgd.host_of(cell) for cell in self.topology.layout()}
+
     def _check_scorer(self, *, prefix: str, source: str | None) -> None:
         """An X-risk algorithm trains a one-output scorer with loss weighted_score; quantization is not for it."""
         if self.model.loss not in ("cross_entropy", "weighted_score"):
@@ -885,6 +976,8 @@ class RolloutConfig(Section):
         """The configured algorithm's settings object (what every task carries)."""
         if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
             return self.replanner()(None)
+        if self.algorithm == "hsgd":
+            return self.hsgd.algorithm_config(self.seed, self.hsgd_hosts())
         section = getattr(self, self.algorithm)
         return self._with_strategy(section.algorithm_config(self.seed))
 

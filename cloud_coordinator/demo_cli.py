@@ -115,8 +115,9 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     the epsilon spent after each round, and the final epsilon and delta from the ledger.
 
     With --algorithm hsgd every cell has a host (a feature party holding features 0-19 of
-    breast_cancer for all its samples) and one-sample devices (features 20-29); the roles run
-    in this process, each node with its own connection to the broker; --devices defaults to 100,
+    breast_cancer for all its samples) and one-sample devices (features 20-29); the coordinator,
+    edges, hosts and devices are the nodes `fedtier coordinator|edge|agent run` build, run as
+    threads of this process, each with its own connection to the broker; --devices defaults to 100,
     --alpha is the share of devices selected per interval (default 0.2), --local-steps is
     P = Q (default 2), --lr defaults to 0.05.
 
@@ -296,7 +297,8 @@ def _print_summary(opts: Any, result: Any, baseline: Any) -> None:
 
 def _hsgd_demo(*, devices: int, cells: int, rounds: int, broker: str, local_steps: int | None, lr: float | None,
                alpha: float, privacy: bool, seed: int, timeout_s: float, as_json: bool) -> None:
-    """``--algorithm hsgd``: the roles in this process over a real broker (``cloud_coordinator.hsgd_demo``)."""
+    """``--algorithm hsgd``: the real nodes as threads of this process, over a real broker
+    (``cloud_coordinator.hsgd_demo``)."""
     from click.core import ParameterSource
 
     from cloud_coordinator.hsgd_demo import HsgdDemoOptions, run_demo
@@ -329,8 +331,9 @@ def _hsgd_demo(*, devices: int, cells: int, rounds: int, broker: str, local_step
 
     table = Table("tier", "bytes", title=f"fedtier demo: hsgd, {doc['devices']} devices, {doc['cells']} cells, "
                                          f"{doc['broker']} broker, {doc['wall_s']:.1f} s", title_justify="left")
-    labels = {"device_up": "devices -> edge (zeta2, theta2)", "device_down": "edge -> devices (theta2, Z1 row, theta0)",
-              "host_up": "hosts -> edge (Z1, theta0, update)", "host_down": "edge -> hosts (task, Z2)",
+    labels = {"device_up": "devices -> edge (zeta2, theta2)",
+              "device_down": "edge -> devices (artifacts once, theta2, Z1 rows, theta0)",
+              "host_up": "hosts -> edge (Z1, theta0, update)", "host_down": "edge -> hosts (artifacts once, task, Z2)",
               "edge_up": "edges -> cloud", "edge_down": "cloud -> edges", "vertical": "of which embeddings"}
     for key, label in labels.items():
         table.add_row(label, f"{doc['bytes'].get(key, 0):,}")

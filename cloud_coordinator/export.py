@@ -48,7 +48,7 @@ def export_model(cfg: RolloutConfig, out: Path | str, *, version: int | None = N
         what = "no model" if version is None else f"no model version {version}"
         raise ConfigError(f"{db} holds {what} of rollout {cfg.rollout!r}", key="rollout")
     prepared = prepare(cfg)
-    trainer = OrtTrainer(prepared.bundle)
+    trainer = OrtTrainer(prepared.model_bundle)
     trainer.set_parameters(model.params)
     path = trainer.export_inference(out, [OUTPUT_NAME])
     return Exported(path=path, rollout=cfg.rollout, round=model.round, version=model.version, sha256=model.sha256)

@@ -139,7 +139,13 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
     files = cfg.data.dataset == "files"
     if files and cfg.data.dir is None:
         raise ConfigError("a fleet on this machine reads each device's shard from [data] dir", key="data.dir")
-    if not files:
+    hosts = cfg.hsgd_hosts() if cfg.algorithm == "hsgd" else {}
+    if hosts:  # HSGD: a host per cell beside its devices, every node its columns of the samples
+        from cloud_coordinator.hybrid_data import make_hybrid, write_hybrid_shards
+
+        write_hybrid_shards(make_hybrid(cfg), {n: workdir / "data" / n for c, ds in cells.items()
+                                               for n in (*ds, hosts[c])})
+    elif not files:
         write_device_data(cfg, {d: workdir / "data" / d for ds in cells.values() for d in ds})
     attacks = _attacks(cfg)
     edges: dict[str, Path] = {}
@@ -150,7 +156,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
         edges[cell] = cfg_dir / f"edge-{cell}.toml"
         edges[cell].write_text(dumps_toml(secured(cell, edge)))
         load(EdgeConfig, edges[cell])
-        for device in members:
+        for device in (*members, *([hosts[cell]] if hosts else [])):
             if files:
                 assert cfg.data.dir is not None
                 data_dir = cfg.data.dir / device
@@ -158,6 +164,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
                 data_dir = workdir / "data" / device
             dev = {"device_id": device, "cell": cell, "data_dir": str(data_dir),
                    "state_dir": str(workdir / "devices" / device), "broker": dict(broker), **(device_settings or {}),
+                   **({"role": "host"} if device in hosts.values() else {}),
                    **({"attack": attacks[device]} if device in attacks else {})}
             devices[device] = cfg_dir / f"device-{device}.toml"
             devices[device].write_text(dumps_toml(secured(device, dev)))

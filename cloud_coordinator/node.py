@@ -73,9 +73,9 @@ class OrtEvaluator:
 
         if prepared.data.test is None:
             raise ValueError("the rollout has no central test set")
-        self.trainer = make_trainer("ort", prepared.bundle, threads=threads)
+        self.trainer = make_trainer("ort", prepared.model_bundle, threads=threads)
         x, y = prepared.data.test
-        fitted = fit_to_model(LocalData(x=x, y=y), prepared.arch)
+        fitted = fit_to_model(LocalData(x=x, y=y), prepared.model_arch)
         self.x, self.y = fitted.x, fitted.y
         labels = np.asarray(y)
         labels = labels.reshape(len(labels)) if labels.ndim == 2 and labels.shape[1] == 1 else labels
@@ -83,8 +83,10 @@ class OrtEvaluator:
         """The test labels when the task is binary (then every round also reports AUROC and pAUC)."""
 
     @classmethod
-    def for_rollout(cls, prepared: PreparedRollout, threads: int = 1) -> "OrtEvaluator | None":
+    def for_rollout(cls, prepared: PreparedRollout, threads: int = 1) -> "OrtEvaluator | SplitEvaluator | None":
         """The evaluator of a rollout with a central test set; ``None`` without one."""
+        if prepared.hybrid is not None:
+            return SplitEvaluator(prepared.hybrid.test)
         return cls(prepared, threads) if prepared.data.test is not None else None
 
     def __call__(self, params: dict[str, Any]) -> EvalResult:
@@ -99,6 +101,29 @@ class OrtEvaluator:
         self.trainer.set_parameters(params)
         scores = metrics_eval.binary_scores(self.trainer.predict(self.x))
         return None if scores is None else metrics_eval.ranking_metrics(self.binary_labels, scores)
+
+
+class SplitEvaluator:
+    """HSGD: evaluates the split model (host and device columns of each test row) with its numpy forward pass."""
+
+    def __init__(self, test: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        self.x1, self.x2, self.y = test
+        self.binary_labels = self.y if metrics_eval.is_binary(self.y) else None
+
+    def __call__(self, params: dict[str, Any]) -> EvalResult:
+        from fedtier.training import split
+
+        prob = split.probabilities(params, self.x1, self.x2)
+        loss = float(-np.log(np.maximum(prob[np.arange(len(self.y)), self.y], 1e-300)).mean())
+        return EvalResult(loss=loss, accuracy=float((prob.argmax(1) == self.y).mean()), samples=len(self.y))
+
+    def ranking(self, params: dict[str, Any]) -> dict[str, float] | None:
+        """AUROC and pAUC of the positive class's probability, for a binary task."""
+        from fedtier.training import split
+
+        if self.binary_labels is None:
+            return None
+        return metrics_eval.ranking_metrics(self.binary_labels, split.probabilities(params, self.x1, self.x2)[:, 1])
 
 
 def _fmt(value: float | None) -> str:
@@ -226,7 +251,7 @@ class CloudNode(NodeBase):
 
             self.ledger = PrivacyLedger(store=self.store, rollout=self.rollout, plan=plan, cells=self.prepared.cells,
                                         cloud_id=self.cfg.cloud_id)
-            parameters = {c: self.prepared.cell_bundles.get(c, self.prepared.bundle).layout.num_parameters
+            parameters = {c: self.prepared.cell_bundles.get(c, self.prepared.model_bundle).layout.num_parameters
                           for c in self.prepared.cells}
             estimate = utility.estimate(plan, parameters, cells_averaged=self.cfg.algorithm != "hist")
             for warning in estimate.warnings(plan.epsilon):
@@ -482,7 +507,13 @@ class CloudNode(NodeBase):
                 # What the uplinks would have cost in float32 (equal to the above when unquantized).
                 "device_up_f32": sum(int(c.get("device_up_f32_bytes", 0)) for c in cells.values()),
                 "edge_up_f32": int(traffic.get("edge_up_f32_bytes", 0)),
+                # HSGD's vertical path (embeddings up, partner rows down), included in device_up and device_down.
+                **({"embedding_up": sum(int(c.get("embedding_up_bytes", 0)) for c in cells.values()),
+                    "embedding_down": sum(int(c.get("embedding_down_bytes", 0)) for c in cells.values())}
+                   if self.cfg.algorithm == "hsgd" else {}),
             },
+            **({"paper_values": sum(int(c.get("paper_values", 0)) for c in cells.values())}
+               if self.cfg.algorithm == "hsgd" else {}),  # eq. (19)'s meter: values the paper counts
             "q1": closed.metrics.get("q1"),
             "q2": closed.metrics.get("q2"),
             **({"attack": self.attack_summary()} if self.cfg.attack is not None else {}),

@@ -18,10 +18,13 @@ import numpy as np
 
 from cloud_coordinator.config import SCORE_ALGORITHMS, RolloutConfig
 from cloud_coordinator.datasets import FederatedData, make_federated
+from cloud_coordinator.hybrid_data import HybridData, make_hybrid
 from fedtier.artifacts.bundle import ArtifactBundle
+from fedtier.artifacts.split_bundle import SplitBundle
 from fedtier.errors import ConfigError
 from fedtier.privacy.plan import NoisePlan
 from fedtier.security.manifest import Manifest
+from fedtier.training import split
 from fedtier.training.layout import ArchSpec
 from fedtier.training.submodels import fixed_sizes, plan_for, submodel_arch
 
@@ -29,8 +32,10 @@ from fedtier.training.submodels import fixed_sizes, plan_for, submodel_arch
 @dataclass(frozen=True)
 class PreparedRollout:
     config: RolloutConfig
-    arch: ArchSpec
-    bundle: ArtifactBundle
+    arch: ArchSpec | None
+    """The model's architecture; ``None`` for HSGD, whose split model is ``split.arch``."""
+    bundle: ArtifactBundle | None
+    """The model's ORT artifacts; ``None`` for HSGD, whose are ``split``."""
     initial_params: Mapping[str, np.ndarray]
     cells: Mapping[str, tuple[str, ...]]
     data: FederatedData
@@ -39,6 +44,23 @@ class PreparedRollout:
     """HIST: each cell's submodel bundle (cells not listed train ``bundle``)."""
     noise_plan: NoisePlan | None = None
     """Differential privacy: the resolved noise plan (also in the manifest and in every task)."""
+    split: SplitBundle | None = None
+    """HSGD: the split model's artifacts (both sides' training graphs and the encoders)."""
+    hybrid: HybridData | None = None
+    """HSGD: the hosts' and devices' columns of every sample, and the test set."""
+
+    @property
+    def model_bundle(self) -> ArtifactBundle:
+        """The single model's bundle (every algorithm but HSGD, which trains a split model)."""
+        if self.bundle is None:
+            raise ConfigError(f"{self.config.algorithm} trains a split model, not one ONNX model", key="algorithm")
+        return self.bundle
+
+    @property
+    def model_arch(self) -> ArchSpec:
+        if self.arch is None:
+            raise ConfigError(f"{self.config.algorithm} trains a split model, not one ONNX model", key="algorithm")
+        return self.arch
 
     def algorithm_config(self) -> Any:
         """The algorithm's settings for the cloud role, with the noise plan when privacy is on.
@@ -57,7 +79,10 @@ class PreparedRollout:
     def artifact_files(self) -> dict[str, Path]:
         """sha256 -> local path of every artifact file of the rollout (all bundles)."""
         out = {}
-        for bundle in (self.bundle, *self.cell_bundles.values()):
+        if self.split is not None:
+            for key, item in self.split.files.items():
+                out[str(item["sha256"])] = self.split.directory / key.split("/")[0] / str(item["name"])
+        for bundle in (*([self.bundle] if self.bundle is not None else []), *self.cell_bundles.values()):
             for role, entry in bundle.files.items():
                 out[entry.sha256] = bundle.path(role)
         return out
@@ -75,6 +100,8 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     """Build artifacts, data, initial parameters and the manifest of a rollout."""
     from models.artifacts import build_artifacts  # torch: only here, only on the coordinator
 
+    if cfg.algorithm == "hsgd":
+        return _prepare_hsgd(cfg, manifest_version)
     cells = cfg.topology.layout()
     devices = [d for members in cells.values() for d in members]
     data = make_federated(cfg.data, devices, cells)
@@ -113,6 +140,27 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
                         extra=extra, cell_bundles={c: b.to_json() for c, b in cell_bundles.items()})
     return PreparedRollout(config=cfg, arch=arch, bundle=bundle, initial_params=params, cells=cells, data=data,
                            manifest=manifest, cell_bundles=cell_bundles, noise_plan=noise_plan)
+
+
+def _prepare_hsgd(cfg: RolloutConfig, manifest_version: int) -> PreparedRollout:
+    """HSGD: the hybrid data, the split model's artifacts and initial weights; each cell's members are its
+    devices and, last, its host (both run ``fedtier agent run``)."""
+    from models.split_artifacts import build_split_artifacts  # torch: only here, only on the coordinator
+
+    hybrid = make_hybrid(cfg)
+    arch = hybrid.arch(cfg.hsgd.embed_host, cfg.hsgd.embed_device)
+    bundle = build_split_artifacts(arch, cfg.artifacts_path, seed=cfg.model.init_seed)
+    cells = {c: (*h.devices, h.host) for c, h in hybrid.cells.items()}
+    train = {d: (h.x2[n:n + 1], h.y[n:n + 1]) for h in hybrid.cells.values() for n, d in enumerate(h.devices)}
+    x1, x2, y = hybrid.test
+    data = FederatedData(train=train, test=(np.concatenate([x1, x2], axis=1), y),
+                         num_features=hybrid.host_features + hybrid.device_features, num_classes=hybrid.num_classes)
+    manifest = Manifest(rollout=cfg.rollout, version=manifest_version, algorithm=cfg.algorithm,
+                        bundle=bundle.manifest_entry(), cells=tuple(cells), rounds=cfg.rounds, created=time.time(),
+                        extra={"split_arch": dataclasses.asdict(arch)})
+    initial = split.init_params(arch, cfg.model.init_seed)
+    return PreparedRollout(config=cfg, arch=None, bundle=None, initial_params=initial, cells=cells, data=data,
+                           manifest=manifest, split=bundle, hybrid=hybrid)
 
 
 def _check_binary(data: FederatedData) -> None:

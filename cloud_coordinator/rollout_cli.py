@@ -109,6 +109,9 @@ def plan_of(cfg: Any) -> dict[str, Any]:
         "broker": f"{cfg.broker.host}:{cfg.broker.port}", "state_dir": str(cfg.state_dir),
         "store": _display_store(cfg.store_location), "privacy": None,
     }
+    if cfg.algorithm == "hsgd":  # a split model, and a host per cell beside its devices
+        plan["model"] = "split"
+        plan["hosts"] = cfg.hsgd_hosts()
     if cfg.privacy is not None:
         p = cfg.privacy
         plan["privacy"] = {"epsilon": p.epsilon, "delta": p.delta, "clip": p.clip, "calibration": p.calibration,
@@ -168,11 +171,12 @@ def rollout_create(config_path: Path, start_now: bool, as_json: bool) -> None:
     if as_json:
         _echo_json({**plan, "started": start_now})
         return
-    lines = [f"rollout {cfg.rollout}: {cfg.algorithm}, {cfg.rounds} rounds, model {cfg.model.kind}, "
+    lines = [f"rollout {cfg.rollout}: {cfg.algorithm}, {cfg.rounds} rounds, model {plan['model']}, "
              f"data {cfg.data.dataset}",
              f"  {len(plan['cells'])} cells, {plan['devices']} devices; deadline {plan['deadline_s']:g} s, "
              f"quorum {plan['quorum']:g}; broker {plan['broker']}"]
-    lines += [f"  {c}: {', '.join(m)}" for c, m in plan["cells"].items()]
+    hosts = plan.get("hosts", {})
+    lines += [f"  {c}: {', '.join(m)}" + (f"; host {hosts[c]}" if c in hosts else "") for c, m in plan["cells"].items()]
     if plan["privacy"]:
         p = plan["privacy"]
         lines.append(f"  privacy: epsilon {p['epsilon']:g} at delta {p['delta']:g}, clip {p['clip']:g}, "

@@ -24,9 +24,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from cloud_coordinator.config import RolloutConfig
+from cloud_coordinator.hybrid_data import HybridData
 from cloud_coordinator.node import CloudNode, OrtEvaluator
 from cloud_coordinator.rollout import PreparedRollout, prepare
 from cloud_coordinator.store import CoordinatorStore
@@ -37,6 +38,7 @@ from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.artifacts.cache import ArtifactCache
+from fedtier.artifacts.split_bundle import SplitBundle
 from fedtier.errors import ArtifactError, ConfigError
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.training.trainer import Trainer
@@ -74,6 +76,22 @@ class SharedTrainers:
         self.threads = threads
         self.kind = kind
         self._trainers: dict[str, Trainer] = {}
+        self._split: dict[str, Any] = {}
+
+    def split(self, bundle: SplitBundle, side: str, x: Mapping[str, Any], y: Mapping[str, int]) -> Any:
+        """HSGD: a node's split trainer over its rows, sharing one ORT session per side (numpy's split model
+        with ``trainer = "portable"``, as a node without onnxruntime-training trains)."""
+        if self.kind != "ort":
+            from fedtier.training.split import SplitTrainer
+
+            return SplitTrainer(x, y)
+        key = f"{bundle.bundle_id}/{side}"
+        shared = self._split.get(key)
+        if shared is None:
+            from device_agent.trainers.ort_split import OrtSplitTrainer
+
+            shared = self._split[key] = OrtSplitTrainer(bundle, side, x, y)
+        return shared.with_rows(x, y)
 
     def __call__(self, bundle: ArtifactBundle) -> Trainer:
         trainer = self._trainers.get(bundle.bundle_id)
@@ -90,8 +108,8 @@ class TrainObjective:
     uniformly over devices (the objective QHetFed's aggregation rules minimise, digest §1)."""
 
     def __init__(self, prepared: PreparedRollout, trainers: SharedTrainers) -> None:
-        self.trainer = trainers(prepared.bundle)
-        fitted = [fit_to_model(LocalData(x=x, y=y), prepared.arch) for x, y in prepared.data.train.values()]
+        self.trainer = trainers(prepared.model_bundle)
+        fitted = [fit_to_model(LocalData(x=x, y=y), prepared.model_arch) for x, y in prepared.data.train.values()]
         self.data = [(d.x, d.y) for d in fitted]
 
     def __call__(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -126,10 +144,10 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
                           key="backend")
     t0 = time.perf_counter()
     prepared = prepared or prepare(cfg)
-    if cfg.simulation.trainer == "portable":
+    if cfg.simulation.trainer == "portable" and prepared.hybrid is None:
         _require_portable_graphs(prepared)
     _require_edge_rule(cfg)
-    absent = [d for d in prepared.devices if d not in prepared.data.train]
+    absent = [d for d in prepared.devices if d not in prepared.data.train and prepared.hybrid is None]
     if absent:
         raise ConfigError(f"the simulator trains every device on its data, and {len(absent)} device(s) have none "
                           f"(e.g. {absent[0]}): set [data] dir to the shards of `fedtier data split`", key="data.dir")
@@ -183,6 +201,9 @@ def device_node(cfg: RolloutConfig, prepared: PreparedRollout, broker: MemoryBro
                 trainers: SharedTrainers, cache: ArtifactCache, bundles_dir: Path, attacker: bool) -> DeviceNode:
     """One simulated device on ``broker``: its data shard, the shared trainers, its own state and noise
     (the in-process backend and every Ray shard build devices here, so both run the same nodes)."""
+    if prepared.hybrid is not None:
+        return _hybrid_node(cfg, prepared.hybrid, broker, device, cell, trainers=trainers, cache=cache,
+                            bundles_dir=bundles_dir)
     x, y = prepared.data.train[device]
     held = prepared.data.holdout.get(device)
     tx = broker.connect(device)
@@ -193,6 +214,19 @@ def device_node(cfg: RolloutConfig, prepared: PreparedRollout, broker: MemoryBro
                       trainer_provider=provider, state=DeviceState(":memory:"), cache=cache,
                       bundles_dir=bundles_dir, noise=noise_source(cfg, device),
                       eval_data=LocalData(x=held[0], y=held[1]) if held is not None else None)
+    tx.set_handler(_bind(node, broker))
+    return node
+
+
+def _hybrid_node(cfg: RolloutConfig, data: HybridData, broker: MemoryBroker, node_id: str, cell: str, *,
+                 trainers: SharedTrainers, cache: ArtifactCache, bundles_dir: Path) -> DeviceNode:
+    """HSGD: a simulated host or device with its rows (``HybridData.shard``)."""
+    x, y, ids = data.shard(node_id)
+    tx = broker.connect(node_id)
+    node = DeviceNode(device_id=node_id, cell=cell, transport=tx, data=LocalData(x=x, y=y), trainer_provider=trainers,
+                      state=DeviceState(":memory:"), cache=cache, bundles_dir=bundles_dir,
+                      noise=noise_source(cfg, node_id), side="host" if node_id == data.cells[cell].host else "device",
+                      row_ids=ids, split_provider=trainers.split)
     tx.set_handler(_bind(node, broker))
     return node
 
@@ -232,7 +266,7 @@ def _require_portable_graphs(prepared: PreparedRollout) -> None:
     """
     from device_agent.trainers.portable import require_portable_graph
 
-    for bundle in (prepared.bundle, *prepared.cell_bundles.values()):
+    for bundle in (prepared.model_bundle, *prepared.cell_bundles.values()):
         try:
             require_portable_graph(bundle)
         except ArtifactError as exc:

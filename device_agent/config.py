@@ -32,6 +32,10 @@ class DeviceConfig(Section):
     cell: str = opt(help="The cell (edge) this device belongs to.", check=node_id)
     data_dir: Path = opt(help="Directory of .npz (arrays x, y) or .csv (label last) files with local data.")
     state_dir: Path = opt(help="Directory for the outbox (SQLite) and downloaded artifacts.")
+    role: str = opt("device", choices=("device", "host"),
+                    help="device, or host: HSGD's feature party of the cell (the hospital), holding its block of "
+                         "features for every sample of the cell, with the samples' ids in array 'ids' of its "
+                         "train.npz (docs/hsgd.md).")
     eval_dir: Path | None = opt(None, help="Held-out rows (same formats) the device evaluates each round's global "
                                            "model on, never trains on (federated evaluation); default "
                                            "<data_dir>/eval if it exists.")

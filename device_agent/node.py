@@ -33,13 +33,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from device_agent import hybrid
 from device_agent.data import LocalData, fit_to_model
+from device_agent.hybrid import SplitProvider
 from device_agent.state import DeviceState
 from fedtier import algorithms, rng
 from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import (
     Action,
     ComputeGradient,
+    Embed,
     Evaluate,
     GradientResult,
     LocalResult,
@@ -48,7 +51,10 @@ from fedtier.algorithms.base import (
     ScoreGradient,
     ScoreRows,
     SendToParent,
+    SplitTrain,
 )
+from fedtier.algorithms import hsgd
+from fedtier.artifacts import split_bundle
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.artifacts.cache import ArtifactCache
 from fedtier.errors import (
@@ -73,11 +79,13 @@ from fedtier.training.trainer import Trainer
 from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport
 from fedtier.wire import envelope
-from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask, EvalStats
+from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask, EvalStats, PartnerEmbeddings
 
 log = logging.getLogger("fedtier.agent")
 
 ARTIFACT_RETRY_S = 5.0
+PENDING_MESSAGES = 16
+"""How many role messages (after its task) a node keeps while its trainer loads."""
 TrainerProvider = Callable[[ArtifactBundle], Trainer]
 
 
@@ -88,8 +96,16 @@ class DeviceNode(NodeBase):
                  trainer_provider: TrainerProvider, state: DeviceState, cache: ArtifactCache, bundles_dir: Path,
                  metrics: Metrics | None = None, max_message_bytes: int = 64 << 20,
                  trusted_keys: Mapping[str, Any] | None = None, noise: NoiseSource | None = None,
-                 eval_data: LocalData | None = None) -> None:
-        super().__init__(device_id, metrics or Metrics(node=device_id, role="device"), log, max_message_bytes)
+                 eval_data: LocalData | None = None, side: str = "device", row_ids: tuple[str, ...] | None = None,
+                 split_provider: SplitProvider | None = None) -> None:
+        super().__init__(device_id, metrics or Metrics(node=device_id, role=side), log, max_message_bytes)
+        if side not in hybrid.SIDES:
+            raise ConfigError(f"role must be one of {', '.join(hybrid.SIDES)}, not {side!r}", key="role")
+        self.side = side
+        """``device``, or ``host``: HSGD's feature party of the cell (its rows are ``row_ids``)."""
+        self.row_ids = row_ids if row_ids is not None else (device_id,) * len(data)
+        """HSGD: the sample id of each local row (a device's one row is its own id)."""
+        self.split_provider = split_provider or hybrid.split_provider("ort")
         self.noise = noise if noise is not None else NoiseSource()  # OS-seeded; never stored
         self.device_id = device_id
         self.cell = cell
@@ -103,9 +119,12 @@ class DeviceNode(NodeBase):
         self.manifests: dict[str, Manifest] = {}  # installed: their trainers are in use
         self.incoming: dict[str, tuple[Manifest, bytes]] = {}  # accepted, artifacts not yet in
         self.gate = ManifestGate(trusted_keys or {}, installed_version=state.manifest_version())
-        self.trainers: dict[str, Trainer] = {}
+        self.trainers: dict[str, Any] = {}
+        """Rollout -> its trainer: a ``Trainer``, or HSGD's split trainer (``embed``, ``train``)."""
         self.roles: dict[str, Any] = {}
         self._pending_task: dict[str, DeviceTask] = {}
+        self._pending_msgs: dict[str, list[Any]] = {}
+        """Messages for a role (HSGD's partner rows) that came before its trainer was ready."""
         self._asked: dict[str, float] = {}
         self.rounds_done = 0
 
@@ -142,7 +161,8 @@ class DeviceNode(NodeBase):
     def _end_rollout(self, rollout: str) -> None:
         """The edge cleared the rollout's manifest: the rollout ended (or was retired)."""
         known = rollout in self.manifests or rollout in self.incoming
-        for table in (self.manifests, self.incoming, self.trainers, self.roles, self._pending_task, self._asked):
+        for table in (self.manifests, self.incoming, self.trainers, self.roles, self._pending_task, self._asked,
+                      self._pending_msgs):
             table.pop(rollout, None)
         self.state.forget_manifest(rollout)
         if known:
@@ -180,8 +200,13 @@ class DeviceNode(NodeBase):
         try:
             if isinstance(msg, DeviceTask):
                 self._on_task(msg, now)
-            elif isinstance(msg, (CellStep, *secagg_messages.DOWNWARD)):
+            elif isinstance(msg, (CellStep, PartnerEmbeddings, *secagg_messages.DOWNWARD)):
                 role = self.roles.get(msg.rollout)
+                if role is None and msg.rollout in self._pending_task:
+                    held = self._pending_msgs.setdefault(msg.rollout, [])
+                    if len(held) < PENDING_MESSAGES:  # the task came and the trainer is loading: keep it for them
+                        held.append(msg)
+                        return
                 if role is None:
                     raise UnexpectedMessageError(f"{msg.KIND} of rollout {msg.rollout!r}, which this device is not in")
                 self._execute(role.receive(msg, now), now, msg.rollout)
@@ -216,6 +241,8 @@ class DeviceNode(NodeBase):
         self._ensure_ready(manifest.rollout, now)
 
     def _on_task(self, task: DeviceTask, now: float) -> None:
+        if self.side == "host" and self.device_id not in task.members:
+            return  # HSGD: the devices' broadcast of theta2 (a host gets its task on its own topic)
         if task.rollout not in self.trainers:
             self._pending_task[task.rollout] = task  # keep the newest until artifacts are in
             return
@@ -260,6 +287,14 @@ class DeviceNode(NodeBase):
                 log.info("requested %d artifact file(s) of rollout %s", len(missing), rollout)
             return
         del self.incoming[rollout]
+        if split_bundle.is_split(manifest.bundle_for(self.cell)):
+            self._install_split(rollout, manifest, raw, now)
+            return
+        if self.side == "host":
+            log.error("manifest v%d of rollout %s (%s) refused, not taking part: this node is an hsgd host "
+                      "(role = \"host\"), and only hsgd has hosts", manifest.version, rollout, manifest.algorithm)
+            self.metrics.inc(REJECTED, reason="unusable_artifacts")
+            return
         try:
             bundle = self._assemble(manifest)
             data = self._fitted_data(bundle.arch)
@@ -275,6 +310,9 @@ class DeviceNode(NodeBase):
             return
         self.data = data
         self.eval_data = held_out
+        self._installed(rollout, manifest, raw, trainer, now)
+
+    def _installed(self, rollout: str, manifest: Manifest, raw: bytes, trainer: Any, now: float) -> None:
         self.trainers[rollout] = trainer
         self.manifests[rollout] = manifest
         self.gate.installed(manifest, raw)
@@ -284,6 +322,29 @@ class DeviceNode(NodeBase):
         task = self._pending_task.pop(rollout, None)
         if task is not None:
             self._run_task(task, now)
+        for msg in self._pending_msgs.pop(rollout, []):
+            role = self.roles.get(rollout)
+            try:
+                if role is None:
+                    raise UnexpectedMessageError(f"{msg.KIND} of rollout {rollout!r}, which this device is not in")
+                self._execute(role.receive(msg, now), now, rollout)
+            except RemoteProtocolError as exc:
+                self.metrics.inc(REJECTED, reason=exc.reason)
+                log.warning("rejected a held %s of %s: %s", msg.KIND, rollout, exc)
+
+    def _install_split(self, rollout: str, manifest: Manifest, raw: bytes, now: float) -> None:
+        """HSGD: assemble the split bundle, key the local rows by sample id, build this side's trainer."""
+        try:
+            bundle = split_bundle.assemble(manifest.bundle_for(self.cell), self.cache.path, self.bundles_dir)
+            x, y = hybrid.rows_by_id(self.data, self.row_ids, bundle, self.side)
+            trainer = self.split_provider(bundle, self.side, x, y)
+            hybrid.health_check(trainer, bundle, self.side, self.row_ids)
+        except (ArtifactError, ConfigError) as exc:
+            self.metrics.inc(REJECTED, reason="unusable_artifacts")
+            log.error("manifest v%d of rollout %s refused, not taking part as an hsgd %s: %s", manifest.version,
+                      rollout, self.side, exc)
+            return
+        self._installed(rollout, manifest, raw, trainer, now)
 
     def _health_check(self, trainer: Trainer, data: LocalData) -> None:
         """The new model loads and one evaluation step on local data gives a finite loss."""
@@ -329,6 +390,12 @@ class DeviceNode(NodeBase):
 
     def _role(self, task: DeviceTask) -> Any:
         role = self.roles.get(task.rollout)
+        if role is None and task.config.get("algorithm") == hsgd.NAME:
+            # HSGD: the host, or a device; an interval's state lives in the edge, which re-sends what a
+            # restarted node still owes (so nothing of it is restored here).
+            role = (hsgd.Host(host_id=self.device_id, cell=self.cell, rollout=task.rollout) if self.side == "host"
+                    else hsgd.Device(device_id=self.device_id, cell=self.cell, rollout=task.rollout))
+            self.roles[task.rollout] = role
         if role is None:
             module = algorithms.load(str(task.config.get("algorithm", "")))
             role = module.Device(device_id=self.device_id, cell=self.cell, rollout=task.rollout,
@@ -388,6 +455,13 @@ class DeviceNode(NodeBase):
             elif isinstance(action, ScoreGradient):
                 gradient = self.score_gradient(self.trainers[rollout], action)
                 follow = role.gradient_done(action.round, action.step, gradient)
+            elif isinstance(action, Embed):
+                zeta = self.trainers[rollout].embed(action.block, action.params, action.rows)
+                follow = role.embedded(action.round, action.step, zeta)
+            elif isinstance(action, SplitTrain):
+                params, loss = self.trainers[rollout].train(action.side, action.params, action.frozen, action.partner,
+                                                            action.rows, action.steps, action.lr)
+                follow = role.split_trained(action.round, action.step, params, loss)
             elif isinstance(action, SendToParent):
                 msg = action.message
                 topic = topics.cell_up(msg.rollout, self.cell, self.device_id, msg.KIND)

@@ -9,11 +9,13 @@ import threading
 from device_agent.attack import AttackingTrainer, AttackSpec, flip_labels
 from device_agent.config import DeviceConfig
 from device_agent.data import LocalData, load_data_dir, load_eval_dir
+from device_agent.hybrid import load_row_ids, split_provider
 from device_agent.node import DeviceNode
 from device_agent.state import DeviceState
 from device_agent.trainers import describe_backend, make_trainer, resolve_kind
 from fedtier import __version__
 from fedtier.artifacts.bundle import ArtifactBundle
+from fedtier.errors import ConfigError
 from fedtier.artifacts.cache import ArtifactCache
 from fedtier.runtime import identity, mqtt_service
 from fedtier.security.signing import load_trusted_keys
@@ -39,6 +41,10 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     data = load_data_dir(cfg.data_dir)
     held_out = load_eval_dir(cfg.data_dir, cfg.eval_dir)
+    row_ids = load_row_ids(cfg.data_dir)
+    if cfg.role == "host" and row_ids is None:
+        raise ConfigError(f"a host holds rows of its cell's samples: {cfg.data_dir / 'train.npz'} needs the array "
+                          "'ids' (each row's sample id = its device's node id; docs/hsgd.md)", key="data_dir")
     spec = None
     if cfg.attack is not None:
         spec = AttackSpec(kind=cfg.attack.kind, scale=cfg.attack.scale, seed=cfg.attack.seed,
@@ -51,7 +57,7 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
     inbox: queue.Queue = queue.Queue()
     max_bytes = int(cfg.max_message_mb * (1 << 20))
     tx = mqtt.from_config(cfg.broker, name="cell", client_id=cfg.device_id, inbox=inbox,
-                          status={"node": cfg.device_id, "role": "device", "cell": cfg.cell, "trainer": backend,
+                          status={"node": cfg.device_id, "role": cfg.role, "cell": cfg.cell, "trainer": backend,
                                   "version": __version__},
                           max_message_bytes=max_bytes)
 
@@ -62,7 +68,8 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
     node = DeviceNode(device_id=cfg.device_id, cell=cfg.cell, transport=tx, data=data, trainer_provider=provider,
                       state=DeviceState(cfg.state_dir / "agent.db"), cache=ArtifactCache(cfg.state_dir / "artifacts"),
                       bundles_dir=cfg.state_dir / "bundles", max_message_bytes=max_bytes,
-                      trusted_keys=load_trusted_keys(cfg.trusted_keys), eval_data=held_out)
+                      trusted_keys=load_trusted_keys(cfg.trusted_keys), eval_data=held_out, side=cfg.role,
+                      row_ids=row_ids, split_provider=split_provider(backend))
     return node, tx, inbox
 
 
@@ -73,7 +80,7 @@ def run(cfg: DeviceConfig, stop: threading.Event | None = None) -> int:
     if cfg.metrics_port:
         node.metrics.serve(cfg.metrics_port)
         log.info("metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
-    log.info("device %s of cell %s: %d local samples, %d held out; broker %s:%d", cfg.device_id, cfg.cell,
+    log.info("%s %s of cell %s: %d local samples, %d held out; broker %s:%d", cfg.role, cfg.device_id, cfg.cell,
              len(node.data), len(node.eval_data) if node.eval_data is not None else 0, cfg.broker.host,
              cfg.broker.port)
     return mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop)

@@ -60,6 +60,7 @@ from fedtier.wire.messages import (
     DeviceUpdate,
     Embeddings,
     Message,
+    PartnerEmbeddings,
 )
 
 log = logging.getLogger("fedtier.edge")
@@ -280,6 +281,8 @@ class EdgeNode(NodeBase):
                 size = len(payload) if wire_bytes is None else wire_bytes
                 counts["device_up_bytes"] += size
                 counts["device_up_f32_bytes"] += size - len(payload) + wire.float32_equivalent(payload)
+                if msg.KIND == Embeddings.KIND:  # HSGD's vertical path, also counted on its own
+                    counts["embedding_up_bytes"] += size
         self._execute(msg.rollout, actions)
 
     def _execute(self, rollout: str, actions: Sequence[Action]) -> None:
@@ -297,7 +300,10 @@ class EdgeNode(NodeBase):
                 payload = action.message.encode(action.encodings)
                 sent = self.cell_tx.publish(
                     topics.cell_down(rollout, self.cell, action.message.KIND, action.child), payload)
-                self._round_bytes[(rollout, action.message.round)]["device_down_bytes"] += sent or len(payload)
+                counts = self._round_bytes[(rollout, action.message.round)]
+                counts["device_down_bytes"] += sent or len(payload)
+                if action.message.KIND == PartnerEmbeddings.KIND:
+                    counts["embedding_down_bytes"] += sent or len(payload)
             elif isinstance(action, SendToParent):
                 msg = action.message
                 stats = dict(self._round_bytes.pop((rollout, msg.round), {}))

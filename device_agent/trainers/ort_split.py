@@ -10,6 +10,7 @@ of the model (as with ``OrtTrainer``). The optimizer is stateless SGD.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 import numpy as np
@@ -55,6 +56,16 @@ class OrtSplitTrainer:
             raise ArtifactError(f"onnxruntime cannot load split bundle {bundle.bundle_id[:12]}: {exc}") from exc
         self._module.train()
         self._module.lazy_reset_grad()
+
+    def with_rows(self, x: Mapping[str, np.ndarray], y: Mapping[str, int]) -> "OrtSplitTrainer":
+        """This trainer's sessions over other rows (a simulator's nodes share one session per side; every
+        call writes its parameters in first, so sharing on one thread changes no result)."""
+        if set(x) != set(y):
+            raise LocalProtocolError("split trainer: every row needs a label")
+        view = copy.copy(self)
+        view.x = {k: np.asarray(v, np.float32).reshape(-1) for k, v in x.items()}
+        view.y = {k: int(v) for k, v in y.items()}
+        return view
 
     def _rows(self, rows: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
         unknown = [r for r in rows if r not in self.x]

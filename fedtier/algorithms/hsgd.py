@@ -232,6 +232,11 @@ class Device(StateGuard):
         self._state = RoleState.TRAINING
         return [Embed(task.round, task.step, "theta2", self.theta2, (self.device_id,))]
 
+    @property
+    def last_round(self) -> int:
+        """The round of the newest task (what a node shell records with each update it sends)."""
+        return self.position[0]
+
     def embedded(self, round: int, step: int, zeta: np.ndarray) -> list[Action]:
         self._guard()
         if self._state is not RoleState.TRAINING or (round, step) != self.position or self.config is None:
@@ -333,6 +338,11 @@ class Host(StateGuard):
             self._state = RoleState.TRAINING
             return [Embed(message.round, message.step, "theta1", self.params, message.rows)]
         raise UnexpectedMessageError(f"hsgd host does not accept {message.KIND}")
+
+    @property
+    def last_round(self) -> int:
+        """The round of the newest task (what a node shell records with each update it sends)."""
+        return self.round
 
     def embedded(self, round: int, step: int, zeta: np.ndarray) -> list[Action]:
         self._guard()
@@ -633,6 +643,18 @@ class Edge(StateGuard):
         if self._phase == "train" and len(self._deltas) < len(self._rows):
             return self._maybe_close(now, deadline=True)
         return []
+
+    def overdue(self, now: float) -> tuple[str, ...]:
+        """The children the open interval still waits for once its deadline has passed (else empty)."""
+        if self._state is not RoleState.COLLECTING or now < self._deadline:
+            return ()
+        if self._phase == "embed":
+            return tuple(d for d in self.selected if d not in self._zeta)
+        if self._phase == "host":
+            return (self.host,)
+        owing = [d for d in self._rows if d not in self._deltas]
+        last = self.config is not None and self.step == self.config.intervals - 1
+        return (*owing, *((self.host,) if last and self._host_update is None else ()))
 
     def resend(self, child: str, now: float) -> list[Action]:
         """A child (re)appeared: give it what the open interval still expects from it (its task, the

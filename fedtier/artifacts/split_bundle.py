@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import os
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from fedtier.errors import ArtifactError
+from fedtier.errors import ArtifactError, LocalProtocolError
 from fedtier.training.layout import canonical_json
 from fedtier.training.split import SplitArch
 
@@ -37,6 +39,8 @@ class SplitBundle:
     arch: SplitArch
     seed: int
     files: Mapping[str, Mapping[str, Any]]
+    descriptor: Mapping[str, Any] = field(default_factory=dict)
+    """``split_bundle.json`` as read (the bytes its id hashes)."""
 
     def path(self, graph: str, role: str) -> Path:
         return self.directory / graph / self.files[f"{graph}/{role}"]["name"]
@@ -58,4 +62,49 @@ class SplitBundle:
             if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
                 raise ArtifactError(f"split bundle file {key} is missing or altered")
         return cls(directory=directory, bundle_id=bundle_id, arch=SplitArch(**raw["arch"]), seed=int(raw["seed"]),
-                   files=raw["files"])
+                   files=raw["files"], descriptor=raw)
+
+    def manifest_entry(self) -> dict[str, Any]:
+        """The bundle as a rollout manifest lists it: every file by ``graph/name``, sha256 and size (what
+        nodes fetch and verify, like any bundle's), and the descriptor a node writes back to assemble it."""
+        files = {key: {"filename": f"{key.split('/')[0]}/{entry['name']}", "sha256": entry["sha256"],
+                       "size": entry["size"]} for key, entry in self.files.items()}
+        return {"kind": KIND, "bundle_id": self.bundle_id, "descriptor": dict(self.descriptor), "files": files}
+
+
+KIND = "split"
+"""``kind`` of a manifest bundle that is a ``SplitBundle`` (HSGD); other bundles have none."""
+
+
+def is_split(entry: Mapping[str, Any]) -> bool:
+    return entry.get("kind") == KIND
+
+
+def assemble(entry: Mapping[str, Any], cached: Callable[[str], Path], root: Path) -> SplitBundle:
+    """Lay a manifest's split bundle out under ``root/<bundle_id>`` from cached files (by sha256), and load it
+    (which verifies the descriptor's id and every file).
+
+    Raises:
+        ArtifactError: the entry is malformed, or what it lists does not verify.
+    """
+    descriptor, bundle_id = entry.get("descriptor"), str(entry.get("bundle_id", ""))
+    if not isinstance(descriptor, dict) or not isinstance(descriptor.get("files"), dict) or not bundle_id.isalnum():
+        raise ArtifactError("the manifest's split bundle has no valid descriptor")
+    directory = Path(root) / bundle_id
+    for key, item in descriptor["files"].items():
+        graph = str(key).split("/")[0]
+        name = str(item.get("name", "")) if isinstance(item, dict) else ""
+        if graph not in (*GRAPHS, *EMBEDS) or not name or "/" in name or name.startswith("."):
+            raise ArtifactError(f"the manifest's split bundle lists a bad file {key!r}")
+        target = directory / graph / name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(cached(str(item["sha256"])), target)
+            except OSError:
+                shutil.copyfile(cached(str(item["sha256"])), target)
+    (directory / DESCRIPTOR).write_text(json.dumps(descriptor, indent=1, sort_keys=True) + "\n")
+    try:
+        return SplitBundle.load(directory)
+    except (KeyError, TypeError, ValueError, LocalProtocolError) as exc:
+        raise ArtifactError(f"the manifest's split bundle does not load: {exc}") from None
