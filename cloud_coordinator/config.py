@@ -556,6 +556,17 @@ class PrivacySection(Section):
     sample_rate: float | None = opt(None, gt=0, max=1, help="q: the per-round device sampling rate (device_sampling).")
     secure_noise: bool = opt(False, help="Draw noise from the OS CSPRNG as a sum of Gaussians resistant to "
                                          "floating-point attacks (slower: docs/benchmarks.md).")
+    adaptive_clip: bool = opt(False, help="Adaptive clipping (Andrew et al. 2021): clip is only the first round's C; "
+                                          "the cloud moves C every round towards the clip_quantile of the update "
+                                          "norms from a noised count, its cost on the ledger. Needs "
+                                          "device_sampling = 'poisson' (docs/privacy.md).")
+    clip_quantile: float = opt(0.5, check=_open_unit, help="Adaptive clipping: the share of updates meant to fit "
+                                                            "C, in (0, 1).")
+    clip_lr: float = opt(0.2, gt=0, help="Adaptive clipping: eta_C of C <- C exp(-eta_C (unclipped share - "
+                                         "clip_quantile)).")
+    clip_count_share: float = opt(0.05, check=_open_unit,
+                                  help="Adaptive clipping: the share of each release's privacy (in z^-2) spent on its "
+                                       "clipped count; the update's noise grows by 1/sqrt(1 - share).")
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         if self.device_sampling != "none" and self.sample_rate is None:
@@ -568,6 +579,10 @@ class PrivacySection(Section):
             raise self.error("fixed-size sampling is accounted by RDP only (dp-accounting's PLD has no "
                              "sampling-without-replacement event): use accountant = 'rdp' or device_sampling = "
                              "'poisson'", "accountant", prefix=prefix, source=source)
+        if self.adaptive_clip and self.device_sampling != "poisson":
+            raise self.error("adaptive clipping counts unclipped updates over a Poisson sample of devices "
+                             "(add/remove adjacency): set device_sampling = 'poisson' and sample_rate",
+                             "adaptive_clip", prefix=prefix, source=source)
         if self.device_sampling != "none" and self.calibration == "paper":
             raise self.error("device sampling needs sound calibration (calibration = 'rdp'); paper mode is a "
                              "reproduction that misapplies amplification", "device_sampling",
@@ -790,6 +805,11 @@ class RolloutConfig(Section):
                                  f"{self.algorithm}'s gradient exchange is not covered yet", "privacy",
                                  prefix=prefix, source=source)
             section = getattr(self, self.algorithm)
+            if self.privacy.adaptive_clip and (self.algorithm not in ("fedavg", "hier_qsgd")
+                                               or getattr(section, "secure_aggregation", False)):
+                raise self.error("adaptive clipping runs with fedavg and hier_qsgd (without secure aggregation): "
+                                 f"{self.algorithm}'s devices do not report the clipped bit yet",
+                                 "privacy.adaptive_clip", prefix=prefix, source=source)
             if self.privacy.device_sampling != "none" and int(getattr(section, "edge_rounds", 1)) != 1:
                 raise self.error("device sampling needs edge_rounds = 1: after an intra-round sync every member's "
                                  "update depends on a sampled device, so the amplified sensitivity would not hold",

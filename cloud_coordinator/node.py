@@ -537,7 +537,9 @@ class CloudNode(NodeBase):
             self.ledger.charge(releases)
             row["train_loss"] = None  # cells do not send losses under differential privacy
             row["privacy"] = {**self.ledger.summary(), "releases": len(releases),
-                              "unobserved": sum(1 for r in releases if not r["observed"]), "clear_hops": len(clear)}
+                              "unobserved": sum(1 for r in releases if not r["observed"]), "clear_hops": len(clear),
+                              **({"adaptive_clip": closed.metrics["adaptive_clip"]}
+                                 if closed.metrics.get("adaptive_clip") else {})}
         state = getattr(self.role, "strategy_state", None)
         self.store.commit_round(self.rollout, closed.round, int(closed.metrics.get("model_version", 0)),
                                 closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear,

@@ -199,6 +199,8 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
         "cells": len(cfg.topology.layout()), "devices": len(samples), "accountant": p.accountant,
         "device_sampling": p.device_sampling, "sample_rate": q, "secure_noise": p.secure_noise,
         "distributed_min_survivors": calibrate.distributed_min_survivors(cfg),
+        "adaptive_clip": {"quantile": p.clip_quantile, "lr": p.clip_lr, "count_share": p.clip_count_share}
+        if p.adaptive_clip else None,
     }
     if p.calibration == "paper":
         header.update(alpha=m.details["alpha"], sampling_rate=m.details["sampling_rate"],
@@ -232,7 +234,12 @@ def render_plan(doc: dict[str, Any]) -> str:
                                        + ("" if t["injectors"] else " (no node)")
                                        for name, t in doc["tiers"].items())
                            + ("" if doc["mode"] == "rdp" else f" -- the paper's target was {doc['epsilon']:g}")),
-            ("clip", f"C = {doc['clip']:g} (L2 bound on each released model delta)"),
+            ("clip", f"C = {doc['clip']:g} (L2 bound on each released model delta)" if not doc.get("adaptive_clip")
+             else (f"adaptive: C starts at {doc['clip']:g} and moves every round towards the "
+                   f"{doc['adaptive_clip']['quantile']:g}-quantile of update norms (rate "
+                   f"{doc['adaptive_clip']['lr']:g}); each release spends {doc['adaptive_clip']['count_share']:g} of "
+                   "its z^-2 on its noised clipped count, its update's noise grows by "
+                   f"{(1 - doc['adaptive_clip']['count_share']) ** -0.5:.3g}x")),
             ("schedule", f"{doc['rounds']} rounds x {doc['edge_rounds']} edge rounds x {doc['local_steps']} "
                          "local steps"),
             ("require_tls", "yes" if doc["require_tls"] else "no")]

@@ -193,7 +193,9 @@ def _plan(cfg: RolloutConfig, plans: dict[str, CellPlan], details: dict[str, Any
                      edge_rounds=tau, rounds=cfg.rounds, require_tls=p.require_tls, cells=plans, details=details,
                      accountant=p.accountant, sampling=p.device_sampling, sample_rate=q,
                      device_release_cap=release_cap(cfg.rounds, q) if p.device_sampling != "none" else 0,
-                     secure_noise=p.secure_noise, sample_seed=int(cfg.seed))
+                     secure_noise=p.secure_noise, sample_seed=int(cfg.seed),
+                     adaptive={"quantile": p.clip_quantile, "lr": p.clip_lr, "count_share": p.clip_count_share}
+                     if p.adaptive_clip else None)
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,11 @@ when it names a reason (a device's budget would be exceeded), the rollout finish
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
 
 from fedtier.algorithms import aggregate, strategies
 from fedtier.algorithms.base import (
@@ -55,6 +58,7 @@ from fedtier.errors import (
     WrongRoundError,
 )
 from fedtier.privacy import audit
+from fedtier.privacy.adaptive_clip import GeometricClip
 from fedtier.privacy.plan import NoisePlan
 from fedtier.wire.messages import CellTask, CellUpdate, Message
 
@@ -104,6 +108,8 @@ class Cloud(StateGuard):
         self.replan = replan
         self.admit = admit
         self._plan_cache: tuple[Any, NoisePlan] | None = None
+        self.clip_bound: GeometricClip | None = None
+        """Adaptive clipping: the clip bound the cloud moves every round (``None`` without)."""
         self.stop_reason: str | None = None
         self.q1_estimate: float | None = None
         self._state = RoleState.IDLE
@@ -118,6 +124,7 @@ class Cloud(StateGuard):
         opt = (strategy or {}).get("server_optimizer")
         self.optimizer: ServerOptimizer | None = ServerOptimizer(OptimizerSpec.from_dict(opt)) if opt else None
         """Reddi et al.'s server optimizer on the combined change (``None``: ``w + delta``, FedAvg)."""
+        self._start_adaptive_clip()
 
     # --- hooks for algorithms whose cells train different parameters (HIST) -------------------
 
@@ -172,6 +179,8 @@ class Cloud(StateGuard):
         state = getattr(self.aggregator, "state", None)
         if callable(state):
             out.update({f"agg/{k}": v for k, v in dict(state()).items()})
+        if self.clip_bound is not None:  # adaptive clipping: the next round's clip bound
+            out["clip/bound"] = np.array([self.clip_bound.clip], np.float64)
         return out or None
 
     def load_strategy_state(self, state: Mapping[str, Any]) -> None:
@@ -181,17 +190,51 @@ class Cloud(StateGuard):
         load = getattr(self.aggregator, "load_state", None)
         if callable(load):
             load({k[4:]: v for k, v in state.items() if k.startswith("agg/")})
+        if self.clip_bound is not None and "clip/bound" in state:
+            self.clip_bound.clip = float(np.asarray(state["clip/bound"]).reshape(-1)[0])
+            self.config = dataclasses.replace(self.config, dp_clip=self.clip_bound.clip)  # type: ignore[type-var]
 
     # --- rounds ---------------------------------------------------------------------------------
 
     def _noise_plan(self) -> NoisePlan | None:
-        """The config's noise plan, parsed once per config (not once per cell update)."""
+        """The config's noise plan at the round's clip bound, parsed once per config (not once per cell update)."""
         privacy = getattr(self.config, "privacy", None)
         if privacy is None:
             return None
-        if self._plan_cache is None or self._plan_cache[0] is not privacy:
-            self._plan_cache = (privacy, NoisePlan.from_dict(privacy))
+        if self._plan_cache is None or self._plan_cache[0] is not self.config:
+            plan = NoisePlan.from_dict(privacy)
+            clip = getattr(self.config, "dp_clip", None)
+            self._plan_cache = (self.config, plan if clip is None else plan.at_clip(float(clip)))
         return self._plan_cache[1]
+
+    def _start_adaptive_clip(self) -> None:
+        """Adaptive clipping: the clip bound starts at the plan's C and is moved after every round."""
+        plan = self._noise_plan()
+        if plan is None or plan.adaptive is None:
+            self.clip_bound = None
+            return
+        self.clip_bound = GeometricClip(clip=plan.clip, target_quantile=float(plan.adaptive["quantile"]),
+                                        learning_rate=float(plan.adaptive["lr"]))
+        self.config = dataclasses.replace(self.config, dp_clip=plan.clip)  # type: ignore[type-var]
+
+    def _move_clip(self, updates: Sequence[CellUpdate]) -> dict[str, float] | None:
+        """Adaptive clipping after a round: the cells' noised centred counts over the expected count (public:
+        q times a sampling trusted cell's members, the cloud's own sample of an untrusted one) move C
+        (``fedtier.privacy.adaptive_clip``); the next round's tasks carry it."""
+        plan = self._noise_plan()
+        if self.clip_bound is None or plan is None:
+            return None
+        total, expected = 0.0, 0.0
+        for update in updates:
+            releases = (update.privacy or {}).get("releases") or []
+            total += sum(float(r["count"]) for r in releases if isinstance(r, Mapping) and "count" in r)
+        for cell_id, members in self._round_cells.items():
+            expected += plan.sample_rate * plan.cells[cell_id].members if plan.cells[cell_id].cell_releases \
+                else len(members)
+        before = self.clip_bound.clip
+        after = self.clip_bound.update(total, max(expected, 1.0))
+        self.config = dataclasses.replace(self.config, dp_clip=after)  # type: ignore[type-var]
+        return {"clip": before, "next_clip": after, "unclipped_share": total / max(expected, 1.0) + 0.5}
 
     def _cell_task(self, cell: str) -> CellTask:
         return CellTask(rollout=self.rollout, round=self.round, sender=self.cloud_id, params=self._cell_params(cell),
@@ -290,11 +333,14 @@ class Cloud(StateGuard):
         federated = None if evaluation is None else {
             "loss": evaluation.loss, "accuracy": evaluation.accuracy, "examples": evaluation.count,
             "devices": evaluation.devices, "model_version": self.model_version - 1}
+        config = self.config.to_dict()
+        clip = self._move_clip(updates)
         closed = RoundClosed(round=self.round, params=self.params, reported=reported, missing=missing,
                              metrics={"train_loss": mean_loss, "model_version": self.model_version,
                                       "federated": federated,
                                       "q1": self.q1_estimate, "q2": q2,
-                                      "config": self.config.to_dict(),
+                                      "config": config,
+                                      **({"adaptive_clip": clip} if clip is not None else {}),
                                       "cells": {c: dict(self._updates[c].stats) for c in cells},
                                       "privacy": {c: self._updates[c].privacy for c in cells
                                                   if self._updates[c].privacy is not None}})

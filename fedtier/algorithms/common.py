@@ -63,6 +63,8 @@ class RoundSettings:
             (``fedtier.algorithms.strategies.AggregatorSpec`` / ``server_opt.OptimizerSpec``
             as dicts). Left out of ``to_dict`` when ``None``, so tasks without one are
             byte-for-byte what they were before strategies existed.
+        dp_clip: adaptive clipping (a plan with ``adaptive``): the round's clip bound C_t, moved by the cloud
+            every round; ``noise_plan()`` applies it. Left out of ``to_dict`` when ``None``.
     """
 
     ALGORITHM: ClassVar[str] = ""
@@ -78,6 +80,7 @@ class RoundSettings:
     privacy: Mapping[str, Any] | None = None
     federated_eval: bool = True
     strategy: Mapping[str, Any] | None = None
+    dp_clip: float | None = None
 
     def __post_init__(self) -> None:
         check_int(self.batch_size, "batch_size", 1)
@@ -98,15 +101,25 @@ class RoundSettings:
                 raise LocalProtocolError("privacy needs weighting = 'uniform' (a device's reported sample count must "
                                          "not raise its weight, and so the sensitivity of its cell's mean)")
             try:
-                NoisePlan.from_dict(self.privacy)
+                plan = NoisePlan.from_dict(self.privacy)
             except UnexpectedMessageError as exc:
                 raise LocalProtocolError(str(exc)) from None
+            if self.dp_clip is not None and plan.adaptive is None:
+                raise LocalProtocolError("dp_clip is the adaptive clip bound: the noise plan has no adaptive clipping")
+        if self.dp_clip is not None and not (isinstance(self.dp_clip, (int, float)) and not isinstance(
+                self.dp_clip, bool) and math.isfinite(self.dp_clip) and self.dp_clip > 0):
+            raise LocalProtocolError(f"dp_clip must be finite and > 0, got {self.dp_clip!r}")
+        if self.dp_clip is not None and self.privacy is None:
+            raise LocalProtocolError("dp_clip is the adaptive clip bound of a noise plan, and there is none")
         if self.strategy is not None:
             check_strategy(self.strategy, private=self.privacy is not None)
 
     def noise_plan(self) -> NoisePlan | None:
-        """The parsed noise plan (``None`` without differential privacy)."""
-        return None if self.privacy is None else NoisePlan.from_dict(self.privacy)
+        """The parsed noise plan (``None`` without differential privacy), at the round's clip bound."""
+        if self.privacy is None:
+            return None
+        plan = NoisePlan.from_dict(self.privacy)
+        return plan if self.dp_clip is None else plan.at_clip(float(self.dp_clip))
 
     def to_dict(self) -> dict[str, Any]:
         return {"algorithm": self.ALGORITHM, **{f.name: getattr(self, f.name) for f in fields(self)
@@ -122,7 +135,7 @@ class RoundSettings:
             raise UnexpectedMessageError(f"invalid {cls.ALGORITHM} config in task: {exc}") from None
 
 
-OMIT_AT_DEFAULT = {"strategy": None, "partial_work": False}
+OMIT_AT_DEFAULT = {"strategy": None, "partial_work": False, "dp_clip": None}
 """Settings added after tasks had a wire form: left out at their default, so such tasks stay byte for byte."""
 
 

@@ -89,7 +89,7 @@ from fedtier.errors import (
 )
 from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource, clip
-from fedtier.privacy.plan import NoisePlan, fixed_sample_size
+from fedtier.privacy.plan import DEVICE_COUNT_SENSITIVITY, EDGE_COUNT_SENSITIVITY, NoisePlan, fixed_sample_size
 from fedtier.rng import stream
 from fedtier.wire.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, EvalStats, Message
 
@@ -175,6 +175,7 @@ class _DeviceBase(StateGuard):
         self.can_evaluate = evaluate
         self._evaluation: EvalStats | None = None
         self._plan: NoisePlan | None = None
+        self._unclipped: bool | None = None
         self.device_id = device_id
         self.cell = cell
         self.rollout = rollout
@@ -319,7 +320,7 @@ class Device(_DeviceBase):
                               delta=values, num_samples=self._sent_samples(result.num_samples),
                               train_loss=train_loss,
                               steps=result.steps, q=q, release=release,
-                              evaluation=self._evaluation if last else None)
+                              evaluation=self._evaluation if last else None, unclipped=self._unclipped)
         self._uploaded(self._step)
         if not last:
             self._state = RoleState.WAITING
@@ -336,17 +337,28 @@ class Device(_DeviceBase):
     def _privatize(self, result: LocalResult) -> tuple[Mapping[str, np.ndarray], dict[str, Any] | None, float]:
         """Clip, then noise where the plan says (before quantization): (delta, release record, loss to send)."""
         plan = self._plan
+        self._unclipped = None
         if plan is None:
             return result.delta, None, result.mean_loss
-        delta, _ = clip(result.delta, plan.clip)
+        delta, factor = clip(result.delta, plan.clip)
+        fits = factor == 1.0  # adaptive clipping's bit: the update fitted the round's bound
         if plan.cells[self.cell].trusted:
-            return delta, None, result.mean_loss  # clear, to a trusted edge (over TLS)
+            # clear, to a trusted edge (over TLS), with the bit the edge counts under adaptive clipping
+            self._unclipped = fits if plan.adaptive is not None else None
+            return delta, None, result.mean_loss
+        z = plan.cells[self.cell].device_z
         sigma = plan.device_sigma(self.cell)
-        noised = self.noise.add(delta, sigma, "dp", self.rollout, self.device_id, self._round, self._step,
-                                secure=plan.secure_noise)
+        labels = ("dp", self.rollout, self.device_id, self._round, self._step)
+        noised = self.noise.add(delta, sigma, *labels, secure=plan.secure_noise)
+        count = None
+        if plan.adaptive is not None:  # the bit, centred and noised: released with the update, charged with it
+            stddev = plan.count_stddev(z, DEVICE_COUNT_SENSITIVITY)
+            value = self.noise.add({"count": np.array([float(fits) - 0.5])}, stddev, "dp-count", *labels[1:],
+                                   secure=plan.secure_noise)["count"]
+            count = (float(value[0]), stddev)
         release = audit.release_record(plan=plan, node=self.device_id, event="device", round=self._round,
                                        step=self._step, sigma=sigma, sensitivity=plan.device_sensitivity,
-                                       protected=[self.device_id])
+                                       protected=[self.device_id], z=z, count=count)
         return noised, release, 0.0
 
 
@@ -587,7 +599,7 @@ class _EdgeBase(StateGuard):
                 plan=plan, node=self.cell, event="edge", round=self._task.round, step=0, sigma=sigma,
                 sensitivity=plan.edge_sensitivity(len(everyone)), z=plan.edge_charged_z(self.cell),
                 calibrated_sensitivity=plan.calibrated_edge_sensitivity(len(everyone)), protected=everyone,
-                reporters=len(everyone))])
+                reporters=len(everyone), count=self._clipped_count(plan))])
             return noised, report
         reporters = min(len(s) for s in steps)
         sigma = plan.edge_sigma(self.cell, reporters)
@@ -602,6 +614,19 @@ class _EdgeBase(StateGuard):
                                                    protected=protected, reporters=reporters)]
         report["clear"] = [{"sender": d, "receiver": self.cell, "step": i} for i, s in enumerate(steps) for d in s]
         return noised, report
+
+    def _clipped_count(self, plan: NoisePlan) -> tuple[float, float] | None:
+        """Adaptive clipping at a sampling trusted edge: ``sum (b_i - 1/2)`` over the sampled devices that
+        reported, plus fresh noise (sensitivity 1/2 under add/remove), and that noise's std."""
+        if plan.adaptive is None or self._task is None:
+            return None
+        stddev = plan.count_stddev(plan.edge_charged_z(self.cell), EDGE_COUNT_SENSITIVITY)
+        # a device that sent no bit counts as neither (0): the count stays centred
+        centred = sum(float(u.unclipped) - 0.5 for u in self._updates.values()
+                      if getattr(u, "unclipped", None) is not None)
+        value = self.noise.add({"count": np.array([centred])}, stddev, "dp-count", self.rollout, self.cell,
+                               self._task.round, secure=plan.secure_noise)["count"]
+        return float(value[0]), stddev
 
     def _next_step(self, now: float) -> None:
         self._step += 1

@@ -32,7 +32,7 @@ import math
 from typing import Any, Iterable, Mapping
 
 from fedtier.errors import MissingReleaseError
-from fedtier.privacy.plan import NoisePlan
+from fedtier.privacy.plan import DEVICE_COUNT_SENSITIVITY, EDGE_COUNT_SENSITIVITY, NoisePlan
 
 # A release may be stronger than planned, never weaker (beyond float rounding).
 Z_TOLERANCE = 1e-9
@@ -40,9 +40,11 @@ Z_TOLERANCE = 1e-9
 
 def release_record(*, plan: NoisePlan, node: str, event: str, round: int, step: int, sigma: float,
                    sensitivity: float, protected: Iterable[str], reporters: int = 1,
-                   z: float | None = None, calibrated_sensitivity: float | None = None) -> dict[str, Any]:
+                   z: float | None = None, calibrated_sensitivity: float | None = None,
+                   count: tuple[float, float] | None = None) -> dict[str, Any]:
     """One release's record; ``z`` defaults to ``sigma / sensitivity`` (pass it to keep a planned value exact),
-    ``calibrated_sensitivity`` to ``sensitivity``."""
+    ``calibrated_sensitivity`` to ``sensitivity``; ``count`` is adaptive clipping's noised centred count released
+    with it and that noise's std (``z`` then charges both)."""
     if z is None:
         z = sigma / sensitivity if sensitivity > 0 else math.inf
     calibrated = sensitivity if calibrated_sensitivity is None else calibrated_sensitivity
@@ -51,9 +53,23 @@ def release_record(*, plan: NoisePlan, node: str, event: str, round: int, step: 
     if plan.sampled and event == "edge":  # an amplified release: the ledger charges it as a sampled Gaussian
         q, population = plan.edge_event(node)
         inputs.update(sample_rate=float(q), population=int(population))
-    return {"node": node, "event": event, "round": int(round), "step": int(step), "sigma": float(sigma),
-            "sensitivity": float(sensitivity), "z": float(z),
-            "protected": sorted(protected), "inputs": inputs}
+    record = {"node": node, "event": event, "round": int(round), "step": int(step), "sigma": float(sigma),
+              "sensitivity": float(sensitivity), "z": float(z), "protected": sorted(protected), "inputs": inputs}
+    if count is not None:
+        record.update(count=float(count[0]), count_stddev=float(count[1]))
+        inputs["count_stddev"] = float(count[1])  # on the ledger: this release's z also paid for a count
+    return record
+
+
+def _check_count(plan: NoisePlan, record: Mapping[str, Any], z: float, sensitivity: float) -> None:
+    """Adaptive clipping: the release carries its noised centred count, with at least the planned noise."""
+    if plan.adaptive is None:
+        return
+    count, stddev = _number(record, "count"), _number(record, "count_stddev")
+    planned = plan.count_stddev(z, sensitivity)
+    if not math.isfinite(count) or stddev < planned * (1 - Z_TOLERANCE):
+        raise MissingReleaseError(f"release of {record.get('node')!r} carries a clipped count with noise std "
+                                  f"{stddev:.6g}, below the planned {planned:.6g}")
 
 
 def sampling_of(row: Mapping[str, Any]) -> tuple[float, int]:
@@ -101,6 +117,7 @@ def check_device_release(plan: NoisePlan, cell: str, sender: str, round: int, st
         raise MissingReleaseError(f"{sender} added noise with multiplier {_z(record):.6g}, "
                                   f"below the planned {p.device_z:.6g}")
     _check_charge(record, plan.device_sensitivity)
+    _check_count(plan, record, p.device_z, DEVICE_COUNT_SENSITIVITY)
 
 
 def check_cell_update(plan: NoisePlan, cell: str, round: int, privacy: Mapping[str, Any] | None,
@@ -147,6 +164,7 @@ def check_cell_update(plan: NoisePlan, cell: str, round: int, privacy: Mapping[s
             raise MissingReleaseError(f"cell {cell} added noise with multiplier {_z(record):.6g}, below the planned "
                                       f"{planned:.6g}")
         _check_charge(record, plan.edge_sensitivity(reporters))
+        _check_count(plan, record, planned, EDGE_COUNT_SENSITIVITY)
         return
     by_key = {(r.get("node"), r.get("step")): r for r in releases if isinstance(r, Mapping)}
     for i, step_reporters in enumerate(steps):

@@ -69,21 +69,28 @@ HEADER: Mapping[str, Field] = {
 }
 
 _RELEASE_WHY = "from the noise plan (clip, z, tau, mode) and who reported"
+_CLIP_WHY = ("; with adaptive clipping the round's clip bound C_t, which the cloud moves from noised counts, so "
+             "post-processing")
 _RELEASE: Mapping[str, Field] = {
     "node": Field(PUBLIC, "who added the noise (topology)"),
     "event": Field(PUBLIC, "device or edge release (topology)"),
     "round": Field(PUBLIC, _SCHEDULE),
     "step": Field(PUBLIC, _SCHEDULE),
-    "sigma": Field(PUBLIC, f"noise std, {_RELEASE_WHY}"),
-    "sensitivity": Field(PUBLIC, f"the sound sensitivity, {_RELEASE_WHY}"),
+    "sigma": Field(DERIVED, f"noise std, {_RELEASE_WHY}{_CLIP_WHY}"),
+    "sensitivity": Field(DERIVED, f"the sound sensitivity, {_RELEASE_WHY}{_CLIP_WHY}"),
     "z": Field(PUBLIC, f"the charged multiplier sigma / sensitivity, {_RELEASE_WHY}"),
     "protected": Field(PUBLIC, "the devices whose data the noise covers (participation)"),
-    "inputs.clip": Field(PUBLIC, "C, from the plan"),
+    "inputs.clip": Field(DERIVED, f"C, from the plan{_CLIP_WHY}"),
     "inputs.reporters": Field(PUBLIC, "how many devices reported (participation)"),
     "inputs.edge_rounds": Field(PUBLIC, "tau, from the plan"),
     "inputs.mode": Field(PUBLIC, "calibration mode, from the plan"),
-    "inputs.calibrated_sensitivity": Field(PUBLIC, f"what sigma was calibrated against, {_RELEASE_WHY}"),
+    "inputs.calibrated_sensitivity": Field(DERIVED, f"what sigma was calibrated against, {_RELEASE_WHY}{_CLIP_WHY}"),
     "inputs.sample_rate": Field(PUBLIC, "device sampling only: q of the amplified release, from the plan"),
+    "count": Field(NOISED, "adaptive clipping: the centred unclipped bit(s) b - 1/2 of the release's devices plus "
+                           "N(0, count_stddev^2), paid for inside the release's z"),
+    "count_stddev": Field(PUBLIC, "adaptive clipping: the count's noise std, z / sqrt(count_share) x its sensitivity "
+                                  "(the plan)"),
+    "inputs.count_stddev": Field(PUBLIC, "adaptive clipping: as count_stddev, on the ledger"),
     "inputs.population": Field(PUBLIC, "fixed-size device sampling only: the cell's size n, from the plan (0: "
                                        "Poisson)"),
     "inputs.distributed": Field(PUBLIC, "distributed DP only: the release is the cell's sum of its devices' noise "
@@ -119,6 +126,8 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
         "m.train_loss": Field(WITHHELD, "0.0: the training loss is a data-dependent number the plan does not "
                                         "account for"),
         "m.steps": Field(PUBLIC, "local SGD steps run: the task's local_steps"),
+        "m.unclipped": Field(WITHHELD, "adaptive clipping's bit (did the update fit C?): never sent to an untrusted "
+                                       "edge, where it travels noised in m.release.count; clear to a trusted one"),
         "m.q": Field(DERIVED, "measured QSGD variance of quantizing the noised delta (0 without quantization)"),
         **_prefixed("m.release.", _RELEASE),
         **_prefixed("m.eval.", _EVAL),
@@ -252,10 +261,12 @@ SAMPLED: Mapping[str, Mapping[str, Field]] = {
         "m.privacy.releases[].inputs.survivors": Field(PUBLIC, "distributed DP: every member takes part in the "
                                                                "protocol, sampled or not, so this is how many "
                                                                "answered, never how many were sampled"),
-        "m.privacy.releases[].sigma": Field(PUBLIC, _HIDDEN + "z C / (q n): fixed by the plan, whoever reported"),
-        "m.privacy.releases[].sensitivity": Field(PUBLIC, _HIDDEN + "C / (q n) (2C / round(q n) fixed-size): "
-                                                                    "fixed by the plan"),
-        "m.privacy.releases[].inputs.calibrated_sensitivity": Field(PUBLIC, _HIDDEN + "the same fixed sensitivity"),
+        "m.privacy.releases[].sigma": Field(DERIVED, _HIDDEN + "z C / (q n): fixed by the plan, whoever reported"
+                                                       + _CLIP_WHY),
+        "m.privacy.releases[].sensitivity": Field(DERIVED, _HIDDEN + "C / (q n) (2C / round(q n) fixed-size): "
+                                                                     "fixed by the plan" + _CLIP_WHY),
+        "m.privacy.releases[].inputs.calibrated_sensitivity": Field(DERIVED, _HIDDEN + "the same fixed sensitivity"
+                                                                    + _CLIP_WHY),
         "m.privacy.releases[].z": Field(PUBLIC, _HIDDEN + "the plan's edge z: fixed, whoever reported"),
         "m.privacy.clear[].sender": Field(WITHHELD, _HIDDEN + "not sent: the clear hops stay inside the cell"),
         "m.stats.device_up_bytes": Field(WITHHELD, _HIDDEN + "0: it counts the sampled devices' messages"),

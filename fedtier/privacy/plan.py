@@ -51,6 +51,7 @@ sum. Whatever the cell's trust label, its edge adds nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -62,6 +63,11 @@ from fedtier.errors import UnexpectedMessageError
 
 MODES = ("rdp", "paper")
 SAMPLING = ("none", "poisson", "fixed")
+DEVICE_COUNT_SENSITIVITY = 1.0
+"""Adaptive clipping: a device's own centred bit ``b - 1/2`` moves by 1 when a record flips it (replace-one)."""
+EDGE_COUNT_SENSITIVITY = 0.5
+"""Adaptive clipping: a trusted edge's centred count over a Poisson sample moves by 1/2 when a device is added or
+removed (add/remove adjacency, as its sampled update release)."""
 
 
 def device_sensitivity(clip: float) -> float:
@@ -190,6 +196,12 @@ class NoisePlan:
         device_release_cap: the most rounds a device under an untrusted edge is sampled for.
         secure_noise: draw noise with ``NoiseSource.add(secure=True)`` (CSPRNG, sum of Gaussians).
         sample_seed: seeds the cloud's public sample of devices under untrusted edges (``cloud_sample``).
+        adaptive: adaptive clipping (``fedtier.privacy.adaptive_clip``), or ``None``: ``{"quantile": gamma,
+            "lr": eta_C, "count_share": s}``. ``clip`` is then the first round's C, and each round's C travels in
+            its task (``RoundSettings.dp_clip``). Every release's planned ``z`` (what the ledger charges) pays for
+            the update and its clipped-count bit together: the update gets the larger ``update_z(z) =
+            z / sqrt(1 - s)``, the count the multiplier ``z / sqrt(s)`` (``count_stddev``), which compose to
+            exactly one Gaussian at ``z``.
     """
 
     mode: str
@@ -208,8 +220,16 @@ class NoisePlan:
     device_release_cap: int = 0  # 0: the rounds (no cap below T)
     secure_noise: bool = False
     sample_seed: int = 0  # the rollout's seed: the cloud's public sample of untrusted cells (cloud_sample)
+    adaptive: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.adaptive is not None:
+            a = self.adaptive
+            if set(a) != {"quantile", "lr", "count_share"} or not (
+                    0 < a["quantile"] < 1 and a["lr"] > 0 and 0 < a["count_share"] < 1):
+                raise ValueError(f"adaptive clipping needs quantile and count_share in (0, 1) and lr > 0: {a}")
+            if self.sampling != "poisson":
+                raise ValueError("adaptive clipping runs with Poisson device sampling (add/remove adjacency)")
         if self.mode not in MODES:
             raise ValueError(f"privacy mode must be one of {MODES}, got {self.mode!r}")
         if self.accountant not in ("rdp", "pld"):
@@ -297,8 +317,26 @@ class NoisePlan:
             return self.sampled_edge_sensitivity(reporters)
         return calibrated_edge_sensitivity(self.mode, self.clip, reporters, self.edge_rounds)
 
+    def update_z(self, z: float) -> float:
+        """The multiplier a release's model update gets when its planned ``z`` also pays for a clipped-count bit
+        (adaptive clipping): ``z / sqrt(1 - count_share)``; ``z`` itself otherwise."""
+        return z if self.adaptive is None else z / math.sqrt(1.0 - float(self.adaptive["count_share"]))
+
+    def count_stddev(self, z: float, sensitivity: float) -> float:
+        """Adaptive clipping: the noise std of a centred count of ``sensitivity`` released with planned ``z``:
+        multiplier ``z / sqrt(count_share)``, so that with ``update_z`` the pair costs exactly ``z``."""
+        if self.adaptive is None:
+            raise ValueError("the plan has no adaptive clipping")
+        return sensitivity * z / math.sqrt(float(self.adaptive["count_share"]))
+
+    def at_clip(self, clip: float) -> "NoisePlan":
+        """The plan of a round whose clip bound is ``clip`` (adaptive clipping moves it every round)."""
+        if not (math.isfinite(clip) and clip > 0):
+            raise ValueError(f"privacy clip must be finite and > 0, got {clip!r}")
+        return dataclasses.replace(self, clip=float(clip))
+
     def device_sigma(self, cell: str) -> float:
-        return self.cells[cell].device_z * self.device_sensitivity
+        return self.update_z(self.cells[cell].device_z) * self.device_sensitivity
 
     def release_denominator(self, cell: str, reporters: int) -> float:
         """What a cell's release divides its devices' sum by: the fixed ``edge_denominator`` under
@@ -334,7 +372,7 @@ class NoisePlan:
         p = self.cells[cell]
         if self.sampled:  # a fixed denominator: who was sampled, and who reported, must not show in the noise
             reporters = None
-        return p.edge_z * self.calibrated_edge_sensitivity(p.members if reporters is None else reporters)
+        return self.update_z(p.edge_z) * self.calibrated_edge_sensitivity(p.members if reporters is None else reporters)
 
     def edge_charged_z(self, cell: str, reporters: int | None = None) -> float:
         """The multiplier a trusted edge's release is charged: ``edge_sigma / edge_sensitivity``.
@@ -356,7 +394,8 @@ class NoisePlan:
                 "require_tls": self.require_tls, "cells": {c: p.to_dict() for c, p in sorted(self.cells.items())},
                 "details": dict(self.details), "accountant": self.accountant, "sampling": self.sampling,
                 "sample_rate": self.sample_rate, "device_release_cap": self.device_release_cap,
-                "secure_noise": self.secure_noise, "sample_seed": self.sample_seed}
+                "secure_noise": self.secure_noise, "sample_seed": self.sample_seed,
+                **({"adaptive": dict(self.adaptive)} if self.adaptive is not None else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "NoisePlan":
@@ -378,9 +417,16 @@ class NoisePlan:
                        sample_rate=float(_typed(data.get("sample_rate", 1.0), float)),
                        device_release_cap=int(_typed(data.get("device_release_cap", 0), int)),
                        secure_noise=bool(_typed(data.get("secure_noise", False), bool)),
-                       sample_seed=int(_typed(data.get("sample_seed", 0), int)))
+                       sample_seed=int(_typed(data.get("sample_seed", 0), int)),
+                       adaptive=_adaptive(data.get("adaptive")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise UnexpectedMessageError(f"invalid privacy plan: {exc}") from None
+
+
+def _adaptive(value: Any) -> dict[str, float] | None:
+    if value is None:
+        return None
+    return {str(k): float(_typed(v, float)) for k, v in dict(value).items()}
 
 
 def _typed(value: Any, typ: type) -> Any:

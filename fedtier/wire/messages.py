@@ -243,10 +243,15 @@ class DeviceUpdate(Message):
     evaluation: EvalStats | None = None
     """Federated evaluation of the global model this round started from, on the device's held-out
     rows (in the round's last upload; never under differential privacy)."""
+    unclipped: bool | None = None
+    """Adaptive clipping, to a trusted edge only: whether the update fitted the round's clip bound (the bit
+    the edge counts, noises and releases; under an untrusted edge it travels noised in ``release``)."""
 
     def _meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"num_samples": self.num_samples, "train_loss": float(self.train_loss),
                                 "steps": self.steps, "q": float(self.q)}
+        if self.unclipped is not None:
+            meta["unclipped"] = bool(self.unclipped)
         if self.release is not None:
             meta["release"] = _plain(self.release, "release")
         if self.evaluation is not None:
@@ -258,7 +263,8 @@ class DeviceUpdate(Message):
         return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, delta=env.tensors,
                    num_samples=_count(env.meta, "num_samples"), train_loss=_get(env.meta, "train_loss", float),
                    steps=_get(env.meta, "steps", int), q=_nonneg(env.meta, "q"),
-                   release=_get(env.meta, "release", dict, default=None), evaluation=_evaluation(env.meta))
+                   release=_get(env.meta, "release", dict, default=None), evaluation=_evaluation(env.meta),
+                   unclipped=_get(env.meta, "unclipped", bool, default=None))
 
 
 @dataclass(frozen=True, slots=True, eq=False)

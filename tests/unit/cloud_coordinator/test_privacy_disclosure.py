@@ -183,15 +183,17 @@ def test_the_presence_document_is_classified() -> None:
     assert {"state", "since", "instance"} <= set(disclosure.STATUS)
 
 
-def test_under_device_sampling_the_cloud_cannot_tell_who_was_sampled(small_rollout,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_under_device_sampling_the_cloud_cannot_tell_who_was_sampled(small_rollout, monkeypatch: pytest.MonkeyPatch,
+                                                                     adaptive: bool) -> None:
     """A trusted cell samples in secret: with another noise seed (so another sample) or other data, everything
     the cloud receives is identical except the noised release and what is computed from it. The untrusted cell's
-    devices are sampled by the cloud (public) and send no sample count."""
+    devices are sampled by the cloud (public) and send no sample count. With adaptive clipping the noised counts
+    and the clip bound the cloud moves with them are noised or post-processing too."""
     def config(noise_seed: int) -> RolloutConfig:
         return small_rollout(rounds=3, topology={"cells": 2, "devices_per_cell": 3, "trusted": {"cell-a": True}},
                              privacy={"epsilon": 8.0, "clip": 1.0, "require_tls": False, "noise_seed": noise_seed,
-                                      "device_sampling": "poisson", "sample_rate": 0.5},
+                                      "device_sampling": "poisson", "sample_rate": 0.5, "adaptive_clip": adaptive},
                              fedavg={**SCHEDULE, "edge_rounds": 1})
 
     prepared = prepare(config(1))
