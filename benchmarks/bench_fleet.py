@@ -40,6 +40,9 @@ def emulate(devices: int, rounds: int, timeout: float, keepalive_s: int = 30, ce
     return json.loads(out.stdout)
 
 
+BREAKDOWN = ("edge_decode_s", "edge_work_s", "coordinator_s", "rest_s")
+
+
 def table(results: dict[str, Any]) -> str:
     lines = ["| devices | reps | round s | overhead s (round − slowest device) | devices' training s | "
              "round 0 s (with artifacts) | start-up s |", "|---|---|---|---|---|---|---|"]
@@ -50,6 +53,18 @@ def table(results: dict[str, Any]) -> str:
 
         lines.append(f"| {r['devices']:,} | {r['reps']} | {cell('round_s')} | {cell('overhead_s')} | "
                      f"{cell('training_s')} | {cell('round0_s')} | {cell('start_s')} |")
+    if all(k in r for r in results["sizes"] for k in BREAKDOWN):
+        lines += ["", "Where a round (1 and later) goes, seconds, median (min–max):", "",
+                  "| devices | round | devices' training per worker | edges: decoding | edges: all work (decoding "
+                  "included) | coordinator | rest: broker, devices' own decode/encode/outbox, waiting |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in results["sizes"]:
+            def val(key: str, r: dict[str, Any] = r) -> str:
+                v = r[key]
+                return f"{v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f})"
+
+            lines.append(f"| {r['devices']:,} | {val('round_s')} | {val('training_per_worker_s')} | "
+                         f"{val('edge_decode_s')} | {val('edge_work_s')} | {val('coordinator_s')} | {val('rest_s')} |")
     return "\n".join(lines)
 
 
@@ -76,6 +91,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "overhead_s": spread([statistics.median(r["overhead_s"] for r in rs) for rs in later]),
                "training_s": spread([statistics.median(r["training_s"] for r in rs) for rs in later]),
                "round0_s": spread([run["rounds"][0]["round_s"] for run in runs]),
+               **{key: spread([statistics.median(r[key] for r in rs) for rs in later]) for key in BREAKDOWN},
+               "training_per_worker_s": spread([statistics.median(r["training_s"] / r["workers"] for r in rs)
+                                                for rs in later]),
                "start_s": spread([run["start_s"] for run in runs])}
         results["sizes"].append(row)
         print(devices, f"{row['round_s']['median']:.2f} s/round", flush=True)

@@ -48,7 +48,9 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
     devices on one thread, their sockets multiplexed; --loop threads gives each its own), the
     edges and the coordinator on threads of this process; the devices of a worker share one ORT
     session per model (docs/benchmarks.md, "Fleet emulator"). Prints each round's time, its
-    slowest device's local run and the overhead beyond it.
+    slowest device's local run and the overhead beyond it, and where the round went: the edges'
+    decoding and all their work, the coordinator's work, and the rest (the broker's deliveries, the
+    devices' own decoding, encoding and outbox writes, waiting).
 
     \b
         fedtier fleet emulate --devices 100
@@ -72,12 +74,13 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
 
     table = Table(title=f"{result.devices} devices in {result.cells} cell(s) through {result.broker}")
     for column in ("round", "devices", "round s", "all training s", "slowest device s", "median training s",
-                   "overhead s", "accuracy"):
+                   "overhead s", "edge decode s", "edge work s", "coordinator s", "rest s", "accuracy"):
         table.add_column(column, justify="right")
     for r in result.rounds:
         table.add_row(str(r.round), str(r.devices_reported), f"{r.round_s:.2f}", f"{r.training_s:.2f}",
                       f"{r.slowest_device_s:.2f}",
-                      f"{r.median_device_s:.3f}", f"{r.overhead_s:.2f}",
+                      f"{r.median_device_s:.3f}", f"{r.overhead_s:.2f}", f"{r.edge_decode_s:.2f}",
+                      f"{r.edge_work_s:.2f}", f"{r.coordinator_s:.2f}", f"{r.rest_s:.2f}",
                       "-" if r.accuracy is None else f"{r.accuracy:.4f}")
     make_console().print(table)
     click.echo(f"start-up {result.start_s:.1f} s, wall {result.wall_s:.1f} s, peak RSS {result.peak_rss_mb:.0f} MB, "

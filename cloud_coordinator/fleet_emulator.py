@@ -75,11 +75,26 @@ class RoundTiming:
     """All devices' training, one after the other (the shared session serializes it)."""
     devices_reported: int
     accuracy: float | None
+    edge_decode_s: float = 0.0
+    """The edges' threads decoding the round's messages (sha256 and tensor copies), summed over edges."""
+    edge_work_s: float = 0.0
+    """The edges' threads handling messages (decoding included: the role's aggregation, the store's writes,
+    publishing) and ticking, summed over edges."""
+    coordinator_s: float = 0.0
+    """The coordinator's thread: decoding the cells' updates, aggregating, evaluating, committing the round."""
+    workers: int = 1
 
     @property
     def overhead_s(self) -> float:
         """The round's time beyond its slowest device's local run."""
         return self.round_s - self.slowest_device_s
+
+    @property
+    def rest_s(self) -> float:
+        """What the breakdown does not name: the broker's deliveries, the devices' own decoding, encoding and
+        outbox writes, and waiting (round time minus the workers' share of the training, the edges' and the
+        coordinator's work; below zero when those overlap each other on the cores)."""
+        return self.round_s - self.training_s / max(1, self.workers) - self.edge_work_s - self.coordinator_s
 
 
 @dataclass
@@ -98,7 +113,7 @@ class EmulationResult:
     def to_dict(self) -> dict[str, Any]:
         return {"devices": self.devices, "cells": self.cells, "start_s": self.start_s, "wall_s": self.wall_s,
                 "peak_rss_mb": self.peak_rss_mb, "threads": self.threads, "broker": self.broker, "notes": self.notes,
-                "rounds": [{**r.__dict__, "overhead_s": r.overhead_s} for r in self.rounds]}
+                "rounds": [{**r.__dict__, "overhead_s": r.overhead_s, "rest_s": r.rest_s} for r in self.rounds]}
 
 
 def raise_fd_limit() -> int:
@@ -290,6 +305,8 @@ class FleetEmulator:
         self.servers = _DeviceHost(0.0)  # the edges and the coordinator, on threads of this process
         self.runs: list[tuple[int, str, float, float]] = []
         self.workers = 0
+        self.busy: list[dict[str, float]] = []
+        """Per closed round: the edges' and the coordinator's busy seconds so far (``NodeBase.busy_s``)."""
 
     def run(self) -> EmulationResult:
         import multiprocessing
@@ -343,9 +360,11 @@ class FleetEmulator:
                 except Exception as exc:  # queue.Empty
                     raise RuntimeError("the device workers did not start within 10 minutes") from exc
                 self.say(f"started {hosted} of {len(devices)} devices in {len(groups)} worker process(es)")
+            edges = []
             for cell in paths.edges:
                 edge, transports, inbox = build_edge(load(EdgeConfig, paths.edges[cell]))
                 self.servers.spawn(cell, edge, transports, inbox)
+                edges.append(edge)
             cloud, tx, inbox = build_cloud(load(RolloutConfig, paths.coordinator))
             self.servers.spawn("coordinator", cloud, [tx], inbox, done=lambda: cloud.finished)
             start_s = time.perf_counter() - t_start
@@ -356,6 +375,8 @@ class FleetEmulator:
                     raise RuntimeError(problems[0])
                 if any(not p.is_alive() for p in procs):
                     raise RuntimeError("a device worker process died")
+                while len(self.busy) < len(cloud.history):
+                    self.busy.append(_busy(edges, cloud))
                 if len(cloud.history) > seen:
                     row = cloud.history[seen]
                     self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
@@ -363,6 +384,8 @@ class FleetEmulator:
                     seen += 1
                 time.sleep(0.05)
             history = list(cloud.history)
+            while len(self.busy) < len(history):
+                self.busy.append(_busy(edges, cloud))
             stop.set()
             for _ in procs:
                 report = results.get(timeout=60)
@@ -395,14 +418,29 @@ class FleetEmulator:
 
     def _timings(self, history: list[dict[str, Any]]) -> list[RoundTiming]:
         out = []
-        for row in history:
+        before = dict.fromkeys(("edge_decode", "edge_work", "coordinator"), 0.0)
+        for i, row in enumerate(history):
             runs = [(total, trained) for r, _, total, trained in self.runs if r == row["round"]]
+            busy = self.busy[i] if i < len(self.busy) else before
             out.append(RoundTiming(round=int(row["round"]), round_s=float(row["round_s"]),
                                    slowest_device_s=max((t for t, _ in runs), default=0.0),
                                    median_device_s=statistics.median(t for _, t in runs) if runs else 0.0,
                                    training_s=sum(t for _, t in runs),
-                                   devices_reported=int(row["devices_reported"]), accuracy=row.get("accuracy")))
+                                   devices_reported=int(row["devices_reported"]), accuracy=row.get("accuracy"),
+                                   edge_decode_s=busy["edge_decode"] - before["edge_decode"],
+                                   edge_work_s=busy["edge_work"] - before["edge_work"],
+                                   coordinator_s=busy["coordinator"] - before["coordinator"],
+                                   workers=max(1, self.workers)))
+            before = busy
         return out
+
+
+def _busy(edges: list[Any], cloud: Any) -> dict[str, float]:
+    """The edges' and the coordinator's cumulative busy seconds (read from their threads without a lock: a
+    float that is being added to is at most one message behind)."""
+    return {"edge_decode": sum(e.busy_s["decode"] for e in edges),
+            "edge_work": sum(e.busy_s["handle"] + e.busy_s["tick"] for e in edges),
+            "coordinator": cloud.busy_s["handle"] + cloud.busy_s["tick"]}
 
 
 def _resolved(kind: str) -> str:

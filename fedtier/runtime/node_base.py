@@ -57,6 +57,9 @@ class NodeBase:
         self.overdue_interval_s = 60.0
         """How often a round past its deadline is reported again while it waits."""
         self._overdue: dict[tuple[object, ...], float] = {}
+        self.busy_s: dict[str, float] = {"decode": 0.0, "handle": 0.0, "tick": 0.0}
+        """Seconds of this node's thread spent decoding messages, handling them (decoding included) and ticking
+        (``run_loop``): where a round's time goes (the fleet benchmark's breakdown)."""
         self.presence_docs: dict[str, dict[str, Any]] = {}
         """The last online presence document of each node (optional fields such as a device's
         ``trainer`` are there for logs and operators; the protocol needs only ``state``/``since``)."""
@@ -155,8 +158,10 @@ class NodeBase:
         if inbound.error is not None:
             self.reject(inbound, inbound.error)
             return None
+        started = time.perf_counter()
         try:
             msg = messages.decode_message(inbound.payload, max_bytes=self.max_message_bytes)
+            self.busy_s["decode"] += time.perf_counter() - started
             if parsed.rollout is not None and msg.rollout != parsed.rollout:
                 raise UnexpectedMessageError(f"message for rollout {msg.rollout!r} on a topic of {parsed.rollout!r}")
             if parsed.kind is not None and msg.KIND != parsed.kind:
@@ -194,12 +199,18 @@ def run_loop(node: Node, inbox: "queue.Queue[Inbound]", stop: threading.Event, *
         except queue.Empty:
             inbound = None
         now = clock()
+        busy = getattr(node, "busy_s", None)
         if inbound is not None:
             node.handle(inbound, now)
             inbound.confirm()
+            if busy is not None:
+                busy["handle"] += clock() - now
         if now >= next_tick:
+            started = clock()
             node.tick(now)
             next_tick = now + tick_s
+            if busy is not None:
+                busy["tick"] += clock() - started
 
 
 def listed(names: Sequence[str], limit: int = 20) -> str:

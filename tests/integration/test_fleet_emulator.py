@@ -31,6 +31,9 @@ def test_twenty_devices_in_two_cells_complete_their_rounds(mosquitto: Any, tmp_p
         # every device's run holds the simulated 20 ms; the round waited for its slowest device
         assert r.slowest_device_s >= 0.02 and r.round_s >= r.slowest_device_s > 0 and r.training_s > 0
         assert r.overhead_s == pytest.approx(r.round_s - r.slowest_device_s)
+        # the breakdown: the edges decoded 20 updates and did their work, the coordinator committed the round
+        assert 0 < r.edge_decode_s < r.edge_work_s and r.coordinator_s > 0
+        assert r.rest_s == pytest.approx(r.round_s - r.training_s / r.workers - r.edge_work_s - r.coordinator_s)
     assert result.rounds[-1].accuracy is not None and result.rounds[-1].accuracy > 0.1  # ten classes: above chance
     assert any("round 0 closed: 20 devices" in line for line in said)
     assert (tmp_path / "fleet" / "configs" / "coordinator.toml").is_file()  # --workdir kept
@@ -54,3 +57,4 @@ def test_bench_fleet_harness_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: py
     (row,) = results["sizes"]
     assert row["devices"] == 10 and row["round_s"]["median"] > 0 and row["training_s"]["median"] > 0
     assert "| 10 | 1 |" in bench.table(results) and (tmp_path / "tiny.json").is_file()
+    assert row["edge_work_s"]["median"] > 0 and "edges: decoding" in bench.table(results)
