@@ -13,6 +13,7 @@ encoding would be a second noisy release of the same aggregate, one the ledger n
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from fedtier.storage.sqlite import Database
@@ -30,6 +31,10 @@ CREATE TABLE IF NOT EXISTS outputs (
 class EdgeStore:
     def __init__(self, path: Path | str) -> None:
         self.db = Database(path, SCHEMA)
+
+    def batch(self) -> AbstractContextManager[None]:
+        """Group commit of the inputs recorded inside (``Database.batch``); the edge acknowledges them after."""
+        return self.db.batch()
 
     def record(self, rollout: str, round: int, kind: str, key: str, payload: bytes) -> None:
         """Append an accepted input (idempotent by key)."""
@@ -53,6 +58,7 @@ class EdgeStore:
         """Keep an output before it is published (the first one for a key wins)."""
         with self.db.locked() as db:
             db.execute("INSERT OR IGNORE INTO outputs VALUES (?,?,?,?)", (key, rollout, round, payload))
+        self.db.commit_pending()  # durable before it is published, inside a batch too
 
     def inputs(self) -> list[tuple[str, bytes]]:
         """Every recorded input as ``(rollout, payload)``, in acceptance order."""

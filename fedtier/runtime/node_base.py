@@ -185,12 +185,18 @@ class NodeBase:
                 self.log.info("%s %s", action.event, " ".join(f"{k}={v}" for k, v in action.fields.items()))
 
 
+MAX_BATCH = 256
+"""Messages a node with a ``batch()`` (the edge) handles per commit, at most."""
+
+
 def run_loop(node: Node, inbox: "queue.Queue[Inbound]", stop: threading.Event, *, tick_s: float = 0.1,
              clock: Callable[[], float] = time.monotonic) -> None:
     """The one thread that touches a node: process inbound messages in order, tick deadlines.
 
     ``confirm()`` (the MQTT acknowledgement) runs only after ``handle`` returned, so a crash
-    while handling leaves the message with the broker for redelivery.
+    while handling leaves the message with the broker for redelivery. A node with ``batch()``
+    (the edge, whose store makes every accepted update durable) handles the messages already
+    waiting together inside it, and they are confirmed only after the batch committed.
     """
     next_tick = clock()
     while not stop.is_set():
@@ -201,8 +207,21 @@ def run_loop(node: Node, inbox: "queue.Queue[Inbound]", stop: threading.Event, *
         now = clock()
         busy = getattr(node, "busy_s", None)
         if inbound is not None:
-            node.handle(inbound, now)
-            inbound.confirm()
+            batch = [inbound]
+            grouped = getattr(node, "batch", None)
+            if grouped is None:
+                node.handle(inbound, now)
+            else:  # the messages already waiting, handled together and made durable with one commit
+                while len(batch) < MAX_BATCH:
+                    try:
+                        batch.append(inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                with grouped():
+                    for item in batch:
+                        node.handle(item, now)
+            for item in batch:
+                item.confirm()
             if busy is not None:
                 busy["handle"] += clock() - now
         if now >= next_tick:
