@@ -26,6 +26,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from fedtier import wire
+from fedtier.storage import npz as npz_file
 from cloud_coordinator import store_backend as backend
 
 
@@ -48,7 +49,7 @@ def encode_state(state: Mapping[str, np.ndarray]) -> bytes:
 
 
 def decode_state(blob: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
+    with npz_file.LOCK, np.load(io.BytesIO(blob), allow_pickle=False) as npz:
         return {k: npz[k] for k in npz.files}
 
 

@@ -253,7 +253,13 @@ class RolloutLocks:
 
     def release_all(self) -> None:
         if self._pg_conn is not None:
-            self._pg_conn.close()  # ends the session, and with it every advisory lock it held
+            try:  # released now, in this session: closing may only return the connection to the engine's pool,
+                # and a session that ends frees its locks only once the server has noticed
+                self._pg_conn.execute(sa.text("SELECT pg_advisory_unlock_all()"))
+                self._pg_conn.commit()
+            except sa.exc.DBAPIError:
+                pass  # the session is gone already, and its locks with it
+            self._pg_conn.close()
             self._pg_conn = None
         for fd in (self._files or {}).values():
             os.close(fd)

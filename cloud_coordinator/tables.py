@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fedtier.errors import ConfigError
+from fedtier.storage import npz as npz_file
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def read_table(path: Path, label_column: str | None = None, *, key: str = "--inp
 
 def _read_npz(path: Path, key: str) -> Table:
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with npz_file.LOCK, np.load(path, allow_pickle=False) as z:
             xk = next((k for k in ("x", "X") if k in z.files), None)
             yk = next((k for k in ("y", "Y") if k in z.files), None)
             if xk is None or yk is None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fedtier.errors import ConfigError
+from fedtier.storage import npz
 from fedtier.training.layout import SCORE_LOSSES, ArchSpec
 
 TRAIN_FILE = "train.npz"
@@ -55,7 +56,7 @@ class LocalData:
 
 def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with npz.LOCK, np.load(path, allow_pickle=False) as z:
             xk = "x" if "x" in z.files else "X" if "X" in z.files else None
             yk = "y" if "y" in z.files else "Y" if "Y" in z.files else None
             if xk is None or yk is None:

@@ -19,6 +19,7 @@ import numpy as np
 from device_agent.data import TRAIN_FILE, LocalData
 from fedtier.artifacts.split_bundle import SplitBundle
 from fedtier.errors import ArtifactError, ConfigError, LocalProtocolError
+from fedtier.storage import npz
 from fedtier.training import split
 
 SIDES = ("device", "host")
@@ -36,7 +37,7 @@ def load_row_ids(data_dir: Path) -> tuple[str, ...] | None:
     if not path.is_file():
         return None
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with npz.LOCK, np.load(path, allow_pickle=False) as z:
             if "ids" not in z.files:
                 return None
             ids = np.asarray(z["ids"])

@@ -177,6 +177,14 @@ def small_rollout(tmp_path: Path, artifact_store: Path) -> Callable[..., object]
     return make
 
 
+def pytest_collection_modifyitems(items: list[Any]) -> None:
+    """The end-to-end runs (each a fleet of processes: demos, operations, the deployment page) share one xdist
+    worker: two of them at once on a 2-core machine would each run slower than its deadlines assume."""
+    for item in items:
+        if "e2e" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.xdist_group("e2e"))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """After a run of tests/integration/broker_behaviour: its count of shared assertions."""
     harness = sys.modules.get("broker_harness")
