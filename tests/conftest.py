@@ -185,6 +185,42 @@ def pytest_collection_modifyitems(items: list[Any]) -> None:
             item.add_marker(pytest.mark.xdist_group("e2e"))
 
 
+def _broker_harness() -> Any:
+    """tests/integration/broker_behaviour/broker_harness.py, imported under the name its tests use."""
+    if "broker_harness" not in sys.modules:
+        import importlib.util
+
+        path = Path(__file__).parent / "integration" / "broker_behaviour" / "broker_harness.py"
+        spec = importlib.util.spec_from_file_location("broker_harness", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["broker_harness"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["broker_harness"]
+
+
+class _BrokerSummaryFromWorkers:
+    """Under pytest-xdist the broker-behaviour assertions are recorded in the workers: each sends its registry
+    when it finishes (``workeroutput``), and the controller merges them for the summary line."""
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        data = getattr(node, "workeroutput", {}).get("broker_harness")
+        if data:
+            _broker_harness().merge(data)
+
+
+def pytest_configure(config: Any) -> None:
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_BrokerSummaryFromWorkers(), "fedtier-broker-summary")
+
+
+def pytest_sessionfinish(session: Any) -> None:
+    output = getattr(session.config, "workeroutput", None)  # set in an xdist worker
+    harness = sys.modules.get("broker_harness")
+    if output is not None and harness is not None:
+        output["broker_harness"] = harness.export()
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """After a run of tests/integration/broker_behaviour: its count of shared assertions."""
     harness = sys.modules.get("broker_harness")

@@ -66,6 +66,20 @@ class _Registry:
 REGISTRY = _Registry()
 
 
+def export() -> dict[str, list[list[Any]]]:
+    """The registry as plain data (a pytest-xdist worker sends it to the controller, ``tests/conftest.py``)."""
+    return {name: [[test, label, sorted(kinds)] for (test, label), kinds in getattr(REGISTRY, name).items()]
+            for name in ("passed", "differences")}
+
+
+def merge(data: dict[str, list[list[Any]]]) -> None:
+    """Add a worker's ``export()`` to this process's registry."""
+    for name in ("passed", "differences"):
+        table = getattr(REGISTRY, name)
+        for test, label, kinds in data.get(name, []):
+            table.setdefault((test, label), set()).update(kinds)
+
+
 def summary_lines() -> list[str]:
     """What tests/conftest.py's terminal-summary hook prints after a run of this suite."""
     if not REGISTRY.passed and not REGISTRY.differences:
