@@ -1,7 +1,7 @@
 """Simulator scale: seconds per round and peak memory as the number of devices grows.
 
-All devices share one ORT session; each holds only its data, an in-memory SQLite outbox and
-a role. Usage: ``python -m benchmarks simulate [--sizes 2x6,10x10,...]``; writes
+All devices share one ORT session; each holds only its data, its outbox and progress in dicts
+(``MemoryDeviceState``) and a role. Usage: ``python -m benchmarks simulate [--sizes 2x6,10x10,...]``; writes
 benchmarks/results/simulate.json.
 """
 

@@ -33,7 +33,7 @@ from cloud_coordinator.rollout import PreparedRollout, prepare
 from cloud_coordinator.store import CoordinatorStore
 from device_agent.data import LocalData, fit_to_model
 from device_agent.node import DeviceNode
-from device_agent.state import DeviceState
+from device_agent.state import MemoryDeviceState
 from edge_broker.service import EdgeNode
 from edge_broker.store import EdgeStore
 from fedtier.artifacts.bundle import ArtifactBundle
@@ -211,7 +211,7 @@ def device_node(cfg: RolloutConfig, prepared: PreparedRollout, broker: MemoryBro
     if attacker:
         provider, y = _attacker(cfg, prepared, device, trainers, y)
     node = DeviceNode(device_id=device, cell=cell, transport=tx, data=LocalData(x=x, y=y),
-                      trainer_provider=provider, state=DeviceState(":memory:"), cache=cache,
+                      trainer_provider=provider, state=MemoryDeviceState(), cache=cache,
                       bundles_dir=bundles_dir, noise=noise_source(cfg, device),
                       eval_data=LocalData(x=held[0], y=held[1]) if held is not None else None)
     tx.set_handler(_bind(node, broker))
@@ -224,7 +224,7 @@ def _hybrid_node(cfg: RolloutConfig, data: HybridData, broker: MemoryBroker, nod
     x, y, ids = data.shard(node_id)
     tx = broker.connect(node_id)
     node = DeviceNode(device_id=node_id, cell=cell, transport=tx, data=LocalData(x=x, y=y), trainer_provider=trainers,
-                      state=DeviceState(":memory:"), cache=cache, bundles_dir=bundles_dir,
+                      state=MemoryDeviceState(), cache=cache, bundles_dir=bundles_dir,
                       noise=noise_source(cfg, node_id), side="host" if node_id == data.cells[cell].host else "device",
                       row_ids=ids, split_provider=trainers.split)
     tx.set_handler(_bind(node, broker))

@@ -36,7 +36,7 @@ import numpy as np
 from device_agent import hybrid
 from device_agent.data import LocalData, fit_to_model
 from device_agent.hybrid import SplitProvider
-from device_agent.state import DeviceState
+from device_agent.state import DeviceState, MemoryDeviceState
 from fedtier import algorithms, rng
 from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import (
@@ -93,8 +93,8 @@ class DeviceNode(NodeBase):
     """Device ``device_id`` of cell ``cell``; transport-agnostic (MQTT, or memory in simulation)."""
 
     def __init__(self, *, device_id: str, cell: str, transport: Transport, data: LocalData,
-                 trainer_provider: TrainerProvider, state: DeviceState, cache: ArtifactCache, bundles_dir: Path,
-                 metrics: Metrics | None = None, max_message_bytes: int = 64 << 20,
+                 trainer_provider: TrainerProvider, state: DeviceState | MemoryDeviceState, cache: ArtifactCache,
+                 bundles_dir: Path, metrics: Metrics | None = None, max_message_bytes: int = 64 << 20,
                  trusted_keys: Mapping[str, Any] | None = None, noise: NoiseSource | None = None,
                  eval_data: LocalData | None = None, side: str = "device", row_ids: tuple[str, ...] | None = None,
                  split_provider: SplitProvider | None = None) -> None:

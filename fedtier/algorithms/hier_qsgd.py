@@ -264,6 +264,7 @@ class _DeviceBase(StateGuard):
     def _finish_round(self) -> None:
         self._state = RoleState.IDLE
         self.last_round = self._round
+        self._params = {}  # the next task brings the model: a simulator's 10,000 devices need not keep a copy each
 
     def tick(self, now: float) -> list[Action]:
         self._guard()
