@@ -485,7 +485,11 @@ class HsgdSection(RoundSection):
                               help="QSGD width of the vertical path (embeddings and the head), 2..8, or 32 = "
                                    "float32 (the paper's HSGD; C-HSGD is 7).")
     host_features: int = opt(0, min=0, help="The host's block X1: the dataset's first host_features columns (0 = two "
-                                            "thirds of them); the devices hold the rest.")
+                                            "thirds of them); the devices hold the rest. Needed with dataset = "
+                                            "'files'.")
+    device_features: int = opt(0, min=0, help="dataset = 'files': the width of a device's block X2 (built-in "
+                                              "datasets: the columns the host does not take).")
+    classes: int = opt(0, min=0, help="dataset = 'files': the number of classes (0 = from eval_file's labels).")
     embed_host: int = opt(8, min=1, help="d1: width of the host's embedding.")
     embed_device: int = opt(8, min=1, help="d2: width of a device's embedding.")
     hosts: dict[str, str] | None = opt(None, help="Cell -> its host's node id (default '<cell>-host').")
@@ -768,7 +772,7 @@ class RolloutConfig(Section):
         return self.artifact_store if self.artifact_store is not None else self.state_dir / "artifacts"
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
-        if self.model.builtin and self.data.dataset == "files" and self.data.dir is None:
+        if self.model.builtin and self.data.dataset == "files" and self.data.dir is None and self.algorithm != "hsgd":
             raise self.error(f"the built-in {self.model.kind} takes its input and output sizes from the data: set "
                              "dir (or use your own model, kind = 'torch' or 'onnx')", "data.dir",
                              prefix=prefix, source=source)
@@ -938,9 +942,14 @@ class RolloutConfig(Section):
                              "differential-privacy mechanism does not cover yet, so a private rollout cannot run it "
                              "(docs/hsgd.md)", "privacy", prefix=prefix, source=source)
         if self.data.dataset == "files":
-            raise self.error("hsgd rollouts take a built-in dataset for now: the coordinator sizes the split model "
-                             "from its columns and evaluates on its test split; your own hybrid data is not "
-                             "supported yet (docs/hsgd.md)", "data.dataset", prefix=prefix, source=source)
+            for key in ("host_features", "device_features"):
+                if not getattr(self.hsgd, key):
+                    raise self.error("your own hybrid data: the coordinator sizes the split model from host_features "
+                                     "and device_features (the widths of the host's and a device's rows)",
+                                     f"hsgd.{key}", prefix=prefix, source=source)
+            if not self.hsgd.classes and self.data.eval_file is None:
+                raise self.error("your own hybrid data without an eval_file: set the number of classes",
+                                 "hsgd.classes", prefix=prefix, source=source)
         if self.attack is not None:
             raise self.error("the attacks of [attack] corrupt model updates of fedavg-style devices; hsgd has none "
                              "yet", "attack", prefix=prefix, source=source)

@@ -140,7 +140,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
     if files and cfg.data.dir is None:
         raise ConfigError("a fleet on this machine reads each device's shard from [data] dir", key="data.dir")
     hosts = cfg.hsgd_hosts() if cfg.algorithm == "hsgd" else {}
-    if hosts:  # HSGD: a host per cell beside its devices, every node its columns of the samples
+    if hosts and not files:  # HSGD: a host per cell beside its devices, every node its columns of the samples
         from cloud_coordinator.hybrid_data import make_hybrid, write_hybrid_shards
 
         write_hybrid_shards(make_hybrid(cfg), {n: workdir / "data" / n for c, ds in cells.items()

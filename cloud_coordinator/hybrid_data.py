@@ -56,6 +56,8 @@ def make_hybrid(cfg: RolloutConfig) -> HybridData:
     """
     cells = cfg.topology.layout()
     devices = [d for members in cells.values() for d in members]
+    if cfg.data.dataset == "files":
+        return load_hybrid_files(cfg)
     try:
         data = make_federated(cfg.data, devices, cells)
     except ValueError as exc:
@@ -76,6 +78,55 @@ def make_hybrid(cfg: RolloutConfig) -> HybridData:
     xt = np.asarray(xt, np.float32).reshape(len(xt), -1)
     return HybridData(cells=out, test=(xt[:, :h], xt[:, h:], np.asarray(yt, np.int64)), host_features=h,
                       device_features=features - h, num_classes=data.num_classes)
+
+
+def load_hybrid_files(cfg: RolloutConfig) -> HybridData:
+    """Your own hybrid data (``dataset = "files"``): the widths from ``[hsgd]``; with ``[data] dir``, each node's
+    shard as ``write_hybrid_shards`` writes it (``<dir>/<host>/train.npz`` with ``ids``, ``<dir>/<device>/train.npz``
+    with its one row: what the simulator trains on; a coordinator runs without them); the test set from
+    ``eval_file``, its first ``host_features`` columns the host's block.
+
+    Raises:
+        ConfigError: a shard is missing or does not fit (the message names the file).
+    """
+    from cloud_coordinator.tables import read_table
+    from device_agent.data import load_data_dir
+    from device_agent.hybrid import load_row_ids
+
+    h, w = cfg.hsgd.host_features, cfg.hsgd.device_features
+    hosts, out = cfg.hsgd_hosts(), {}
+    for cell, members in cfg.topology.layout().items():
+        x1, x2, y = np.zeros((0, h), np.float32), np.zeros((0, w), np.float32), np.zeros(0, np.int64)
+        order = tuple(members)
+        if cfg.data.dir is not None:
+            host_dir = cfg.data.dir / hosts[cell]
+            ids = load_row_ids(host_dir)
+            if ids is None or sorted(ids) != sorted(members):
+                raise ConfigError(f"{host_dir / 'train.npz'} must hold one row per device of {cell} with their ids "
+                                  f"(array 'ids'); it has {'none' if ids is None else len(ids)}", key="data.dir")
+            rows = load_data_dir(host_dir)
+            order, x1, y = ids, rows.x.reshape(len(rows.x), -1).astype(np.float32), rows.y.astype(np.int64)
+            device_rows = [load_data_dir(cfg.data.dir / d) for d in order]
+            if any(len(r) != 1 for r in device_rows):
+                raise ConfigError(f"every device shard of {cell} holds its one sample", key="data.dir")
+            x2 = np.concatenate([r.x.reshape(1, -1) for r in device_rows]).astype(np.float32)
+            if x1.shape[1] != h or x2.shape[1] != w:
+                raise ConfigError(f"cell {cell}: host rows of {x1.shape[1]} columns and device rows of {x2.shape[1]}; "
+                                  f"[hsgd] says {h} and {w}", key="data.dir")
+        out[cell] = HybridCell(host=hosts[cell], devices=tuple(order), x1=x1, x2=x2, y=y)
+    classes = cfg.hsgd.classes
+    xt = np.zeros((0, h + w), np.float32)
+    yt = np.zeros(0, np.int64)
+    if cfg.data.eval_file is not None:
+        table = read_table(cfg.data.eval_file, cfg.data.label_column, key="data.eval_file",
+                           label_key="data.label_column")
+        xt, yt = np.asarray(table.x, np.float32).reshape(len(table.x), -1), np.asarray(table.y).astype(np.int64)
+        if xt.shape[1] != h + w:
+            raise ConfigError(f"eval_file rows have {xt.shape[1]} columns; host_features + device_features = {h + w}",
+                              key="data.eval_file")
+        classes = classes or int(yt.max()) + 1
+    return HybridData(cells=out, test=(xt[:, :h], xt[:, h:], yt), host_features=h, device_features=w,
+                      num_classes=classes)
 
 
 def write_hybrid_shards(data: HybridData, data_dirs: Mapping[str, Path]) -> dict[str, int]:

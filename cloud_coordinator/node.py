@@ -85,8 +85,8 @@ class OrtEvaluator:
     @classmethod
     def for_rollout(cls, prepared: PreparedRollout, threads: int = 1) -> "OrtEvaluator | SplitEvaluator | None":
         """The evaluator of a rollout with a central test set; ``None`` without one."""
-        if prepared.hybrid is not None:
-            return SplitEvaluator(prepared.hybrid.test)
+        if prepared.hybrid is not None:  # (your own hybrid data without an eval_file: no central test set)
+            return SplitEvaluator(prepared.hybrid.test) if len(prepared.hybrid.test[2]) else None
         return cls(prepared, threads) if prepared.data.test is not None else None
 
     def __call__(self, params: dict[str, Any]) -> EvalResult:

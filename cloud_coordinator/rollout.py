@@ -153,7 +153,7 @@ def _prepare_hsgd(cfg: RolloutConfig, manifest_version: int) -> PreparedRollout:
     cells = {c: (*h.devices, h.host) for c, h in hybrid.cells.items()}
     train = {d: (h.x2[n:n + 1], h.y[n:n + 1]) for h in hybrid.cells.values() for n, d in enumerate(h.devices)}
     x1, x2, y = hybrid.test
-    data = FederatedData(train=train, test=(np.concatenate([x1, x2], axis=1), y),
+    data = FederatedData(train=train, test=(np.concatenate([x1, x2], axis=1), y) if len(y) else None,
                          num_features=hybrid.host_features + hybrid.device_features, num_classes=hybrid.num_classes)
     manifest = Manifest(rollout=cfg.rollout, version=manifest_version, algorithm=cfg.algorithm,
                         bundle=bundle.manifest_entry(), cells=tuple(cells), rounds=cfg.rounds, created=time.time(),

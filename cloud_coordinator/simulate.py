@@ -147,6 +147,9 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
     if cfg.simulation.trainer == "portable" and prepared.hybrid is None:
         _require_portable_graphs(prepared)
     _require_edge_rule(cfg)
+    if prepared.hybrid is not None and any(len(c.y) == 0 for c in prepared.hybrid.cells.values()):
+        raise ConfigError("the simulator trains every host and device on its rows: set [data] dir to the shards "
+                          "(docs/hsgd.md)", key="data.dir")
     absent = [d for d in prepared.devices if d not in prepared.data.train and prepared.hybrid is None]
     if absent:
         raise ConfigError(f"the simulator trains every device on its data, and {len(absent)} device(s) have none "

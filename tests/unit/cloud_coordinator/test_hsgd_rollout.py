@@ -155,3 +155,37 @@ def test_the_rollout_in_docs_hsgd_md_is_a_valid_config() -> None:
     cfg = RolloutConfig.from_mapping(tomllib.loads(block))
     assert cfg.algorithm == "hsgd" and cfg.hsgd_hosts() == {"cell-a": "cell-a-host", "cell-b": "cell-b-host"}
     assert cfg.hsgd.split_columns(30) == 20
+
+
+def test_your_own_hybrid_shards_train_the_same_model_as_the_built_in_split(tmp_path: Path,
+                                                                           artifact_store: Path) -> None:
+    from cloud_coordinator.hybrid_data import write_hybrid_shards
+
+    built_in = hsgd_rollout(tmp_path, artifact_store, simulation={"trainer": "portable"})
+    prepared = prepare(built_in)
+    assert prepared.hybrid is not None
+    # the shards and the test file a team would bring: a host's rows with their ids, a device's one row
+    shards = tmp_path / "shards"
+    nodes = {n: shards / n for c in prepared.hybrid.cells.values() for n in (c.host, *c.devices)}
+    write_hybrid_shards(prepared.hybrid, nodes)
+    x1, x2, y = prepared.hybrid.test
+    np.savez(tmp_path / "test.npz", x=np.concatenate([x1, x2], axis=1), y=y)
+    own = {"data": {"dataset": "files", "dir": str(shards), "eval_file": str(tmp_path / "test.npz")},
+           "hsgd": {"host_features": 20, "device_features": 10}}
+    with pytest.raises(ConfigError) as info:
+        hsgd_rollout(tmp_path, artifact_store, data=own["data"])  # without the widths
+    assert info.value.key == "hsgd.host_features"
+    cfg = hsgd_rollout(tmp_path, artifact_store, simulation={"trainer": "portable"}, **own)
+    mine, theirs = simulate(cfg), simulate(built_in, prepared=prepared)
+    for name, value in theirs.params.items():
+        np.testing.assert_allclose(mine.params[name], value, rtol=0, atol=1e-6)
+    assert [r["auroc"] for r in mine.rounds] == pytest.approx([r["auroc"] for r in theirs.rounds])
+    # a coordinator needs no shards: the widths and the test file are enough to plan and evaluate
+    coordinator = prepare(hsgd_rollout(tmp_path, artifact_store, data={"dataset": "files",
+                                                                       "eval_file": str(tmp_path / "test.npz")},
+                                       hsgd=own["hsgd"]))
+    assert coordinator.split is not None and coordinator.split.arch == prepared.split.arch
+    with pytest.raises(ConfigError) as info:
+        simulate(hsgd_rollout(tmp_path, artifact_store, data={"dataset": "files"},
+                              hsgd={**own["hsgd"], "classes": 2}))
+    assert info.value.key == "data.dir"
