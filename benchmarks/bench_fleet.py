@@ -43,28 +43,24 @@ def emulate(devices: int, rounds: int, timeout: float, keepalive_s: int = 30, ce
 BREAKDOWN = ("edge_decode_s", "edge_work_s", "coordinator_s", "rest_s")
 
 
+def _spread(v: dict[str, float]) -> str:
+    return f"{v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f})"
+
+
 def table(results: dict[str, Any]) -> str:
     lines = ["| devices | reps | round s | overhead s (round − slowest device) | devices' training s | "
              "round 0 s (with artifacts) | start-up s |", "|---|---|---|---|---|---|---|"]
     for r in results["sizes"]:
-        def cell(key: str, r: dict[str, Any] = r) -> str:
-            v = r[key]
-            return f"{v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f})"
-
-        lines.append(f"| {r['devices']:,} | {r['reps']} | {cell('round_s')} | {cell('overhead_s')} | "
-                     f"{cell('training_s')} | {cell('round0_s')} | {cell('start_s')} |")
+        lines.append(f"| {r['devices']:,} | {r['reps']} | {_spread(r['round_s'])} | {_spread(r['overhead_s'])} | "
+                     f"{_spread(r['training_s'])} | {_spread(r['round0_s'])} | {_spread(r['start_s'])} |")
     if all(k in r for r in results["sizes"] for k in BREAKDOWN):
         lines += ["", "Where a round (1 and later) goes, seconds, median (min–max):", "",
                   "| devices | round | devices' training per worker | edges: decoding | edges: all work (decoding "
                   "included) | coordinator | rest: broker, devices' own decode/encode/outbox, waiting |",
                   "|---|---|---|---|---|---|---|"]
         for r in results["sizes"]:
-            def val(key: str, r: dict[str, Any] = r) -> str:
-                v = r[key]
-                return f"{v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f})"
-
-            lines.append(f"| {r['devices']:,} | {val('round_s')} | {val('training_per_worker_s')} | "
-                         f"{val('edge_decode_s')} | {val('edge_work_s')} | {val('coordinator_s')} | {val('rest_s')} |")
+            lines.append(f"| {r['devices']:,} | " + " | ".join(_spread(r[k]) for k in (
+                "round_s", "training_per_worker_s", *BREAKDOWN)) + " |")
     return "\n".join(lines)
 
 

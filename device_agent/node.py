@@ -241,10 +241,12 @@ class DeviceNode(NodeBase):
         self._ensure_ready(manifest.rollout, now)
 
     def _on_task(self, task: DeviceTask, now: float) -> None:
-        if self.side == "host" and self.device_id not in task.members:
-            return  # HSGD: the devices' broadcast of theta2 (a host gets its task on its own topic)
         if task.rollout not in self.trainers:
-            self._pending_task[task.rollout] = task  # keep the newest until artifacts are in
+            # Keep the newest task until artifacts are in; a task of the same round for others (HSGD's broadcast
+            # to the selected devices, after the host's own task) must not replace this node's own.
+            pending = self._pending_task.get(task.rollout)
+            if pending is None or self.device_id in task.members or task.round > pending.round:
+                self._pending_task[task.rollout] = task
             return
         self._run_task(task, now)
 

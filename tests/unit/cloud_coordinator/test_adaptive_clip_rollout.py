@@ -59,6 +59,10 @@ def test_config_refuses_adaptive_clipping_without_poisson_sampling_or_with_other
                           "epsilon": 8.0, "clip": 1.0, "device_sampling": "poisson", "sample_rate": 0.5,
                           "adaptive_clip": True, "clip_count_share": 1.5})
     assert info.value.key == "privacy.clip_count_share"
+    with pytest.raises(ConfigError) as info:
+        small_rollout(fedavg={"edge_rounds": 1, "secure_aggregation": True}, privacy={
+            "epsilon": 8.0, "clip": 1.0, "device_sampling": "poisson", "sample_rate": 0.5, "adaptive_clip": True})
+    assert info.value.key == "privacy.adaptive_clip" and "secure aggregation" in str(info.value)
 
 
 def test_a_device_release_carries_its_noised_count_and_the_audit_requires_it() -> None:
