@@ -191,11 +191,13 @@ def install_size(runtime: str, python: Path) -> dict:
             "runtime_closure": {k: round(v / 2**20, 1) for k, v in sorted(extra.items(), key=lambda kv: -kv[1])}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=7, help="repetitions per measurement (median, min, max)")
     parser.add_argument("--steps", type=int, default=300, help="SGD steps per repetition")
-    args = parser.parse_args()
+    parser.add_argument("--models", default=",".join(MODELS), help="which of the models, comma-separated")
+    parser.add_argument("--no-sizes", action="store_true", help="skip the install sizes")
+    args = parser.parse_args(argv)
 
     from fedtier.training.layout import ArchSpec
     from models.artifacts import build_artifacts
@@ -204,8 +206,11 @@ def main() -> None:
         raise SystemExit(f"{PORTABLE_PYTHON} is missing: run ./install.sh")
     load_start = list(os.getloadavg())  # the machine may be shared: say how busy it was
     rows: dict[str, dict] = {}
+    breakdown: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as store:
         for model, spec in MODELS.items():
+            if model not in args.models.split(","):
+                continue
             directory = build_artifacts(ArchSpec.from_json(spec), Path(store)).directory
             assert directory is not None
             row: dict = measure(directory, args.reps, args.steps)
@@ -221,15 +226,16 @@ def main() -> None:
             rows[model] = row
             if model.startswith("cnn1d"):
                 breakdown = rss_breakdown(directory, args.reps)
-    sizes = {"ort": install_size(RUNTIME["ort"], Path(sys.executable)),
-             "portable": install_size(RUNTIME["portable"], PORTABLE_PYTHON),
-             "torch": install_size(RUNTIME["torch"], Path(sys.executable))}
+    sizes = {} if args.no_sizes else {"ort": install_size(RUNTIME["ort"], Path(sys.executable)),
+                                      "portable": install_size(RUNTIME["portable"], PORTABLE_PYTHON),
+                                      "torch": install_size(RUNTIME["torch"], Path(sys.executable))}
     print(json.dumps(sizes, indent=1))
-    path = write("backends", {"command": "python benchmarks/bench_backends.py " + " ".join(sys.argv[1:]),
-                              "batch": BATCH, "threads": 1, "load_average": {"start": load_start,
-                                                                             "end": list(os.getloadavg())},
-                              "models": rows, "rss_breakdown_cnn1d": breakdown, "install_size": sizes})
+    out = {"command": "python benchmarks/bench_backends.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "batch": BATCH, "threads": 1, "load_average": {"start": load_start, "end": list(os.getloadavg())},
+           "models": rows, "rss_breakdown_cnn1d": breakdown, "install_size": sizes}
+    path = write("backends", out)
     print(f"wrote {path}")
+    return out
 
 
 if __name__ == "__main__":

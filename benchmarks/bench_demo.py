@@ -17,9 +17,9 @@ import time
 from _common import write
 
 
-def run(broker: str) -> dict:
+def run(broker: str, demo_args: list[str]) -> dict:
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--json", "--broker", broker],
+    out = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--json", "--broker", broker, *demo_args],
                          capture_output=True, text=True, check=True)
     total = time.perf_counter() - t0
     doc = json.loads(out.stdout)
@@ -30,21 +30,27 @@ def run(broker: str) -> dict:
             "bytes": doc["bytes"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--rounds", type=int, default=None, help="the demo's --rounds (default: the demo's own)")
+    ap.add_argument("--devices", type=int, default=None, help="the demo's --devices (default: the demo's own)")
+    args = ap.parse_args(argv)
+    demo_args = [*(["--rounds", str(args.rounds)] if args.rounds else []),
+                 *(["--devices", str(args.devices)] if args.devices else [])]
     results = {}
     for broker in ("mosquitto", "embedded"):
-        runs = [run(broker) for _ in range(args.repeat)]
+        runs = [run(broker, demo_args) for _ in range(args.repeat)]
         results[broker] = {"runs": runs,
                            "median_command_s": statistics.median(r["command_s"] for r in runs),
                            "median_final_accuracy": statistics.median(r["final_accuracy"] for r in runs)}
         print(broker, results[broker]["median_command_s"], results[broker]["median_final_accuracy"])
     ratio = results["embedded"]["median_command_s"] / results["mosquitto"]["median_command_s"]
-    path = write("demo", {"defaults": "12 devices, 2 cells, 30 rounds, digits Dirichlet(0.5)", **results,
-                          "embedded_over_mosquitto_time_ratio": round(ratio, 3)})
+    setup = "12 devices, 2 cells, 30 rounds, digits Dirichlet(0.5)" if not demo_args else " ".join(demo_args)
+    out = {"defaults": setup, **results, "embedded_over_mosquitto_time_ratio": round(ratio, 3)}
+    path = write("demo", out)
     print(f"wrote {path}")
+    return out
 
 
 if __name__ == "__main__":

@@ -85,13 +85,13 @@ def one_round(n: int, secure: bool, degree: int, seed: int, bits: int = 48) -> d
             "edge_cpu_s": edge_cpu}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10,100,1000")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--degree", type=int, default=8)
     parser.add_argument("--bits", type=int, default=48, help="the ring Z_{2^bits} (48: 6 bytes per coordinate)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
         runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
@@ -111,8 +111,10 @@ def main() -> None:
               f"cpu {p['cpu_s']:.3f} -> {s['cpu_s']:.3f} s  edge cpu {p['edge_cpu_s']:.3f} -> {s['edge_cpu_s']:.3f} s",
               flush=True)
     parameters = int(sum(v.size for v in PARAMS.values()))
-    path = write(f"secagg_bits{args.bits}", {"reps": args.reps, "parameters": parameters, "rows": rows})
+    out = {"reps": args.reps, "parameters": parameters, "rows": rows}
+    path = write(f"secagg_bits{args.bits}", out)
     print(f"wrote {path}")
+    return out
 
 
 if __name__ == "__main__":

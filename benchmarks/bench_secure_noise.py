@@ -23,12 +23,12 @@ from _common import write  # noqa: E402
 from fedtier.privacy.mechanism import NoiseSource  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--params", type=int, default=100_000, help="coordinates per release")
     ap.add_argument("--releases", type=int, default=20, help="releases timed per repetition")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     source = NoiseSource()
     delta = {"w": np.zeros(args.params, dtype=np.float32)}
     times: dict[str, list[float]] = {"default": [], "secure": []}
@@ -52,6 +52,7 @@ def main() -> None:
         print(f"{m:8s} {med[m] * 1e3:8.2f} ms/release (min {min(t) * 1e3:.2f}, max {max(t) * 1e3:.2f}); "
               f"{out['mcoords_per_s'][m]:.1f} M coordinates/s")
     print(f"secure / default: {out['ratio_secure_over_default']:.2f}x  ({path})")
+    return out
 
 
 if __name__ == "__main__":

@@ -751,7 +751,7 @@ class RolloutConfig(Section):
     server_optimizer: ServerOptimizerSection | None = opt(None, help="The cloud's server optimizer (w + delta when "
                                                                      "absent).")
     edge_optimizer: ServerOptimizerSection | None = opt(None, help="The same rules at each edge, on its cell's change "
-                                                                   "(state in the edge process; fedavg, hier_qsgd, "
+                                                                   "(state in the edge's store; fedavg, hier_qsgd, "
                                                                    "qhetfed; none when absent).")
     attack: AttackSection | None = opt(None, help="Attacking devices, for robustness tests (simulate and demo only; "
                                                   "none when absent).")

@@ -47,7 +47,8 @@ from fedtier.errors import LateMessageError, RemoteProtocolError, UnexpectedMess
 from fedtier.runtime.metrics import Metrics
 from fedtier.runtime.node_base import ACCEPTED, NodeBase
 from fedtier.security.manifest import Manifest
-from fedtier.security.signing import key_id, load_signing_key, open_manifest, sign
+from fedtier.security.pki import key_id
+from fedtier.security.signing import load_signing_key, open_manifest, sign
 from fedtier.training.trainer import EvalResult
 from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport

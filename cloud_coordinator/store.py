@@ -10,7 +10,6 @@ coordinator replays them (like the edge) and loses nothing it had acknowledged.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import threading
 import time
@@ -38,19 +37,6 @@ def encode_params(params: Mapping[str, np.ndarray], *, rollout: str, round: int)
 
 def decode_params(blob: bytes) -> dict[str, np.ndarray]:
     return {k: np.array(v, dtype=np.float32) for k, v in wire.decode(blob).tensors.items()}
-
-
-def encode_state(state: Mapping[str, np.ndarray]) -> bytes:
-    """A strategy's state (float64 tensors: a server optimizer's moments) as an ``.npz`` (no pickle)."""
-    buf = io.BytesIO()
-    arrays: dict[str, Any] = {k: np.asarray(v) for k, v in state.items()}
-    np.savez(buf, **arrays)
-    return buf.getvalue()
-
-
-def decode_state(blob: bytes) -> dict[str, np.ndarray]:
-    with npz_file.LOCK, np.load(io.BytesIO(blob), allow_pickle=False) as npz:
-        return {k: npz[k] for k in npz.files}
 
 
 @dataclass(frozen=True)
@@ -265,7 +251,7 @@ class CoordinatorStore:
         with self._tx() as conn:
             if strategy_state is not None:
                 self._upsert(conn, strategy_t, [{"rollout": rollout, "version": version,
-                                                 "state": encode_state(strategy_state)}])
+                                                 "state": npz_file.encode_arrays(strategy_state)}])
             self._upsert(conn, releases_t, [_release_row(rollout, r) for r in releases])
             self._upsert(conn, clear_t, [{"rollout": rollout, "round": int(c["round"]), "step": int(c["step"]),
                                           "sender": str(c["sender"]), "receiver": str(c["receiver"]),
@@ -297,7 +283,7 @@ class CoordinatorStore:
         """The strategy state committed with model ``version`` (``None`` if that round kept none)."""
         rows = self._rows(sa.select(strategy_t.c.state).where(strategy_t.c.rollout == rollout,
                                                                strategy_t.c.version == version))
-        return None if not rows else decode_state(bytes(rows[0][0]))
+        return None if not rows else npz_file.decode_arrays(bytes(rows[0][0]))
 
     def rounds(self, rollout: str) -> list[dict[str, Any]]:
         t = rounds_t

@@ -30,7 +30,7 @@ _OPTIONS = [
     click.option("--server-lr", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="The server optimizer's learning rate."),
     click.option("--edge-optimizer", type=click.Choice(KINDS), default=None,
-                 help="The same step at each edge, on its cell's change (state in the edge process)."),
+                 help="The same step at each edge, on its cell's change (state in the edge's store)."),
     click.option("--edge-lr", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="The edge optimizer's learning rate."),
     click.option("--attack", type=click.Choice(ATTACKS), default=None,

@@ -49,6 +49,7 @@ from fedtier.runtime.node_base import ACCEPTED, EXPECTED_DROPS, REJECTED, NodeBa
 from fedtier.secagg import messages as secagg_messages
 from fedtier.security.manifest import Manifest
 from fedtier.security.signing import ManifestGate, open_manifest
+from fedtier.storage import npz as npz_file
 from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport
 from fedtier.wire import messages
@@ -146,6 +147,7 @@ class EdgeNode(NodeBase):
         payloads = self._dormant.pop(rollout, None)
         if not payloads:
             return
+        self._restore_strategy_state(rollout, payloads[0])
         for payload in payloads:
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
             assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, Embeddings, *secagg_messages.UPWARD))
@@ -162,6 +164,21 @@ class EdgeNode(NodeBase):
         log.info("resumed rollout %s from state: round %s, %d updates", rollout, role.round, len(role.reported))
         for node in sorted(self._online):  # members that came online before the replay still get the task
             self._execute(rollout, role.resend(node, now))
+
+    def _restore_strategy_state(self, rollout: str, first: bytes) -> None:
+        """Give the role what it carried over from the rounds before the stored one (an edge optimizer's
+        moments), before that round is replayed into it: the replay then ends where the edge was."""
+        task = messages.decode_message(first, max_bytes=self.max_message_bytes)
+        saved = self.store.strategy_state_before(rollout, task.round) if isinstance(task, CellTask) else None
+        if saved is None:
+            return
+        try:
+            role = self._role_for(task)
+        except RemoteProtocolError as exc:  # the replay reports it for the task itself
+            log.debug("no strategy state restored for %s: %s", rollout, exc)
+            return
+        if callable(getattr(role, "load_strategy_state", None)):
+            role.load_strategy_state(npz_file.decode_arrays(saved))
 
     def _end_rollout(self, rollout: str) -> None:
         """The coordinator cleared the rollout's manifest: the rollout ended (or was retired).
@@ -327,6 +344,10 @@ class EdgeNode(NodeBase):
                         if self._refuse_clear_aggregate(rollout, msg):
                             continue
                     stored = msg.encode(action.encodings)
+                    state = getattr(self.roles.get(rollout), "strategy_state", None)
+                    carried = state() if callable(state) and isinstance(msg, CellUpdate) else None
+                    if carried is not None:  # committed with the output below: both or neither survive a crash
+                        self.store.save_strategy_state(rollout, msg.round, npz_file.encode_arrays(carried))
                     self.store.save_output(rollout, msg.round, msg.key, stored)
                 # else: a replay closed the cell again; the same bytes go out, never a second noisy release
                 self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), stored)

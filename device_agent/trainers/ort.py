@@ -41,7 +41,7 @@ from device_agent.trainers import (
     correct_predictions,
     score_loss,
 )
-from device_agent.trainers.ort_runtime import install_shim, training_api
+from device_agent.trainers.ort_runtime import install_shim, module_step, training_api
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.errors import ArtifactError, LocalProtocolError
 from fedtier.training.layout import PROX_PREFIX, SCORE_LOSSES, Layout
@@ -226,7 +226,7 @@ class OrtTrainer:
         for x, y in batches:
             xs, ys = check_batch(self._arch, x, y)
             try:
-                loss, _logits = self._module(xs, ys, *self._anchors())
+                loss, _logits = module_step(self._module, [xs, ys, *self._anchors()])
                 self._optimizer.step()
             finally:
                 self._module.lazy_reset_grad()
@@ -255,7 +255,7 @@ class OrtTrainer:
         xs, ys = check_batch(self._arch, x, y)
         self._module.train()
         try:
-            loss, _logits = self._module(xs, ys, *self._anchors())
+            loss, _logits = module_step(self._module, [xs, ys, *self._anchors()])
             params = self._state.parameters
             grads = {name: np.array(params[name].grad, dtype=np.float32, copy=True)
                      for name in self._layout.names}
@@ -282,7 +282,7 @@ class OrtTrainer:
         ws = check_weights(xs.shape[0], weights)
         self._module.train()
         try:
-            loss, _logits = self._module(xs, ws, *self._anchors())
+            loss, _logits = module_step(self._module, [xs, ws, *self._anchors()])
             params = self._state.parameters
             grads = {name: np.array(params[name].grad, dtype=np.float32, copy=True)
                      for name in self._layout.names}
@@ -389,11 +389,11 @@ class OrtTrainer:
         self._module.eval()
         try:
             # A scorer's graph takes coefficients where labels go: zeros, and the loss is computed here.
-            outputs = self._module(x, np.zeros((x.shape[0], 1), np.float32) if scorer else y,
-                                   *self._anchors(current=True))
+            outputs = module_step(self._module, [x, np.zeros((x.shape[0], 1), np.float32) if scorer else y,
+                                                 *self._anchors(current=True)])
         finally:
             self._module.train()
-        if not isinstance(outputs, tuple) or len(outputs) != 2:
+        if len(outputs) != 2:
             raise ArtifactError(
                 "eval model must return (loss, logits); rebuild the bundle with "
                 "additional_output_names=['logits']")

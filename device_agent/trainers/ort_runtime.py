@@ -33,6 +33,7 @@ tells which build is installed without importing it (for choosing a backend).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -41,6 +42,9 @@ import sys
 import threading
 import types
 from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -151,3 +155,43 @@ def import_onnxruntime() -> types.ModuleType:
     except ImportError as exc:
         raise ImportError("onnxruntime is not installed: the portable trainer needs the stock onnxruntime "
                           "wheel (pip install 'fedtier[agent]') or an onnxruntime-training build") from exc
+
+
+def module_step(module: Any, inputs: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """One training or evaluation step of an ``onnxruntime.training.api.Module``, its outputs as numpy.
+
+    What ``module(*inputs)`` does, without its cost: the wheel's ``Module.__call__`` turns the outputs
+    into numpy with ``tuple(v.numpy() for v in fetches)``, and iterating a pybind ``OrtValueVector``
+    costs tens of microseconds per element (indexing it, under one): for the MLP at batch 16 that was
+    about 35 of a step's 80 µs (docs/benchmarks.md, "On-device training step"). onnxruntime-training
+    1.19.2 is the package's last release, so its ``Module._model`` (the C++ module that ``__call__``
+    calls) stays as it is; a module without it falls back to the public call.
+
+    Args:
+        module: The ``Module``; ``module.training`` chooses the training or the evaluation graph.
+        inputs: numpy arrays in the graph's input order.
+
+    Returns:
+        The graph's outputs, in order.
+    """
+    model, vector = getattr(module, "_model", None), _ort_value_vector()
+    if model is None or vector is None:
+        outputs = module(*inputs)
+        return outputs if isinstance(outputs, tuple) else (outputs,)
+    fetches = vector()
+    if module.training:
+        model.train_step(list(inputs), fetches)
+    else:
+        model.eval_step(list(inputs), fetches)
+    return tuple(fetches[i].numpy() for i in range(len(fetches)))
+
+
+@functools.cache
+def _ort_value_vector() -> Any:
+    """The pybind ``OrtValueVector`` class (after the shim: importing it imports onnxruntime), or None."""
+    install_shim()
+    try:
+        from onnxruntime.capi._pybind_state import OrtValueVector
+    except ImportError:  # every onnxruntime-training build has it; the public call still works without
+        return None
+    return OrtValueVector

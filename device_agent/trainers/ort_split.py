@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from device_agent.trainers.ort_runtime import install_shim, training_api
+from device_agent.trainers.ort_runtime import install_shim, module_step, training_api
 from fedtier.artifacts.split_bundle import PARAMS, SplitBundle
 from fedtier.errors import ArtifactError, LocalProtocolError
 
@@ -102,7 +102,7 @@ class OrtSplitTrainer:
         losses = []
         for _ in range(steps):
             try:
-                loss, _logits = self._module(*inputs, y)
+                loss, _logits = module_step(self._module, [*inputs, y])
                 self._optimizer.step()
             finally:
                 self._module.lazy_reset_grad()

@@ -49,6 +49,7 @@ Transition tables (anything else raises):
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
@@ -390,7 +391,9 @@ class _EdgeBase(StateGuard):
         self._aggregator_spec: strategies.AggregatorSpec = strategies.AggregatorSpec()
         self._edge_optimizer: ServerOptimizer | None = None
         """``strategy["edge_optimizer"]``: a server optimizer on the cell's change, its state kept across
-        rounds in this role (in memory: an edge restarted from its store starts from fresh moments)."""
+        rounds in this role; the edge node stores ``strategy_state()`` with each cell update and a restarted
+        edge hands it back (``load_strategy_state``) before it replays the open round."""
+        self._saved_optimizer: dict[str, np.ndarray] | None = None
 
     @property
     def round(self) -> int:
@@ -408,6 +411,26 @@ class _EdgeBase(StateGuard):
     def reported(self) -> tuple[str, ...]:
         """Devices that reported in the current step."""
         return tuple(sorted(self._updates))
+
+    def strategy_state(self) -> dict[str, np.ndarray] | None:
+        """The edge optimizer's state after the last forwarded round, with its rule as JSON bytes under
+        ``"spec"`` (``None``: no edge optimizer). Plain arrays, for the edge's store."""
+        if self._edge_optimizer is None:
+            return None
+        spec = json.dumps(self._edge_optimizer.spec.to_dict(), sort_keys=True).encode()
+        return {**self._edge_optimizer.state(), "spec": np.frombuffer(spec, dtype=np.uint8)}
+
+    def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Continue from ``strategy_state()`` as it was stored (after a restart, before the open round's task is
+        replayed): applied when that task sets up an edge optimizer with the same rule, ignored otherwise."""
+        self._saved_optimizer = dict(state)
+
+    def _restore_optimizer(self) -> None:
+        saved, self._saved_optimizer = self._saved_optimizer, None
+        if saved is None or self._edge_optimizer is None or "spec" not in saved:
+            return
+        if json.loads(np.asarray(saved["spec"], dtype=np.uint8).tobytes()) == self._edge_optimizer.spec.to_dict():
+            self._edge_optimizer.load_state(saved)
 
     def _device_task(self) -> DeviceTask:
         assert self._task is not None
@@ -433,6 +456,7 @@ class _EdgeBase(StateGuard):
             self._edge_optimizer = None
         elif self._edge_optimizer is None or self._edge_optimizer.spec != OptimizerSpec.from_dict(opt):
             self._edge_optimizer = ServerOptimizer(OptimizerSpec.from_dict(opt))
+        self._restore_optimizer()
         notes: list[Action] = []
         if self._state is RoleState.COLLECTING:
             notes.append(Note("round_abandoned", {"round": self.round, "step": self._step}))

@@ -36,7 +36,6 @@ import secrets
 from typing import Any, Mapping
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from fedtier.errors import PrivacyViolationError
 
@@ -91,6 +90,9 @@ class NoiseSource:
                        hashlib.sha256).digest()
         # 4 Gaussians per value, 2 per Box-Muller pair of uniforms: 4 uniforms (8 bytes each) per value.
         need = 4 * count
+        # Imported here: only secure_noise needs it, and cryptography costs an agent 6 MB (docs/benchmarks.md).
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
         stream = Cipher(algorithms.ChaCha20(key, b"\x00" * 16), mode=None).encryptor()
         raw = np.frombuffer(stream.update(b"\x00" * (8 * need)), dtype="<u8")
         uniforms = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)  # (0, 1)

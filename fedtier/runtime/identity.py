@@ -21,7 +21,6 @@ from typing import Sequence
 
 from fedtier.errors import ConfigError
 from fedtier.runtime.config import BrokerConfig
-from fedtier.security import pki
 
 log = logging.getLogger("fedtier.runtime.identity")
 
@@ -43,6 +42,8 @@ def check_certificate(broker: BrokerConfig, node_id: str, *, now: dt.datetime | 
     """Problems with ``broker``'s client certificate for node ``node_id`` (empty: none, or no TLS)."""
     if broker.tls_cert is None or broker.tls_key is None:
         return []
+    from fedtier.security import pki  # with TLS only: cryptography costs an agent 6 MB (docs/benchmarks.md)
+
     now = now or dt.datetime.now(dt.timezone.utc)
     try:
         cert = pki.load_certificate(broker.tls_cert)

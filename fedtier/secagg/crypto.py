@@ -9,6 +9,10 @@
   data binds sender, receiver and context, so the edge cannot move a ciphertext between pairs.
 * **PRG**: the ChaCha20 keystream under a 32-byte seed, read as little-endian uint64 words and
   reduced to the ring (a power of two: reduction is a mask, with no bias).
+
+``cryptography`` is imported when a primitive is first used, not with this module: every agent
+imports the secure-aggregation messages (to decode them), and cryptography would cost the ones
+that never run secure aggregation about 6 MB (docs/benchmarks.md, "Agent footprint").
 """
 
 from __future__ import annotations
@@ -17,13 +21,6 @@ import os
 from typing import Callable
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from fedtier.errors import MalformedShareError
 
@@ -33,12 +30,18 @@ NONCE_BYTES = 12
 
 def new_private_key(entropy: Callable[[int], bytes] = os.urandom) -> bytes:
     """32 raw bytes of a fresh X25519 private key (from the OS CSPRNG unless a test seeds ``entropy``)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
     key = X25519PrivateKey.from_private_bytes(entropy(KEY_BYTES))  # clamped by X25519 itself
     return key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
 
 
 def public_key(private: bytes) -> bytes:
     """The raw 32-byte public key of a raw private key."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
     return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
@@ -51,6 +54,10 @@ def check_public_key(data: bytes) -> bytes:
 
 def agree(private: bytes, peer_public: bytes, purpose: str, context: bytes) -> bytes:
     """A 32-byte key both ends derive: HKDF(X25519(private, peer_public), info=purpose|context)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     try:
         shared = X25519PrivateKey.from_private_bytes(private).exchange(
             X25519PublicKey.from_public_bytes(check_public_key(peer_public)))
@@ -62,12 +69,17 @@ def agree(private: bytes, peer_public: bytes, purpose: str, context: bytes) -> b
 
 def encrypt(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
     """nonce || ChaCha20-Poly1305(key, nonce, plaintext, associated)."""
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
     nonce = os.urandom(NONCE_BYTES)
     return nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, associated)
 
 
 def decrypt(key: bytes, ciphertext: bytes, associated: bytes) -> bytes:
     """The plaintext; ``MalformedShareError`` if it was altered, misrouted or is not ours."""
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
     if len(ciphertext) < NONCE_BYTES + 16:
         raise MalformedShareError("ciphertext too short")
     try:
@@ -80,6 +92,8 @@ def prg(seed: bytes, size: int, bits: int) -> np.ndarray:
     """``size`` pseudo-random elements of Z_{2^bits} (uint64) expanded from a 32-byte ``seed``."""
     if len(seed) != KEY_BYTES:
         raise ValueError("a PRG seed is 32 bytes")
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
     encryptor = Cipher(algorithms.ChaCha20(seed, b"\0" * 16), mode=None).encryptor()
     words = np.frombuffer(encryptor.update(b"\0" * (8 * size)), dtype="<u8").astype(np.uint64)
     return words & np.uint64((1 << bits) - 1) if bits < 64 else words

@@ -20,22 +20,32 @@ import base64
 import binascii
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from fedtier.errors import ConfigError, ManifestError, ManifestSignatureError, UnknownSigningKeyError
 from fedtier.security.manifest import Manifest
-from fedtier.security.pki import key_id
 from fedtier.training.layout import canonical_json
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+# cryptography (and fedtier.security.pki, which imports it) load when a key is first loaded or a
+# signature checked: an agent of an unsigned fleet never needs them, and they cost it about 6 MB
+# (docs/benchmarks.md, "Agent footprint").
 
 ALGORITHM = "ed25519"
 
 
 def load_trusted_keys(paths: Iterable[Path]) -> dict[str, Ed25519PublicKey]:
     """Key id -> public key for each PEM file; ``ConfigError`` naming a file that is not one."""
+    paths = list(paths)
+    if not paths:  # an unsigned fleet: nothing to load, and no reason to load cryptography
+        return {}
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from fedtier.security.pki import key_id
+
     keys: dict[str, Ed25519PublicKey] = {}
     for path in paths:
         try:
@@ -49,6 +59,9 @@ def load_trusted_keys(paths: Iterable[Path]) -> dict[str, Ed25519PublicKey]:
 
 
 def load_signing_key(path: Path) -> Ed25519PrivateKey:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     try:
         key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as exc:
@@ -60,6 +73,8 @@ def load_signing_key(path: Path) -> Ed25519PrivateKey:
 
 def sign(manifest: Manifest, key: Ed25519PrivateKey) -> bytes:
     """The signed form of ``manifest`` (what the coordinator publishes)."""
+    from fedtier.security.pki import key_id
+
     signature = key.sign(manifest.encode())
     return canonical_json({"manifest": manifest.to_json(),
                            "signature": {"alg": ALGORITHM, "key_id": key_id(key.public_key()),
@@ -99,6 +114,8 @@ def open_manifest(data: bytes, trusted: Mapping[str, Ed25519PublicKey]) -> Manif
 def _verify(signed_bytes: bytes, signature: Mapping[str, Any], trusted: Mapping[str, Ed25519PublicKey]) -> None:
     if signature.get("alg") != ALGORITHM:
         raise ManifestSignatureError(f"unsupported signature algorithm {signature.get('alg')!r}")
+    from cryptography.exceptions import InvalidSignature
+
     kid = signature.get("key_id")
     if not isinstance(kid, str) or kid not in trusted:
         raise UnknownSigningKeyError(f"manifest signed by key {kid!r}, which is not trusted")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -85,14 +86,16 @@ class EncodedTensor:
 class Encoding:
     """How one tensor encoding turns arrays into bytes and back.
 
-    ``decode`` receives the validated shape, the spec map and exactly ``nb`` bytes, and
-    returns a float32 (or uint8 for ``u8``) array; it raises ``TensorSpecError`` /
+    ``decode`` receives the validated shape, the spec map and a read-only view of exactly ``nb``
+    bytes of the message (what it returns may be a view of them only if the message is an immutable
+    ``bytes``: ``f32`` does that when they are aligned, and copies otherwise), and returns a float32
+    (or uint8 for ``u8``) array; it raises ``TensorSpecError`` /
     ``NonFiniteTensorError`` on bad input.
     """
 
     name: str
     encode: Callable[[np.ndarray, Mapping[str, Any]], EncodedTensor]
-    decode: Callable[[tuple[int, ...], Mapping[str, Any], bytes], np.ndarray]
+    decode: Callable[[tuple[int, ...], Mapping[str, Any], memoryview], np.ndarray]
     expected_nbytes: Callable[[tuple[int, ...], Mapping[str, Any]], int]
 
 
@@ -119,10 +122,15 @@ def _raw_float(dtype: str, itemsize: int) -> Encoding:
             raise LocalProtocolError(f"values overflow {dtype} (largest finite: {np.finfo(np_dtype).max})")
         return EncodedTensor(spec={}, data=a.tobytes())
 
-    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: bytes) -> np.ndarray:
-        if np_dtype == np.dtype(np.float32):  # little-endian host: a plain aligned copy (astype from an
-            out = np.empty(len(data) // itemsize, dtype=np.float32)  # unaligned buffer is several times slower)
-            out.view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> np.ndarray:
+        if np_dtype == np.dtype(np.float32) and sys.byteorder == "little":
+            view = np.frombuffer(data, dtype=np.float32)
+            if view.flags.aligned and isinstance(data, memoryview) and isinstance(data.obj, bytes):
+                # No copy: a read-only view of the received message, which is immutable and which the
+                # array keeps alive (an edge holds every update of its cell until the cell closes).
+                return view.reshape(shape)
+            out = np.empty(len(data) // itemsize, dtype=np.float32)  # a plain aligned copy (astype from an
+            out.view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)  # unaligned buffer is several times slower)
             return out.reshape(shape)
         return np.frombuffer(data, dtype=np_dtype).reshape(shape).astype(np.float32)
 
@@ -136,7 +144,7 @@ def _u8() -> Encoding:
     def encode(arr: np.ndarray, params: Mapping[str, Any]) -> EncodedTensor:
         return EncodedTensor(spec={}, data=np.ascontiguousarray(arr, dtype=np.uint8).tobytes())
 
-    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: bytes) -> np.ndarray:
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8).reshape(shape).copy()
 
     def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
@@ -174,7 +182,7 @@ def _qsgd() -> Encoding:
         signed = quant.to_levels(arr, norm, bits)
         return EncodedTensor(spec={"b": bits}, data=struct.pack("<f", norm) + quant.pack(signed, bits))
 
-    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: bytes) -> np.ndarray:
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> np.ndarray:
         bits = bits_of(spec)
         (norm,) = struct.unpack_from("<f", data, 0)
         if not np.isfinite(norm):
@@ -396,7 +404,7 @@ def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> dict[str, np
             raise TensorSpecError(f"tensor {name!r}: {nb} bytes, but shape {shape} as {enc_name} needs {expected}")
         if offset + nb > len(body):
             raise TruncatedError(f"body ends inside tensor {name!r}")
-        arr = encoding.decode(shape, spec, bytes(body[offset:offset + nb]))
+        arr = encoding.decode(shape, spec, body[offset:offset + nb])  # a view: the decoders copy what they keep
         if arr.dtype.kind == "f":
             _check_finite(name, arr)
         arr.setflags(write=False)

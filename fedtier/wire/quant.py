@@ -158,7 +158,7 @@ def _byte_levels(bits: int) -> np.ndarray:
     return table
 
 
-def unpack(data: bytes, bits: int, numel: int) -> np.ndarray:
+def unpack(data: bytes | memoryview, bits: int, numel: int) -> np.ndarray:
     """Signed levels from packed codes.
 
     Raises:

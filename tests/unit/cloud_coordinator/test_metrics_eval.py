@@ -62,6 +62,24 @@ def test_ranking_metrics_equal_the_written_out_definitions(seed: int) -> None:
         assert metrics[f"pauc_{fpr}"] == pytest.approx(reference_pauc(labels, scores, fpr), abs=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_ranking_metrics_equal_scikit_learns(seed: int) -> None:
+    from sklearn.metrics import roc_auc_score
+
+    gen = np.random.default_rng(100 + seed)
+    n = int(gen.integers(20, 400))
+    labels = (gen.random(n) < gen.uniform(0.1, 0.5)).astype(np.int64)
+    labels[:2] = (0, 1)
+    scores = gen.normal(size=n) + labels * gen.uniform(0, 2)
+    if seed % 2:
+        scores = np.round(scores, 1)  # ties
+    metrics = metrics_eval.ranking_metrics(labels, scores)
+    assert metrics is not None
+    assert metrics["auroc"] == pytest.approx(roc_auc_score(labels, scores), abs=1e-9)
+    for fpr in metrics_eval.PAUC_FPRS:  # scikit-learn's max_fpr is McClish-standardized too
+        assert metrics[f"pauc_{fpr}"] == pytest.approx(roc_auc_score(labels, scores, max_fpr=fpr), abs=1e-9)
+
+
 def test_perfect_random_and_reversed_rankings() -> None:
     labels = np.array([0, 0, 0, 1, 1, 1])
     perfect = metrics_eval.ranking_metrics(labels, np.arange(6.0))

@@ -20,7 +20,8 @@ from device_agent.trainers import make_trainer
 from fedtier.artifacts.bundle import ArtifactBundle, BundleFile
 from fedtier.artifacts.cache import ArtifactCache
 from fedtier.runtime.node_base import REJECTED
-from fedtier.security.signing import key_id, sign
+from fedtier.security.pki import key_id
+from fedtier.security.signing import sign
 from fedtier.transport import topics
 from fedtier.transport.memory import MemoryBroker
 from fedtier.wire import messages

@@ -318,3 +318,55 @@ def test_a_sampling_trusted_edge_shows_the_cloud_no_participation(tmp_path: Path
         {"device_up_bytes": 0, "device_up_f32_bytes": 0, "device_down_bytes": 0}
     [record] = cell_update.privacy["releases"]
     assert record["sigma"] == plan.edge_sigma(CELL) and record["inputs"]["sample_rate"] == 0.5
+
+
+def _round(rig: Rig, round_: int, values: dict[str, float]) -> None:
+    task = CellTask(rollout=ROLLOUT, round=round_, sender="cloud", params=PARAMS, members=MEMBERS,
+                    config=FedAvgConfig(strategy={"edge_optimizer": {"kind": "momentum", "lr": 1.0,
+                                                                     "momentum": 0.5}}).to_dict())
+    rig.cloud.publish(topics.cloud_down(ROLLOUT, CELL, task.KIND), task.encode())
+    rig.broker.run_until_idle()
+    for device, value in values.items():
+        upd = DeviceUpdate(rollout=ROLLOUT, round=round_, sender=device,
+                           delta={"w": np.full((2, 2), value, np.float32)}, num_samples=1, train_loss=0.0, steps=1)
+        rig.devices.publish(topics.cell_up(ROLLOUT, CELL, device, upd.KIND), upd.encode())
+        rig.broker.run_until_idle()
+
+
+def _cell_updates(rig: Rig) -> dict[int, np.ndarray]:
+    return {m.round: m.delta["w"] for _, m in decoded(rig.at_cloud) if isinstance(m, CellUpdate)}
+
+
+def _restart(rig: Rig, tmp_path: Path, db: Path) -> None:
+    rig.edge.store.close()
+    rig.edge.cell_tx.close()
+    rig.edge.cloud_tx.close()
+    rig.edge = rig.new_edge(tmp_path, db)
+
+
+def test_an_edge_optimizer_keeps_its_momentum_across_an_edge_restart(tmp_path: Path) -> None:
+    # Prepare: the same three rounds of a cell with a momentum edge optimizer, once undisturbed and once
+    # with the edge restarted from its store inside round 1 and again between rounds 1 and 2.
+    rounds = [{"dev-0": 1.0, "dev-1": 2.0, "dev-2": 3.0}, {"dev-0": -1.0, "dev-1": 0.5, "dev-2": 2.0},
+              {"dev-0": 4.0, "dev-1": 4.0, "dev-2": 1.0}]
+    plain = Rig(tmp_path / "plain")
+    for r, values in enumerate(rounds):
+        _round(plain, r, values)
+    db = tmp_path / "edge.db"
+    rig = Rig(tmp_path, db)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)  # the rollout runs
+    _round(rig, 0, rounds[0])
+    _round(rig, 1, {"dev-0": rounds[1]["dev-0"]})
+    # Execute: restarted mid-round (it replays round 1 from the momentum of round 0), then after round 1
+    # closed (its replay closes the cell again; round 2 must start from the momentum after round 1)
+    _restart(rig, tmp_path, db)
+    _round(rig, 1, rounds[1])  # the task again (a duplicate) and the rest of the updates
+    _restart(rig, tmp_path, db)
+    _round(rig, 2, rounds[2])
+    # Assert: the cell's changes are those of the undisturbed edge; momentum made them differ from the plain means
+    expected, got = _cell_updates(plain), _cell_updates(rig)
+    assert sorted(got) == [0, 1, 2]
+    for r in range(3):
+        np.testing.assert_allclose(got[r], expected[r], rtol=0, atol=1e-6)
+    assert not np.allclose(expected[2], np.mean(list(rounds[2].values())))
+    assert rig.edge.roles[ROLLOUT]._edge_optimizer.steps == 3

@@ -16,7 +16,8 @@ from fedtier.errors import (
     UnknownSigningKeyError,
 )
 from fedtier.security.manifest import Manifest
-from fedtier.security.signing import ManifestGate, key_id, open_manifest, sign
+from fedtier.security.pki import key_id
+from fedtier.security.signing import ManifestGate, open_manifest, sign
 
 KEY, OTHER = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
 TRUSTED = {key_id(KEY.public_key()): KEY.public_key()}

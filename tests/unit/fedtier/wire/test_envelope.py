@@ -181,6 +181,35 @@ def test_decoded_arrays_are_read_only() -> None:
             arr[...] = 0
 
 
+def _aligned_f32_message(values: np.ndarray) -> bytes:
+    """An envelope of one f32 tensor whose body starts 4-aligned inside the ``bytes`` (found by the sender
+    id's length, which moves the body)."""
+    for pad in range(8):
+        data = wire.encode(make_env(sender="d" + "x" * pad, tensors={"w": values}))
+        body_address = np.frombuffer(data, np.uint8).ctypes.data + data.index(values.tobytes())
+        if body_address % 4 == 0:
+            return data
+    raise AssertionError("no sender length gave an aligned body")
+
+
+def test_f32_tensors_of_an_immutable_message_are_views_and_of_a_mutable_one_copies() -> None:
+    values = np.arange(1000, dtype=np.float32) / 7
+    data = _aligned_f32_message(values)
+
+    shared = wire.decode(data).tensors["w"]
+    mutable = bytearray(data)
+    copied = wire.decode(mutable).tensors["w"]
+    mutable[-4:] = np.float32(-1).tobytes()  # the sender's buffer changes after decoding
+
+    assert np.shares_memory(shared, np.frombuffer(data, np.uint8)) and not shared.flags.writeable
+    assert np.array_equal(shared, values) and np.array_equal(copied, values)  # the copy kept its value
+    assert not np.shares_memory(copied, np.frombuffer(mutable, np.uint8))
+    # a body that starts unaligned inside the message is copied into an aligned array
+    for pad in range(4):
+        arr = wire.decode(wire.encode(make_env(sender="d" + "x" * pad, tensors={"w": values}))).tensors["w"]
+        assert arr.flags.aligned and np.array_equal(arr, values)
+
+
 def test_envelopes_equal_notices_differences() -> None:
     a = make_env()
     assert wire.envelopes_equal(a, make_env())

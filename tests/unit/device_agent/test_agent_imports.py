@@ -1,0 +1,41 @@
+"""What an agent process loads: an agent of an unsigned, untrusted-noise-free fleet without TLS (the demo's)
+imports neither cryptography (about 6 MB) nor torch, and loads cryptography as soon as a feature needs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+AGENT = """
+import json, sys
+from fedtier.cli import main  # the `fedtier agent run` path: the CLI, then the agent's own modules
+import device_agent.run
+from device_agent.trainers.ort_runtime import training_api
+from fedtier.runtime import identity
+from fedtier.runtime.config import BrokerConfig
+from fedtier.security.signing import load_trusted_keys
+training_api()
+assert load_trusted_keys(()) == {{}} and identity.preflight("dev-0", [BrokerConfig(host="127.0.0.1", port=1883)])
+before = {{m: m in sys.modules for m in ("cryptography", "torch")}}
+{use}
+print(json.dumps({{"before": before, "after": "cryptography" in sys.modules}}))
+"""
+
+
+def _run(use: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", AGENT.format(use=use)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_agent_stack_imports_no_cryptography_until_a_feature_needs_it() -> None:
+    hardened_noise = _run("from fedtier.privacy.mechanism import NoiseSource\n"
+                          "NoiseSource().secure_normal((3,), 'label')")
+    secure_aggregation = _run("from fedtier.secagg import crypto\ncrypto.public_key(crypto.new_private_key())")
+
+    assert hardened_noise["before"] == {"cryptography": False, "torch": False}
+    assert hardened_noise["after"] and secure_aggregation["after"]  # and they still work when needed
