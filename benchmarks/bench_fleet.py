@@ -66,7 +66,7 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="100,300,1000", help="devices, comma-separated")
+    ap.add_argument("--sizes", default="100,500,1000", help="devices, comma-separated")
     ap.add_argument("--cells", type=int, default=1, help="cells the devices are spread over")
     ap.add_argument("--loop", choices=("mux", "threads"), default="mux", help="fleet emulate --loop")
     ap.add_argument("--reps", type=int, default=5)

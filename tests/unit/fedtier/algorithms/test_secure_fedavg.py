@@ -23,6 +23,7 @@ from fedtier.errors import (
 )
 from fedtier.wire import encode as wire_encode
 from fedtier.secagg.messages import SecAggKeys, SecAggMasked, SecAggUnmask
+from fedtier.secagg.ring import flatten
 from fedtier.wire.messages import CellTask, CellUpdate, decode_message
 
 ROLLOUT, CELL = "ro", "e0"
@@ -136,9 +137,12 @@ def test_the_edge_only_ever_receives_masked_inputs() -> None:
     codec = cell.config.params(4).codec
     for m in cell.edge_inbox:
         if isinstance(m, SecAggMasked):
-            # the masked vector, decoded as if it were an input, is nowhere near the device's delta
+            # the masked vector, decoded as if it were an input, is nowhere near the device's delta: over all
+            # 8 coordinates (two of them came within 1.0 in 5 of 1,200 masked vectors, so this test failed about one
+            # run in 60; all eight, in none)
             as_input = codec.decode_sum(m.masked)
-            assert not np.allclose(as_input[:2], cell.deltas[m.sender]["b"], atol=1.0)
+            assert as_input.shape == (8,)
+            assert not np.allclose(as_input, flatten(cell.deltas[m.sender]), atol=1.0)
 
 
 def test_typed_rejects_of_bad_secagg_messages() -> None:
