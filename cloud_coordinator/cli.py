@@ -165,7 +165,8 @@ def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None
               help="A model version (round r's model is version r + 1); default the newest.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 def coordinator_export(config_path: Path, out: Path, version: int | None, as_json: bool) -> None:
-    """Write the rollout's trained model as an inference ONNX file (input "input", output "logits").
+    """Write the rollout's trained model as an inference ONNX file (input "input", output "logits";
+    HSGD's split model: inputs "x1" and "x2", the host's and a device's features).
 
     Reads the model version from the coordinator's state (<state_dir>/coordinator.db); works
     during a rollout too (the newest closed round).

@@ -1,5 +1,6 @@
 """The trained model as an inference ONNX file: the global parameters of a rollout's round, in
-the rollout's own architecture, through onnxruntime-training's inference export.
+the rollout's own architecture, through onnxruntime-training's inference export (HSGD's split model:
+one graph ``(x1, x2) -> logits`` over the host's and a device's feature blocks, ``models.split_export``).
 
 The parameters come from the coordinator's store (every closed round keeps its model
 version); the graph from the rollout's artifacts (rebuilt from the config if the artifact
@@ -48,7 +49,12 @@ def export_model(cfg: RolloutConfig, out: Path | str, *, version: int | None = N
         what = "no model" if version is None else f"no model version {version}"
         raise ConfigError(f"{db} holds {what} of rollout {cfg.rollout!r}", key="rollout")
     prepared = prepare(cfg)
-    trainer = OrtTrainer(prepared.model_bundle)
-    trainer.set_parameters(model.params)
-    path = trainer.export_inference(out, [OUTPUT_NAME])
+    if prepared.split is not None:  # HSGD: one graph over both feature blocks, (x1, x2) -> logits
+        from models.split_export import export_split
+
+        path = export_split(prepared.split.arch, model.params, out)
+    else:
+        trainer = OrtTrainer(prepared.model_bundle)
+        trainer.set_parameters(model.params)
+        path = trainer.export_inference(out, [OUTPUT_NAME])
     return Exported(path=path, rollout=cfg.rollout, round=model.round, version=model.version, sha256=model.sha256)

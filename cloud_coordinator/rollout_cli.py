@@ -379,8 +379,9 @@ def rollout_models(rollout_id: str, state_dir: StoreRef, as_json: bool) -> None:
 @state_dir_option
 @json_option
 def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: StoreRef, as_json: bool) -> None:
-    """Write a model version as an inference ONNX file (input "input", output "logits") that
-    onnxruntime.InferenceSession runs. Same as `fedtier coordinator export`, by rollout id.
+    """Write a model version as an inference ONNX file (input "input", output "logits"; HSGD's split
+    model: inputs "x1", the host's features, and "x2", a device's) that onnxruntime.InferenceSession
+    runs. Same as `fedtier coordinator export`, by rollout id.
 
     Example: fedtier rollout export hand1 --version 3 --out hand1-v3.onnx
     """

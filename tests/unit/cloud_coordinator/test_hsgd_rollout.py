@@ -189,3 +189,28 @@ def test_your_own_hybrid_shards_train_the_same_model_as_the_built_in_split(tmp_p
         simulate(hsgd_rollout(tmp_path, artifact_store, data={"dataset": "files"},
                               hsgd={**own["hsgd"], "classes": 2}))
     assert info.value.key == "data.dir"
+
+
+def test_the_exported_split_model_predicts_what_the_coordinator_evaluated(tmp_path: Path,
+                                                                          artifact_store: Path) -> None:
+    import onnxruntime
+
+    from cloud_coordinator.export import export_model
+    from fedtier.training import split
+
+    cfg = hsgd_rollout(tmp_path, artifact_store, simulation={"trainer": "portable"})
+    prepared = prepare(cfg)
+    result = simulate(cfg, prepared=prepared, workdir=Path(cfg.state_dir))  # the coordinator's store stays there
+    assert prepared.hybrid is not None
+
+    exported = export_model(cfg, tmp_path / "hsgd.onnx")
+
+    session = onnxruntime.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["x1", "x2"]
+    x1, x2, y = prepared.hybrid.test
+    (logits,) = session.run(None, {"x1": x1.astype(np.float32), "x2": x2.astype(np.float32)})
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(probs, split.probabilities(result.params, x1, x2), rtol=0, atol=1e-5)
+    assert exported.round == cfg.rounds - 1
+    assert float(np.mean(probs.argmax(axis=1) == y)) == pytest.approx(result.rounds[-1]["accuracy"], abs=1e-9)
