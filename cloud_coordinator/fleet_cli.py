@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from pathlib import Path
+from types import FrameType
 
 import click
 
 from fedtier.runtime import logs
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 @click.group()
@@ -63,6 +69,9 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
 
     logs.setup(log_level)
     console = make_console(stderr=True)
+    # SIGTERM (a supervisor, `kill`) stops the emulation as Ctrl-C does: the emulator's clean-up stops its
+    # worker processes and its Mosquitto (its workers also stop on their own if this process is killed)
+    signal.signal(signal.SIGTERM, _interrupt)
     opts = EmulatorOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, stagger_s=stagger_s,
                            compute_delay_ms=compute_delay_ms, local_steps=local_steps, workdir=workdir,
                            loop=loop, keepalive_s=keepalive_s)

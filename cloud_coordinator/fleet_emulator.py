@@ -22,11 +22,13 @@ the slowest device's run (the broker, decoding, aggregation, evaluation and the 
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
 import resource
 import shutil
 import statistics
+import signal
 import subprocess
 import tempfile
 import threading
@@ -124,6 +126,17 @@ def raise_fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def _die_with_parent() -> None:
+    """In a child about to exec (Linux): SIGTERM it when the emulator dies, even by SIGKILL, which skips
+    the emulator's own clean-up (``prctl(PR_SET_PDEATHSIG)``). A no-op where there is no prctl."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _start_mosquitto(workdir: Path, clients: int) -> tuple[subprocess.Popen, int]:
     mosq = mosquitto_path()
     if mosq is None:
@@ -131,13 +144,17 @@ def _start_mosquitto(workdir: Path, clients: int) -> tuple[subprocess.Popen, int
                           key="broker")
     port = free_port()
     conf = workdir / "mosquitto.conf"
-    conf.write_text("\n".join(["allow_anonymous true", "persistence false", "log_dest stdout",
+    # `user`: Mosquitto started as root switches to the user `mosquitto`, and that change of credentials
+    # clears the parent-death signal `_die_with_parent` sets; it is this process's own user instead
+    conf.write_text("\n".join([f"user {getpass.getuser()}", "allow_anonymous true", "persistence false",
+                               "log_dest stdout",
                                "max_queued_messages 100000", f"listener {port} 127.0.0.1",
                                f"max_connections {clients + 64}"]) + "\n")
 
     def more_files() -> None:  # the broker holds one socket per client
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        _die_with_parent()
 
     proc = subprocess.Popen([mosq, "-c", str(conf)], stdout=(workdir / "mosquitto.log").open("wb"),
                             stderr=subprocess.STDOUT, preexec_fn=more_files)
@@ -259,8 +276,9 @@ def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, rea
     raise_fd_limit()
     logging.basicConfig(level=logging.WARNING)
     host = _DeviceHost(compute_delay_ms)
+    orphaned = _orphan_check()
     if loop == "mux":
-        _mux_worker(host, config_paths, step_s, ready, stop, results)
+        _mux_worker(host, config_paths, step_s, ready, stop, results, orphaned)
         return
     try:
         for path in config_paths:
@@ -269,15 +287,22 @@ def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, rea
                 time.sleep(step_s)
         ready.put(len(config_paths))
         while not stop.wait(0.2):
-            if host.errors():
+            if host.errors() or orphaned():
                 break
     finally:
         host.stop()
         results.put({"runs": host.runs, "errors": host.errors()})
 
 
+def _orphan_check() -> Callable[[], bool]:
+    """True once the emulator that started this worker is gone (killed without its ``finally``, e.g. by
+    SIGKILL): the worker then stops its devices instead of running on for ever."""
+    parent = os.getppid()
+    return lambda: os.getppid() != parent
+
+
 def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready: Any, stop: Any,
-                results: Any) -> None:
+                results: Any, orphaned: Callable[[], bool] = lambda: False) -> None:
     """``_worker`` with every device on this process's one thread (``fleet_mux``)."""
     from cloud_coordinator.fleet_mux import MuxHost
 
@@ -288,7 +313,7 @@ def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready
             if step_s:
                 time.sleep(step_s)
         ready.put(len(config_paths))
-        mux.run(lambda: stop.is_set() or bool(mux.errors()))
+        mux.run(lambda: stop.is_set() or bool(mux.errors()) or orphaned())
     finally:
         mux.close()
         results.put({"runs": host.runs, "errors": mux.errors()})
@@ -366,6 +391,16 @@ class FleetEmulator:
                 self.servers.spawn(cell, edge, transports, inbox)
                 edges.append(edge)
             cloud, tx, inbox = build_cloud(load(RolloutConfig, paths.coordinator))
+            previous = cloud.on_round
+
+            def snapshot(row: dict[str, Any]) -> None:
+                # on the coordinator's thread as it closes the round: rounds closing within one poll of
+                # the loop below still get a snapshot each (a shared one gave the later round 0 s of work)
+                self.busy.append(_busy(edges, cloud))
+                if previous is not None:
+                    previous(row)
+
+            cloud.on_round = snapshot
             self.servers.spawn("coordinator", cloud, [tx], inbox, done=lambda: cloud.finished)
             start_s = time.perf_counter() - t_start
             seen = 0
@@ -375,8 +410,6 @@ class FleetEmulator:
                     raise RuntimeError(problems[0])
                 if any(not p.is_alive() for p in procs):
                     raise RuntimeError("a device worker process died")
-                while len(self.busy) < len(cloud.history):
-                    self.busy.append(_busy(edges, cloud))
                 if len(cloud.history) > seen:
                     row = cloud.history[seen]
                     self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
@@ -384,8 +417,6 @@ class FleetEmulator:
                     seen += 1
                 time.sleep(0.05)
             history = list(cloud.history)
-            while len(self.busy) < len(history):
-                self.busy.append(_busy(edges, cloud))
             stop.set()
             for _ in procs:
                 report = results.get(timeout=60)
