@@ -34,9 +34,9 @@ def write(name: str, results: dict[str, Any]) -> Path:
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 
-def describe_machine(info: dict[str, Any] | None = None) -> str:
+def describe_machine() -> str:
     """One line naming the machine and the time of a run, for the docs."""
-    m = info or machine()
+    m = machine()
     try:
         with open("/proc/meminfo") as f:
             mem = f"{int(f.readline().split()[1]) / 2**20:.0f} GiB, "

@@ -302,7 +302,7 @@ def _orphan_check() -> Callable[[], bool]:
 
 
 def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready: Any, stop: Any,
-                results: Any, orphaned: Callable[[], bool] = lambda: False) -> None:
+                results: Any, orphaned: Callable[[], bool]) -> None:
     """``_worker`` with every device on this process's one thread (``fleet_mux``)."""
     from cloud_coordinator.fleet_mux import MuxHost
 

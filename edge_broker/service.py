@@ -147,9 +147,9 @@ class EdgeNode(NodeBase):
         payloads = self._dormant.pop(rollout, None)
         if not payloads:
             return
-        self._restore_strategy_state(rollout, payloads[0])
-        for payload in payloads:
-            msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
+        decoded = [messages.decode_message(p, max_bytes=self.max_message_bytes) for p in payloads]
+        self._restore_strategy_state(rollout, decoded[0])
+        for payload, msg in zip(payloads, decoded, strict=True):
             assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, Embeddings, *secagg_messages.UPWARD))
             try:
                 self._on_round_message(payload, msg, now, replay=True)
@@ -165,10 +165,9 @@ class EdgeNode(NodeBase):
         for node in sorted(self._online):  # members that came online before the replay still get the task
             self._execute(rollout, role.resend(node, now))
 
-    def _restore_strategy_state(self, rollout: str, first: bytes) -> None:
+    def _restore_strategy_state(self, rollout: str, task: Message) -> None:
         """Give the role what it carried over from the rounds before the stored one (an edge optimizer's
-        moments), before that round is replayed into it: the replay then ends where the edge was."""
-        task = messages.decode_message(first, max_bytes=self.max_message_bytes)
+        moments), before that round (``task`` first) is replayed into it: the replay then ends where the edge was."""
         saved = self.store.strategy_state_before(rollout, task.round) if isinstance(task, CellTask) else None
         if saved is None:
             return

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import mosquitto_binary, require
+from process_helpers import alive, descendants
 
 pytestmark = pytest.mark.slow
 
@@ -154,38 +155,6 @@ def test_secure_demo_matches_the_plain_demo(tmp_path: Path) -> None:
         assert "manifest v1 of rollout demo installed" in (tmp_path / "logs" / f"{device}.log").read_text()
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live (non-zombie) process below ``pid``, from /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            parents[int(entry)] = int(fields[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    out = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(pid)
-    return out
-
-
 def _start_endless_demo(workdir: Path) -> tuple[subprocess.Popen, set[int]]:
     """A demo that would run for ever, followed until its second round; returns it and its processes."""
     demo = subprocess.Popen([sys.executable, "-m", "fedtier", "demo", "--devices", "3", "--cells", "1",
@@ -196,7 +165,7 @@ def _start_endless_demo(workdir: Path) -> tuple[subprocess.Popen, set[int]]:
     for line in demo.stderr:
         if "(2/" in line and line.startswith("round") or time.monotonic() > deadline:
             break
-    children = _descendants(demo.pid)
+    children = descendants(demo.pid)
     # reaper, broker, coordinator, edge, 3 agents
     assert len(children) >= 7, children
     return demo, children
@@ -214,7 +183,7 @@ def test_sigterm_stops_every_process_the_demo_started(tmp_path: Path) -> None:
             demo.kill()
     assert code == 128 + signal.SIGTERM, rest
     assert "terminated (SIGTERM): stopped 6 processes" in rest
-    assert _alive(children) == set()  # the demo waited for each before exiting
+    assert alive(children) == set()  # the demo waited for each before exiting
     assert _processes_mentioning(str(tmp_path / "demo")) == []
 
 
@@ -225,9 +194,9 @@ def test_a_sigkilled_demo_leaves_no_process_behind(tmp_path: Path) -> None:
     demo.kill()
     demo.wait(30)
     deadline = time.monotonic() + 60  # the reaper's grace period is 5 s
-    while _alive(children) and time.monotonic() < deadline:
+    while alive(children) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _alive(children) == set()
+    assert alive(children) == set()
 
 
 def test_privacy_demo_with_defaults_reports_the_ledgers_epsilon(tmp_path: Path) -> None:

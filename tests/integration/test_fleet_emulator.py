@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from cloud_coordinator.fleet_emulator import EmulatorOptions, FleetEmulator
+from process_helpers import alive, descendants
 
 pytestmark = pytest.mark.broker
 
@@ -61,32 +62,6 @@ def test_bench_fleet_harness_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: py
     assert row["edge_work_s"]["median"] > 0 and "edges: decoding" in bench.table(results)
 
 
-def _children(pid: int) -> set[int]:
-    """The live processes whose parent is ``pid`` (from /proc)."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.add(int(entry.name))
-    return out
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(pid)
-    return alive
-
-
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
 def test_a_stopped_emulator_leaves_no_worker_or_broker_running(tmp_path: Path, signum: str) -> None:
     # Prepare: an emulation with its own Mosquitto and two worker processes, long enough to be stopped mid-run
@@ -102,17 +77,17 @@ def test_a_stopped_emulator_leaves_no_worker_or_broker_running(tmp_path: Path, s
             line = proc.stderr.readline() if proc.stderr else ""
             assert line or proc.poll() is None, f"the emulator ended early:\n{seen}"
             seen += line
-        started = _children(proc.pid)
+        started = descendants(proc.pid)
         assert len(started) >= 3, started  # two workers (one per core) and Mosquitto
         # Execute: a supervisor's SIGTERM, or a SIGKILL that skips every clean-up of the emulator
         proc.send_signal(getattr(signal, signum))
         proc.wait(60)
         deadline = time.monotonic() + 30
-        while _alive(started) and time.monotonic() < deadline:
+        while alive(started) and time.monotonic() < deadline:
             time.sleep(0.2)
         # Assert: nothing the emulator started runs on
-        assert not _alive(started), f"still running after {signum}: {_alive(started)}"
+        assert not alive(started), f"still running after {signum}: {alive(started)}"
     finally:
-        for pid in _alive(_children(proc.pid)):
+        for pid in alive(descendants(proc.pid)):
             os.kill(pid, 9)
         proc.kill()

@@ -46,15 +46,20 @@ def reference_auroc(labels: np.ndarray, scores: np.ndarray) -> float:
                  / (len(pos) * len(neg)))
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_ranking_metrics_equal_the_written_out_definitions(seed: int) -> None:
+def ranked_case(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random binary labels (both classes present) and scores that separate them partly; odd seeds round the
+    scores, so that ties occur."""
     gen = np.random.default_rng(seed)
     n = int(gen.integers(20, 400))
     labels = (gen.random(n) < gen.uniform(0.1, 0.5)).astype(np.int64)
     labels[:2] = (0, 1)
     scores = gen.normal(size=n) + labels * gen.uniform(0, 2)
-    if seed % 2:
-        scores = np.round(scores, 1)  # ties
+    return labels, np.round(scores, 1) if seed % 2 else scores
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ranking_metrics_equal_the_written_out_definitions(seed: int) -> None:
+    labels, scores = ranked_case(seed)
     metrics = metrics_eval.ranking_metrics(labels, scores)
     assert metrics is not None and set(metrics) == set(metrics_eval.KEYS)
     assert metrics["auroc"] == pytest.approx(reference_auroc(labels, scores), abs=1e-9)
@@ -66,13 +71,7 @@ def test_ranking_metrics_equal_the_written_out_definitions(seed: int) -> None:
 def test_ranking_metrics_equal_scikit_learns(seed: int) -> None:
     from sklearn.metrics import roc_auc_score
 
-    gen = np.random.default_rng(100 + seed)
-    n = int(gen.integers(20, 400))
-    labels = (gen.random(n) < gen.uniform(0.1, 0.5)).astype(np.int64)
-    labels[:2] = (0, 1)
-    scores = gen.normal(size=n) + labels * gen.uniform(0, 2)
-    if seed % 2:
-        scores = np.round(scores, 1)  # ties
+    labels, scores = ranked_case(100 + seed)
     metrics = metrics_eval.ranking_metrics(labels, scores)
     assert metrics is not None
     assert metrics["auroc"] == pytest.approx(roc_auc_score(labels, scores), abs=1e-9)
