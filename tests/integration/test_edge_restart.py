@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,12 +115,14 @@ def test_edge_killed_mid_round_resumes_with_every_accepted_update(mosquitto, tmp
         edge.wait(10)
         devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-3", DeviceUpdate.KIND), update("dev-3").encode())
         devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-0", DeviceUpdate.KIND), update("dev-0").encode())
+        # A malformed message queued last: once the edge has refused it, it has handled the resend.
+        devices.publish(topics.cell_up(ROLLOUT, CELL, "dev-0", DeviceUpdate.KIND), b"not a message")
         t1 = time.time()
         edge = start_edge(config, log)
         wait_online(cloud, t1)
         topic, payload = cloud.wait_for(topics.edge_up(ROLLOUT, CELL, CellUpdate.KIND), timeout=30)
         # dev-0's resend was queued after dev-3's update: wait until the edge has handled it too.
-        wait_metric(metrics_port, 'fedtier_dropped_total{node="cell-a",reason="duplicate",role="edge"} 1', edge, log)
+        wait_metric(metrics_port, 'fedtier_rejected_total{node="cell-a",reason="bad_magic",role="edge"} 1', edge, log)
         metrics_after = scrape(metrics_port)
     finally:
         if edge.poll() is None:
@@ -136,6 +139,9 @@ def test_edge_killed_mid_round_resumes_with_every_accepted_update(mosquitto, tmp
     for name, p in PARAMS.items():
         np.testing.assert_allclose(cell_update.delta[name], np.full_like(p, 2.5), rtol=0, atol=1e-7)
     assert f"resumed rollout {ROLLOUT} from state: round 0, 3 updates" in log.read_text()
-    # After the restart only dev-3 was new; dev-0's resend was recognised as a duplicate.
+    # After the restart only dev-3 was new; dev-0's resend was recognised as a duplicate. The
+    # broker may also redeliver updates the edge had accepted but not yet acknowledged when it was
+    # killed (at-least-once): those are duplicates too, never accepted twice.
     assert 'fedtier_accepted_total{kind="device_update",node="cell-a",role="edge"} 1' in metrics_after
-    assert 'fedtier_dropped_total{node="cell-a",reason="duplicate",role="edge"} 1' in metrics_after
+    duplicates = re.search(r'fedtier_dropped_total\{node="cell-a",reason="duplicate",role="edge"\} (\d+)', metrics_after)
+    assert duplicates is not None and 1 <= int(duplicates.group(1)) <= 4, metrics_after
