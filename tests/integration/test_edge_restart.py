@@ -143,5 +143,6 @@ def test_edge_killed_mid_round_resumes_with_every_accepted_update(mosquitto, tmp
     # broker may also redeliver updates the edge had accepted but not yet acknowledged when it was
     # killed (at-least-once): those are duplicates too, never accepted twice.
     assert 'fedtier_accepted_total{kind="device_update",node="cell-a",role="edge"} 1' in metrics_after
-    duplicates = re.search(r'fedtier_dropped_total\{node="cell-a",reason="duplicate",role="edge"\} (\d+)', metrics_after)
+    duplicates = re.search(r'fedtier_dropped_total\{node="cell-a",reason="duplicate",role="edge"\} (\d+)',
+                           metrics_after)
     assert duplicates is not None and 1 <= int(duplicates.group(1)) <= 4, metrics_after
