@@ -214,7 +214,7 @@ def device_node(cfg: RolloutConfig, prepared: PreparedRollout, broker: MemoryBro
     if attacker:
         provider, y = _attacker(cfg, prepared, device, trainers, y)
     node = DeviceNode(device_id=device, cell=cell, transport=tx, data=LocalData(x=x, y=y),
-                      trainer_provider=provider, state=MemoryDeviceState(), cache=cache,
+                      trainer_provider=provider, state=MemoryDeviceState(keep_uploads=False), cache=cache,
                       bundles_dir=bundles_dir, noise=noise_source(cfg, device),
                       eval_data=LocalData(x=held[0], y=held[1]) if held is not None else None)
     tx.set_handler(_bind(node, broker))
@@ -227,7 +227,7 @@ def _hybrid_node(cfg: RolloutConfig, data: HybridData, broker: MemoryBroker, nod
     x, y, ids = data.shard(node_id)
     tx = broker.connect(node_id)
     node = DeviceNode(device_id=node_id, cell=cell, transport=tx, data=LocalData(x=x, y=y), trainer_provider=trainers,
-                      state=MemoryDeviceState(), cache=cache, bundles_dir=bundles_dir,
+                      state=MemoryDeviceState(keep_uploads=False), cache=cache, bundles_dir=bundles_dir,
                       noise=noise_source(cfg, node_id), side="host" if node_id == data.cells[cell].host else "device",
                       row_ids=ids, split_provider=trainers.split)
     tx.set_handler(_bind(node, broker))

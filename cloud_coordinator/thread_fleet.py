@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from cloud_coordinator.config import RolloutConfig
 from cloud_coordinator.fleet import FleetPaths
@@ -62,10 +62,13 @@ class ThreadFleet:
         node, transports, inbox = build(load(EdgeConfig, self.paths.edges[cell]))
         return self._start(cell, node, transports, inbox)
 
-    def start_device(self, device: str) -> Running:
+    def start_device(self, device: str, prepare: Callable[[Any], None] | None = None) -> Running:
+        """Build and start a device; ``prepare(node)`` runs before its thread starts (a test's hooks)."""
         from device_agent.run import build
 
         node, tx, inbox = build(load(DeviceConfig, self.paths.devices[device]))
+        if prepare is not None:
+            prepare(node)
         return self._start(device, node, [tx], inbox)
 
     def start_coordinator(self) -> Running:
@@ -80,6 +83,16 @@ class ThreadFleet:
         for cell in self.paths.edges:
             self.start_edge(cell)
         self.start_coordinator()
+
+    def stop_node(self, name: str) -> None:
+        """Stop one node as its process would end: its loop, then its store (a coordinator's releases its
+        hold on the rollout), so that a node started again from the same files takes over."""
+        running = self.nodes[name]
+        running.stop.set()
+        running.thread.join(10)
+        store = getattr(running.node, "store", None)
+        if store is not None:
+            store.close()
 
     def check(self) -> None:
         for r in self.nodes.values():

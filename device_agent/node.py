@@ -415,8 +415,30 @@ class DeviceNode(NodeBase):
             self.metrics.inc(REJECTED, reason=reason)
             log.error("refused the task of round %d of %s: %s", task.round, task.rollout, exc)
             return
+        self._send_upload_again(task)
         role = self._role(task)
         self._execute(role.receive(task, now), now, rollout=task.rollout)
+
+    def _send_upload_again(self, task: DeviceTask) -> None:
+        """The edge asks for a step this device has uploaded already: send the same bytes again.
+
+        The edge sends a member its task again when the member reconnects and it holds no upload of
+        the step from it: the upload was lost after the broker acknowledged it (a broker restarted
+        without persistence forgets what it had queued for the edge). The role does not train the step
+        again (a second noisy release); without these bytes the cell would wait for it for ever. A copy
+        that did reach the edge is dropped there as a duplicate."""
+        if self.device_id not in task.members:
+            return
+        kept = self.state.uploads(task.rollout, task.round, task.step)
+        if not kept:
+            return
+        queued = {key for key, _, _ in self.state.pending()}  # still in the outbox: the transport has it
+        again = [(key, topic, payload) for key, topic, payload in kept if key not in queued]
+        for key, topic, payload in again:
+            self._publish_update(key, topic, payload)
+        if again:
+            log.info("round %d step %d of %s asked for again: sent the same %d upload(s) again", task.round,
+                     task.step, task.rollout, len(again))
 
     def _check_privacy(self, task: DeviceTask) -> None:
         """The task's noise plan must be the signed manifest's (an edge cannot weaken it), and a

@@ -8,6 +8,12 @@ The last round reported per rollout, and the (round, step) of the newest upload,
 with the update in one transaction, so a restarted agent neither loses an update nor trains a
 step twice (a second upload of a step would be a second, uncharged, noisy release of it).
 
+The bytes of the newest upload (of every kind sent at that round and step) are kept beyond the
+broker's acknowledgement: a broker that restarts without persistence loses the messages it had
+acknowledged but not yet delivered, and when the edge then asks for that step again (its task,
+sent again when the device reconnects), the device sends the same bytes again — never a second
+training of the step, which would be a second noisy release.
+
 The manifest of every rollout the device takes part in is kept as it arrived (signed bytes):
 a restarted agent installs it again from here, with the artifacts in its cache, instead of
 refusing the edge's retained copy as "not newer than the installed version".
@@ -26,6 +32,9 @@ CREATE TABLE IF NOT EXISTS progress (rollout TEXT PRIMARY KEY, last_round INTEGE
 CREATE TABLE IF NOT EXISTS settings (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS sent (rollout TEXT PRIMARY KEY, round INTEGER NOT NULL, step INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS manifests (rollout TEXT PRIMARY KEY, version INTEGER NOT NULL, payload BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS uploads (
+    msg_key TEXT NOT NULL, rollout TEXT NOT NULL, round INTEGER NOT NULL, step INTEGER NOT NULL,
+    topic TEXT NOT NULL, payload BLOB NOT NULL, created INTEGER NOT NULL, PRIMARY KEY (rollout, msg_key));
 """
 
 
@@ -51,6 +60,12 @@ class DeviceState:
                            "round=excluded.round, step=excluded.step "
                            "WHERE (excluded.round, excluded.step) > (sent.round, sent.step)",
                            (rollout, sent[0], sent[1]))
+                # the newest step's uploads only: an older one is never asked for again
+                db.execute("DELETE FROM uploads WHERE rollout=? AND (round, step) < (?,?)", (rollout, *sent))
+                db.execute("INSERT OR REPLACE INTO uploads SELECT ?,?,?,?,?,?, "
+                           "(SELECT COALESCE(MAX(created), 0) + 1 FROM uploads) "
+                           "WHERE NOT EXISTS (SELECT 1 FROM uploads WHERE rollout=? AND (round, step) > (?,?))",
+                           (key, rollout, *sent, topic, payload, rollout, *sent))
 
     def delete(self, key: str) -> None:
         with self.db.locked() as db:
@@ -72,6 +87,14 @@ class DeviceState:
         with self.db.locked() as db:
             row = db.execute("SELECT round, step FROM sent WHERE rollout=?", (rollout,)).fetchone()
         return (int(row[0]), int(row[1])) if row else None
+
+    def uploads(self, rollout: str, round: int, step: int) -> list[tuple[str, str, bytes]]:
+        """``(key, topic, payload)`` of the uploads of ``round``/``step`` when that is the newest step
+        uploaded for ``rollout`` (acknowledged by the broker or not), in the order they were queued."""
+        with self.db.locked() as db:
+            return [(k, t, bytes(p)) for k, t, p in db.execute(
+                "SELECT msg_key, topic, payload FROM uploads WHERE rollout=? AND round=? AND step=? ORDER BY created",
+                (rollout, round, step))]
 
     def manifest_version(self) -> int:
         """The newest manifest version this device installed (no older one is accepted again)."""
@@ -95,9 +118,10 @@ class DeviceState:
             return {r: bytes(p) for r, p in db.execute("SELECT rollout, payload FROM manifests ORDER BY version")}
 
     def forget_manifest(self, rollout: str) -> None:
-        """The rollout ended: do not install it again at the next start."""
+        """The rollout ended: do not install it again at the next start (nor send its uploads again)."""
         with self.db.locked() as db:
             db.execute("DELETE FROM manifests WHERE rollout=?", (rollout,))
+            db.execute("DELETE FROM uploads WHERE rollout=?", (rollout,))
 
     def close(self) -> None:
         self.db.close()
@@ -112,7 +136,11 @@ class MemoryDeviceState:
     operations (``tests/unit/device_agent/test_device_state.py``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_uploads: bool = True) -> None:
+        """``keep_uploads=False``: ``uploads`` answers ``[]`` — the simulator, which has no broker to lose a
+        message, does not keep a copy of every device's last update (a fifth of a device's memory)."""
+        self._keep_uploads = keep_uploads
+        self._uploads: dict[str, tuple[tuple[int, int], list[tuple[str, str, bytes]]]] = {}
         self._outbox: dict[str, tuple[str, bytes, float, int]] = {}
         self._progress: dict[str, int] = {}
         self._sent: dict[str, tuple[int, int]] = {}
@@ -127,6 +155,14 @@ class MemoryDeviceState:
         self._progress[rollout] = max(self._progress.get(rollout, round), round)
         if sent is not None and (rollout not in self._sent or tuple(sent) > self._sent[rollout]):
             self._sent[rollout] = (int(sent[0]), int(sent[1]))
+        if sent is not None and self._keep_uploads:
+            step = (int(sent[0]), int(sent[1]))
+            newest, kept = self._uploads.get(rollout, (step, []))
+            if step > newest:
+                newest, kept = step, []
+            if step == newest:
+                kept = [u for u in kept if u[0] != key] + [(key, topic, bytes(payload))]
+                self._uploads[rollout] = (newest, kept)
 
     def delete(self, key: str) -> None:
         self._outbox.pop(key, None)
@@ -139,6 +175,10 @@ class MemoryDeviceState:
 
     def last_sent(self, rollout: str) -> tuple[int, int] | None:
         return self._sent.get(rollout)
+
+    def uploads(self, rollout: str, round: int, step: int) -> list[tuple[str, str, bytes]]:
+        newest, kept = self._uploads.get(rollout, ((-1, -1), []))
+        return list(kept) if newest == (round, step) else []
 
     def manifest_version(self) -> int:
         return self._manifest_version
@@ -154,6 +194,7 @@ class MemoryDeviceState:
 
     def forget_manifest(self, rollout: str) -> None:
         self._manifests.pop(rollout, None)
+        self._uploads.pop(rollout, None)
 
     def close(self) -> None:
         return None

@@ -288,6 +288,8 @@ class EdgeNode(NodeBase):
         role = self._role_for(msg)
         actions = role.receive(msg, now)
         duplicate = any(isinstance(a, Dropped) and a.key == msg.key for a in actions)
+        if duplicate and isinstance(msg, CellTask) and not replay:
+            self._publish_outputs_again(msg)
         if not duplicate:
             if not replay:
                 # Accepted: make it durable before the broker is acknowledged (run_loop confirms
@@ -306,6 +308,21 @@ class EdgeNode(NodeBase):
                 if msg.KIND == Embeddings.KIND:  # HSGD's vertical path, also counted on its own
                     counts["embedding_up_bytes"] += size
         self._execute(msg.rollout, actions)
+
+    def _publish_outputs_again(self, task: CellTask) -> None:
+        """The coordinator sent the task of a round this cell has answered: publish the same answer again.
+
+        It sends a cell its task again when the edge reconnects and it holds no update of the round from
+        the cell: the update was lost after the broker acknowledged it (a broker restarted without
+        persistence forgets what it had queued for the coordinator). The stored bytes go out, never a
+        second aggregate (a second noisy release); a copy that did arrive is dropped there as a duplicate."""
+        payloads = self.store.outputs(task.rollout, task.round)
+        for payload in payloads:
+            kind = str(wire.peek_header(payload)["t"])
+            self.cloud_tx.publish(topics.edge_up(task.rollout, self.cell, kind), payload)
+        if payloads:
+            log.info("round %d of %s asked for again: published the cell's %d stored message(s) again",
+                     task.round, task.rollout, len(payloads))
 
     def _execute(self, rollout: str, actions: Sequence[Action]) -> None:
         self.diagnostics(actions)

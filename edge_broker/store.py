@@ -63,6 +63,12 @@ class EdgeStore:
             row = db.execute("SELECT payload FROM outputs WHERE msg_key=?", (key,)).fetchone()
         return bytes(row[0]) if row else None
 
+    def outputs(self, rollout: str, round: int) -> list[bytes]:
+        """The payloads published for ``round`` of ``rollout``, oldest first."""
+        with self.db.locked() as db:
+            return [bytes(p) for (p,) in db.execute(
+                "SELECT payload FROM outputs WHERE rollout=? AND round=? ORDER BY rowid", (rollout, round))]
+
     def save_output(self, rollout: str, round: int, key: str, payload: bytes) -> None:
         """Keep an output before it is published (the first one for a key wins)."""
         with self.db.locked() as db:

@@ -177,9 +177,13 @@ def small_rollout(tmp_path: Path, artifact_store: Path) -> Callable[..., object]
     return make
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[Any]) -> None:
     """The end-to-end runs (each a fleet of processes: demos, operations, the deployment page) share one xdist
-    worker: two of them at once on a 2-core machine would each run slower than its deadlines assume."""
+    worker: two of them at once on a 2-core machine would each run slower than its deadlines assume.
+
+    ``tryfirst``: xdist's worker reads the ``xdist_group`` marks in its own hook of this name, which pluggy
+    otherwise calls before this one; the marks then came too late and the runs went to both workers."""
     for item in items:
         if "e2e" in Path(str(item.fspath)).parts:
             item.add_marker(pytest.mark.xdist_group("e2e"))

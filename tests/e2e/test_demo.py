@@ -25,9 +25,11 @@ def run_demo(*args: str, timeout: float = 240) -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def default_demo() -> dict:
-    """``fedtier demo`` with its defaults (onnxruntime-training agents), run once for the module."""
+    """``fedtier demo`` with its defaults (onnxruntime-training agents), run once: session-scoped, since
+    the xdist worker may run other end-to-end modules between this module's tests (a module-scoped
+    fixture then ran the 20-second demo twice)."""
     require(mosquitto_binary() is not None, "Mosquitto")
     return run_demo()
 

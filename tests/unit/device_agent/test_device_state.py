@@ -1,5 +1,5 @@
 """The simulator's ``MemoryDeviceState`` keeps ``DeviceState``'s contract: the same answers to every query after
-any sequence of operations (outbox, progress that never moves back, the newest upload, manifests)."""
+any sequence of operations (outbox, progress that never moves back, the newest upload and its bytes, manifests)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ OPERATIONS = st.one_of(
 def answers(state: Any) -> tuple[Any, ...]:
     return (state.pending(), {r: state.last_round(r) for r in ("r1", "r2")},
             {r: state.last_sent(r) for r in ("r1", "r2")}, state.manifest_version(),
-            sorted(state.installed_manifests().items()))
+            sorted(state.installed_manifests().items()),
+            {(r, i, j): state.uploads(r, i, j) for r in ("r1", "r2") for i in range(5) for j in range(4)})
 
 
 @settings(max_examples=150, deadline=None)
@@ -46,3 +47,19 @@ def test_memory_state_answers_as_the_sqlite_state(operations: list[tuple[Any, ..
             assert answers(memory) == answers(disk)
     finally:
         disk.close()
+
+
+def test_only_the_newest_steps_uploads_are_kept_beyond_the_acknowledgement() -> None:
+    for state in (DeviceState(":memory:"), MemoryDeviceState()):
+        state.put_update("u0", "t/u", b"step0", "r1", -1, 1.0, sent=(0, 0))
+        state.delete("u0")  # acknowledged by the broker: out of the outbox, still kept
+        assert state.pending() == [] and state.uploads("r1", 0, 0) == [("u0", "t/u", b"step0")]
+        state.put_update("e1", "t/e", b"emb", "r1", -1, 2.0, sent=(0, 1))
+        state.put_update("u1", "t/u", b"step1", "r1", 0, 3.0, sent=(0, 1))
+        assert state.uploads("r1", 0, 0) == []
+        assert state.uploads("r1", 0, 1) == [("e1", "t/e", b"emb"), ("u1", "t/u", b"step1")]
+        state.put_update("old", "t/u", b"late", "r1", 0, 4.0, sent=(0, 0))  # an older step is not kept
+        assert state.uploads("r1", 0, 0) == []
+        state.forget_manifest("r1")
+        assert state.uploads("r1", 0, 1) == []
+    assert MemoryDeviceState(keep_uploads=False).uploads("r1", 0, 0) == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hierarchy import Hierarchy
@@ -83,3 +85,25 @@ def test_quantized_uploads_travel_as_qsgd_and_report_their_variance() -> None:
 def test_config_validation_names_the_field(field: str, value: object) -> None:
     with pytest.raises(LocalProtocolError, match=field):
         hier_qsgd.HierConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_device_whose_step_average_was_lost_takes_the_next_steps_task() -> None:
+    # Prepare: dev-1 uploads step 0, then misses the cell's average of it (lost with a restarted broker):
+    # it waits at step 0 while the edge, which has its upload, goes on to step 1 and waits for it there.
+    h = make(rounds=1)
+    lost = "dev-1"
+
+    def lose_step_0(cell: str, msg: Any) -> None:
+        if msg.step == 0 and lost in CELLS[cell]:
+            h.offline.add(lost)
+
+    h.on_step = lose_step_0
+    h.start()
+    cell = next(c for c, ds in CELLS.items() if lost in ds)
+    assert h.edges[cell].step == 1 and not h.closed
+    # Execute: it reconnects; the edge sends it the task at step 1 with the set model.
+    h.on_step = None
+    h.reconnect(lost)
+    # Assert: it took that task (not dropped as a duplicate of its round), trained step 1, and the round closed.
+    assert h.closed and lost in h.closed[0].reported[cell]
+    assert not [d for d in h.dropped if d.reason == "duplicate"]
