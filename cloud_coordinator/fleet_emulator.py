@@ -62,6 +62,9 @@ class EmulatorOptions:
     keepalive_s: int = 30
     """MQTT keep-alive of every emulated node. A real board has its CPU to itself; thousands of emulated
     devices on a few cores can starve their network threads past 30 s, and the broker then drops them."""
+    stall_s: float = 900.0
+    """Stop the run when no update reaches an edge and no round closes for this long, with a report of
+    where every cell's edge and devices stand (``fleet_probe``); 0 waits for ever."""
 
 
 @dataclass
@@ -167,7 +170,7 @@ def _start_mosquitto(workdir: Path, clients: int) -> tuple[subprocess.Popen, int
 def rollout_mapping(opts: EmulatorOptions) -> dict[str, Any]:
     """The emulated rollout: the synthetic task, ``cells`` cells sharing the devices."""
     per_cell = -(-opts.devices // opts.cells)
-    return {"rollout": "emulated", "rounds": opts.rounds, "seed": opts.seed,
+    return {"rollout": ROLLOUT, "rounds": opts.rounds, "seed": opts.seed,
             "model": {"kind": "mlp", "hidden": [opts.hidden]},
             "topology": {"cells": opts.cells, "devices_per_cell": per_cell},
             "data": {"dataset": "synthetic", "samples": 40 * per_cell * opts.cells, "features": 64, "classes": 10,
@@ -210,6 +213,7 @@ class _DeviceHost:
         self.runs: list[tuple[int, str, float, float]] = []
         self._runs_lock = threading.Lock()
         self.threads: list[tuple[str, threading.Thread, threading.Event, list[BaseException]]] = []
+        self.nodes: list[Any] = []  # the device nodes, for a stalled run's report
 
     def _locked_train(self, device: str, train: Callable[..., Any]) -> Callable[..., Any]:
         def run(trainer: Any, action: Any) -> Any:
@@ -254,6 +258,7 @@ class _DeviceHost:
         node, tx, inbox = build(cfg)
         node.trainer_provider = self.shared.provider(_resolved(cfg.trainer), cfg.threads)
         node.train = self._locked_train(cfg.device_id, node.train)  # type: ignore[method-assign]
+        self.nodes.append(node)
         return cfg.device_id, node, tx, inbox
 
     def add_device(self, config_path: Path) -> None:
@@ -270,15 +275,32 @@ class _DeviceHost:
             thread.join(10)
 
 
+class _ProbeAnswer:
+    """A worker's side of the stall probe: the emulator raises ``probe``'s number, each worker answers once."""
+
+    def __init__(self, probe: Any, answers: Any, host: _DeviceHost) -> None:
+        self.probe, self.answers, self.host, self.answered = probe, answers, host, 0
+
+    def __call__(self) -> None:
+        wanted = self.probe.value
+        if wanted != self.answered:
+            from cloud_coordinator.fleet_probe import describe_devices
+
+            self.answered = wanted
+            self.answers.put(describe_devices(self.host.nodes, ROLLOUT))
+
+
 def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, ready: Any, stop: Any,
-            results: Any, loop: str = "threads") -> None:
-    """A worker process: host ``config_paths``' devices until ``stop``, then report their runs."""
+            results: Any, loop: str = "threads", probe: Any = None, answers: Any = None) -> None:
+    """A worker process: host ``config_paths``' devices until ``stop``, then report their runs. It answers the
+    emulator's stall probe (``probe``'s number raised) with its devices' states on ``answers``."""
     raise_fd_limit()
     logging.basicConfig(level=logging.WARNING)
     host = _DeviceHost(compute_delay_ms)
     orphaned = _orphan_check()
+    answer = _ProbeAnswer(probe, answers, host) if probe is not None else (lambda: None)
     if loop == "mux":
-        _mux_worker(host, config_paths, step_s, ready, stop, results, orphaned)
+        _mux_worker(host, config_paths, step_s, ready, stop, results, orphaned, answer)
         return
     try:
         for path in config_paths:
@@ -287,6 +309,7 @@ def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, rea
                 time.sleep(step_s)
         ready.put(len(config_paths))
         while not stop.wait(0.2):
+            answer()
             if host.errors() or orphaned():
                 break
     finally:
@@ -302,7 +325,7 @@ def _orphan_check() -> Callable[[], bool]:
 
 
 def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready: Any, stop: Any,
-                results: Any, orphaned: Callable[[], bool]) -> None:
+                results: Any, orphaned: Callable[[], bool], answer: Callable[[], None]) -> None:
     """``_worker`` with every device on this process's one thread (``fleet_mux``)."""
     from cloud_coordinator.fleet_mux import MuxHost
 
@@ -313,7 +336,11 @@ def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready
             if step_s:
                 time.sleep(step_s)
         ready.put(len(config_paths))
-        mux.run(lambda: stop.is_set() or bool(mux.errors()) or orphaned())
+        def done() -> bool:
+            answer()
+            return stop.is_set() or bool(mux.errors()) or orphaned()
+
+        mux.run(done)
     finally:
         mux.close()
         results.put({"runs": host.runs, "errors": mux.errors()})
@@ -352,6 +379,7 @@ class FleetEmulator:
         broker_proc = None
         ctx = multiprocessing.get_context("spawn")
         stop, ready, results = ctx.Event(), ctx.Queue(), ctx.Queue()
+        probe, answers = ctx.Value("i", 0), ctx.Queue()
         procs: list[Any] = []
         try:
             if o.broker is None:
@@ -375,7 +403,7 @@ class FleetEmulator:
             step = o.stagger_s / max(1, len(devices)) * len(groups)
             for group in groups:
                 proc = ctx.Process(target=_worker, args=(group, o.compute_delay_ms, step, ready, stop, results,
-                                                         o.loop), daemon=True)
+                                                         o.loop, probe, answers), daemon=True)
                 proc.start()
                 procs.append(proc)
             hosted = 0
@@ -386,10 +414,12 @@ class FleetEmulator:
                     raise RuntimeError("the device workers did not start within 10 minutes") from exc
                 self.say(f"started {hosted} of {len(devices)} devices in {len(groups)} worker process(es)")
             edges = []
+            edge_inboxes: dict[str, tuple[Any, Any]] = {}
             for cell in paths.edges:
                 edge, transports, inbox = build_edge(load(EdgeConfig, paths.edges[cell]))
                 self.servers.spawn(cell, edge, transports, inbox)
                 edges.append(edge)
+                edge_inboxes[cell] = (edge, inbox)
             cloud, tx, inbox = build_cloud(load(RolloutConfig, paths.coordinator))
             previous = cloud.on_round
 
@@ -403,19 +433,11 @@ class FleetEmulator:
             cloud.on_round = snapshot
             self.servers.spawn("coordinator", cloud, [tx], inbox, done=lambda: cloud.finished)
             start_s = time.perf_counter() - t_start
-            seen = 0
-            while not cloud.finished:
-                problems = self.servers.errors()
-                if problems:
-                    raise RuntimeError(problems[0])
-                if any(not p.is_alive() for p in procs):
-                    raise RuntimeError("a device worker process died")
-                if len(cloud.history) > seen:
-                    row = cloud.history[seen]
-                    self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
-                             f"{row['round_s']:.2f} s, accuracy {row.get('accuracy', float('nan')):.4f}")
-                    seen += 1
-                time.sleep(0.05)
+            try:
+                self._wait_rounds(cloud, edges, edge_inboxes, procs, probe, answers)
+            except KeyboardInterrupt:
+                raise RuntimeError("stopped while the rollout ran; where the cells stood:\n"
+                                   f"{_stall_report(edge_inboxes, probe, answers, procs)}") from None
             history = list(cloud.history)
             stop.set()
             for _ in procs:
@@ -447,6 +469,30 @@ class FleetEmulator:
                                + ([f"each local run also sleeps {o.compute_delay_ms:g} ms (simulated device compute)"]
                                   if o.compute_delay_ms else []))
 
+    def _wait_rounds(self, cloud: Any, edges: list[Any], edge_inboxes: dict[str, tuple[Any, Any]], procs: list[Any],
+                     probe: Any, answers: Any) -> None:
+        """Until the rollout finishes: report each closed round; stop on a crash or a stall (``stall_s``)."""
+        stall_s = self.opts.stall_s
+        seen = 0
+        progress, progressed = _progress(cloud, edges), time.monotonic()
+        while not cloud.finished:
+            if _progress(cloud, edges) != progress:
+                progress, progressed = _progress(cloud, edges), time.monotonic()
+            elif stall_s and time.monotonic() - progressed > stall_s:
+                raise RuntimeError(f"no update reached an edge and no round closed for {stall_s:g} s; where "
+                                   f"the cells stand:\n{_stall_report(edge_inboxes, probe, answers, procs)}")
+            problems = self.servers.errors()
+            if problems:
+                raise RuntimeError(problems[0])
+            if any(not p.is_alive() for p in procs):
+                raise RuntimeError("a device worker process died")
+            if len(cloud.history) > seen:
+                row = cloud.history[seen]
+                self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
+                         f"{row['round_s']:.2f} s, accuracy {row.get('accuracy', float('nan')):.4f}")
+                seen += 1
+            time.sleep(0.05)
+
     def _timings(self, history: list[dict[str, Any]]) -> list[RoundTiming]:
         out = []
         before = dict.fromkeys(("edge_decode", "edge_work", "coordinator"), 0.0)
@@ -464,6 +510,39 @@ class FleetEmulator:
                                    workers=max(1, self.workers)))
             before = busy
         return out
+
+
+ROLLOUT = "emulated"
+
+
+def _progress(cloud: Any, edges: list[Any]) -> tuple[int, ...]:
+    """Changes whenever a round closes or an edge takes an update or moves on a step."""
+    marks = [len(cloud.history)]
+    for edge in edges:
+        role = edge.roles.get(ROLLOUT)
+        if role is not None:
+            marks += [role.round, getattr(role, "step", 0), len(role.reported)]
+    return tuple(marks)
+
+
+def _stall_report(edges: dict[str, tuple[Any, Any]], probe: Any, answers: Any, procs: list[Any]) -> str:
+    """Every cell's edge (read here) and devices (asked of the live workers, 20 s at most)."""
+    from cloud_coordinator.fleet_probe import describe_edge, merge, render
+
+    with probe.get_lock():
+        probe.value += 1
+    workers = sum(1 for p in procs if p.is_alive())  # after a Ctrl-C in a terminal they got it too
+    reports: list[dict[str, dict[str, int]]] = []
+    deadline = time.monotonic() + 20
+    while len(reports) < workers and time.monotonic() < deadline:
+        try:
+            reports.append(answers.get(timeout=max(0.1, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001 - queue.Empty: the workers that did not answer are counted below
+            break
+    report = render({cell: describe_edge(edge, inbox, ROLLOUT) for cell, (edge, inbox) in edges.items()},
+                    merge(reports))
+    missing = len(procs) - len(reports)
+    return report + (f"\n({missing} of {len(procs)} worker processes did not answer)" if missing else "")
 
 
 def _busy(edges: list[Any], cloud: Any) -> dict[str, float]:

@@ -58,8 +58,24 @@ def test_bench_fleet_harness_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: py
 
     (row,) = results["sizes"]
     assert row["devices"] == 10 and row["round_s"]["median"] > 0 and row["training_s"]["median"] > 0
-    assert "| 10 | 1 |" in bench.table(results) and (tmp_path / "tiny.json").is_file()
+    assert "| 10 | 1 of 1 |" in bench.table(results) and (tmp_path / "tiny.json").is_file()
     assert row["edge_work_s"]["median"] > 0 and "edges: decoding" in bench.table(results)
+
+
+def test_bench_fleet_records_a_run_that_did_not_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repetition stopped at its timeout (SIGTERM) is recorded with the emulator's last words, and written."""
+    from bench_helpers import load_benchmark
+
+    bench = load_benchmark("fleet", tmp_path, monkeypatch)
+
+    results = bench.main(["--sizes", "4", "--reps", "1", "--rounds", "1", "--timeout", "2", "--name", "cut"])
+
+    (row,) = results["sizes"]
+    assert row["finished"] == 0 and len(row["failures"]) == 1
+    assert "4 devices: no result within 2 s" in row["failures"][0]
+    text = bench.table(results)
+    assert "| 4 | 0 of 1 | – |" in text and "A run of 4 devices did not finish" in text
+    assert json.loads((tmp_path / "cut.json").read_text())["sizes"][0]["failures"] == row["failures"]
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
@@ -91,3 +107,17 @@ def test_a_stopped_emulator_leaves_no_worker_or_broker_running(tmp_path: Path, s
         for pid in alive(descendants(proc.pid)):
             os.kill(pid, 9)
         proc.kill()
+
+
+def test_a_stalled_run_stops_and_says_where_every_cell_stands(mosquitto: Any, tmp_path: Path) -> None:
+    # Prepare: every local run takes 7 s of simulated compute, and a round without progress for 3 s is a stall.
+    opts = EmulatorOptions(devices=3, cells=1, rounds=1, broker=f"{mosquitto.host}:{mosquitto.port}", loop="threads",
+                           compute_delay_ms=7000, stall_s=3, workdir=tmp_path / "fleet")
+    # Execute
+    with pytest.raises(RuntimeError) as caught:
+        FleetEmulator(opts).run()
+    # Assert: the error names the stall and, per cell, the edge's open round and the devices' states.
+    text = str(caught.value)
+    assert "no update reached an edge and no round closed for 3 s" in text, text
+    assert "cell-a: edge round 0 step 0 collecting, 0 of 3 updates held, inbox 0, connected" in text, text
+    assert "devices: " in text and "3 training, round 0 step 0" in text and "did not answer" not in text, text
