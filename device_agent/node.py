@@ -10,7 +10,9 @@ Flow for one rollout:
    a task that arrives before the trainer is ready waits (only the newest is kept);
 4. the role's ``LocalTrain`` runs on the trainer with minibatches drawn from the named
    RNG stream; the resulting ``device_update`` is written to the outbox, then published,
-   and deleted from the outbox when the broker acknowledges it.
+   and deleted from the outbox when the broker acknowledges it (its bytes stay in the state
+   until a newer step's upload, to be sent again if the edge asks for that step again: a
+   broker restarted without persistence loses what it acknowledged but had not delivered).
 
 A device with held-out rows (``eval_data``: its shard's ``eval/`` directory) tells its role so;
 the role then asks for an ``Evaluate`` of each round's incoming global model, which this shell
