@@ -93,7 +93,7 @@ class FirstUpdates:
         self.client.disconnect()
 
 
-def ort_baseline(bundle_dir: Path) -> float:
+def ort_baseline(bundle_dir: Path, python: str = sys.executable) -> float:
     """Peak RSS (MB) of a Python that only imports onnxruntime's training API (as the agent does: without
     the torch that ``onnxruntime.training``'s own ``__init__`` would import) and opens the session."""
     script = (
@@ -104,11 +104,13 @@ def ort_baseline(bundle_dir: Path) -> float:
         "m = api.Module(d + '/training_model.onnx', state, d + '/eval_model.onnx')\n"
         "o = api.Optimizer(d + '/optimizer_model.onnx', m)\n"
         "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run([python, "-c", script], capture_output=True, text=True, check=True, timeout=120,
+                         cwd=bundle_dir)  # not the checkout: a board's Python imports the installed package
     return int(out.stdout.strip()) / 1024
 
 
-def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path | None = None) -> dict[str, Any]:
+def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path | None = None,
+        agent_python: str = sys.executable) -> dict[str, Any]:
     from cloud_coordinator.demo import free_port, mosquitto_path, wait_for_port
     from cloud_coordinator.fleet import write_fleet
 
@@ -134,9 +136,10 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
             logs = work / "logs"
             logs.mkdir(exist_ok=True)
 
-            def start(name: str, argv: list[str]) -> subprocess.Popen:
-                p = subprocess.Popen([*FEDTIER, *argv], cwd=ROOT, stdout=(logs / f"{name}.log").open("wb"),
-                                     stderr=subprocess.STDOUT)
+            def start(name: str, argv: list[str], python: str = sys.executable) -> subprocess.Popen:
+                # agents run outside the checkout, so that `python -m fedtier` imports what `python` has installed
+                p = subprocess.Popen([python, *FEDTIER[1:], *argv], cwd=ROOT if python == sys.executable else work,
+                                     stdout=(logs / f"{name}.log").open("wb"), stderr=subprocess.STDOUT)
                 procs.append(p)
                 return p
 
@@ -151,7 +154,8 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
                 time.sleep(0.1)
             agents: dict[str, tuple[subprocess.Popen, float]] = {}
             for device, cfg in paths.devices.items():
-                agents[device] = (start(f"agent-{device}", ["agent", "run", "--config", str(cfg)]), time.monotonic())
+                agents[device] = (start(f"agent-{device}", ["agent", "run", "--config", str(cfg)], agent_python),
+                                  time.monotonic())
             samples: list[dict[str, Any]] = []
             peak: dict[str, int] = {}
             stop = threading.Event()
@@ -179,7 +183,7 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
             observer.close()
             done = rounds_closed(db)
             bundle = next((paths.workdir / "coordinator" / "artifacts").rglob("training_model.onnx")).parent
-            baseline = ort_baseline(bundle)
+            baseline = ort_baseline(bundle, agent_python)
         finally:
             for p in reversed(procs):
                 p.terminate()
@@ -201,7 +205,7 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
             "rss_last_tenth_mb": round(max(last) / 1024, 1) if last else None,
         }
     return {"devices": devices, "rounds": done, "wall_s": round(wall, 1), "ort_session_baseline_mb": round(baseline, 1),
-            "agents": per_device}
+            "agent_python": agent_python, "agents": per_device}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -228,17 +232,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="extra 3-round runs whose agents' time to first update is also measured")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--keep", type=Path, default=None, help="keep configs, state and logs in this directory")
+    ap.add_argument("--agent-python", default=sys.executable,
+                    help="the Python that runs the agents and the ORT baseline: e.g. a venv with only "
+                         "`pip install fedtier[agent]` from the wheel, as on a board")
+    ap.add_argument("--name", default="agent", help="results file name (benchmarks/results/NAME.json)")
     args = ap.parse_args(argv)
-    result = run(args.devices, args.rounds, args.local_steps, args.timeout, args.keep)
+    result = run(args.devices, args.rounds, args.local_steps, args.timeout, args.keep, args.agent_python)
     firsts = [a["first_update_s"] for a in result["agents"].values()]
     for _ in range(args.starts):
-        firsts += [a["first_update_s"] for a in run(args.devices, 3, args.local_steps, args.timeout)["agents"].values()]
+        again = run(args.devices, 3, args.local_steps, args.timeout, agent_python=args.agent_python)
+        firsts += [a["first_update_s"] for a in again["agents"].values()]
     seen = [f for f in firsts if f is not None]
     result["first_update_s"] = {**spread(seen), "starts": len(firsts), "seen": len(seen)} if seen else None
     result["setup"] = (f"1 cell, {args.devices} agents as processes, digits MLP 64-64-10, {args.local_steps} local "
                        f"steps of batch 16, {args.rounds} rounds, Mosquitto on loopback")
     if not args.no_write:
-        print(f"wrote {write('agent', result)}")
+        print(f"wrote {write(args.name, result)}")
     print(json.dumps(result, indent=1) if os.environ.get("BENCH_JSON") else table(result))
     return result
 
