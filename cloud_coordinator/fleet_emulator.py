@@ -413,13 +413,12 @@ class FleetEmulator:
                 except Exception as exc:  # queue.Empty
                     raise RuntimeError("the device workers did not start within 10 minutes") from exc
                 self.say(f"started {hosted} of {len(devices)} devices in {len(groups)} worker process(es)")
-            edges = []
-            edge_inboxes: dict[str, tuple[Any, Any]] = {}
+            edge_inboxes: dict[str, tuple[Any, Any]] = {}  # cell -> its edge node and inbox
             for cell in paths.edges:
                 edge, transports, inbox = build_edge(load(EdgeConfig, paths.edges[cell]))
                 self.servers.spawn(cell, edge, transports, inbox)
-                edges.append(edge)
                 edge_inboxes[cell] = (edge, inbox)
+            edges = [edge for edge, _ in edge_inboxes.values()]
             cloud, tx, inbox = build_cloud(load(RolloutConfig, paths.coordinator))
             previous = cloud.on_round
 
@@ -476,8 +475,9 @@ class FleetEmulator:
         seen = 0
         progress, progressed = _progress(cloud, edges), time.monotonic()
         while not cloud.finished:
-            if _progress(cloud, edges) != progress:
-                progress, progressed = _progress(cloud, edges), time.monotonic()
+            now_at = _progress(cloud, edges)
+            if now_at != progress:
+                progress, progressed = now_at, time.monotonic()
             elif stall_s and time.monotonic() - progressed > stall_s:
                 raise RuntimeError(f"no update reached an edge and no round closed for {stall_s:g} s; where "
                                    f"the cells stand:\n{_stall_report(edge_inboxes, probe, answers, procs)}")

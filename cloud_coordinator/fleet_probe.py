@@ -51,9 +51,7 @@ def merge(reports: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]
 def describe_edge(edge: Any, inbox: Any, rollout: str) -> dict[str, Any]:
     """An edge's open round, the updates it holds, its inbox backlog and its connections."""
     role = edge.roles.get(rollout)
-    out: dict[str, Any] = {"inbox": inbox.qsize(),
-                           "connected": all(tx.connected for tx in {id(t): t for t in (edge.cell_tx, edge.cloud_tx)}
-                                            .values())}
+    out: dict[str, Any] = {"inbox": inbox.qsize(), "connected": edge.cell_tx.connected and edge.cloud_tx.connected}
     if role is None:
         out["round"] = None
         return out

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sqlite3
 import ssl
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -177,3 +179,30 @@ def start_brokers(procs: Procs, brokers: dict[str, dict]) -> dict[str, Proc]:
         out[name] = procs.start(f"broker-{name}", [binary, "-c", broker["conf"]])
         wait_port(int(broker["port"]))
     return out
+
+
+_engines: dict[str, Any] = {}
+
+
+def count_rows(db: Path | str, sql: str) -> int:
+    """One number from a SQLite file (``Path``) or from a coordinator store's URL (``str``)."""
+    if isinstance(db, str):
+        import sqlalchemy as sa
+
+        from cloud_coordinator.store_backend import parse_url
+
+        engine = _engines.setdefault(db, sa.create_engine(parse_url(db), poolclass=sa.pool.NullPool))
+        try:
+            with engine.connect() as conn:
+                return int(conn.exec_driver_sql(sql).scalar() or 0)
+        except sa.exc.ProgrammingError:  # no such table yet
+            return 0
+    if not db.exists():
+        return 0
+    conn = sqlite3.connect(db, timeout=5)
+    try:
+        return int(conn.execute(sql).fetchone()[0])
+    except sqlite3.OperationalError:
+        return 0
+    finally:
+        conn.close()

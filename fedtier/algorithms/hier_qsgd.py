@@ -198,11 +198,11 @@ class _DeviceBase(StateGuard):
             return [Dropped("not_selected", task.key, f"{self.device_id} not in round {task.round}")]
         if task.round < self._round:
             raise WrongRoundError(f"task for round {task.round}, device is at round {self._round}")
+        # A catch-up: the cell closed the step this device waits on and went on; its average never came (lost).
         catch_up = (task.round == self._round and self._state is RoleState.WAITING and task.step > self._step
                     and self.last_round < task.round)
-        if catch_up:
-            pass  # the cell closed the step this device waits on and went on: its average never came (lost)
-        elif task.round == self._round and (self._state is not RoleState.IDLE or self.last_round >= task.round):
+        if (task.round == self._round and not catch_up
+                and (self._state is not RoleState.IDLE or self.last_round >= task.round)):
             return [Dropped("duplicate", task.key)]
         # (same round while idle and unfinished: a catch-up task after this device dropped out)
         sent = self._last_sent

@@ -15,7 +15,6 @@ the broker, once for a device's update (round 0) and once for the cell's update 
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 from conftest import Broker, start_mosquitto
+from fleet_helpers import count_rows
 from fleet_threads import ThreadFleet
 
 pytestmark = pytest.mark.broker
@@ -39,18 +39,6 @@ def _wait(predicate: Callable[[], bool], what: str, fleet: ThreadFleet, timeout:
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def _count(db: Path, sql: str, *args: object) -> int:
-    if not db.exists():
-        return 0
-    conn = sqlite3.connect(db, timeout=5)
-    try:
-        return int(conn.execute(sql, args).fetchone()[0])
-    except sqlite3.OperationalError:  # no such table yet
-        return 0
-    finally:
-        conn.close()
 
 
 class Gate:
@@ -111,7 +99,7 @@ def test_messages_a_restarted_broker_lost_are_sent_again_from_storage(
 
         # Execute 1: the edge is away while the second device's round-0 update is acknowledged into the
         # broker's queue for it; the broker restarts and forgets it; the edge comes back.
-        _wait(lambda: gate.entered[0].is_set() and _count(
+        _wait(lambda: gate.entered[0].is_set() and count_rows(
             edge_db, "SELECT COUNT(*) FROM inputs WHERE kind='device_update' AND round=0") == 1,
             "the first device's round-0 update at the edge", fleet)
         fleet.stop_node(cell)
@@ -124,7 +112,7 @@ def test_messages_a_restarted_broker_lost_are_sent_again_from_storage(
 
         # Execute 2: the coordinator is away while the cell's round-1 update is acknowledged; the broker
         # restarts and forgets it; the coordinator comes back.
-        _wait(lambda: gate.entered[1].is_set() and _count(
+        _wait(lambda: gate.entered[1].is_set() and count_rows(
             edge_db, "SELECT COUNT(*) FROM inputs WHERE kind='device_update' AND round=1") == 1,
             "the first device's round-1 update at the edge", fleet)
         fleet.stop_node("coordinator")

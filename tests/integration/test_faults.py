@@ -10,7 +10,6 @@ other nodes run as threads built exactly as their `run` commands build them.
 from __future__ import annotations
 
 import signal
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 from conftest import start_mosquitto
-from fleet_helpers import Procs
+from fleet_helpers import Procs, count_rows
 from fleet_threads import ThreadFleet
 from mqtt_helpers import RawClient
 
@@ -32,33 +31,6 @@ pytestmark = pytest.mark.broker
 
 ROUNDS = 4
 FEDTIER = [sys.executable, "-m", "fedtier"]
-
-
-_engines: dict[str, Any] = {}
-
-
-def _count(db: Path | str, sql: str) -> int:
-    """One number from a SQLite file (``Path``) or from a coordinator store's URL (``str``)."""
-    if isinstance(db, str):
-        import sqlalchemy as sa
-
-        from cloud_coordinator.store_backend import parse_url
-
-        engine = _engines.setdefault(db, sa.create_engine(parse_url(db), poolclass=sa.pool.NullPool))
-        try:
-            with engine.connect() as conn:
-                return int(conn.exec_driver_sql(sql).scalar() or 0)
-        except sa.exc.ProgrammingError:  # no such table yet
-            return 0
-    if not db.exists():
-        return 0
-    conn = sqlite3.connect(db, timeout=5)
-    try:
-        return int(conn.execute(sql).fetchone()[0])
-    except sqlite3.OperationalError:
-        return 0
-    finally:
-        conn.close()
 
 
 def _wait(predicate: Callable[[], bool], timeout: float, what: str, procs: Procs) -> None:
@@ -126,33 +98,33 @@ def test_a_node_killed_mid_round_is_restarted_and_the_rollout_ends_with_the_undi
         # Execute: wait until round 1 is half done at the victim, kill it with SIGKILL, restart it.
         if victim == "coordinator":
             # one cell's update of round 0 accepted and durable; the other cell waits for its late device
-            _wait(lambda: _count(db, "SELECT COUNT(*) FROM inputs") == 1, 120, "a cell update", procs)
+            _wait(lambda: count_rows(db, "SELECT COUNT(*) FROM inputs") == 1, 120, "a cell update", procs)
             serve.send(signal.SIGKILL)
-            killed_mid_round = _count(db, "SELECT COUNT(*) FROM rounds") == 0
+            killed_mid_round = count_rows(db, "SELECT COUNT(*) FROM rounds") == 0
             serve.popen.wait(10)
             serve = coordinator(1)
             fleet.start_device(late)
         elif victim == "edge":
             # one device's update of round 0 accepted by the edge; the cell waits for its other device
-            _wait(lambda: _count(edge_db, "SELECT COUNT(*) FROM inputs WHERE kind = 'device_update'") >= 1, 120,
+            _wait(lambda: count_rows(edge_db, "SELECT COUNT(*) FROM inputs WHERE kind = 'device_update'") >= 1, 120,
                   "a device update at the edge", procs)
             assert edge_proc is not None
             edge_proc.send(signal.SIGKILL)
-            killed_mid_round = _count(edge_db, "SELECT COUNT(*) FROM outputs") == 0
+            killed_mid_round = count_rows(edge_db, "SELECT COUNT(*) FROM outputs") == 0
             edge_proc.popen.wait(10)
             edge_proc = edge(1)
             fleet.start_device(late)  # now its cell can close
         else:
-            _wait(lambda: _count(db, "SELECT COUNT(*) FROM inputs") == 1, 120, "a cell update", procs)
+            _wait(lambda: count_rows(db, "SELECT COUNT(*) FROM inputs") == 1, 120, "a cell update", procs)
             broker.proc.kill()
             broker.proc.wait(10)
-            killed_mid_round = _count(db, "SELECT COUNT(*) FROM rounds") == 0
+            killed_mid_round = count_rows(db, "SELECT COUNT(*) FROM rounds") == 0
             time.sleep(1.0)  # everyone notices the broker is gone
             broker = start_mosquitto(tmp_path / "broker2", port=broker.port)
             fleet.start_device(late)
 
         def finished() -> bool:
-            return _count(db, "SELECT COUNT(*) FROM rollouts WHERE status = 'finished'") == 1
+            return count_rows(db, "SELECT COUNT(*) FROM rollouts WHERE status = 'finished'") == 1
 
         _wait(finished, 180, "the rollout to finish", procs)
         fleet.check()
@@ -212,7 +184,7 @@ def test_a_device_offline_for_several_rounds_is_a_straggler_and_its_stale_update
     procs = Procs(tmp_path)
 
     def closed() -> int:
-        return _count(db, "SELECT COUNT(*) FROM rounds")
+        return count_rows(db, "SELECT COUNT(*) FROM rounds")
 
     observer = RawClient(broker.host, broker.port, "observer")  # every device update, as the edge received it
     observer.subscribe(topics.cell_up_filter(cell))
@@ -230,7 +202,7 @@ def test_a_device_offline_for_several_rounds_is_a_straggler_and_its_stale_update
         while_frozen = rollout_status(store, cfg.rollout)
         store.close()
         agent.send(signal.SIGCONT)
-        _wait(lambda: _count(db, "SELECT COUNT(*) FROM rollouts WHERE status = 'finished'") == 1, 120,
+        _wait(lambda: count_rows(db, "SELECT COUNT(*) FROM rollouts WHERE status = 'finished'") == 1, 120,
               "the rollout to finish", procs)
         fleet.check()
         store = CoordinatorStore(db)
