@@ -111,8 +111,8 @@ def ort_baseline(bundle_dir: Path, python: str = sys.executable) -> float:
 
 def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path | None = None,
         agent_python: str = sys.executable) -> dict[str, Any]:
-    from cloud_coordinator.demo import free_port, mosquitto_path, wait_for_port
-    from cloud_coordinator.fleet import write_fleet
+    from local_fleet.demo import free_port, mosquitto_path, wait_for_port
+    from local_fleet.configs import write_fleet
 
     mosq = mosquitto_path()
     if mosq is None:

@@ -59,8 +59,8 @@ def bytes_to_target(rows: list[dict[str, Any]], target: float) -> dict[str, Any]
 
 
 def run_one(name: str, seed: int, rounds: int, target: float, workdir: str) -> dict[str, Any]:
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.simulate import simulate
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.simulate import simulate
 
     plain = merged(BASE, RUNS[name])
     plain.update({"seed": seed, "rounds": rounds, "state_dir": workdir, "artifact_store": workdir})

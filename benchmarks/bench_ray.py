@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, sys, time
 t0 = time.perf_counter()
-from cloud_coordinator.config import RolloutConfig
-from cloud_coordinator.simulate import simulate
+from fedtier.rollout.config import RolloutConfig
+from local_fleet.simulate import simulate
 devices, per_cell, rounds, store, backend, shards = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
                                                      sys.argv[4], sys.argv[5], int(sys.argv[6]))
 cells = max(1, devices // per_cell)

@@ -33,8 +33,8 @@ DEFAULT_SIZES = "1x100,10x100,100x100"
 
 SCRIPT = """
 import json, sys, time
-from cloud_coordinator.config import RolloutConfig
-from cloud_coordinator.simulate import simulate
+from fedtier.rollout.config import RolloutConfig
+from local_fleet.simulate import simulate
 cells, per_cell, rounds, store = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 cfg = RolloutConfig.from_mapping({"rollout": "scale", "rounds": rounds, "state_dir": store, "artifact_store": store,
     "model": {"hidden": [64]}, "topology": {"cells": cells, "devices_per_cell": per_cell},

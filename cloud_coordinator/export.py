@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from fedtier.errors import ConfigError
 
 

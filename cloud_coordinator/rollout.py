@@ -16,9 +16,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from cloud_coordinator.config import SCORE_ALGORITHMS, RolloutConfig
-from cloud_coordinator.datasets import FederatedData, make_federated
-from cloud_coordinator.hybrid_data import HybridData, make_hybrid
+from fedtier.rollout.config import SCORE_ALGORITHMS, RolloutConfig
+from fleet_data.datasets import FederatedData, make_federated
+from fleet_data.hybrid import HybridData, make_hybrid
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.artifacts.split_bundle import SplitBundle
 from fedtier.errors import ConfigError
@@ -99,6 +99,7 @@ class PreparedRollout:
 def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout:
     """Build artifacts, data, initial parameters and the manifest of a rollout."""
     from models.artifacts import build_artifacts  # torch: only here, only on the coordinator
+    from models.source import source_for
 
     if cfg.algorithm == "hsgd":
         return _prepare_hsgd(cfg, manifest_version)
@@ -112,7 +113,7 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     if scorer:
         _check_binary(data)
     # The model, resolved once (an X-risk algorithm trains it as a one-output scorer).
-    source = cfg.model.source(data.num_features, data.num_classes, loss="weighted_score" if scorer else None)
+    source = source_for(cfg.model, data.num_features, data.num_classes, loss="weighted_score" if scorer else None)
     arch = source.arch
     _check_fits(arch, data)
     bundle = build_artifacts(source, cfg.artifacts_path, proximal_mu=cfg.proximal_mu)

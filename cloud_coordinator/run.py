@@ -7,7 +7,7 @@ import queue
 import threading
 from typing import Any, Callable
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from cloud_coordinator.node import CloudNode, OrtEvaluator
 from cloud_coordinator.rollout import prepare
 from cloud_coordinator.store import CoordinatorStore

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from cloud_coordinator.node import CloudNode
 from cloud_coordinator.presence import PresenceBuffer
 from cloud_coordinator.store import CoordinatorStore
@@ -146,7 +146,7 @@ def serve(state_dir: Path, stop: threading.Event | None = None, store_url: str |
     """Serve every rollout of the store (``store_url``, else ``state_dir/coordinator.db``) until a
     signal (or ``stop``). A rollout another coordinator holds is left to it (and taken over if it
     stops holding it)."""
-    from cloud_coordinator.store_backend import store_url as resolve
+    from fedtier.rollout.config import store_url as resolve
     from cloud_coordinator.node import OrtEvaluator
     from cloud_coordinator.rollout import prepare
     from cloud_coordinator.run import validate

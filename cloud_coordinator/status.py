@@ -16,6 +16,7 @@ from typing import Any
 from cloud_coordinator import store_backend as backend
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.errors import ConfigError
+from fedtier.rollout.config import store_url
 
 def open_store(state_dir: Path | str, store: str | None = None) -> CoordinatorStore:
     """The coordinator's store (``store``, else the SQLite file in ``state_dir``); it must exist: a
@@ -24,7 +25,7 @@ def open_store(state_dir: Path | str, store: str | None = None) -> CoordinatorSt
     Raises:
         ConfigError: no store there.
     """
-    url = backend.parse_url(backend.store_url(state_dir, store))
+    url = backend.parse_url(store_url(state_dir, store))
     if "rollouts" not in (backend.existing_tables(url) or set()):
         raise ConfigError(f"no coordinator store at {backend.display(url)}: `fedtier rollout create --config ...` "
                           "makes one (or pass --state-dir / set FEDTIER_STATE_DIR to the coordinator's state_dir, "
@@ -42,7 +43,7 @@ def _config(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
 
 def cells_of(config: dict[str, Any]) -> dict[str, list[str]]:
     """The rollout's cells and their devices, from its stored config."""
-    from cloud_coordinator.config import TopologyConfig
+    from fedtier.rollout.config import TopologyConfig
 
     topology = TopologyConfig.from_mapping(config.get("topology", {}), prefix="topology")
     return {c: list(m) for c, m in topology.layout().items()}

@@ -25,7 +25,6 @@ from sqlalchemy.engine import Connection, Engine
 
 from fedtier.errors import ConfigError, FedtierError
 
-STORE_FILE = "coordinator.db"
 """The SQLite store's file name inside a ``state_dir`` (when no ``store`` URL is given)."""
 
 SCHEMA_VERSION = 2
@@ -46,13 +45,6 @@ class RolloutHeldError(FedtierError):
                          "first; a second one would open rounds twice")
         self.rollout = rollout
         self.holder = holder
-
-
-def store_url(state_dir: Path | str, store: str | None = None) -> str:
-    """The URL of a coordinator's store: ``store`` if given, else SQLite in ``state_dir``."""
-    if store:
-        return store
-    return "sqlite:///" + str(Path(state_dir).resolve() / STORE_FILE)
 
 
 def parse_url(location: Path | str) -> sa.URL:

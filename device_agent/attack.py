@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -51,18 +51,6 @@ class AttackSpec:
 
     def describe(self) -> str:
         return self.kind if self.kind in ("label_flip", "stale_replay") else f"{self.kind} (scale {self.scale:g})"
-
-
-def choose_attackers(devices: Sequence[str], fraction: float, seed: int) -> list[str]:
-    """``round(fraction * N)`` devices drawn without replacement from stream ``(seed, "attack")``, sorted."""
-    if not 0 <= fraction <= 1:
-        raise LocalProtocolError(f"attack fraction must be in [0, 1], got {fraction!r}")
-    pool = sorted(devices)
-    count = int(round(fraction * len(pool)))
-    if count == 0:
-        return []
-    picks = stream(seed, "attack").choice(len(pool), size=count, replace=False)
-    return sorted(pool[int(i)] for i in picks)
 
 
 def flip_labels(y: np.ndarray, classes: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """HSGD on a node (a host, ``role = "host"``, or a device): its rows by sample id and its split trainer.
 
 HSGD's roles name rows by sample id: a device's one sample is its own id; the host's rows are its cell's
-devices' ids, in the ``ids`` array of its shard (``cloud_coordinator.hybrid_data.write_hybrid_shards``). The
+devices' ids, in the ``ids`` array of its shard (``fleet_data.hybrid.write_hybrid_shards``). The
 trainer is the side's ORT graphs of the manifest's split bundle (``OrtSplitTrainer``) where
 onnxruntime-training is installed, else the numpy split model (``SplitTrainer``), which computes the same
 steps (docs/hsgd.md).

@@ -84,7 +84,7 @@ def accuracy(w: np.ndarray, xt: np.ndarray, yt: np.ndarray) -> float:
 
 
 def trusted_cells(spec: dict[str, Any], p: float, seed: int) -> list[str]:
-    from cloud_coordinator.config import TopologyConfig
+    from fedtier.rollout.config import TopologyConfig
 
     names = sorted(TopologyConfig(cells=spec["cells"], devices_per_cell=spec["devices_per_cell"]).layout())
     return [str(c) for c in np.random.default_rng(seed).permutation(names)[: round(p * len(names))]]
@@ -114,7 +114,7 @@ def all_mappings(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def plan_for(spec: dict[str, Any], p: float, eps: float, seed: int, secagg: bool = False) -> Any:
     """The rollout's noise plan and cell layout, from a real RolloutConfig."""
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
     from cloud_coordinator.privacy.calibrate import make_plan
 
     cfg = RolloutConfig.from_mapping(rollout_mapping(spec, p, eps, seed, secagg))

@@ -34,7 +34,7 @@ METRICS = ("auroc", "pauc_0.3", "pauc_0.5")
 
 def runs(spec: dict[str, Any]) -> dict[tuple[str, str, float | None, int], dict[str, Any]]:
     """Every run's rollout config, keyed by (dataset, method, lr or None, seed)."""
-    from cloud_coordinator.demo import default_artifact_store
+    from local_fleet.demo import default_artifact_store
 
     out = {}
     for dataset, data in spec["datasets"].items():
@@ -71,9 +71,9 @@ def run_one(mapping: dict[str, Any]) -> dict[str, Any]:
 
     import numpy as np
 
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
     from cloud_coordinator.rollout import prepare
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
 
     logging.disable(logging.WARNING)
     cfg = RolloutConfig.from_mapping(mapping, base_dir=HERE)

@@ -38,7 +38,7 @@ ALGORITHMS = {"hist": "HIST", "fedavg": "HFedAvg"}
 
 def rollout_mapping(spec: dict[str, Any], algorithm: str, split: str, seed: int, cells: int | None = None
                     ) -> dict[str, Any]:
-    from cloud_coordinator.demo import default_artifact_store
+    from local_fleet.demo import default_artifact_store
 
     cells = cells or spec["cells"][0]
     base = copy.deepcopy(spec["rollout"])
@@ -51,8 +51,8 @@ def rollout_mapping(spec: dict[str, Any], algorithm: str, split: str, seed: int,
 
 
 def run_one(job: tuple[dict[str, Any], str]) -> dict[str, Any]:
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.simulate import simulate
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.simulate import simulate
 
     mapping, base_dir = job
     cfg = RolloutConfig.from_mapping(mapping, base_dir=Path(base_dir))

@@ -2,7 +2,7 @@
 
 HSGD is the algorithm of "Communication-Efficient Hybrid Federated Learning for E-health with Horizontal
 and Vertical Data Partitioning" (Yu, Shen, Wang, Zhang and Zhao). Every run of ``experiments/hsgd.toml``
-goes through ``fedtier.algorithms.hsgd``'s roles in ``cloud_coordinator.hsgd_loop`` (every message
+goes through ``fedtier.algorithms.hsgd``'s roles in ``local_fleet.hsgd_loop`` (every message
 encoded and decoded by the wire codec; numpy split-model trainers, which equal the ORT graphs to 1e-5).
 Bytes to a target are the paper's communication meter (eq. (19), 4 bytes a value; C-HSGD's vertical path
 at 7 bits plus a 4-byte scale per tensor); the real wire bytes per tier are reported besides. JFL-mode
@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 
 from report import IMG, arguments, md_table, print_table, progress, write_section  # noqa: E402
 
-HOST_COLS = list(range(0, 20))  # as cloud_coordinator.hsgd_reference.HOST_COLUMNS
+HOST_COLS = list(range(0, 20))  # as local_fleet.hsgd_reference.HOST_COLUMNS
 DEVICE_COLS = list(range(20, 30))
 
 
@@ -37,8 +37,8 @@ def all_mappings(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def data(seed: int, r: dict[str, Any]) -> tuple[list[Any], Any]:
-    """breast_cancer split vertically and horizontally (``cloud_coordinator.hsgd_reference.breast_cancer``)."""
-    from cloud_coordinator.hsgd_reference import breast_cancer
+    """breast_cancer split vertically and horizontally (``local_fleet.hsgd_reference.breast_cancer``)."""
+    from local_fleet.hsgd_reference import breast_cancer
 
     return breast_cancer(seed, groups=r["groups"], skew=r["skew"], test_fraction=r["test_fraction"])
 
@@ -84,7 +84,7 @@ def run_one(job: tuple[str, dict[str, Any], int, dict[str, Any]]) -> dict[str, A
     import numpy as np
     from sklearn.metrics import roc_auc_score
 
-    from cloud_coordinator import hsgd_loop
+    from local_fleet import hsgd_loop
     from fedtier.algorithms import hsgd_plan
     from fedtier.algorithms.hsgd import HsgdConfig
     from fedtier.training import split
@@ -272,7 +272,7 @@ def write(spec: dict[str, Any], results: dict, wall: float) -> None:
     body = f"""## HSGD: hybrid horizontal + vertical FL with a feature party per cell
 
 `python experiments/hsgd.py` — config `experiments/hsgd.toml`; {len(results)} runs in {wall / 60:.1f} min on
-2 cores (in-process loop `cloud_coordinator/hsgd_loop.py`: the roles of `fedtier/algorithms/hsgd.py`, every
+2 cores (in-process loop `local_fleet/hsgd_loop.py`: the roles of `fedtier/algorithms/hsgd.py`, every
 message through the wire codec, numpy split-model trainers, which equal the ORT artifacts to 1e-5).
 
 HSGD is the algorithm of "Communication-Efficient Hybrid Federated Learning for E-health with Horizontal

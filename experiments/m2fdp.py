@@ -35,8 +35,8 @@ SAMPLES_PER_DEVICE = 200
 def rollout_mapping(spec: dict[str, Any], *, study: str | None, seed: int, p: float = 0.0, scale: float = 1.0,
                     cells: int = 10, per_cell: int = 5, schedule: str | None = None) -> dict[str, Any]:
     """One run's rollout config: ``study`` None is the non-DP baseline (with ``schedule``'s steps)."""
-    from cloud_coordinator.config import TopologyConfig
-    from cloud_coordinator.demo import default_artifact_store
+    from fedtier.rollout.config import TopologyConfig
+    from local_fleet.demo import default_artifact_store
 
     s = spec["studies"][study or schedule or "paper"]
     base = copy.deepcopy(spec["rollout"])
@@ -91,8 +91,8 @@ def all_mappings(spec: dict[str, Any]) -> list[dict[str, Any]]:
 def run_one(mapping: dict[str, Any]) -> dict[str, Any]:
     import logging
 
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.simulate import simulate
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.simulate import simulate
 
     logging.disable(logging.WARNING)
     cfg = RolloutConfig.from_mapping(mapping, base_dir=HERE)

@@ -35,7 +35,7 @@ ALGORITHMS = {"qhetfed": "QHetFed", "hier_qsgd": "Hier-Local-QSGD"}
 
 def rollout_mapping(spec: dict[str, Any], algorithm: str, split: str, seed: int, bits: int | None = None
                     ) -> dict[str, Any]:
-    from cloud_coordinator.demo import default_artifact_store
+    from local_fleet.demo import default_artifact_store
 
     base = copy.deepcopy(spec["rollout"])
     base.update(algorithm=algorithm, seed=seed, artifact_store=str(default_artifact_store()))
@@ -49,8 +49,8 @@ def rollout_mapping(spec: dict[str, Any], algorithm: str, split: str, seed: int,
 
 def run_one(job: tuple[dict[str, Any], str]) -> dict[str, Any]:
     """One simulated rollout; returns its per-round metrics and F* of its data."""
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.simulate import simulate
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.simulate import simulate
 
     mapping, base_dir = job
     cfg = RolloutConfig.from_mapping(mapping, base_dir=Path(base_dir))

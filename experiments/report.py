@@ -43,7 +43,7 @@ def arguments(description: str, default_config: Path) -> argparse.Namespace:
 def progress(total: int) -> Any:
     """The runs' progress on stderr: a line per finished run, and a live bar (run r/N, accuracy,
     epsilon where there is one, elapsed, remaining) when stderr is a terminal."""
-    from cloud_coordinator.console import RoundProgress, make_console
+    from commands.console import RoundProgress, make_console
 
     return RoundProgress(make_console(stderr=True), total, unit="run")
 
@@ -53,7 +53,7 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
     from rich import box
     from rich.table import Table
 
-    from cloud_coordinator.console import make_console
+    from commands.console import make_console
 
     table = Table(*header, title=title, title_justify="left", box=box.SIMPLE_HEAD)
     for row in rows:

@@ -39,7 +39,7 @@ PROX_MUS = (0.0, 0.01, 0.1)
 
 
 def base(spec: dict[str, Any], split: str, seed: int, name: str) -> dict[str, Any]:
-    from cloud_coordinator.demo import default_artifact_store
+    from local_fleet.demo import default_artifact_store
 
     m = copy.deepcopy(spec["rollout"])
     m.update(seed=seed, artifact_store=str(default_artifact_store()))
@@ -50,7 +50,7 @@ def base(spec: dict[str, Any], split: str, seed: int, name: str) -> dict[str, An
 
 
 def has_fedprox() -> bool:
-    from cloud_coordinator.config import FedAvgSection
+    from fedtier.rollout.config import FedAvgSection
 
     return "proximal_mu" in FedAvgSection.__dataclass_fields__
 
@@ -89,8 +89,8 @@ def all_mappings(spec: dict[str, Any]) -> list[dict[str, Any]]:
 def run_one(job: tuple[dict[str, Any], str]) -> dict[str, Any]:
     import logging
 
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.simulate import simulate
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.simulate import simulate
 
     logging.getLogger("fedtier").setLevel(logging.ERROR)  # attack runs warn by design
     mapping, base_dir = job
@@ -104,7 +104,7 @@ def run_one(job: tuple[dict[str, Any], str]) -> dict[str, Any]:
 
 def attackers_per_cell(spec: dict[str, Any], seed: int, fraction: float) -> str:
     """How the attackers of ``seed`` fall into cells: the per-cell counts, sorted, as ``"4 3 2 ... 0"``."""
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
 
     m = base(spec, "non-iid", seed, "count")
     m["attack"] = {"kind": "sign_flip", "fraction": fraction}

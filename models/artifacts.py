@@ -46,10 +46,9 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from fedtier.artifacts.bundle import (
     PORTABLE_FORMAT,
@@ -63,6 +62,7 @@ from fedtier.artifacts.bundle import (
 from fedtier.errors import ArtifactError, LocalProtocolError
 from fedtier.training.layout import PROX_PREFIX, PROX_UNSUPPORTED, ArchSpec
 from models.export import INPUT_NAME, OUTPUT_NAME
+from models.ort_tools import no_root_basic_config, quiet_fd2
 from models.portable import write_portable
 from models.source import ModelSource, builtin_source
 
@@ -80,8 +80,6 @@ FILENAMES = {
 }
 _ONNX_ROLES = ("training_model", "eval_model", "optimizer_model")
 _ONNX_DOMAINS = ("", "ai.onnx")
-_STDERR_TAIL = 4000
-_fd2_lock = threading.Lock()
 
 
 def build_artifacts(model: ArchSpec | ModelSource, store_dir: Path | str, *, seed: int = 0,
@@ -396,7 +394,7 @@ def _generate(forward: Any, out_dir: Path, *, trainable: list[str] | None = None
 
     ``trainable`` defaults to every initializer of ``forward`` (the zoo's graphs hold nothing else).
     """
-    with _no_root_basic_config():  # onnxruntime.tools.logger calls basicConfig at import
+    with no_root_basic_config():  # onnxruntime.tools.logger calls basicConfig at import
         from onnxruntime.training import artifacts
 
     names = trainable if trainable is not None else [init.name for init in forward.graph.initializer]
@@ -407,7 +405,7 @@ def _generate(forward: Any, out_dir: Path, *, trainable: list[str] | None = None
     if proximal_mu:
         loss_type = _proximal_loss(loss, names, proximal_mu)
     failure: Exception | None = None
-    with _quiet_fd2() as captured, _no_root_basic_config():
+    with quiet_fd2() as captured, no_root_basic_config():
         _reset_graph_name_counter()
         try:
             artifacts.generate_artifacts(
@@ -485,58 +483,3 @@ def _reset_graph_name_counter() -> None:
         _graph_utils._GRAPH_TOKEN = 0
     else:  # pragma: no cover - other onnxruntime versions
         logger.warning("onnxblock has no _GRAPH_TOKEN; bundle ids may depend on build order")
-
-
-@contextlib.contextmanager
-def _no_root_basic_config() -> Iterator[None]:
-    """Keep onnxruntime's tooling from configuring the application's root logger.
-
-    Importing ``onnxruntime.training.artifacts`` runs ``logging.basicConfig(...)``
-    (``onnxruntime/tools/logger.py``), and ``generate_artifacts`` calls bare
-    ``logging.info``, which runs ``basicConfig()`` on a handler-less root logger. Either
-    installs a stderr handler and turns the application's own later ``basicConfig(...)``
-    into a silent no-op. A temporary ``NullHandler`` on the root logger prevents both.
-    """
-    root = logging.getLogger()
-    guard = logging.NullHandler() if not root.handlers else None
-    if guard is not None:
-        root.addHandler(guard)
-    try:
-        yield
-    finally:
-        if guard is not None:
-            root.removeHandler(guard)
-
-
-class _Captured:
-    """Handle to the temp file that received fd 2 during a quiet section."""
-
-    def __init__(self, fh: Any) -> None:
-        self._fh = fh
-
-    def tail(self) -> str:
-        self._fh.flush()
-        self._fh.seek(0, os.SEEK_END)
-        size = self._fh.tell()
-        self._fh.seek(max(0, size - _STDERR_TAIL))
-        return self._fh.read().decode("utf-8", errors="replace")
-
-
-@contextlib.contextmanager
-def _quiet_fd2() -> Iterator[_Captured]:
-    """Redirect file descriptor 2 (native stderr) to a temp file; always restore it.
-
-    Process-wide while active (other threads' stderr goes to the file too), hence the lock.
-    """
-    with _fd2_lock, tempfile.TemporaryFile() as sink:
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        saved = os.dup(2)
-        try:
-            os.dup2(sink.fileno(), 2)
-            yield _Captured(sink)
-        finally:
-            with contextlib.suppress(Exception):
-                sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)

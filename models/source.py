@@ -44,6 +44,7 @@ import numpy as np
 
 from fedtier.artifacts.bundle import MAX_IR_VERSION, MAX_OPSET
 from fedtier.errors import ConfigError
+from fedtier.rollout.config import ModelConfig
 from fedtier.training.layout import LOSSES, ArchSpec, Layout, ParamSpec
 from models.export import INPUT_NAME, OUTPUT_NAME
 
@@ -416,9 +417,9 @@ def _normalize(proto: "onnx.ModelProto", input_name: str, output_name: str, key:
 
 def _run_once(forward: bytes, input_shape: tuple[int, ...], key: str, what: str) -> int:
     """Run the normalized graph on a batch of 3 zeros; return the output width."""
-    from models.artifacts import _no_root_basic_config
+    from models.ort_tools import no_root_basic_config
 
-    with _no_root_basic_config():  # importing onnxruntime would configure the root logger
+    with no_root_basic_config():  # importing onnxruntime would configure the root logger
         import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -434,3 +435,25 @@ def _run_once(forward: bytes, input_shape: tuple[int, ...], key: str, what: str)
         raise ConfigError(f"{what} returns shape {tuple(out.shape)} for a batch of {_CHECK_BATCH}; fedtier trains "
                           "models whose output is (batch, outputs)", key=key)
     return int(out.shape[1])
+
+
+def source_for(model: ModelConfig, num_features: int, num_classes: int, loss: str | None = None) -> ModelSource:
+    """The model a rollout's ``[model]`` section names, resolved; imports torch for built-in and torch models.
+
+    Args:
+        num_features, num_classes: the data's sizes (a built-in model's input and output widths).
+        loss: the algorithm's loss when it imposes one (``weighted_score`` for fedxl: a built-in model
+            then gets one output); default this section's ``loss``.
+
+    Raises:
+        ConfigError: The user's model cannot be loaded or does not fit its loss (naming the key).
+    """
+    loss = loss or model.loss
+    if model.kind == "torch":
+        return model_source(factory=model.factory, loss=loss, seed=model.init_seed)
+    if model.kind == "onnx":
+        return model_source(onnx_path=model.path, loss=loss, trainable=model.trainable)
+    if loss == "weighted_score":
+        return model_source(arch=model.arch(num_features, 1), loss=loss, seed=model.init_seed)
+    return model_source(arch=model.arch(num_features, num_classes), seed=model.init_seed)
+

@@ -14,7 +14,7 @@ copied)::
 
 * ``device.toml`` loads with ``device_agent.config.DeviceConfig`` (``fedtier agent run --bundle BUNDLE``);
 * ``edge.toml`` loads with ``edge_broker.config.EdgeConfig`` (``fedtier edge run --config BUNDLE/edge.toml``);
-* ``coordinator.toml`` loads with ``cloud_coordinator.config.RolloutConfig``; it is a
+* ``coordinator.toml`` loads with ``fedtier.rollout.config.RolloutConfig``; it is a
   *fragment* (``cloud_id``, ``signing_key``, ``[broker]``) to merge into the operator's
   rollout config. ``signing_key`` is the absolute path of the fleet's ``signing.key``:
   the signing key is never copied into a bundle.
@@ -176,7 +176,7 @@ def _validate(kind: str, path: Path) -> None:
 
         load(EdgeConfig, path)
     else:
-        from cloud_coordinator.config import RolloutConfig
+        from fedtier.rollout.config import RolloutConfig
 
         load(RolloutConfig, path)
 

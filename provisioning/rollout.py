@@ -300,7 +300,7 @@ def merged_rollout(source: Path, coordinator_dir: Path, *, signing_key: Path, cl
     every rollout of this coordinator shares its state (one manifest version counter) and
     writes its own metrics file.
     """
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
 
     raw = rebase_paths(RolloutConfig, read_toml(source), source.resolve().parent)
     rollout = str(raw.get("rollout", "default"))
@@ -344,7 +344,7 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
         NameConflictError, InvalidNameError: a node name the fleet cannot issue.
         ProvisioningError: ``run_as`` is not a user of this machine.
     """
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
 
     source = Path(rollout_path).expanduser().resolve()
     cfg = load(RolloutConfig, source)
@@ -412,7 +412,7 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
     result.rollout_config = target
 
     if sample_data:
-        from cloud_coordinator.fleet import write_device_data
+        from fleet_data.shards import write_device_data
 
         result.data = write_device_data(cfg, {d: p / "data" for d, p in result.devices.items()})
     pki.write_atomic(out / "fleet.json", (json.dumps(result.to_json(), indent=1) + "\n").encode(), 0o644,

@@ -156,7 +156,7 @@ def artifact_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def small_rollout(tmp_path: Path, artifact_store: Path) -> Callable[..., object]:
     """A factory of small, fast ``RolloutConfig``s (2 cells x 2 devices, digits, few steps)."""
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
 
     def make(**overrides: object) -> RolloutConfig:
         base: dict[str, object] = {

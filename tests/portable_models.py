@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cloud_coordinator.starter import MODEL_PY as STARTER_PY
+from commands.starter import MODEL_PY as STARTER_PY
 from fedtier.artifacts.bundle import ArtifactBundle
 from fedtier.training.layout import ArchSpec
 

@@ -203,7 +203,7 @@ def canary_state(promotion: Mapping[str, Any] | None, serving: Sequence[str]) ->
 def cell_layout(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
     """Cell -> devices, from a rollout's stored config: its ``[topology]`` alone (the rest may name
     files that have moved since), as the coordinator resolved it."""
-    from cloud_coordinator.config import TopologyConfig
+    from fedtier.rollout.config import TopologyConfig
 
     return TopologyConfig.from_mapping(dict(config.get("topology") or {}), prefix="topology").layout()
 

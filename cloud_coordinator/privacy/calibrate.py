@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from cloud_coordinator.privacy import accountant
 from fedtier.errors import ConfigError
 from fedtier.privacy.plan import (

@@ -12,7 +12,7 @@ This module is the single list. ``tests/unit/cloud_coordinator/test_privacy_disc
 field of every upward message of real private rollouts against it — a field that is not listed
 fails until someone classifies it — and checks each class against two runs with different noise
 and one with different data; ``docs/privacy.md``'s table is generated from it
-(``python -m cloud_coordinator.config_docs``).
+(``python -m commands.config_docs``).
 
 Paths name the wire header (``fedtier.wire.envelope``): ``t``, ``ro``, ``r``, ``st``, ``s``,
 ``k``, ``sha``, ``ts[].<spec key>``, ``m.<message field>[.<key>...]`` (``[]`` steps into a list

@@ -217,6 +217,15 @@ def load(cls: type[T], path: str | Path) -> T:
     return cls.from_mapping(read_toml(path), source=str(path), base_dir=path.resolve().parent)
 
 
+def merge_tables(mapping: Mapping[str, Any], extra: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """``mapping`` with each table of ``extra`` merged into its own (keys of ``extra`` win)."""
+    out = dict(mapping)
+    for key, table in extra.items():
+        current = out.get(key)
+        out[key] = {**(current if isinstance(current, Mapping) else {}), **table}
+    return out
+
+
 def dumps_toml(data: Mapping[str, Any]) -> str:
     """Write plain data as TOML (enough for the configs fedtier generates: no arrays of tables).
 

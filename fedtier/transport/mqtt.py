@@ -232,7 +232,7 @@ class MqttTransport(ChunkingMixin):
 
         ``external_loop``: no network thread; the caller drives the client's socket (``client.reconnect``,
         ``loop_read``/``loop_write``/``loop_misc``), as the fleet emulator does for hundreds of
-        devices on one thread (``cloud_coordinator/fleet_mux.py``)."""
+        devices on one thread (``local_fleet/mux.py``)."""
         kwargs: dict[str, Any] = {}
         if self.protocol == 5:
             props = Properties(PacketTypes.CONNECT)

@@ -1,5 +1,5 @@
-"""The tests' name for ``cloud_coordinator.thread_fleet`` (a fleet's nodes as threads over a real broker)."""
+"""The tests' name for ``local_fleet.threads`` (a fleet's nodes as threads over a real broker)."""
 
-from cloud_coordinator.thread_fleet import Running, ThreadFleet
+from local_fleet.threads import Running, ThreadFleet
 
 __all__ = ["Running", "ThreadFleet"]

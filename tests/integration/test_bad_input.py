@@ -47,7 +47,7 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
 def test_bad_uplink_messages_are_rejected_and_the_round_completes(mosquitto, tmp_path: Path, caplog) -> None:
     from fleet_threads import ThreadFleet
 
-    from cloud_coordinator.fleet import FleetPaths
+    from local_fleet.configs import FleetPaths
 
     caplog.set_level(logging.INFO)
     # Prepare: an edge over Mosquitto; the test plays the cloud and the devices.

@@ -69,9 +69,9 @@ def _restart(broker: Broker, directory: Path) -> Broker:
 
 def test_messages_a_restarted_broker_lost_are_sent_again_from_storage(
         tmp_path: Path, small_rollout: Any, caplog: pytest.LogCaptureFixture) -> None:
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.fleet import write_fleet
-    from cloud_coordinator.simulate import simulate
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.configs import write_fleet
+    from local_fleet.simulate import simulate
     from cloud_coordinator.store import CoordinatorStore
     from device_agent.node import log as device_log
     from edge_broker.service import log as edge_log

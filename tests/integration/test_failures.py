@@ -27,8 +27,8 @@ from conftest import free_port, mosquitto_binary, require, wait_port
 from fleet_helpers import Procs, start_brokers, write_rollout
 from paho.mqtt.enums import CallbackAPIVersion
 
-from cloud_coordinator.config import RolloutConfig
-from cloud_coordinator.fleet import bundle_settings
+from fedtier.rollout.config import RolloutConfig
+from local_fleet.configs import bundle_settings
 from device_agent.config import DeviceConfig
 from edge_broker.config import EdgeConfig
 from fedtier.runtime.config import load, read_toml

@@ -46,9 +46,9 @@ def _wait(predicate: Callable[[], bool], timeout: float, what: str, procs: Procs
                                                  ("edge", "sqlite"), ("broker", "sqlite")])
 def test_a_node_killed_mid_round_is_restarted_and_the_rollout_ends_with_the_undisturbed_model(
         tmp_path: Path, small_rollout: Any, victim: str, backend: str, request: pytest.FixtureRequest) -> None:
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.fleet import write_fleet
-    from cloud_coordinator.simulate import simulate
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.configs import write_fleet
+    from local_fleet.simulate import simulate
     from cloud_coordinator.status import rollout_status
     from cloud_coordinator.store import CoordinatorStore
     from fedtier.runtime.config import load
@@ -158,8 +158,8 @@ def test_a_device_offline_for_several_rounds_is_a_straggler_and_its_stale_update
     """Quorum 2 of 3 and a 2 s deadline: a device frozen (SIGSTOP) for several rounds is left out at each
     deadline and named a straggler; thawed, it delivers what it had queued once — refused as late, never
     applied — and contributes again to the following rounds."""
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.fleet import write_fleet
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.configs import write_fleet
     from cloud_coordinator.status import cells_of, rollout_status
     from cloud_coordinator.store import CoordinatorStore
     from fedtier.runtime.config import load

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from fleet_threads import ThreadFleet
 
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.runtime.config import load
 from fedtier.runtime.node_base import DROPPED, REJECTED
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.broker
 
 
 def test_fedxl_over_mosquitto_matches_the_simulator(mosquitto, small_rollout, tmp_path: Path) -> None:
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.fleet import write_fleet
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.configs import write_fleet
 
     # Prepare: 2 cells x 2 devices, each device holding one class of a rare-event task (FeDXL2).
     cfg = small_rollout(rounds=4, algorithm="fedxl", model={"hidden": [8]},

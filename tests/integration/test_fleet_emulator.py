@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cloud_coordinator.fleet_emulator import EmulatorOptions, FleetEmulator
+from local_fleet.emulator import EmulatorOptions, FleetEmulator
 from process_helpers import alive, descendants
 
 pytestmark = pytest.mark.broker

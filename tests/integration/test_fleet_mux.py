@@ -1,4 +1,4 @@
-"""The fleet emulator's multiplexed host (``cloud_coordinator/fleet_mux.py``) against a real Mosquitto:
+"""The fleet emulator's multiplexed host (``local_fleet/mux.py``) against a real Mosquitto:
 many transports on one thread receive in order, acknowledge after handling, publish, and come back
 after the broker restarts. The node is a recorder here (nodes are tested elsewhere); the transports,
 the broker and the loop are real."""
@@ -15,7 +15,7 @@ import paho.mqtt.client as paho
 import pytest
 from conftest import start_mosquitto
 
-from cloud_coordinator.fleet_mux import MuxHost
+from local_fleet.mux import MuxHost
 from fedtier.transport.mqtt import MqttTransport
 
 pytestmark = pytest.mark.broker

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from cloud_coordinator import hsgd_loop
-from cloud_coordinator import hsgd_reference as ref
+from local_fleet import hsgd_loop
+from local_fleet import hsgd_reference as ref
 from fedtier.algorithms.hsgd import HsgdConfig, select
 from fedtier.training import split
 
@@ -50,7 +50,7 @@ def test_hsgd_demo_refuses_privacy_and_runs_small_on_the_embedded_broker() -> No
 
     from click.testing import CliRunner
 
-    from cloud_coordinator.demo_cli import demo
+    from commands.demo import demo
 
     out = CliRunner().invoke(demo, ["--algorithm", "hsgd", "--privacy"])
     assert out.exit_code == 2 and "hsgd does not run under --privacy" in out.output

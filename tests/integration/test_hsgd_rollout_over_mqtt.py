@@ -14,9 +14,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fleet_helpers import Procs
 
-from cloud_coordinator.config import RolloutConfig
-from cloud_coordinator.fleet import write_fleet
-from cloud_coordinator.simulate import simulate
+from fedtier.rollout.config import RolloutConfig
+from local_fleet.configs import write_fleet
+from local_fleet.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.runtime.config import load
 

@@ -17,7 +17,7 @@ from fleet_threads import ThreadFleet
 from mqtt_helpers import RawClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from cloud_coordinator.fleet import write_fleet
+from local_fleet.configs import write_fleet
 from fedtier.transport import topics
 
 pytestmark = pytest.mark.broker

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 from fleet_threads import ThreadFleet
 
-from cloud_coordinator.config import RolloutConfig
-from cloud_coordinator.simulate import simulate
+from fedtier.rollout.config import RolloutConfig
+from local_fleet.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.cli import cli
 from fedtier.runtime.config import load
@@ -41,7 +41,7 @@ MODEL_PY = textwrap.dedent("""
 
 def test_a_factory_model_on_split_data_trains_over_mosquitto_with_federated_evaluation(
         mosquitto, tmp_path: Path, artifact_store: Path) -> None:
-    from cloud_coordinator.fleet import write_fleet
+    from local_fleet.configs import write_fleet
 
     # Prepare: the user's model in a file, their CSV split into 4 shards with held-out rows.
     (tmp_path / "model.py").write_text(MODEL_PY)

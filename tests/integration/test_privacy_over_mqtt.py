@@ -17,8 +17,8 @@ import pytest
 from conftest import free_port, mosquitto_binary, require, wait_port
 from fleet_threads import ThreadFleet
 
-from cloud_coordinator.config import RolloutConfig
-from cloud_coordinator.fleet import write_fleet
+from fedtier.rollout.config import RolloutConfig
+from local_fleet.configs import write_fleet
 from cloud_coordinator.privacy.ledger import recompute
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.runtime.config import load

@@ -16,7 +16,7 @@ from conftest import free_port, mosquitto_binary, require
 from fleet_helpers import Procs, retained, start_brokers, write_rollout
 from fleet_threads import ThreadFleet
 
-from cloud_coordinator.fleet import FleetPaths
+from local_fleet.configs import FleetPaths
 from provisioning.rollout import provision_fleet
 
 pytestmark = pytest.mark.broker

@@ -288,7 +288,7 @@ def test_provisioned_identities_connect_over_mutual_tls(world: World) -> None:
 def test_the_bundles_configs_connect_with_the_fedtier_transport(world: World) -> None:
     """device.toml / edge.toml / coordinator.toml as written, through fedtier's own MQTT transport
     (which verifies the broker's certificate and host name against the fleet CA)."""
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
     from device_agent.config import DeviceConfig
     from edge_broker.config import EdgeConfig
     from fedtier.runtime.config import load

@@ -61,11 +61,11 @@ def wait_until(predicate: Any, timeout: float, what: str, procs: Procs | None = 
 def test_rollout_lifecycle_pause_restart_inventory_export_and_canary(mosquitto, small_rollout, tmp_path: Path) -> None:
     import onnxruntime as ort
 
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.fleet import write_fleet
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.configs import write_fleet
     from cloud_coordinator.node import OrtEvaluator
     from cloud_coordinator.rollout import prepare
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
     from cloud_coordinator.store import CoordinatorStore
     from fedtier.runtime.config import load
 

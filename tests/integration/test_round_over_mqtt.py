@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from fleet_threads import ThreadFleet
 
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.runtime.config import load
 from fedtier.runtime.node_base import DROPPED, REJECTED
@@ -34,8 +34,8 @@ ALGORITHMS = {
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_rounds_over_mosquitto_match_the_simulator(mosquitto, small_rollout, tmp_path: Path, algorithm: str) -> None:
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.fleet import write_fleet
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.configs import write_fleet
 
     # Prepare: a 2x2 fleet on disk (configs + device data), nodes as threads over Mosquitto.
     _, plain = _rollout(small_rollout, tmp_path, rounds=3, algorithm=algorithm, **ALGORITHMS[algorithm])

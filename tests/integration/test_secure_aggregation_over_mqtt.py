@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from fleet_threads import ThreadFleet
 
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.runtime.config import load
 from fedtier.runtime.node_base import ACCEPTED, REJECTED
@@ -24,7 +24,7 @@ SECURE = {"fedavg": {"local_steps": 20, "lr": 0.2, "secure_aggregation": True, "
 def _run_fleet(cfg: Any, mosquitto: Any, tmp_path: Path) -> tuple[dict, Any, ThreadFleet, Any]:
     """``cfg``'s fleet on threads through the test's Mosquitto, run to the end: (its config as plain data, the
     fleet's paths, the fleet, the coordinator node)."""
-    from cloud_coordinator.fleet import write_fleet
+    from local_fleet.configs import write_fleet
 
     plain = cfg.to_dict()
     plain.pop("broker", None)
@@ -40,7 +40,7 @@ def _run_fleet(cfg: Any, mosquitto: Any, tmp_path: Path) -> tuple[dict, Any, Thr
 
 
 def test_secure_rounds_over_mosquitto(mosquitto, small_rollout, tmp_path: Path) -> None:
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
 
     plain, paths, fleet, cloud = _run_fleet(small_rollout(rounds=3, **SECURE), mosquitto, tmp_path)
     edges = {name: fleet.nodes[name].node for name in paths.edges}
@@ -70,7 +70,7 @@ def test_secure_rounds_over_mosquitto(mosquitto, small_rollout, tmp_path: Path) 
 def test_an_offline_device_is_a_dropout_and_its_cell_still_closes(mosquitto, small_rollout, tmp_path: Path) -> None:
     """One device of a 3-device cell never comes online: the keys phase closes at its deadline with
     the other two (s_min = 2), and every round's model holds the five devices that took part."""
-    from cloud_coordinator.fleet import write_fleet
+    from local_fleet.configs import write_fleet
 
     cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3},
                         fedavg={**SECURE["fedavg"], "deadline_s": 2.0})
@@ -103,7 +103,7 @@ def test_distributed_dp_over_mosquitto_puts_each_cells_release_on_the_ledger(mos
     """[privacy] with secure aggregation: the devices add their noise shares, the edges only unmask sums, and
     the coordinator's ledger holds one distributed release per cell and round, charged to every member. A cell
     labelled trusted runs the same way: nothing clear travels, so plain MQTT is accepted (require_tls stays on)."""
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
 
     cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3, "trusted": {"cell-a": True}},
                         privacy={"epsilon": 8.0, "clip": 1.0},

@@ -1,6 +1,6 @@
 """``fedtier simulate --backend ray``: the devices sharded over actors of a local Ray that the test starts,
 the edges and the cloud in the driver; the final model and the bytes per tier equal the local backend's
-for the same config and seeds (cloud_coordinator/simulate_ray.py)."""
+for the same config and seeds (local_fleet/simulate_ray.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 from bench_helpers import load_benchmark
 from conftest import require
 
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 

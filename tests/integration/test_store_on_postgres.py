@@ -27,7 +27,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_rollout_on_postgresql_runs_and_a_second_coordinator_is_refused_naming_the_holder(
         tmp_path: Path, small_rollout: Any, mosquitto: Any, postgres_server: Any) -> None:
-    from cloud_coordinator.fleet import write_fleet
+    from local_fleet.configs import write_fleet
 
     # Prepare: a 2x2 fleet whose rollout config names a fresh PostgreSQL database as its store.
     url = postgres_server.create_database()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from fleet_threads import ThreadFleet
 
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.runtime.config import load, read_toml
 
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.broker
 
 
 def test_strategies_over_mosquitto_match_the_simulator(mosquitto, small_rollout, tmp_path: Path) -> None:
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.fleet import write_fleet
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.configs import write_fleet
 
     # Prepare: 2 cells x 3 devices; the edges take the median, the cloud steps with adam; devices train
     # FedProx with partial work; one device in six sends -10x its update.

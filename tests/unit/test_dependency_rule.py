@@ -4,12 +4,16 @@
 * ``device_agent`` and ``edge_broker`` import only ``fedtier`` (never torch, never each other);
   the edge not even onnxruntime; the device's torch backend imports torch and ``models``
   lazily, inside functions, and only that file may;
-* only ``models`` and ``cloud_coordinator`` import torch, and lazily (never at module level);
+* only ``models`` and the packages above the roles (``fleet_data``, ``cloud_coordinator``, ``provisioning``,
+  ``local_fleet``, ``commands``) import torch, and lazily (never at module level);
 * ``fedtier agent ...`` starts without importing torch;
 * rich (the coordinator's progress bars and tables) is in the coordinator extra only: the core,
   the device and the edge never import it, and ``fedtier agent|edge run`` start without it;
 * inside ``fedtier``, each sub-package imports only the sub-packages ``CORE_RULES`` allows
-  (docs/architecture.md draws the same layers).
+  (docs/architecture.md draws the same layers);
+* between the top-level packages, each imports only what ``PACKAGE_RULES`` allows (roles never the fleet
+  runners or the commands; the coordinator never the simulator, the demo or the commands), and no files
+  anywhere import each other in a loop (lazy imports included).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLE_PACKAGES = {"device_agent", "edge_broker", "cloud_coordinator", "models", "provisioning"}
+ROLE_PACKAGES = {"device_agent", "edge_broker", "cloud_coordinator", "models", "provisioning", "fleet_data",
+                 "local_fleet", "commands"}
 HEAVY = {"torch", "onnxruntime", "onnx", "sklearn", "matplotlib"}
 
 
@@ -78,7 +83,11 @@ def test_device_imports_only_fedtier_and_torch_only_lazily_in_its_torch_backend(
         assert not lazy, f"only the torch backend may import torch/models; {path.name} imports {sorted(lazy)}"
 
 
-@pytest.mark.parametrize("path", files("models") + files("cloud_coordinator"), ids=lambda p: str(p.relative_to(ROOT)))
+ABOVE_THE_CORE = ("models", "fleet_data", "cloud_coordinator", "provisioning", "local_fleet", "commands")
+
+
+@pytest.mark.parametrize("path", [p for pkg in ABOVE_THE_CORE for p in files(pkg)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_torch_is_imported_lazily(path: Path) -> None:
     top = {m for m, level in imports(path) if level}
     assert "torch" not in top, f"{path.relative_to(ROOT)} imports torch at module level"
@@ -131,6 +140,7 @@ CORE_RULES: dict[str, set[str]] = {
     "algorithms": {"errors", "rng", "wire", "training", "privacy", "secagg"},
     "runtime": {"errors", "rng", "wire", "storage", "training", "privacy", "artifacts", "transport", "security",
                 "secagg", "algorithms"},
+    "rollout": {"errors", "rng", "training", "privacy", "transport", "algorithms", "runtime"},  # the rollout file
     "cli": {"errors", "__init__"},  # role commands load lazily, by name
     "__main__": {"cli"},
     "__init__": set(),
@@ -229,3 +239,136 @@ def test_rich_is_in_the_coordinator_extra_and_not_in_the_agent_or_edge_extras() 
 
     assert "rich" in names("coordinator")
     assert not COORDINATOR_ONLY & (names("agent") | names("edge"))
+
+
+# --- the top-level packages ------------------------------------------------------------------------
+# Which top-level package may import which, lazily or not (docs/architecture.md draws the same floors).
+# A package may import itself and those listed; tests, benchmarks and experiments stand above all of them.
+PACKAGE_RULES: dict[str, set[str]] = {
+    "fedtier": set(),
+    "models": {"fedtier"},
+    "device_agent": {"fedtier", "models"},  # models: its torch backend only, lazily (checked above)
+    "edge_broker": {"fedtier"},
+    "fleet_data": {"fedtier", "device_agent"},  # the shard format is the agent's
+    "cloud_coordinator": {"fedtier", "models", "device_agent", "fleet_data"},
+    "provisioning": {"fedtier", "device_agent", "edge_broker", "fleet_data"},  # node configs, sample shards
+    "local_fleet": {"fedtier", "models", "device_agent", "edge_broker", "fleet_data", "cloud_coordinator",
+                    "provisioning"},
+    "commands": {"fedtier", "models", "device_agent", "edge_broker", "fleet_data", "cloud_coordinator",
+                 "provisioning", "local_fleet"},
+}
+
+
+def module_imports(path: Path, root: Path) -> set[str]:
+    """Every module of this tree that ``path`` imports (lazily or not), as dotted names; typing-only ones
+    (``if TYPE_CHECKING:``) left out."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
+            for n in ast.walk(node)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)  # ``from pkg import module``
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.split(".")[0] in PACKAGE_RULES and _source_of(m, root) is not None}
+
+
+def _source_of(module: str, root: Path) -> Path | None:
+    base = root.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def package_violations(root: Path, rules: dict[str, set[str]]) -> list[str]:
+    """``file imports module`` for each import between top-level packages that ``rules`` forbid."""
+    bad: list[str] = []
+    for package, allowed in rules.items():
+        for path in sorted((root / package).rglob("*.py")):
+            for module in sorted(module_imports(path, root)):
+                target = module.split(".")[0]
+                if target != package and target not in allowed:
+                    bad.append(f"{path.relative_to(root)} imports {module} ({package} may import only "
+                               f"{sorted(allowed) or 'nothing above the standard library'})")
+    return bad
+
+
+def import_circles(root: Path, packages: set[str]) -> list[list[str]]:
+    """The files of ``packages`` that import each other in a loop (lazy imports count: a loop is a loop),
+    each circle as a sorted list of paths (Tarjan's strongly connected components of more than one file)."""
+    graph: dict[str, set[str]] = {}
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            targets = {_source_of(m, root) for m in module_imports(path, root)}
+            graph[str(path.relative_to(root))] = {str(t.relative_to(root)) for t in targets
+                                                  if t is not None and t != path and not t.name == "__init__.py"}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_every_top_level_package_has_a_rule() -> None:
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(PACKAGE_RULES)
+
+
+def test_top_level_packages_import_only_what_the_rules_allow() -> None:
+    assert package_violations(ROOT, PACKAGE_RULES) == []
+
+
+def test_no_import_circles_in_the_tree() -> None:
+    assert import_circles(ROOT, set(PACKAGE_RULES)) == []
+
+
+def test_the_package_check_catches_an_edge_importing_the_fleet_runners(tmp_path: Path) -> None:
+    """A test of the test: the edge reaching up into the simulator, lazily, inside a function."""
+    for package in ("edge_broker", "local_fleet"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "local_fleet" / "simulate.py").write_text("def simulate():\n    pass\n")
+    (tmp_path / "edge_broker" / "service.py").write_text("def f():\n    from local_fleet.simulate import simulate\n")
+    found = package_violations(tmp_path, {"edge_broker": {"fedtier"}, "local_fleet": {"edge_broker"}})
+    assert found == ["edge_broker/service.py imports local_fleet.simulate (edge_broker may import only ['fedtier'])"]
+
+
+def test_the_circle_check_catches_a_circle(tmp_path: Path) -> None:
+    """A test of the test: two modules of the simulator importing each other (one of them lazily)."""
+    (tmp_path / "local_fleet").mkdir()
+    (tmp_path / "local_fleet" / "__init__.py").write_text("")
+    (tmp_path / "local_fleet" / "simulate.py").write_text("from local_fleet.simulate_ray import RayDevices\n")
+    (tmp_path / "local_fleet" / "simulate_ray.py").write_text("def f():\n    from local_fleet import simulate\n")
+    (tmp_path / "local_fleet" / "demo.py").write_text("from local_fleet.simulate import RayDevices\n")
+    assert import_circles(tmp_path, {"local_fleet"}) == [["local_fleet/simulate.py", "local_fleet/simulate_ray.py"]]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cloud_coordinator.config import RolloutConfig
-from cloud_coordinator.config_docs import generate
+from fedtier.rollout.config import RolloutConfig
+from commands.config_docs import generate
 from fedtier.runtime.config import load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -13,14 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_configuration_reference_is_up_to_date() -> None:
     committed = (ROOT / "docs" / "configuration.md").read_text()
-    assert committed == generate(), "run: python -m cloud_coordinator.config_docs"
+    assert committed == generate(), "run: python -m commands.config_docs"
 
 
 def test_configuration_reference_lists_every_key_of_optional_sections() -> None:
     # Issue 17 A6: [privacy] (and [qhetfed.plan]) are optional tables; every key of theirs is documented.
     import dataclasses
 
-    from cloud_coordinator.config import PlanSection, PrivacySection
+    from fedtier.rollout.config import PlanSection, PrivacySection
 
     text = (ROOT / "docs" / "configuration.md").read_text()
     for prefix, section in (("privacy", PrivacySection), ("qhetfed.plan", PlanSection)):
@@ -30,10 +30,10 @@ def test_configuration_reference_lists_every_key_of_optional_sections() -> None:
 
 
 def test_privacy_doc_lists_every_upward_field() -> None:
-    from cloud_coordinator.config_docs import privacy_doc
+    from commands.config_docs import privacy_doc
 
     committed = (ROOT / "docs" / "privacy.md").read_text()
-    assert committed == privacy_doc(committed), "run: python -m cloud_coordinator.config_docs"
+    assert committed == privacy_doc(committed), "run: python -m commands.config_docs"
 
 
 def test_every_experiment_config_loads() -> None:

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ["fedtier", "device_agent", "edge_broker", "cloud_coordinator", "models", "provisioning"]
+PACKAGES = ["fedtier", "models", "device_agent", "edge_broker", "fleet_data", "cloud_coordinator", "provisioning",
+            "local_fleet", "commands"]
 
 
 def test_mypy_is_clean() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.errors import ConfigError, MissingReleaseError
 from fedtier.privacy import audit
@@ -99,7 +99,7 @@ def test_a_device_release_carries_its_noised_count_and_the_audit_requires_it() -
 @pytest.mark.parametrize(("clip", "direction"), [(0.02, "up"), (50.0, "down")])
 def test_the_rollout_moves_the_clip_towards_the_update_norms(small_rollout, tmp_path: Path, clip: float,
                                                              direction: str) -> None:  # type: ignore[no-untyped-def]
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
 
     cfg = private(small_rollout, adaptive=True, clip=clip, trusted={"cell-a": True, "cell-b": True},
                   devices_per_cell=10, clip_count_share=0.5)
@@ -119,7 +119,7 @@ def test_the_rollout_moves_the_clip_towards_the_update_norms(small_rollout, tmp_
 
 
 def test_the_count_is_paid_inside_each_release_so_the_ledger_is_unchanged(small_rollout, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
     from cloud_coordinator.store import CoordinatorStore
 
     trusted = {"cell-a": True}  # a trusted edge and a cell of local-DP devices

@@ -14,7 +14,7 @@ from rich.console import Console
 from cloud_coordinator.node import CloudNode
 from cloud_coordinator.report import round_line, rounds_table, summary
 from cloud_coordinator.rollout import prepare
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.cli import cli
 from fedtier.transport import topics

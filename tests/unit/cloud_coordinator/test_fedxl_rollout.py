@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloud_coordinator.config import DataConfig
-from cloud_coordinator.datasets import make_federated, rare_event
+from fedtier.rollout.config import DataConfig
+from fleet_data.datasets import make_federated, rare_event
 from fedtier.errors import ConfigError
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloud_coordinator import hsgd_loop
-from cloud_coordinator.config import RolloutConfig
+from local_fleet import hsgd_loop
+from fedtier.rollout.config import RolloutConfig
 from cloud_coordinator.rollout import prepare
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from device_agent.data import LocalData
 from device_agent.hybrid import load_row_ids, rows_by_id
 from fedtier.artifacts import split_bundle
@@ -159,7 +159,7 @@ def test_the_rollout_in_docs_hsgd_md_is_a_valid_config() -> None:
 
 def test_your_own_hybrid_shards_train_the_same_model_as_the_built_in_split(tmp_path: Path,
                                                                            artifact_store: Path) -> None:
-    from cloud_coordinator.hybrid_data import write_hybrid_shards
+    from fleet_data.hybrid import write_hybrid_shards
 
     built_in = hsgd_rollout(tmp_path, artifact_store, simulation={"trainer": "portable"})
     prepared = prepare(built_in)

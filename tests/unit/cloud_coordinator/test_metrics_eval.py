@@ -106,7 +106,7 @@ def test_no_ranking_for_a_task_that_is_not_binary() -> None:
 def test_every_algorithm_reports_auroc_on_a_binary_task(small_rollout, tmp_path: Path) -> None:
     """FedAvg with cross-entropy (a two-class classifier) and FeDXL (a scorer) both rank the test set every round;
     digits (ten classes) does not."""
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
 
     data = {"dataset": "rare_event", "partition": "iid", "samples": 600, "features": 10}
     fedavg = simulate(small_rollout(rounds=3, data=data, model={"hidden": []}, fedavg={"lr": 0.3}))

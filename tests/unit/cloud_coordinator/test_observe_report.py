@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from cloud_coordinator.observe.plots import PLOTS, figures
 from cloud_coordinator.observe.status import StoreStatus
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.cli import cli
 
@@ -19,7 +19,7 @@ from fedtier.cli import cli
 @pytest.fixture(scope="module")
 def private_store(tmp_path_factory: pytest.TempPathFactory, artifact_store: Path) -> Path:
     """A finished private rollout (3 rounds, 2 cells x 2 devices) simulated into a store on disk."""
-    from cloud_coordinator.config import RolloutConfig
+    from fedtier.rollout.config import RolloutConfig
 
     tmp = tmp_path_factory.mktemp("report")
     cfg = RolloutConfig.from_mapping({

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from cloud_coordinator.rollout import prepare
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from fedtier.errors import ConfigError
 from fedtier.runtime.config import load
 
@@ -126,8 +126,8 @@ def test_federated_evaluation_is_the_global_models_accuracy_on_every_held_out_ro
 def test_a_regression_model_trains_on_split_files_and_reports_losses_without_accuracy(
         model_file: Path, tmp_path: Path, artifact_store: Path) -> None:
     # Prepare: a CSV of 5 readings and a float target, split iid over 4 devices with a central test set.
-    from cloud_coordinator.split import SplitOptions, split_table
-    from cloud_coordinator.tables import read_table
+    from fleet_data.split import SplitOptions, split_table
+    from fleet_data.tables import read_table
 
     rng = np.random.default_rng(5)
     x = rng.standard_normal((400, 5))
@@ -229,8 +229,8 @@ def test_simulated_devices_on_the_portable_backend_train_a_bce_model_with_frozen
     """[simulation] trainer = "portable": the devices train from the bundle's standard-ONNX graph, as boards
     without onnxruntime-training do; a model with 3 bce outputs and frozen tensors ends where ort's does."""
     # Prepare: soft targets of 3 outputs from 12 readings, split iid over 4 devices with held-out rows.
-    from cloud_coordinator.split import SplitOptions, split_table
-    from cloud_coordinator.tables import read_table
+    from fleet_data.split import SplitOptions, split_table
+    from fleet_data.tables import read_table
     from portable_models import write_models
 
     rng = np.random.default_rng(9)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from fedtier.errors import ConfigError
 
 RULES = textwrap.dedent('''

@@ -16,11 +16,11 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from cloud_coordinator.config import RolloutConfig
-from cloud_coordinator.datasets import make_federated
+from fedtier.rollout.config import RolloutConfig
+from fleet_data.datasets import make_federated
 from cloud_coordinator.privacy import accountant, ledger
 from cloud_coordinator.privacy.calibrate import make_plan
-from cloud_coordinator.privacy_cli import privacy
+from commands.privacy import privacy
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.runtime.config import load
 
@@ -97,7 +97,7 @@ def node(doc: dict[str, Any], name: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory: pytest.TempPathFactory, artifact_store: Path) -> dict[str, Any]:
     """Two real simulated rollouts: one that finishes, one the budget stops after its first round."""
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
 
     root = tmp_path_factory.mktemp("privacy-report")
     out: dict[str, Any] = {}
@@ -365,7 +365,7 @@ def test_a_trusted_cell_device_that_never_reported_is_listed_alike_by_ledger_and
     # Issue 17 A4: dev-00 of the trusted cell never takes part (its cell closes on a quorum). The live ledger lists
     # every member, so the offline recomputation must too: the trusted cell's release is charged to every member,
     # reported or not (as untrusted cells' planned releases are), and nothing is flagged.
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
     from device_agent.node import DeviceNode
 
     run_task = DeviceNode._run_task

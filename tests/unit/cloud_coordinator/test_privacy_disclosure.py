@@ -22,9 +22,9 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from cloud_coordinator.rollout import PreparedRollout, prepare
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from fedtier import wire
 from fedtier.privacy import disclosure
 from fedtier.privacy.disclosure import DERIVED, NOISED, PUBLIC, WITHHELD

@@ -11,7 +11,7 @@ import pytest
 
 from cloud_coordinator.privacy import accountant
 from cloud_coordinator.privacy.ledger import recompute
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.errors import ConfigError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from cloud_coordinator.privacy import accountant, calibrate
 from fedtier.errors import ConfigError
 from fedtier.privacy.plan import NoisePlan, release_cap
@@ -113,7 +113,7 @@ def test_privacy_plan_cli_shows_sampling_and_amplification(tmp_path) -> None:  #
 
     from click.testing import CliRunner
 
-    from cloud_coordinator.privacy_cli import privacy as main
+    from commands.privacy import privacy as main
 
     path = tmp_path / "s.toml"
     path.write_text('rounds = 20\n[topology]\ncells = 2\ndevices_per_cell = 40\ntrusted = { cell-a = true }\n'
@@ -134,7 +134,7 @@ def test_privacy_plan_cli_shows_sampling_and_amplification(tmp_path) -> None:  #
 
 def test_a_rollout_with_trusted_cells_samples_and_charges_the_amplified_release(small_rollout, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from cloud_coordinator.privacy.ledger import recompute
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
     from cloud_coordinator.store import CoordinatorStore
 
     cfg = small_rollout(rounds=4, topology={"cells": 2, "devices_per_cell": 3,
@@ -161,7 +161,7 @@ def test_a_rollout_with_trusted_cells_samples_and_charges_the_amplified_release(
 
 def test_the_cloud_samples_untrusted_cells_publicly_within_the_cap(small_rollout, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from cloud_coordinator.privacy.ledger import recompute
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
     from cloud_coordinator.store import CoordinatorStore
     from fedtier.privacy.plan import cloud_sample
 

@@ -85,7 +85,7 @@ def test_a_candidate_with_nan_or_worse_accuracy_is_not_promoted_and_the_canary_r
 
 
 def test_status_watch_refreshes_in_place_until_ctrl_c(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import cloud_coordinator.rollout_cli as rollout_cli
+    import commands.rollout as rollout_cli
 
     _store(str(tmp_path / "coordinator.db")).close()
     sleeps = []

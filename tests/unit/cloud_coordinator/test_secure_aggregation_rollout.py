@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from fedtier.algorithms.secure_fedavg import SecureFedAvgConfig, edge_sees_individual_updates
 from fedtier.errors import ConfigError
 

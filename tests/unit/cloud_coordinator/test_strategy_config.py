@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cloud_coordinator.simulate import simulate
+from local_fleet.simulate import simulate
 from fedtier.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -81,8 +81,8 @@ def test_the_simulator_runs_a_robust_edge_rule_deterministically(small_rollout) 
 KILLED = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    from cloud_coordinator.config import RolloutConfig
-    from cloud_coordinator.simulate import simulate
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.simulate import simulate
     from fedtier.runtime.config import load
 
     cfg = load(RolloutConfig, Path(sys.argv[1]))

@@ -9,7 +9,8 @@ from typing import Iterable, Mapping
 import numpy as np
 import pytest
 
-from device_agent.attack import AttackingTrainer, AttackSpec, choose_attackers, flip_labels
+from device_agent.attack import AttackingTrainer, AttackSpec, flip_labels
+from fedtier.rollout.config import choose_attackers
 from fedtier.errors import LocalProtocolError
 from fedtier.training.trainer import TrainStats
 
@@ -95,7 +96,7 @@ def test_label_flip_flips_class_labels() -> None:
 
 
 def test_an_attack_run_is_marked_in_every_output_and_a_plain_run_in_none(small_rollout, tmp_path: Path) -> None:
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
 
     steps = {"local_steps": 20, "lr": 0.2}
     cfg = small_rollout(rounds=3, attack={"kind": "sign_flip", "fraction": 0.5}, fedavg=steps,

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from test_edge_node import CELL, ROLLOUT, Rig, decoded
 
-from cloud_coordinator import hsgd_loop
-from cloud_coordinator import hsgd_reference as ref
+from local_fleet import hsgd_loop
+from local_fleet import hsgd_reference as ref
 from fedtier.algorithms import hsgd
 from fedtier.algorithms.base import SendToParent
 from fedtier.runtime.node_base import ACCEPTED, REJECTED

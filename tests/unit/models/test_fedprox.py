@@ -107,7 +107,7 @@ def test_backends_that_cannot_feed_anchors_refuse_clearly(bundles, small_rollout
 
 
 def test_mu_zero_gives_todays_model_bit_for_bit_and_mu_positive_another(small_rollout) -> None:
-    from cloud_coordinator.simulate import simulate
+    from local_fleet.simulate import simulate
 
     today = simulate(small_rollout(rounds=2))
     zero = simulate(small_rollout(rounds=2, fedavg={"proximal_mu": 0.0}))
@@ -135,6 +135,6 @@ def test_partial_work_devices_send_updates_after_fewer_steps(small_rollout, tmp_
         train = next(a for a in dev.receive(task, 0.0) if isinstance(a, LocalTrain))
         steps.append(train.steps)
     assert all(1 <= s <= 10 for s in steps) and len(set(steps)) > 3 and min(steps) < 10
-    result = __import__("cloud_coordinator.simulate", fromlist=["simulate"]).simulate(
+    result = __import__("local_fleet.simulate", fromlist=["simulate"]).simulate(
         small_rollout(rounds=2, fedavg={"partial_work": True, "proximal_mu": 0.1}))
     assert result.rounds[-1]["devices_reported"] == 4

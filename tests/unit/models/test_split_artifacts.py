@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cloud_coordinator import hsgd_reference as ref
+from local_fleet import hsgd_reference as ref
 from device_agent.trainers.ort_split import OrtSplitTrainer
 from fedtier.artifacts.split_bundle import DESCRIPTOR, SplitBundle
 from fedtier.errors import ArtifactError
@@ -73,7 +73,7 @@ def test_ort_sides_equal_the_numpy_split_model(bundle: SplitBundle) -> None:
 
 
 def test_hsgd_on_ort_trainers_equals_hsgd_on_numpy(bundle: SplitBundle) -> None:
-    from cloud_coordinator import hsgd_loop
+    from local_fleet import hsgd_loop
     from fedtier.algorithms.hsgd import HsgdConfig
 
     groups, _ = ref.fixture(1, sizes=(12, 18))

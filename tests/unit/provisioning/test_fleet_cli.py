@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from device_agent.config import DeviceConfig
 from device_agent.enroll import enroll
 from edge_broker.config import EdgeConfig

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from test_fleet_cli import allowed
 
-from cloud_coordinator.config import RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from device_agent.config import DeviceConfig
 from edge_broker.config import EdgeConfig
 from fedtier.errors import ConfigError
@@ -150,7 +150,7 @@ def test_bad_cell_brokers_are_named(tmp_path: Path) -> None:
 
 
 def test_sample_data_is_each_devices_share_of_the_coordinators_split(tmp_path: Path) -> None:
-    from cloud_coordinator.datasets import make_federated
+    from fleet_data.datasets import make_federated
 
     source = rollout_file(tmp_path / "cfg")
     result = provision_fleet(source, tmp_path / "site", sample_data=True)

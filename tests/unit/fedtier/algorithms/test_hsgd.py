@@ -1,7 +1,7 @@
 """HSGD (seed 000): the digest's acceptance checks A1-A8 on its synthetic fixture, and the roles' edge cases.
 
-The roles run in ``cloud_coordinator.hsgd_loop`` (every message through the wire codec);
-``cloud_coordinator.hsgd_reference`` is Algorithm 1 written as a plain loop on arrays.
+The roles run in ``local_fleet.hsgd_loop`` (every message through the wire codec);
+``local_fleet.hsgd_reference`` is Algorithm 1 written as a plain loop on arrays.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloud_coordinator import hsgd_loop
-from cloud_coordinator import hsgd_reference as ref
+from local_fleet import hsgd_loop
+from local_fleet import hsgd_reference as ref
 from fedtier.algorithms import hsgd, hsgd_plan, load
 from fedtier.algorithms.base import Broadcast, SendToParent
 from fedtier.errors import (

@@ -1,0 +1,304 @@
+"""A rollout's noise plan as an operator reads it, before the rollout runs: per tier and per node of
+the aggregation tree, who adds noise, how much, and how many rounds the budget admits.
+
+``plan_document`` computes it as plain data (``fedtier privacy plan --json`` prints it, the demo
+prints it before its fleet starts); ``render_plan`` formats it as text.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedtier.errors import ConfigError
+
+DEVICE_TIER = "devices under untrusted cells"
+EDGE_TIER = "trusted servers, towards an untrusted parent"
+
+
+def federated_data(cfg: Any) -> Any:
+    """The rollout's data split, as the coordinator makes it (no torch needed)."""
+    from fleet_data.datasets import make_federated
+
+    cells = cfg.topology.layout()
+    return make_federated(cfg.data, [d for members in cells.values() for d in members], cells)
+
+
+def device_samples(cfg: Any, data: Any = None) -> dict[str, int]:
+    """Each device's training-sample count, as the coordinator computes it (no torch needed)."""
+    data = data if data is not None else federated_data(cfg)
+    return {d: len(y) for d, (_, y) in data.train.items()}
+
+
+def rounds_within_budget(z: float, per_round: int, rounds: int, delta: float, budget: float,
+                         event: tuple[Any, ...] = (), accounting: str = "rdp") -> int:
+    """How many rounds of ``per_round`` releases at multiplier ``z`` the ledger admits before the budget stops
+    the rollout (it refuses a round that would take a device above ``budget``). ``event``: the releases'
+    ``(q[, n])`` under device sampling; ``accounting``: the plan's accountant."""
+    from cloud_coordinator.privacy.accountant import epsilon
+    from cloud_coordinator.privacy.ledger import BUDGET_SLACK
+
+    if math.isinf(budget):
+        return rounds
+    limit = budget * (1 + BUDGET_SLACK)
+
+    def fits(k: int) -> bool:
+        return epsilon([(z, per_round * k, *event)], delta, accounting=accounting) <= limit
+
+    if fits(rounds):
+        return rounds
+    lo, hi = 0, rounds  # fits(lo), not fits(hi): epsilon grows with the count
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
+    """The plan as plain data (what ``--json`` prints; ``render_plan`` formats it)."""
+    from cloud_coordinator.privacy import calibrate
+    from fedtier.privacy.plan import fixed_sample_size
+    from fedtier.privacy.trust import DEVICE
+
+    from cloud_coordinator.privacy import utility
+
+    p = cfg.privacy
+    data = federated_data(cfg)
+    samples = device_samples(cfg, data)
+    tree = cfg.trust_tree()
+    rows = calibrate.plan_rows(cfg, samples, tree)
+    m = calibrate.multipliers(cfg, samples)
+    local_steps, tau = calibrate.schedule(cfg)
+    budget = float(p.budget_epsilon if p.budget_epsilon is not None else p.epsilon)
+    snr: utility.Estimate | None = None
+    try:
+        made = calibrate.make_plan(cfg, samples)
+        noise_plan: dict[str, Any] | None = made.to_dict()
+        snr = utility.estimate(made, utility.parameters_per_cell(cfg, data.num_features, data.num_classes),
+                               cells_averaged=cfg.algorithm != "hist")
+    except ConfigError:
+        noise_plan = None  # intermediate servers: the per-node rows are the plan
+    devices_in = [r for r in rows if r.kind == DEVICE and r.injects]
+    servers_in = [r for r in rows if r.kind != DEVICE and r.injects]
+    tiers: dict[str, dict[str, Any]] = {}
+    from cloud_coordinator.privacy.accountant import epsilon
+
+    q = calibrate.sample_rate(cfg)
+
+    def edge_event(fan_in: int) -> tuple[Any, ...]:
+        """(q[, n]) of a trusted server's release under device sampling: amplification (docs/privacy.md)."""
+        if p.device_sampling == "poisson":
+            return (q,)
+        if p.device_sampling == "fixed" and fixed_sample_size(fan_in, q) < fan_in:
+            return (fixed_sample_size(fan_in, q) / fan_in, fan_in)
+        return ()
+
+    for name, who, injecting, z, per_round, eps in (
+            ("device", DEVICE_TIER, devices_in, m.device_z, tau, m.details["epsilon_device_tier"]),
+            ("edge", EDGE_TIER, servers_in, m.edge_z, 1, m.details["epsilon_edge_tier"])):
+        # a device under an untrusted edge releases at most its cap (sampling: the cloud stops sampling it there)
+        rounds_charged = int(m.details["device_releases"]) // tau if name == "device" else cfg.rounds
+        event: tuple[Any, ...] = ()
+        if injecting:  # what the ledger charges: the smallest multiplier of the tier (paper mode: per fan-in)
+            worst = min(injecting, key=lambda r: r.z)
+            z = worst.z
+            event = edge_event(worst.protects) if name == "edge" else ()
+            eps = epsilon([(z, per_round * rounds_charged, *event)], p.delta, accounting=p.accountant)
+        sens = [r.sensitivity for r in injecting]
+        sigmas = [r.sigma for r in injecting]
+        within = rounds_within_budget(z, per_round, rounds_charged, p.delta, budget, event, p.accountant)
+        if within >= rounds_charged:
+            within = cfg.rounds
+        tiers[name] = {
+            "who": who, "injectors": [r.node for r in injecting],
+            "devices": sum(r.protects for r in injecting),
+            "releases_per_round": per_round, "releases_per_device": per_round * rounds_charged,
+            "sampling": p.device_sampling, "amplified": bool(event),
+            "z": z, "sensitivity_min": min(sens, default=None), "sensitivity_max": max(sens, default=None),
+            "sigma_min": min(sigmas, default=None), "sigma_max": max(sigmas, default=None),
+            "epsilon": eps, "rounds_within_budget": within,
+        }
+    warnings = []
+    for name, t in tiers.items():
+        if not t["injectors"] or t["rounds_within_budget"] >= cfg.rounds:
+            continue
+        k = t["rounds_within_budget"]
+        stop = ("will not run a single round" if k == 0
+                else f"will stop before round {k} ({k} of {cfg.rounds} rounds run)")
+        warnings.append(f"the {name} tier's releases reach epsilon {t['epsilon']:.4g} ({p.accountant.upper()}, "
+                        f"delta {p.delta:g}) > "
+                        f"budget {budget:g}: the rollout {stop}")
+    if snr is not None:
+        warnings += snr.warnings(p.epsilon)
+    if not p.require_tls and any(r.kind == DEVICE and not r.injects and not r.distributed for r in rows):
+        warnings.append("require_tls = false: devices under trusted cells may send clear updates without TLS")
+    header = {
+        "config": str(config_path), "rollout": cfg.rollout, "algorithm": cfg.algorithm,
+        "mode": p.calibration, "epsilon": p.epsilon, "delta": p.delta, "budget_epsilon": budget, "clip": p.clip,
+        "rounds": cfg.rounds, "edge_rounds": tau, "local_steps": local_steps, "require_tls": p.require_tls,
+        "cells": len(cfg.topology.layout()), "devices": len(samples), "accountant": p.accountant,
+        "device_sampling": p.device_sampling, "sample_rate": q, "secure_noise": p.secure_noise,
+        "distributed_min_survivors": calibrate.distributed_min_survivors(cfg),
+        "adaptive_clip": {"quantile": p.clip_quantile, "lr": p.clip_lr, "count_share": p.clip_count_share}
+        if p.adaptive_clip else None,
+    }
+    if p.calibration == "paper":
+        header.update(alpha=m.details["alpha"], sampling_rate=m.details["sampling_rate"],
+                      steps_per_round=m.details["steps_per_round"])
+    return {**header, "tiers": tiers, "warnings": warnings, "details": dict(m.details),
+            "signal_to_noise": snr.to_dict() if snr is not None else None,
+            "nodes": [r.to_dict() for r in rows], "noise_plan": noise_plan}
+
+
+def render_plan(doc: dict[str, Any]) -> str:
+    """The human-readable plan (no trailing newline)."""
+    from cloud_coordinator.privacy.report import fmt, table
+
+    budget = doc["budget_epsilon"]
+    budget_text = ("none: privacy never stops the rollout" if math.isinf(budget)
+                   else f"{budget:g} (the rollout stops before any device would exceed it)")
+    lines = [f"privacy plan of rollout {doc['rollout']} ({doc['config']}): {doc['algorithm']}, {doc['cells']} cells, "
+             f"{doc['devices']} devices"]
+    acct = str(doc.get("accountant", "rdp")).upper()
+    if doc["mode"] == "rdp":
+        calib = f"rdp: each tier's noise multiplier z solved with the {acct} accountant for its real release count"
+    else:
+        calib = (f"paper: z = alpha q sqrt(K T ln(1/delta)) / epsilon (eq. 11; alpha {doc['alpha']:g}, "
+                 f"q {doc['sampling_rate']:.4g}, K {doc['steps_per_round']}) -- a HEURISTIC closed form, not a "
+                 "guarantee; the ledger charges the RDP epsilon shown per tier")
+    rows = [("calibration", calib),
+            ("target", f"epsilon {doc['epsilon']:g} per device at delta {doc['delta']:g}"),
+            ("budget", budget_text),
+            ("accountant", f"epsilon over the whole rollout ({acct}, what the ledger charges): "
+                           + ", ".join(f"{name} tier {fmt(t['epsilon'], '.4g')}"
+                                       + ("" if t["injectors"] else " (no node)")
+                                       for name, t in doc["tiers"].items())
+                           + ("" if doc["mode"] == "rdp" else f" -- the paper's target was {doc['epsilon']:g}")),
+            ("clip", f"C = {doc['clip']:g} (L2 bound on each released model delta)" if not doc.get("adaptive_clip")
+             else (f"adaptive: C starts at {doc['clip']:g} and moves every round towards the "
+                   f"{doc['adaptive_clip']['quantile']:g}-quantile of update norms (rate "
+                   f"{doc['adaptive_clip']['lr']:g}); each release spends {doc['adaptive_clip']['count_share']:g} of "
+                   "its z^-2 on its noised clipped count, its update's noise grows by "
+                   f"{(1 - doc['adaptive_clip']['count_share']) ** -0.5:.3g}x")),
+            ("schedule", f"{doc['rounds']} rounds x {doc['edge_rounds']} edge rounds x {doc['local_steps']} "
+                         "local steps"),
+            ("require_tls", "yes" if doc["require_tls"] else "no")]
+    s_min = doc.get("distributed_min_survivors", 0)
+    if s_min:
+        rows.append(("distributed DP", f"secure aggregation in every cell: each device adds 1/{s_min} of its cell's "
+                                       f"noise variance (s_min = {s_min} survivors at least), no edge sees an update "
+                                       "and none adds noise; a cell's sum is charged as a trusted edge's release"
+                                       + (", its devices sampling themselves in secret" if doc.get(
+                                           "device_sampling", "none") != "none" else "") + " (docs/privacy.md)"))
+    elif doc.get("device_sampling", "none") != "none":
+        rows.append(("sampling", f"{doc['device_sampling']} at q = {doc['sample_rate']:g} per round: trusted edges "
+                                 "sample in secret and release a fixed-denominator sum (amplified); devices under "
+                                 "untrusted edges pay full price, sampled at most "
+                                 f"{doc['tiers']['device']['releases_per_device'] // max(1, doc['edge_rounds'])} "
+                                 "rounds (docs/privacy.md)"))
+    if doc.get("secure_noise"):
+        rows.append(("noise", "secure: CSPRNG, sum of Gaussians (docs/privacy.md, hardened noise)"))
+    width = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+
+    lines += ["", "tiers (every device is protected by exactly one injection point):"]
+    tier_rows = []
+    for name, t in doc["tiers"].items():
+        present = bool(t["injectors"])
+        tier_rows.append([
+            name, t["who"], str(t["devices"]) if present else "0",
+            f"{t['releases_per_device']} ({t['releases_per_round']}/round"
+            + (", amplified" if t.get("amplified") else "") + ")", fmt(t["z"]),
+            _span(t["sensitivity_min"], t["sensitivity_max"]), _span(t["sigma_min"], t["sigma_max"]),
+            fmt(t["epsilon"]) + ("" if present else " (no node in this tier)"),
+            f"{t['rounds_within_budget']} of {doc['rounds']}"])
+    lines += table(["tier", "who adds noise", "devices", "releases/device", "z", "sensitivity", "sigma",
+                    f"epsilon ({acct})", "rounds within budget"], tier_rows)
+
+    snr = doc["signal_to_noise"]
+    if snr is not None:
+        lines += ["", f"signal-to-noise per round (clipped signal bound vs expected noise norm over "
+                      f"{snr['parameters']} parameters; every member reporting):"]
+        snr_rows = []
+        for name, label in (("device", "an untrusted cell's change"), ("edge", "a trusted cell's release"),
+                            ("cloud", "the global update")):
+            r = snr[name]
+            if r is not None:
+                snr_rows.append([label, r["cell"] or "-", fmt(r["signal"], ".3g"), fmt(r["noise"], ".3g"),
+                                 fmt(r["snr"], ".2g")])
+        lines += table(["aggregate", "worst cell", "signal <=", "noise ~", "signal/noise"], snr_rows)
+        lines.append(f"  over {doc['rounds']} rounds: signal/noise {fmt(snr['rollout_snr'], '.2g')} "
+                     f"(x sqrt(rounds): the signal can add up, the noise adds up as a random walk)")
+
+    lines += ["", "nodes:"]
+    nodes = doc["nodes"]
+    cloud = [n for n in nodes if n["kind"] == "cloud"]
+    servers = sorted((n for n in nodes if n["kind"] == "server"), key=lambda n: (n["layer"], n["node"]))
+    devices = sorted((n for n in nodes if n["kind"] == "device"), key=lambda n: (n["parent"], n["node"]))
+    body: list[list[str]] = []
+    for section, members in (("cloud", cloud), ("servers", servers), ("devices", devices)):
+        if not members:
+            continue
+        body.append([f"[{section}]", "", "", "", "", "", "", "", "", "", ""])
+        for label, n in (_collapse(members) if section == "devices" else [(n["node"], n) for n in members]):
+            body.append(_node_cells(label, n, doc["require_tls"]))
+    lines += table(["node", "layer", "parent", "declared", "effective", "injects", "releases", "sensitivity", "z",
+                    "sigma", "why"], body)
+    if doc["noise_plan"] is None:
+        lines += ["", "note: intermediate servers (topology.parents) are planned here, but rollouts run "
+                      "device -> cell -> cloud"]
+    if doc["warnings"]:
+        lines += ["", "warnings:"]
+        lines += [f"  - WARNING: {w}" for w in doc["warnings"]]
+    return "\n".join(lines)
+
+
+def _span(lo: float | None, hi: float | None) -> str:
+    from cloud_coordinator.privacy.report import fmt
+
+    if lo is None or hi is None:
+        return "-"
+    return fmt(lo) if math.isclose(lo, hi, rel_tol=1e-12) else f"{fmt(lo)}..{fmt(hi)}"
+
+
+_SAME = ("parent", "layer", "declared", "trusted", "injects", "releases", "sensitivity", "z", "sigma", "why")
+
+
+def _collapse(devices: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Runs of devices of one cell with identical rows become one line: ``dev-00..dev-05 (6 devices)``."""
+    from cloud_coordinator.privacy.report import device_range
+
+    out: list[tuple[str, dict[str, Any]]] = []
+    run: list[dict[str, Any]] = []
+    for n in [*devices, None]:
+        if run and (n is None or any(n[k] != run[0][k] for k in _SAME)):
+            out.append((device_range([r["node"] for r in run]), run[0]))
+            run = []
+        if n is not None:
+            run.append(n)
+    return out
+
+
+def _node_cells(label: str, n: dict[str, Any], require_tls: bool) -> list[str]:
+    from cloud_coordinator.privacy.report import fmt
+
+    declared = {None: "-", True: "trusted", False: "untrusted"}[n["declared"]]
+    if n.get("distributed") and n["kind"] == "device":  # distributed DP: a share of its cell's release
+        return [label, str(n["layer"]), n["parent"] or "-", declared, "-", "share", "0", fmt(n["sensitivity"]),
+                fmt(n["z"]), fmt(n["sigma"]), n["why"]]
+    if n["kind"] == "device":
+        effective = "-"
+        tls = "(TLS required)" if require_tls else "(TLS NOT required)"
+        why = (f"adds noise: its cell {n['parent']} is untrusted" if n["injects"]
+               else f"sends clear to trusted {n['parent']} {tls}")
+    else:
+        effective = "trusted" if n["trusted"] else "untrusted"
+        why = n["why"]
+        if n["kind"] == "server" and not n["injects"]:
+            why += "; adds no noise (" + ("its parent is trusted" if n["trusted"] else "forwards noised inputs") + ")"
+    injects = "yes" if n["injects"] else "no"
+    if not n["injects"]:
+        return [label, str(n["layer"]), n["parent"] or "-", declared, effective, injects, "0", "-", "-", "-", why]
+    return [label, str(n["layer"]), n["parent"] or "-", declared, effective, injects, str(n["releases"]),
+            fmt(n["sensitivity"]), fmt(n["z"]), fmt(n["sigma"]), why]

@@ -1,0 +1,570 @@
+"""``fedtier fleet emulate``: a large fleet on one machine, through a real Mosquitto.
+
+Every device is a real device agent — the node ``fedtier agent run`` builds (``device_agent.run.build``),
+with its own MQTT client, identity, outbox (SQLite in its state dir) and noise — running on a thread
+of a worker process that hosts up to ``DEVICES_PER_PROCESS`` of them (paho-mqtt waits on its socket
+with ``select``, which cannot watch a descriptor numbered 1024 or more, and each device holds about
+six); the edges and the coordinator are real nodes too (``edge_broker.run.build``,
+``cloud_coordinator.run.build``), each on its own thread and connection in the main process. Two
+things differ from a fleet of separate devices, both for memory and both stated in the result:
+
+* the devices of one worker share one trainer per bundle (one ORT session per architecture), and
+  a lock serializes their local training (two threads must not swap parameters into one session at
+  once);
+* ``compute_delay_ms`` adds a simulated on-device compute time to every local run, outside that lock,
+  so that a round can be made to wait for slow devices the way a real fleet's does.
+
+The rollout uses the synthetic task (40 samples a device, MLP 64-64-10 by default); the result gives
+each round's time, the slowest device's local run (which includes waiting for the shared session),
+the median device's training, all training of the round, and the round overhead: round time minus
+the slowest device's run (the broker, decoding, aggregation, evaluation and the protocol's waits).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import resource
+import shutil
+import statistics
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from local_fleet.demo import free_port, mosquitto_path, wait_for_port
+from fedtier.errors import ConfigError
+
+log = logging.getLogger("fedtier.fleet")
+
+
+@dataclass
+class EmulatorOptions:
+    devices: int = 100
+    cells: int = 1
+    rounds: int = 3
+    broker: str | None = None  # HOST:PORT of a running broker; None: start a Mosquitto for the run
+    stagger_s: float = 0.0  # spread the devices' start over this many seconds
+    compute_delay_ms: float = 0.0
+    local_steps: int = 5
+    hidden: int = 64
+    deadline_s: float = 120.0
+    seed: int = 0
+    workdir: Path | None = None
+    loop: str = "mux"
+    """How a worker process drives its devices: "mux", all on one thread, their sockets multiplexed
+    (``fleet_mux``); or "threads", a node thread and a network thread per device."""
+    keepalive_s: int = 30
+    """MQTT keep-alive of every emulated node. A real board has its CPU to itself; thousands of emulated
+    devices on a few cores can starve their network threads past 30 s, and the broker then drops them."""
+    stall_s: float = 900.0
+    """Stop the run when no update reaches an edge and no round closes for this long, with a report of
+    where every cell's edge and devices stand (``fleet_probe``); 0 waits for ever."""
+
+
+@dataclass
+class RoundTiming:
+    round: int
+    round_s: float
+    slowest_device_s: float
+    """The last device's local run, from its task to its update: its training, its wait for the shared
+    session while others trained, and the simulated delay."""
+    median_device_s: float
+    """A device's training alone (median)."""
+    training_s: float
+    """All devices' training, one after the other (the shared session serializes it)."""
+    devices_reported: int
+    accuracy: float | None
+    edge_decode_s: float = 0.0
+    """The edges' threads decoding the round's messages (sha256 and tensor copies), summed over edges."""
+    edge_work_s: float = 0.0
+    """The edges' threads handling messages (decoding included: the role's aggregation, the store's writes,
+    publishing) and ticking, summed over edges."""
+    coordinator_s: float = 0.0
+    """The coordinator's thread: decoding the cells' updates, aggregating, evaluating, committing the round."""
+    workers: int = 1
+
+    @property
+    def overhead_s(self) -> float:
+        """The round's time beyond its slowest device's local run."""
+        return self.round_s - self.slowest_device_s
+
+    @property
+    def rest_s(self) -> float:
+        """What the breakdown does not name: the broker's deliveries, the devices' own decoding, encoding and
+        outbox writes, and waiting (round time minus the workers' share of the training, the edges' and the
+        coordinator's work; below zero when those overlap each other on the cores)."""
+        return self.round_s - self.training_s / max(1, self.workers) - self.edge_work_s - self.coordinator_s
+
+
+@dataclass
+class EmulationResult:
+    devices: int
+    cells: int
+    rounds: list[RoundTiming]
+    start_s: float  # from the first thread started to every device connected and subscribed
+    wall_s: float
+    peak_rss_mb: float
+    """Of the main process (edges, coordinator); the workers hold the devices."""
+    threads: int
+    broker: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"devices": self.devices, "cells": self.cells, "start_s": self.start_s, "wall_s": self.wall_s,
+                "peak_rss_mb": self.peak_rss_mb, "threads": self.threads, "broker": self.broker, "notes": self.notes,
+                "rounds": [{**r.__dict__, "overhead_s": r.overhead_s, "rest_s": r.rest_s} for r in self.rounds]}
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (each device holds a socket and a database)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _die_with_parent() -> None:
+    """In a child about to exec (Linux): SIGTERM it when the emulator dies, even by SIGKILL, which skips
+    the emulator's own clean-up (``prctl(PR_SET_PDEATHSIG)``). A no-op where there is no prctl."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _start_mosquitto(workdir: Path, clients: int) -> tuple[subprocess.Popen, int]:
+    mosq = mosquitto_path()
+    if mosq is None:
+        raise ConfigError("no Mosquitto: install it (apt-get install mosquitto) or pass --broker HOST:PORT",
+                          key="broker")
+    port = free_port()
+    conf = workdir / "mosquitto.conf"
+    # `user`: Mosquitto started as root switches to the user `mosquitto`, and that change of credentials
+    # clears the parent-death signal `_die_with_parent` sets; it is this process's own user instead
+    conf.write_text("\n".join([f"user {getpass.getuser()}", "allow_anonymous true", "persistence false",
+                               "log_dest stdout",
+                               "max_queued_messages 100000", f"listener {port} 127.0.0.1",
+                               f"max_connections {clients + 64}"]) + "\n")
+
+    def more_files() -> None:  # the broker holds one socket per client
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        _die_with_parent()
+
+    proc = subprocess.Popen([mosq, "-c", str(conf)], stdout=(workdir / "mosquitto.log").open("wb"),
+                            stderr=subprocess.STDOUT, preexec_fn=more_files)
+    if not wait_for_port(port, 10):
+        proc.kill()
+        raise RuntimeError(f"Mosquitto did not open port {port}: see {workdir / 'mosquitto.log'}")
+    return proc, port
+
+
+def rollout_mapping(opts: EmulatorOptions) -> dict[str, Any]:
+    """The emulated rollout: the synthetic task, ``cells`` cells sharing the devices."""
+    per_cell = -(-opts.devices // opts.cells)
+    return {"rollout": ROLLOUT, "rounds": opts.rounds, "seed": opts.seed,
+            "model": {"kind": "mlp", "hidden": [opts.hidden]},
+            "topology": {"cells": opts.cells, "devices_per_cell": per_cell},
+            "data": {"dataset": "synthetic", "samples": 40 * per_cell * opts.cells, "features": 64, "classes": 10,
+                     "partition": "dirichlet", "alpha": 0.5, "seed": opts.seed},
+            "fedavg": {"local_steps": opts.local_steps, "batch_size": 16, "lr": 0.1, "deadline_s": opts.deadline_s}}
+
+
+class _SharedTrainers:
+    """One trainer per bundle for every emulated device of this process, and the lock around its use."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._trainers: dict[str, Any] = {}
+
+    def provider(self, kind: str, threads: int) -> Callable[[Any], Any]:
+        from device_agent.trainers import make_trainer
+
+        def get(bundle: Any) -> Any:
+            with self.lock:
+                if bundle.bundle_id not in self._trainers:
+                    self._trainers[bundle.bundle_id] = make_trainer(kind, bundle, threads=threads)
+                return self._trainers[bundle.bundle_id]
+
+        return get
+
+
+DEVICES_PER_PROCESS = 120
+"""Devices one threaded worker process hosts: about six descriptors each stays below ``select``'s 1024."""
+MUX_DEVICES_PER_PROCESS = 2000
+"""Devices one multiplexed worker hosts at most: about six descriptors each, within a 20,000 file limit."""
+
+
+class _DeviceHost:
+    """Device agents on threads of one process, sharing a trainer; records each local run's time."""
+
+    def __init__(self, compute_delay_ms: float) -> None:
+        self.shared = _SharedTrainers()
+        self.delay = compute_delay_ms / 1000.0
+        # (round, device, seconds of its local run incl. waiting for the shared session, seconds training)
+        self.runs: list[tuple[int, str, float, float]] = []
+        self._runs_lock = threading.Lock()
+        self.threads: list[tuple[str, threading.Thread, threading.Event, list[BaseException]]] = []
+        self.nodes: list[Any] = []  # the device nodes, for a stalled run's report
+
+    def _locked_train(self, device: str, train: Callable[..., Any]) -> Callable[..., Any]:
+        def run(trainer: Any, action: Any) -> Any:
+            start = time.perf_counter()
+            with self.shared.lock:
+                began = time.perf_counter()
+                result = train(trainer, action)
+                trained = time.perf_counter() - began
+            if self.delay:
+                time.sleep(self.delay)
+            with self._runs_lock:
+                self.runs.append((int(action.round), device, time.perf_counter() - start, trained))
+            return result
+
+        return run
+
+    def spawn(self, name: str, node: Any, transports: list[Any], inbox: Any,
+              done: Callable[[], bool] = lambda: False) -> None:
+        from fedtier.runtime import mqtt_service
+
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                mqtt_service.run(node, transports, inbox, start=node.start, stop=stop, install_signals=False,
+                                 done=done)
+            except BaseException as exc:  # noqa: BLE001 - reported by check()
+                errors.append(exc)
+
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self.threads.append((name, thread, stop, errors))
+
+    def build_device(self, config_path: Path) -> tuple[str, Any, Any, Any]:
+        """A device as ``fedtier agent run`` builds it, sharing this host's trainer and timing its runs."""
+        from device_agent.config import DeviceConfig
+        from device_agent.run import build
+        from fedtier.runtime.config import load
+
+        cfg = load(DeviceConfig, config_path)
+        node, tx, inbox = build(cfg)
+        node.trainer_provider = self.shared.provider(_resolved(cfg.trainer), cfg.threads)
+        node.train = self._locked_train(cfg.device_id, node.train)  # type: ignore[method-assign]
+        self.nodes.append(node)
+        return cfg.device_id, node, tx, inbox
+
+    def add_device(self, config_path: Path) -> None:
+        name, node, tx, inbox = self.build_device(config_path)
+        self.spawn(name, node, [tx], inbox)
+
+    def errors(self) -> list[str]:
+        return [f"node {name} crashed: {errors[0]!r}" for name, _, _, errors in self.threads if errors]
+
+    def stop(self) -> None:
+        for _, _, stop, _ in self.threads:
+            stop.set()
+        for _, thread, _, _ in self.threads:
+            thread.join(10)
+
+
+class _ProbeAnswer:
+    """A worker's side of the stall probe: the emulator raises ``probe``'s number, each worker answers once."""
+
+    def __init__(self, probe: Any, answers: Any, host: _DeviceHost) -> None:
+        self.probe, self.answers, self.host, self.answered = probe, answers, host, 0
+
+    def __call__(self) -> None:
+        wanted = self.probe.value
+        if wanted != self.answered:
+            from local_fleet.probe import describe_devices
+
+            self.answered = wanted
+            self.answers.put(describe_devices(self.host.nodes, ROLLOUT))
+
+
+def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, ready: Any, stop: Any,
+            results: Any, loop: str = "threads", probe: Any = None, answers: Any = None) -> None:
+    """A worker process: host ``config_paths``' devices until ``stop``, then report their runs. It answers the
+    emulator's stall probe (``probe``'s number raised) with its devices' states on ``answers``."""
+    raise_fd_limit()
+    logging.basicConfig(level=logging.WARNING)
+    host = _DeviceHost(compute_delay_ms)
+    orphaned = _orphan_check()
+    answer = _ProbeAnswer(probe, answers, host) if probe is not None else (lambda: None)
+    if loop == "mux":
+        _mux_worker(host, config_paths, step_s, ready, stop, results, orphaned, answer)
+        return
+    try:
+        for path in config_paths:
+            host.add_device(Path(path))
+            if step_s:
+                time.sleep(step_s)
+        ready.put(len(config_paths))
+        while not stop.wait(0.2):
+            answer()
+            if host.errors() or orphaned():
+                break
+    finally:
+        host.stop()
+        results.put({"runs": host.runs, "errors": host.errors()})
+
+
+def _orphan_check() -> Callable[[], bool]:
+    """True once the emulator that started this worker is gone (killed without its ``finally``, e.g. by
+    SIGKILL): the worker then stops its devices instead of running on for ever."""
+    parent = os.getppid()
+    return lambda: os.getppid() != parent
+
+
+def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready: Any, stop: Any,
+                results: Any, orphaned: Callable[[], bool], answer: Callable[[], None]) -> None:
+    """``_worker`` with every device on this process's one thread (``fleet_mux``)."""
+    from local_fleet.mux import MuxHost
+
+    mux = MuxHost()
+    try:
+        for path in config_paths:
+            mux.add(*host.build_device(Path(path)))
+            if step_s:
+                time.sleep(step_s)
+        ready.put(len(config_paths))
+        def done() -> bool:
+            answer()
+            return stop.is_set() or bool(mux.errors()) or orphaned()
+
+        mux.run(done)
+    finally:
+        mux.close()
+        results.put({"runs": host.runs, "errors": mux.errors()})
+
+
+class FleetEmulator:
+    """Builds, runs and stops an emulated fleet (see the module docstring)."""
+
+    def __init__(self, opts: EmulatorOptions, progress: Callable[[str], None] | None = None) -> None:
+        if opts.devices < 1 or opts.cells < 1 or opts.devices < opts.cells:
+            raise ConfigError("need at least one device per cell", key="devices")
+        self.opts = opts
+        self.say = progress or (lambda text: None)
+        self.servers = _DeviceHost(0.0)  # the edges and the coordinator, on threads of this process
+        self.runs: list[tuple[int, str, float, float]] = []
+        self.workers = 0
+        self.busy: list[dict[str, float]] = []
+        """Per closed round: the edges' and the coordinator's busy seconds so far (``NodeBase.busy_s``)."""
+
+    def run(self) -> EmulationResult:
+        import multiprocessing
+
+        from fedtier.rollout.config import RolloutConfig
+        from local_fleet.configs import write_fleet
+        from cloud_coordinator.run import build as build_cloud
+        from edge_broker.config import EdgeConfig
+        from edge_broker.run import build as build_edge
+        from fedtier.runtime.config import load
+
+        o = self.opts
+        started = time.perf_counter()
+        own_dir = o.workdir is None
+        workdir = Path(tempfile.mkdtemp(prefix="fedtier-fleet-")) if own_dir else Path(o.workdir)  # type: ignore[arg-type]
+        workdir.mkdir(parents=True, exist_ok=True)
+        raise_fd_limit()
+        broker_proc = None
+        ctx = multiprocessing.get_context("spawn")
+        stop, ready, results = ctx.Event(), ctx.Queue(), ctx.Queue()
+        probe, answers = ctx.Value("i", 0), ctx.Queue()
+        procs: list[Any] = []
+        try:
+            if o.broker is None:
+                broker_proc, port = _start_mosquitto(workdir, o.devices + 2 * o.cells + 1)
+                host, broker_label = "127.0.0.1", f"Mosquitto on 127.0.0.1:{port} (started for the run)"
+            else:
+                host, _, port_text = o.broker.rpartition(":")
+                host, port, broker_label = host or "127.0.0.1", int(port_text), f"{o.broker}"
+            self.say(f"writing the fleet: {o.devices} devices in {o.cells} cells ({workdir})")
+            paths = write_fleet(rollout_mapping(o), workdir, {"host": host, "port": port,
+                                                              "keepalive_s": o.keepalive_s},
+                                device_settings={"trainer": "auto"})
+            devices = [str(paths.devices[d]) for d in list(paths.devices)[: o.devices]]
+            t_start = time.perf_counter()
+            if o.loop == "mux":  # one busy thread per worker: as many workers as cores, or more if descriptors run out
+                count = max(1, min(len(devices), max(os.cpu_count() or 1, -(-len(devices) // MUX_DEVICES_PER_PROCESS))))
+                groups = [devices[i::count] for i in range(count)]
+            else:
+                groups = [devices[i:i + DEVICES_PER_PROCESS] for i in range(0, len(devices), DEVICES_PER_PROCESS)]
+            self.workers = len(groups)
+            step = o.stagger_s / max(1, len(devices)) * len(groups)
+            for group in groups:
+                proc = ctx.Process(target=_worker, args=(group, o.compute_delay_ms, step, ready, stop, results,
+                                                         o.loop, probe, answers), daemon=True)
+                proc.start()
+                procs.append(proc)
+            hosted = 0
+            while hosted < len(devices):
+                try:
+                    hosted += int(ready.get(timeout=600))
+                except Exception as exc:  # queue.Empty
+                    raise RuntimeError("the device workers did not start within 10 minutes") from exc
+                self.say(f"started {hosted} of {len(devices)} devices in {len(groups)} worker process(es)")
+            edge_inboxes: dict[str, tuple[Any, Any]] = {}  # cell -> its edge node and inbox
+            for cell in paths.edges:
+                edge, transports, inbox = build_edge(load(EdgeConfig, paths.edges[cell]))
+                self.servers.spawn(cell, edge, transports, inbox)
+                edge_inboxes[cell] = (edge, inbox)
+            edges = [edge for edge, _ in edge_inboxes.values()]
+            cloud, tx, inbox = build_cloud(load(RolloutConfig, paths.coordinator))
+            previous = cloud.on_round
+
+            def snapshot(row: dict[str, Any]) -> None:
+                # on the coordinator's thread as it closes the round: rounds closing within one poll of
+                # the loop below still get a snapshot each (a shared one gave the later round 0 s of work)
+                self.busy.append(_busy(edges, cloud))
+                if previous is not None:
+                    previous(row)
+
+            cloud.on_round = snapshot
+            self.servers.spawn("coordinator", cloud, [tx], inbox, done=lambda: cloud.finished)
+            start_s = time.perf_counter() - t_start
+            try:
+                self._wait_rounds(cloud, edges, edge_inboxes, procs, probe, answers)
+            except KeyboardInterrupt:
+                raise RuntimeError("stopped while the rollout ran; where the cells stood:\n"
+                                   f"{_stall_report(edge_inboxes, probe, answers, procs)}") from None
+            history = list(cloud.history)
+            stop.set()
+            for _ in procs:
+                report = results.get(timeout=60)
+                self.runs.extend(tuple(r) for r in report["runs"])
+                if report["errors"]:
+                    raise RuntimeError(report["errors"][0])
+        finally:
+            stop.set()
+            self.servers.stop()
+            for proc in procs:
+                proc.join(30)
+                if proc.is_alive():
+                    proc.kill()
+            if broker_proc is not None:
+                broker_proc.terminate()
+                broker_proc.wait(10)
+            if own_dir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        return EmulationResult(devices=o.devices, cells=o.cells, rounds=self._timings(history), start_s=start_s,
+                               wall_s=time.perf_counter() - started, peak_rss_mb=_peak_rss_mb(),
+                               threads=threading.active_count(), broker=broker_label,
+                               notes=[f"devices in {self.workers} worker process(es), " + (
+                                   "each driving its devices on one thread (their sockets multiplexed)"
+                                   if o.loop == "mux" else
+                                   f"of at most {DEVICES_PER_PROCESS}, a node thread and a network thread per device")
+                                   + "; those of one worker share one trainer per bundle and train one at a time "
+                                     "(a real fleet trains in parallel on its own CPUs)"]
+                               + ([f"each local run also sleeps {o.compute_delay_ms:g} ms (simulated device compute)"]
+                                  if o.compute_delay_ms else []))
+
+    def _wait_rounds(self, cloud: Any, edges: list[Any], edge_inboxes: dict[str, tuple[Any, Any]], procs: list[Any],
+                     probe: Any, answers: Any) -> None:
+        """Until the rollout finishes: report each closed round; stop on a crash or a stall (``stall_s``)."""
+        stall_s = self.opts.stall_s
+        seen = 0
+        progress, progressed = _progress(cloud, edges), time.monotonic()
+        while not cloud.finished:
+            now_at = _progress(cloud, edges)
+            if now_at != progress:
+                progress, progressed = now_at, time.monotonic()
+            elif stall_s and time.monotonic() - progressed > stall_s:
+                raise RuntimeError(f"no update reached an edge and no round closed for {stall_s:g} s; where "
+                                   f"the cells stand:\n{_stall_report(edge_inboxes, probe, answers, procs)}")
+            problems = self.servers.errors()
+            if problems:
+                raise RuntimeError(problems[0])
+            if any(not p.is_alive() for p in procs):
+                raise RuntimeError("a device worker process died")
+            if len(cloud.history) > seen:
+                row = cloud.history[seen]
+                self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
+                         f"{row['round_s']:.2f} s, accuracy {row.get('accuracy', float('nan')):.4f}")
+                seen += 1
+            time.sleep(0.05)
+
+    def _timings(self, history: list[dict[str, Any]]) -> list[RoundTiming]:
+        out = []
+        before = dict.fromkeys(("edge_decode", "edge_work", "coordinator"), 0.0)
+        for i, row in enumerate(history):
+            runs = [(total, trained) for r, _, total, trained in self.runs if r == row["round"]]
+            busy = self.busy[i] if i < len(self.busy) else before
+            out.append(RoundTiming(round=int(row["round"]), round_s=float(row["round_s"]),
+                                   slowest_device_s=max((t for t, _ in runs), default=0.0),
+                                   median_device_s=statistics.median(t for _, t in runs) if runs else 0.0,
+                                   training_s=sum(t for _, t in runs),
+                                   devices_reported=int(row["devices_reported"]), accuracy=row.get("accuracy"),
+                                   edge_decode_s=busy["edge_decode"] - before["edge_decode"],
+                                   edge_work_s=busy["edge_work"] - before["edge_work"],
+                                   coordinator_s=busy["coordinator"] - before["coordinator"],
+                                   workers=max(1, self.workers)))
+            before = busy
+        return out
+
+
+ROLLOUT = "emulated"
+
+
+def _progress(cloud: Any, edges: list[Any]) -> tuple[int, ...]:
+    """Changes whenever a round closes or an edge takes an update or moves on a step."""
+    marks = [len(cloud.history)]
+    for edge in edges:
+        role = edge.roles.get(ROLLOUT)
+        if role is not None:
+            marks += [role.round, getattr(role, "step", 0), len(role.reported)]
+    return tuple(marks)
+
+
+def _stall_report(edges: dict[str, tuple[Any, Any]], probe: Any, answers: Any, procs: list[Any]) -> str:
+    """Every cell's edge (read here) and devices (asked of the live workers, 20 s at most)."""
+    from local_fleet.probe import describe_edge, merge, render
+
+    with probe.get_lock():
+        probe.value += 1
+    workers = sum(1 for p in procs if p.is_alive())  # after a Ctrl-C in a terminal they got it too
+    reports: list[dict[str, dict[str, int]]] = []
+    deadline = time.monotonic() + 20
+    while len(reports) < workers and time.monotonic() < deadline:
+        try:
+            reports.append(answers.get(timeout=max(0.1, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001 - queue.Empty: the workers that did not answer are counted below
+            break
+    report = render({cell: describe_edge(edge, inbox, ROLLOUT) for cell, (edge, inbox) in edges.items()},
+                    merge(reports))
+    missing = len(procs) - len(reports)
+    return report + (f"\n({missing} of {len(procs)} worker processes did not answer)" if missing else "")
+
+
+def _busy(edges: list[Any], cloud: Any) -> dict[str, float]:
+    """The edges' and the coordinator's cumulative busy seconds (read from their threads without a lock: a
+    float that is being added to is at most one message behind)."""
+    return {"edge_decode": sum(e.busy_s["decode"] for e in edges),
+            "edge_work": sum(e.busy_s["handle"] + e.busy_s["tick"] for e in edges),
+            "coordinator": cloud.busy_s["handle"] + cloud.busy_s["tick"]}
+
+
+def _resolved(kind: str) -> str:
+    from device_agent.trainers import resolve_kind
+
+    return str(resolve_kind(kind))
+
+
+def _peak_rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,140 @@
+"""Many emulated devices on one thread: their MQTT sockets multiplexed with ``selectors`` (epoll).
+
+Why: the threaded host (``emulator._DeviceHost``) gives every device a node thread, paho's
+network thread and a watcher: about 3,000 threads for 1,000 devices, which on 2 cores starve each
+other (the GIL hands over every 5 ms, keep-alives are missed, a round takes minutes to start). Here
+one thread per worker process does, in turn, for all of its devices what those threads do: read
+what the sockets have (``loop_read``), hand each device's inbound messages to its node in order and
+acknowledge them after (as ``run_loop`` does), tick the nodes, write what is queued
+(``loop_write``) and keep the connections alive (``loop_misc``). The nodes, transports and trainers
+are exactly those ``fedtier agent run`` builds; only who drives them differs. epoll also lifts
+paho's own ``select`` limit (descriptors below 1024), so a worker may host more than 120 devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import selectors
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import paho.mqtt.client as paho
+
+log = logging.getLogger("fedtier.fleet")
+
+TICK_S = 0.1
+"""How often each node's ``tick`` runs (``run_loop``'s default)."""
+MISC_S = 1.0
+"""How often keep-alives are checked (``loop_misc``)."""
+RECONNECT_S = 2.0
+"""Wait before reconnecting a device whose connection dropped."""
+
+
+@dataclass
+class _Device:
+    name: str
+    node: Any
+    tx: Any  # MqttTransport
+    inbox: "queue.Queue[Any]"
+    next_tick: float = 0.0
+    down_since: float | None = None
+    sock: Any = None
+    errors: list[BaseException] = field(default_factory=list)
+
+
+class MuxHost:
+    """Device nodes of one worker process, driven by one thread (``run``)."""
+
+    def __init__(self) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.devices: list[_Device] = []
+
+    def add(self, name: str, node: Any, tx: Any, inbox: "queue.Queue[Any]") -> None:
+        """Start ``node`` and connect ``tx`` (not yet started) without a network thread."""
+        now = time.monotonic()
+        node.start(now)
+        for pending in tx.pending_complete():
+            inbox.put(pending)
+        tx.start(external_loop=True)
+        dev = _Device(name, node, tx, inbox, next_tick=now)
+        self.devices.append(dev)
+        self._connect(dev, now)
+
+    def _connect(self, dev: _Device, now: float) -> None:
+        try:
+            rc = dev.tx.client.reconnect()
+        except OSError as exc:
+            log.warning("device %s: cannot connect (%s); retrying in %g s", dev.name, exc, RECONNECT_S)
+            dev.down_since = now
+            return
+        if rc != paho.MQTT_ERR_SUCCESS:
+            dev.down_since = now
+            return
+        dev.sock = dev.tx.client.socket()
+        self.selector.register(dev.sock, selectors.EVENT_READ, dev)
+        dev.down_since = None
+
+    def _lost(self, dev: _Device, now: float) -> None:
+        if dev.sock is not None:
+            try:
+                self.selector.unregister(dev.sock)
+            except (KeyError, ValueError):
+                pass
+            dev.sock = None
+        dev.down_since = now
+
+    def run(self, stop: Callable[[], bool]) -> None:
+        """Drive every device until ``stop()``; a node that raises is recorded and no longer driven."""
+        next_misc = time.monotonic() + MISC_S
+        while not stop():
+            for key, _ in self.selector.select(timeout=0.02):
+                dev = key.data
+                if dev.tx.client.loop_read() != paho.MQTT_ERR_SUCCESS:
+                    self._lost(dev, time.monotonic())
+            now = time.monotonic()
+            for dev in self.devices:
+                if dev.errors:
+                    continue
+                try:
+                    self._serve(dev, now)
+                except Exception as exc:  # noqa: BLE001 - reported by errors()
+                    log.exception("device %s crashed", dev.name)
+                    dev.errors.append(exc)
+            if now >= next_misc:
+                next_misc = now + MISC_S
+                for dev in self.devices:
+                    if dev.sock is not None and dev.tx.client.loop_misc() != paho.MQTT_ERR_SUCCESS:
+                        self._lost(dev, now)
+                    elif dev.sock is None and dev.down_since is not None and now - dev.down_since >= RECONNECT_S:
+                        self._connect(dev, now)
+
+    def _serve(self, dev: _Device, now: float) -> None:
+        while True:
+            try:
+                inbound = dev.inbox.get_nowait()
+            except queue.Empty:
+                break
+            dev.node.handle(inbound, now)
+            inbound.confirm()  # after handling, as run_loop does: a crash leaves it with the broker
+        if now >= dev.next_tick:
+            dev.node.tick(now)
+            dev.next_tick = now + TICK_S
+        client = dev.tx.client
+        if dev.sock is not None and client.want_write() and client.loop_write() != paho.MQTT_ERR_SUCCESS:
+            self._lost(dev, now)
+
+    def errors(self) -> list[str]:
+        return [f"node {d.name} crashed: {d.errors[0]!r}" for d in self.devices if d.errors]
+
+    def close(self) -> None:
+        """Publish every device's ``offline`` presence and disconnect."""
+        for dev in self.devices:
+            try:
+                dev.tx.stop()
+                if dev.sock is not None:
+                    dev.tx.client.loop_write()
+            except Exception:  # noqa: BLE001 - closing: the broker's will covers a device we cannot close
+                log.debug("device %s: unclean close", dev.name, exc_info=True)
+        self.selector.close()
