@@ -168,16 +168,16 @@ def coordinator_export(config_path: Path, out: Path, version: int | None, as_jso
     """Write the rollout's trained model as an inference ONNX file (input "input", output "logits";
     HSGD's split model: inputs "x1" and "x2", the host's and a device's features).
 
-    Reads the model version from the coordinator's state (<state_dir>/coordinator.db); works
-    during a rollout too (the newest closed round).
+    Reads the model version from the coordinator's state (<state_dir>/coordinator.db) and the model's
+    graph from its artifacts, never the training data ([data] is not read); works during a rollout too
+    (the newest closed round).
 
     Example: fedtier coordinator export --config fleet/coordinator/hand1.toml --out hand1.onnx
     """
-    from fedtier.rollout.config import RolloutConfig
-    from cloud_coordinator.export import export_model
-    from fedtier.runtime.config import load
+    from cloud_coordinator.export import export_config, export_model
+    from fedtier.runtime.config import read_toml
 
-    cfg = load(RolloutConfig, config_path)
+    cfg = export_config(read_toml(config_path), source=str(config_path), base_dir=config_path.resolve().parent)
     result = export_model(cfg, out, version=version)
     if as_json:
         click.echo(json.dumps({"path": str(result.path), "rollout": result.rollout, "round": result.round,

@@ -385,8 +385,7 @@ def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: S
 
     Example: fedtier rollout export hand1 --version 3 --out hand1-v3.onnx
     """
-    from cloud_coordinator.export import export_model
-    from cloud_coordinator.service import stored_config
+    from cloud_coordinator.export import export_config, export_model
 
     store = _store(state_dir)
     try:
@@ -395,7 +394,9 @@ def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: S
         store.close()
     if rollout_id not in rows:
         raise ConfigError(f"no rollout {rollout_id!r} in {state_dir}", key="rollout")
-    result = export_model(stored_config(rows[rollout_id]), out, version=version)
+    row = rows[rollout_id]
+    cfg = export_config(row["config"], source=f"rollout {rollout_id} (stored config)")
+    result = export_model(cfg, out, version=version)
     doc = {"path": str(result.path), "rollout": result.rollout, "round": result.round, "version": result.version,
            "sha256": result.sha256}
     if as_json:
