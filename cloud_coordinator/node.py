@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -129,6 +129,31 @@ class SplitEvaluator:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
+
+
+def _cell_sum(cells: Mapping[str, Mapping[str, Any]], key: str) -> int:
+    """``key`` summed over the cells' round statistics (a byte count, a meter)."""
+    return sum(int(c.get(key, 0)) for c in cells.values())
+
+
+def _traffic(cells: Mapping[str, Mapping[str, Any]], traffic: Mapping[str, int], *,
+             embeddings: bool) -> dict[str, int]:
+    """A round's bytes per tier: the devices' (from their cells' statistics) and the cloud's own (``traffic``).
+
+    ``embeddings``: a split model's vertical path (embeddings up, partner rows down), which is included in
+    device_up and device_down, also on its own.
+    """
+    return {
+        "device_up": _cell_sum(cells, "device_up_bytes"),
+        "device_down": _cell_sum(cells, "device_down_bytes"),
+        "edge_up": int(traffic.get("edge_up_bytes", 0)),
+        "cloud_down": int(traffic.get("cloud_down_bytes", 0)),
+        # What the uplinks would have cost in float32 (equal to the above when unquantized).
+        "device_up_f32": _cell_sum(cells, "device_up_f32_bytes"),
+        "edge_up_f32": int(traffic.get("edge_up_f32_bytes", 0)),
+        **({"embedding_up": _cell_sum(cells, "embedding_up_bytes"),
+            "embedding_down": _cell_sum(cells, "embedding_down_bytes")} if embeddings else {}),
+    }
 
 
 def _rejected_counts(value: Any) -> dict[str, int]:
@@ -244,7 +269,7 @@ class CloudNode(NodeBase):
             params, start_round, version = latest.params, latest.round + 1, latest.version
             log.info("resuming rollout %s at round %d from model version %d", self.rollout, start_round, version)
         module = algorithms.load(self.cfg.algorithm)
-        replan = self.cfg.replanner() if self.cfg.algorithm == "qhetfed" and self.cfg.qhetfed.plan else None
+        replan = self.cfg.round_planner()
         plan = self.prepared.noise_plan
         if plan is not None:
             from cloud_coordinator.privacy import utility
@@ -254,7 +279,7 @@ class CloudNode(NodeBase):
                                         cloud_id=self.cfg.cloud_id)
             parameters = {c: self.prepared.cell_bundles.get(c, self.prepared.model_bundle).layout.num_parameters
                           for c in self.prepared.cells}
-            estimate = utility.estimate(plan, parameters, cells_averaged=self.cfg.algorithm != "hist")
+            estimate = utility.estimate(plan, parameters, cells_averaged=not self.cfg.traits.submodels)
             for warning in estimate.warnings(plan.epsilon):
                 log.warning("rollout %s: %s (`fedtier privacy plan` shows the details)", self.rollout, warning)
         self.role = module.Cloud(rollout=self.rollout, cells=self.prepared.cells, initial_params=params,
@@ -483,70 +508,99 @@ class CloudNode(NodeBase):
                 self.store.set_open_round(self.rollout, round_, cells)
 
     def _close(self, closed: RoundClosed) -> None:
-        result = self.evaluator(dict(closed.params)) if self.evaluator is not None else None
+        """A closed round: evaluated, its row built, its privacy charged, committed to the store, then
+        published (history, Prometheus, log, the metrics file, ``on_round``)."""
+        result, ranks = self._evaluate(closed.params)
+        row = self._round_row(closed, result, ranks)
+        releases, clear = self._charge_privacy(closed, row)
+        self._commit(closed, row, releases, clear)
+        self._publish(closed, row, result, ranks)
+        self._log_round(closed, row, result, ranks)
+        self.write_metrics()
+        if self.on_round is not None:
+            self.on_round(row)
+
+    def _evaluate(self, params: Mapping[str, Any]) -> tuple[EvalResult | None, dict[str, float] | None]:
+        """The round's model on the central test set, and its ranking on a binary task (``None`` without)."""
+        result = self.evaluator(dict(params)) if self.evaluator is not None else None
         ranking = getattr(self.evaluator, "ranking", None)
-        ranks = ranking(dict(closed.params)) if callable(ranking) else None
+        ranks = ranking(dict(params)) if callable(ranking) else None
+        return result, ranks
+
+    def _round_row(self, closed: RoundClosed, result: EvalResult | None,
+                   ranks: dict[str, float] | None) -> dict[str, Any]:
+        """The round's metrics row, as metrics.json and the store keep it (``extra_metrics`` included)."""
         wall = self.wall_clock()
         cells = closed.metrics.get("cells", {})
-        traffic = self._round_bytes.pop(closed.round, {})
-        federated = closed.metrics.get("federated")
+        split_model = self.cfg.traits.split_model
         row: dict[str, Any] = {
             "round": closed.round,
             "accuracy": result.accuracy if result else None,
             "loss": result.loss if result else None,
             **(ranks or {}),
-            "federated": federated,
+            "federated": closed.metrics.get("federated"),
             "train_loss": closed.metrics.get("train_loss"),
             "model_version": closed.metrics.get("model_version"),
             "devices_reported": sum(len(r) for r in closed.reported.values()),
             "missing": list(closed.missing),
-            "bytes": {
-                "device_up": sum(int(c.get("device_up_bytes", 0)) for c in cells.values()),
-                "device_down": sum(int(c.get("device_down_bytes", 0)) for c in cells.values()),
-                "edge_up": int(traffic.get("edge_up_bytes", 0)),
-                "cloud_down": int(traffic.get("cloud_down_bytes", 0)),
-                # What the uplinks would have cost in float32 (equal to the above when unquantized).
-                "device_up_f32": sum(int(c.get("device_up_f32_bytes", 0)) for c in cells.values()),
-                "edge_up_f32": int(traffic.get("edge_up_f32_bytes", 0)),
-                # HSGD's vertical path (embeddings up, partner rows down), included in device_up and device_down.
-                **({"embedding_up": sum(int(c.get("embedding_up_bytes", 0)) for c in cells.values()),
-                    "embedding_down": sum(int(c.get("embedding_down_bytes", 0)) for c in cells.values())}
-                   if self.cfg.algorithm == "hsgd" else {}),
-            },
-            **({"paper_values": sum(int(c.get("paper_values", 0)) for c in cells.values())}
-               if self.cfg.algorithm == "hsgd" else {}),  # eq. (19)'s meter: values the paper counts
+            "bytes": _traffic(cells, self._round_bytes.pop(closed.round, {}), embeddings=split_model),
+            # HSGD: eq. (19)'s meter, the values the paper counts.
+            **({"paper_values": _cell_sum(cells, "paper_values")} if split_model else {}),
             "q1": closed.metrics.get("q1"),
             "q2": closed.metrics.get("q2"),
             **({"attack": self.attack_summary()} if self.cfg.attack is not None else {}),
             "config": closed.metrics.get("config"),
-            "cells": {c: {"reported": list(closed.reported.get(c, ())),
-                          "missing": sorted(set(self.prepared.cells.get(c, ())) - set(closed.reported.get(c, ()))),
-                          "rejected": _rejected_counts(cells.get(c, {}).get("rejected")),
-                          "device_up_bytes": int(cells.get(c, {}).get("device_up_bytes", 0)),
-                          "device_down_bytes": int(cells.get(c, {}).get("device_down_bytes", 0))}
-                      for c in sorted(self.prepared.cells)},
+            "cells": self._cell_rows(closed, cells),
             "round_s": wall - self._last_close,
             "elapsed_s": wall - self._started_at,
         }
         self._last_close = wall
         if self.extra_metrics is not None:
             row.update(self.extra_metrics(dict(closed.params)))
-        releases: list[dict[str, Any]] = []
-        clear: list[dict[str, Any]] = []
-        if self.ledger is not None:
-            releases, clear = self.ledger.rows_for_round(closed.round, closed.metrics.get("privacy", {}))
-            self.ledger.charge(releases)
-            row["train_loss"] = None  # cells do not send losses under differential privacy
-            row["privacy"] = {**self.ledger.summary(), "releases": len(releases),
-                              "unobserved": sum(1 for r in releases if not r["observed"]), "clear_hops": len(clear),
-                              **({"adaptive_clip": closed.metrics["adaptive_clip"]}
-                                 if closed.metrics.get("adaptive_clip") else {})}
+        return row
+
+    def _cell_rows(self, closed: RoundClosed, cells: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """Each cell of the rollout in a round's row: who reported, who not, what it rejected, its bytes."""
+        out: dict[str, dict[str, Any]] = {}
+        for c in sorted(self.prepared.cells):
+            reported = closed.reported.get(c, ())
+            stats = cells.get(c, {})
+            out[c] = {"reported": list(reported),
+                      "missing": sorted(set(self.prepared.cells.get(c, ())) - set(reported)),
+                      "rejected": _rejected_counts(stats.get("rejected")),
+                      "device_up_bytes": int(stats.get("device_up_bytes", 0)),
+                      "device_down_bytes": int(stats.get("device_down_bytes", 0))}
+        return out
+
+    def _charge_privacy(self, closed: RoundClosed,
+                        row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Under a noise plan: the round's releases and clear hops, charged to the ledger and summed up in
+        ``row`` (which then has no training loss: cells do not send losses under differential privacy)."""
+        if self.ledger is None:
+            return [], []
+        releases, clear = self.ledger.rows_for_round(closed.round, closed.metrics.get("privacy", {}))
+        self.ledger.charge(releases)
+        row["train_loss"] = None
+        row["privacy"] = {**self.ledger.summary(), "releases": len(releases),
+                          "unobserved": sum(1 for r in releases if not r["observed"]), "clear_hops": len(clear),
+                          **({"adaptive_clip": closed.metrics["adaptive_clip"]}
+                             if closed.metrics.get("adaptive_clip") else {})}
+        return releases, clear
+
+    def _commit(self, closed: RoundClosed, row: dict[str, Any], releases: list[dict[str, Any]],
+                clear: list[dict[str, Any]]) -> None:
+        """The round into the store: model version, row, privacy rows, strategy state; then who contributed."""
         state = getattr(self.role, "strategy_state", None)
         self.store.commit_round(self.rollout, closed.round, int(closed.metrics.get("model_version", 0)),
                                 closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear,
                                 strategy_state=state() if callable(state) else None)
         self.store.record_contributions(self.rollout, closed.round, int(closed.metrics.get("model_version", 1)) - 1,
                                         [d for r in closed.reported.values() for d in r])
+
+    def _publish(self, closed: RoundClosed, row: dict[str, Any], result: EvalResult | None,
+                 ranks: dict[str, float] | None) -> None:
+        """The committed round in the history and the Prometheus gauges."""
+        federated = closed.metrics.get("federated")
         self.history.append(row)
         self.metrics.set("fedtier_round", closed.round)
         if result is not None and result.accuracy is not None:
@@ -556,6 +610,12 @@ class CloudNode(NodeBase):
         if ranks:
             self.metrics.set("fedtier_auroc", ranks["auroc"])
         self.observed.round_closed(row, closed.reported)
+
+    @staticmethod
+    def _log_round(closed: RoundClosed, row: dict[str, Any], result: EvalResult | None,
+                   ranks: dict[str, float] | None) -> None:
+        """The round's log line: test-set accuracy and loss, ranking, federated evaluation, epsilon spent."""
+        federated = closed.metrics.get("federated")
         log.info("round %d closed: accuracy %s loss %s%s%s (%d devices)%s", closed.round,
                  _fmt(result.accuracy if result else None), _fmt(result.loss if result else None),
                  "" if not ranks else f" auroc {_fmt(ranks['auroc'])} pauc@0.3 {_fmt(ranks['pauc_0.3'])} "
@@ -564,9 +624,6 @@ class CloudNode(NodeBase):
                  f"; federated accuracy {_fmt(federated.get('accuracy'))} loss {_fmt(federated['loss'])} "
                  f"on {federated['examples']} held-out rows of {federated['devices']} devices",
                  row["devices_reported"], f", {epsilon_spent(row)}" if row.get("privacy") else "")
-        self.write_metrics()
-        if self.on_round is not None:
-            self.on_round(row)
 
     def attack_summary(self) -> dict[str, Any]:
         """What marks every output of an attack run (``[attack]``): the attack and its devices."""

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from fedtier.rollout.config import SCORE_ALGORITHMS, RolloutConfig
+from fedtier.rollout.config import RolloutConfig
 from fleet_data.datasets import FederatedData, make_federated
 from fleet_data.hybrid import HybridData, make_hybrid
 from fedtier.artifacts.bundle import ArtifactBundle
@@ -67,12 +67,12 @@ class PreparedRollout:
 
         Federated evaluation is asked of devices unless privacy is on (the statistics would be
         clear, data-dependent releases to an untrusted cloud; docs/privacy.md) or the algorithm
-        is HIST (devices hold a submodel, not the global model).
+        trains submodels (HIST: devices hold a submodel, not the global model).
         """
         config = self.config.algorithm_config()
         if self.noise_plan is not None:
             config = dataclasses.replace(config, privacy=self.noise_plan.to_dict())
-        if self.noise_plan is not None or self.config.algorithm == "hist":
+        if self.noise_plan is not None or self.config.traits.submodels:
             config = dataclasses.replace(config, federated_eval=False)
         return config
 
@@ -88,8 +88,8 @@ class PreparedRollout:
         return out
 
     def cloud_kwargs(self) -> dict[str, Any]:
-        """Extra arguments the algorithm's cloud role needs (HIST partitions ``arch``)."""
-        return {"arch": self.arch} if self.config.algorithm == "hist" else {}
+        """Extra arguments the algorithm's cloud role needs (HIST partitions ``arch`` into submodels)."""
+        return {"arch": self.arch} if self.config.traits.submodels else {}
 
     @property
     def devices(self) -> list[str]:
@@ -101,7 +101,7 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     from models.artifacts import build_artifacts  # torch: only here, only on the coordinator
     from models.source import source_for
 
-    if cfg.algorithm == "hsgd":
+    if cfg.traits.split_model:
         return _prepare_hsgd(cfg, manifest_version)
     cells = cfg.topology.layout()
     devices = [d for members in cells.values() for d in members]
@@ -109,7 +109,7 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     if cfg.model.builtin and data.num_classes < 2:
         raise ConfigError(f"the built-in {cfg.model.kind} is a classifier: the labels must be class numbers 0, 1, "
                           "... (for regression targets use your own model with loss = 'mse')", key="model.kind")
-    scorer = cfg.algorithm in SCORE_ALGORITHMS
+    scorer = cfg.traits.scorer
     if scorer:
         _check_binary(data)
     # The model, resolved once (an X-risk algorithm trains it as a one-output scorer).
@@ -119,7 +119,7 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     bundle = build_artifacts(source, cfg.artifacts_path, proximal_mu=cfg.proximal_mu)
     params = dict(source.initial_params)
     cell_bundles: dict[str, ArtifactBundle] = {}
-    if cfg.algorithm == "hist":
+    if cfg.traits.submodels:
         # One bundle per submodel width; a cell's width is the same every round (array_split sizes
         # by cell order, as fedtier.algorithms.hist draws them), so these are built once.
         plan = plan_for(arch, len(cells))
@@ -131,7 +131,7 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
     if cfg.privacy is not None:
         from cloud_coordinator.privacy.calibrate import make_plan  # dp-accounting: coordinator only
 
-        if cfg.privacy.device_sampling != "none" and cfg.algorithm == "hist":
+        if cfg.privacy.device_sampling != "none" and not cfg.traits.device_sampling:
             raise ConfigError("rollouts run device sampling with fedavg and hier_qsgd; HIST's submodel edges do "
                               "not sample yet (docs/privacy.md)", key="privacy.device_sampling")
         noise_plan = make_plan(cfg, {d: len(data.train[d][1]) for d in devices})

@@ -134,9 +134,10 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
         fedtier demo --edge-aggregator median --attack sign_flip --attack-fraction 0.2
         fedtier demo --server-optimizer adam --server-lr 0.03 --proximal-mu 0.01 --partial-work
     """
+    from fedtier import algorithms
     from local_fleet.demo import Demo, DemoError, DemoOptions, PrivacyDemo, Terminated, raise_on_termination
 
-    if algorithm == "hsgd":
+    if algorithms.describe(algorithm).split_model:  # hosts beside the devices: its own fleet of threads
         _hsgd_demo(devices=devices, cells=cells, rounds=rounds, broker=broker, local_steps=local_steps, lr=lr,
                    alpha=alpha, privacy=privacy, seed=seed, timeout_s=timeout_s, as_json=as_json)
         return

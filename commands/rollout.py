@@ -105,11 +105,11 @@ def plan_of(cfg: Any) -> dict[str, Any]:
         "rollout": cfg.rollout, "algorithm": cfg.algorithm, "rounds": cfg.rounds,
         "model": cfg.model.kind, "dataset": cfg.data.dataset,
         "cells": {c: list(m) for c, m in cells.items()}, "devices": sum(len(m) for m in cells.values()),
-        "deadline_s": cfg.deadline_s, "quorum": getattr(cfg, cfg.algorithm).quorum,
+        "deadline_s": cfg.deadline_s, "quorum": cfg.section.quorum,
         "broker": f"{cfg.broker.host}:{cfg.broker.port}", "state_dir": str(cfg.state_dir),
         "store": _display_store(cfg.store_location), "privacy": None,
     }
-    if cfg.algorithm == "hsgd":  # a split model, and a host per cell beside its devices
+    if cfg.traits.split_model:  # a host per cell beside its devices
         plan["model"] = "split"
         plan["hosts"] = cfg.hsgd_hosts()
     if cfg.privacy is not None:

@@ -11,6 +11,8 @@ from typing import Any, Callable, Mapping
 
 import click
 
+from fedtier import algorithms
+
 KINDS = ("sgd", "momentum", "adam", "yogi", "adagrad")
 ATTACKS = ("sign_flip", "gaussian", "label_flip", "stale_replay")
 
@@ -95,7 +97,8 @@ def overrides(values: Mapping[str, Any], algorithm: str) -> dict[str, dict[str, 
     section = {**({"proximal_mu": values["proximal_mu"]} if values.get("proximal_mu") is not None else {}),
                **({"partial_work": True} if values.get("partial_work") else {})}
     if section:
-        if algorithm not in ("fedavg", "hier_qsgd"):
-            raise click.UsageError(f"--proximal-mu and --partial-work are for fedavg and hier_qsgd, not {algorithm}")
+        if not algorithms.describe(algorithm).proximal:
+            raise click.UsageError(f"--proximal-mu and --partial-work are for "
+                                   f"{' and '.join(algorithms.names('proximal'))}, not {algorithm}")
         out[algorithm] = section
     return out

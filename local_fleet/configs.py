@@ -115,7 +115,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
     files = cfg.data.dataset == "files"
     if files and cfg.data.dir is None:
         raise ConfigError("a fleet on this machine reads each device's shard from [data] dir", key="data.dir")
-    hosts = cfg.hsgd_hosts() if cfg.algorithm == "hsgd" else {}
+    hosts = cfg.hsgd_hosts() if cfg.traits.split_model else {}
     if hosts and not files:  # HSGD: a host per cell beside its devices, every node its columns of the samples
         from fleet_data.hybrid import make_hybrid, write_hybrid_shards
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from fedtier.rollout.config import PRIVATE_ALGORITHMS, SCORE_ALGORITHMS
+from fedtier import algorithms
 from local_fleet.configs import FleetPaths, write_fleet
 
 READY_TIMEOUT_S = 15.0
@@ -245,16 +245,19 @@ class Demo:
     def __init__(self, opts: DemoOptions, view: DemoView) -> None:
         if opts.devices < opts.cells or opts.cells < 1:
             raise ValueError(f"need at least one device per cell (devices={opts.devices}, cells={opts.cells})")
-        if opts.privacy is not None and opts.algorithm in SCORE_ALGORITHMS:
-            raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm} shares every "
+        traits = algorithms.describe(opts.algorithm)
+        private = ", ".join(algorithms.names("private"))
+        if opts.privacy is not None and traits.scorer:
+            raise ValueError(f"--privacy covers {private}; {opts.algorithm} shares every "
                              "device's scores, data-dependent releases the privacy layer does not cover yet "
                              "(docs/privacy.md, Limitations)")
-        if opts.privacy is not None and opts.algorithm not in PRIVATE_ALGORITHMS:
-            raise ValueError(f"--privacy covers {', '.join(PRIVATE_ALGORITHMS)}; {opts.algorithm}'s in-cell "
+        if opts.privacy is not None and not traits.private:
+            raise ValueError(f"--privacy covers {private}; {opts.algorithm}'s in-cell "
                              "gradient exchange is not covered by the privacy layer yet (docs/privacy.md, "
                              "Limitations)")
-        if opts.secure_aggregation and opts.algorithm != "fedavg":
-            raise ValueError("--secure-aggregation runs with fedavg (docs/secure_aggregation.md)")
+        if opts.secure_aggregation and not traits.secure_aggregation:
+            raise ValueError(f"--secure-aggregation runs with {', '.join(algorithms.names('secure_aggregation'))} "
+                             "(docs/secure_aggregation.md)")
         self.opts = opts
         self.view = view
         self.dashboard_url: str | None = None
@@ -318,7 +321,7 @@ class Demo:
             "log_level": "info",
             "model": {"kind": "mlp", "hidden": [o.hidden or HIDDEN.get(o.algorithm, 64)]},
             "data": {"dataset": "digits", "partition": "dirichlet", "alpha": o.alpha, "seed": o.seed},
-            **(self.score_task() if o.algorithm in SCORE_ALGORITHMS else {}),
+            **(self.score_task() if algorithms.describe(o.algorithm).scorer else {}),
             "topology": topology,
             o.algorithm: self.algorithm_section(),
         }
@@ -341,19 +344,20 @@ class Demo:
 
     def task_description(self) -> str:
         """What the demo trains on, for its first line."""
-        if self.opts.algorithm in SCORE_ALGORITHMS:
+        if algorithms.describe(self.opts.algorithm).scorer:
             return ("a rare-event task (1 positive in 6; every other device holds only positives, the rest only "
                     "negatives), ranked by AUROC and partial AUROC")
         return f"digits (non-iid, Dirichlet alpha={self.opts.alpha})"
 
     def algorithm_section(self) -> dict[str, Any]:
         o = self.opts
+        traits = algorithms.describe(o.algorithm)
         section: dict[str, Any] = {"batch_size": o.batch_size, **ALGORITHM_DEFAULTS[o.algorithm], "deadline_s": 60.0}
         if o.lr is not None:
             section["lr"] = o.lr
         if o.local_steps is not None:
-            section["gamma" if o.algorithm == "qhetfed" else "local_steps"] = o.local_steps
-        if o.algorithm in ("hier_qsgd", "qhetfed"):
+            section[traits.local_steps_setting] = o.local_steps
+        if traits.quantized:
             section.update(bits_device=o.bits_device, bits_edge=o.bits_edge)
         if o.secure_aggregation:
             # s_min: all but one device of the smallest cell (at least 1); a clip no digits update reaches.
@@ -640,9 +644,9 @@ class Demo:
             self.say(f"strategy: edge {strategy.get('edge', {}).get('rule', 'mean')}, cloud "
                      f"{strategy.get('cloud', {}).get('rule', 'mean')}"
                      + (f", server optimizer {opt['kind']}" if opt else ""))
-        if cfg.proximal_mu or getattr(getattr(cfg, cfg.algorithm), "partial_work", False):
-            self.say(f"FedProx mu {cfg.proximal_mu:g}"
-                     + (", partial work" if getattr(cfg, cfg.algorithm).partial_work else ""))
+        partial_work = bool(getattr(cfg.section, "partial_work", False))
+        if cfg.proximal_mu or partial_work:
+            self.say(f"FedProx mu {cfg.proximal_mu:g}" + (", partial work" if partial_work else ""))
         if cfg.attack is not None:
             attackers = cfg.attackers()
             out["attack"] = {"kind": cfg.attack.kind, "fraction": cfg.attack.fraction, "scale": cfg.attack.scale,

@@ -56,7 +56,7 @@ class Multipliers:
 
 def schedule(cfg: RolloutConfig) -> tuple[int, int]:
     """(local steps per edge round, edge rounds per global round) of the configured algorithm."""
-    section = getattr(cfg, cfg.algorithm)
+    section: Any = cfg.section
     return int(section.local_steps), int(getattr(section, "edge_rounds", 1))
 
 
@@ -66,7 +66,7 @@ def sampling_rate(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> floa
     if cfg.privacy.sampling_rate is not None:
         return float(cfg.privacy.sampling_rate)
     smallest = min(device_samples.values()) if device_samples else 0
-    batch = int(getattr(cfg, cfg.algorithm).batch_size)
+    batch = int(cfg.section.batch_size)
     return min(1.0, batch / smallest) if smallest > 0 else 1.0
 
 
@@ -179,8 +179,8 @@ def make_plan(cfg: RolloutConfig, device_samples: Mapping[str, int]) -> NoisePla
 
 def distributed_min_survivors(cfg: RolloutConfig) -> int:
     """s_min when the rollout runs distributed DP (``[fedavg] secure_aggregation`` under ``[privacy]``), else 0."""
-    section = getattr(cfg, cfg.algorithm, None)
-    if cfg.privacy is None or section is None or not getattr(section, "secure_aggregation", False):
+    section: Any = cfg.section
+    if cfg.privacy is None or not getattr(section, "secure_aggregation", False):
         return 0
     return int(section.secagg_min_survivors)
 

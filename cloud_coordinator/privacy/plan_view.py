@@ -76,7 +76,7 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
         made = calibrate.make_plan(cfg, samples)
         noise_plan: dict[str, Any] | None = made.to_dict()
         snr = utility.estimate(made, utility.parameters_per_cell(cfg, data.num_features, data.num_classes),
-                               cells_averaged=cfg.algorithm != "hist")
+                               cells_averaged=not cfg.traits.submodels)
     except ConfigError:
         noise_plan = None  # intermediate servers: the per-node rows are the plan
     devices_in = [r for r in rows if r.kind == DEVICE and r.injects]

@@ -144,7 +144,7 @@ def parameters_per_cell(cfg: Any, num_features: int, num_classes: int) -> dict[s
 
     cells = sorted(cfg.topology.layout())
     arch = cfg.model.arch(num_features, num_classes)
-    if cfg.algorithm != "hist":
+    if not cfg.traits.submodels:
         return dict.fromkeys(cells, layout_of(arch).num_parameters)
     split = plan_for(arch, len(cells))
     return {c: layout_of(submodel_arch(split, sizes)).num_parameters

@@ -373,6 +373,8 @@ class _EdgeBase(StateGuard):
 
     CONFIG: ClassVar[type[Any]] = HierConfig
     SUPPORTS_PRIVACY: ClassVar[bool] = True
+    EDGE_OPTIMIZER_REFUSAL: ClassVar[str | None] = None
+    """Why this edge refuses a task's ``strategy["edge_optimizer"]``; ``None``: it runs one (HIST's edge refuses)."""
 
     def __init__(self, *, cell: str, rollout: str, parent: str = "cloud", noise: NoiseSource | None = None) -> None:
         self.noise = noise if noise is not None else NoiseSource()
@@ -453,9 +455,8 @@ class _EdgeBase(StateGuard):
         spec, aggregator = _edge_aggregator(config)
         self._aggregator_spec, self._aggregator = spec, aggregator
         opt = (config.strategy or {}).get("edge_optimizer")
-        if opt is not None and task.config.get("algorithm") == "hist":
-            raise UnexpectedMessageError("hist redraws which neurons a cell trains every round: an edge optimizer's "
-                                         "moments would mix different neurons")
+        if opt is not None and self.EDGE_OPTIMIZER_REFUSAL is not None:
+            raise UnexpectedMessageError(self.EDGE_OPTIMIZER_REFUSAL)
         if opt is None:
             self._edge_optimizer = None
         elif self._edge_optimizer is None or self._edge_optimizer.spec != OptimizerSpec.from_dict(opt):

@@ -23,9 +23,10 @@ from one cell only — so its rule must be ``mean`` (other rules are refused); a
 takes the reassembled model's change as its pseudo-gradient.
 
 Devices and edges never see the index sets; they work in submodel coordinates, so HIST uses
-``hier_qsgd``'s device and edge roles unchanged (and its quantizers: submodel changes are
-quantized like any other). The submodel width of each cell is fixed across rounds, so its ORT
-artifacts are built once. See ``fedtier.training.submodels`` for the choice about shared tensors.
+``hier_qsgd``'s device and edge roles (and its quantizers: submodel changes are quantized like
+any other); its edge only refuses an edge optimizer. The submodel width of each cell is fixed
+across rounds, so its ORT artifacts are built once. See ``fedtier.training.submodels`` for the
+choice about shared tensors.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 from fedtier.algorithms import aggregate, strategies
 from fedtier.algorithms.base import Action, Note, Tensors
 from fedtier.algorithms.cloud import Cloud as _Cloud
-from fedtier.algorithms.hier_qsgd import Device, Edge, HierConfig
+from fedtier.algorithms.hier_qsgd import Device, HierConfig
+from fedtier.algorithms.hier_qsgd import Edge as _Edge
 from fedtier.rng import stream
 from fedtier.training.layout import ArchSpec
 from fedtier.training.submodels import Partition, draw, extract, plan_for, reassemble
@@ -53,6 +55,14 @@ class HistConfig(HierConfig):
     aggregations), ``edge_rounds`` = E/H (edge aggregations per global round)."""
 
     ALGORITHM: ClassVar[str] = NAME
+
+
+class Edge(_Edge):
+    """``hier_qsgd``'s edge, working on its cell's submodel; it refuses an edge optimizer, whose moments would
+    outlive the round's partition."""
+
+    EDGE_OPTIMIZER_REFUSAL = ("hist redraws which neurons a cell trains every round: an edge optimizer's moments "
+                              "would mix different neurons")
 
 
 class Cloud(_Cloud):

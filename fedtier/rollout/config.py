@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from fedtier import algorithms
 from fedtier.algorithms import strategies
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.algorithms.secure_fedavg import SecureFedAvgConfig
@@ -31,9 +32,6 @@ from fedtier.transport.topics import check_id
 DATASETS = ("digits", "breast_cancer", "synthetic", "rare_event", "files")
 MODEL_KINDS = ("mlp", "cnn1d", "torch", "onnx")
 BUILTIN_MODELS = ("mlp", "cnn1d")
-ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl", "hsgd")
-SCORE_ALGORITHMS = ("fedxl",)  # X-risk algorithms: a one-output scorer trained through weighted scores
-PRIVATE_ALGORITHMS = ("fedavg", "hier_qsgd", "hist")  # the ones whose uplinks pass the DP mechanism
 
 
 def _bits(value: int) -> None:
@@ -584,10 +582,6 @@ def _below_half(value: float) -> None:
         raise ValueError(f"must be in [0, 0.5); got {value!r}")
 
 
-STRATEGY_ALGORITHMS = ("fedavg", "hier_qsgd", "qhetfed", "hist")
-"""The algorithms whose tiers combine model changes, and so take [aggregation] and [server_optimizer]."""
-
-
 @dataclass(frozen=True)
 class AggregationSection(Section):
     """How each tier combines its children's updates (fedtier.algorithms.strategies; docs/strategies.md).
@@ -721,7 +715,7 @@ class RolloutConfig(Section):
     """A training campaign (``fedtier coordinator run``, ``fedtier simulate``)."""
 
     rollout: str = opt("default", check=node_id, help="Rollout id (appears in every topic).")
-    algorithm: str = opt("fedavg", choices=ALGORITHMS,
+    algorithm: str = opt("fedavg", choices=algorithms.names(),
                          help="Algorithm: fedavg, hier_qsgd, qhetfed, hist, fedxl or hsgd.")
     rounds: int = opt(20, min=1, help="Global rounds.")
     seed: int = opt(0, help="Rollout seed: names every RNG stream (minibatches, ...).")
@@ -772,75 +766,115 @@ class RolloutConfig(Section):
     def artifacts_path(self) -> Path:
         return self.artifact_store if self.artifact_store is not None else self.state_dir / "artifacts"
 
+    @property
+    def traits(self) -> algorithms.Algorithm:
+        """What the configured algorithm is (``fedtier.algorithms.describe``): the checks and the coordinator
+        ask it rather than compare names."""
+        return algorithms.describe(self.algorithm)
+
+    @property
+    def section(self) -> RoundSection:
+        """The configured algorithm's own section (``[fedavg]``, ``[hist]``, ...), named after it."""
+        section: RoundSection = getattr(self, self.algorithm)
+        return section
+
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
-        if self.model.builtin and self.data.dataset == "files" and self.data.dir is None and self.algorithm != "hsgd":
+        """Constraints across sections, one step per concern, in the order their errors are reported."""
+        self._check_model(prefix=prefix, source=source)
+        self._check_trust(prefix=prefix, source=source)
+        if self.traits.split_model:
+            self._check_hsgd(prefix=prefix, source=source)
+        self._check_loss(prefix=prefix, source=source)
+        if self.privacy is not None:
+            self._check_privacy(self.privacy, prefix=prefix, source=source)
+        self._check_strategy(prefix=prefix, source=source)
+        self._check_training(prefix=prefix, source=source)
+        if self.traits.secure_aggregation and getattr(self.section, "secure_aggregation", False):
+            self._check_secure_aggregation(prefix=prefix, source=source)
+        self._check_plan(prefix=prefix, source=source)
+
+    def _check_model(self, *, prefix: str, source: str | None) -> None:
+        """A built-in model is sized from the data; a submodel algorithm splits the built-in MLP's neurons."""
+        traits = self.traits
+        if (self.model.builtin and self.data.dataset == "files" and self.data.dir is None
+                and not traits.split_model):  # a split model is sized from [hsgd]
             raise self.error(f"the built-in {self.model.kind} takes its input and output sizes from the data: set "
                              "dir (or use your own model, kind = 'torch' or 'onnx')", "data.dir",
                              prefix=prefix, source=source)
-        if self.algorithm == "hist" and not self.model.builtin:
-            raise self.error(f"hist partitions the hidden neurons of the built-in mlp; a {self.model.kind} model has "
-                             "no neuron split hist can find (use fedavg, hier_qsgd or qhetfed)", "model.kind",
-                             prefix=prefix, source=source)
-        if self.algorithm == "hist":
-            if self.model.kind != "mlp" or not self.model.hidden:
-                raise self.error("hist partitions hidden neurons: it needs an MLP with at least one hidden layer",
-                                 "model.hidden", prefix=prefix, source=source)
-            cells = len(self.topology.layout())
-            for k in range(0, len(self.model.hidden), 2):  # hidden layers 1, 3, ... are partitioned
-                if self.model.hidden[k] < cells:
-                    raise self.error(f"hidden layer of {self.model.hidden[k]} neurons cannot be split over "
-                                     f"{cells} cells", "model.hidden", prefix=prefix, source=source)
-        self._check_trust(prefix=prefix, source=source)
-        if self.algorithm == "hsgd":
-            self._check_hsgd(prefix=prefix, source=source)
-        if self.algorithm in SCORE_ALGORITHMS:
+        if traits.submodels:
+            self._check_submodels(prefix=prefix, source=source)
+
+    def _check_submodels(self, *, prefix: str, source: str | None) -> None:
+        """HIST's cells train disjoint shares of the built-in MLP's hidden neurons: every cell needs some."""
+        if not self.model.builtin:
+            raise self.error(f"{self.algorithm} partitions the hidden neurons of the built-in mlp; a "
+                             f"{self.model.kind} model has no neuron split {self.algorithm} can find (use fedavg, "
+                             "hier_qsgd or qhetfed)", "model.kind", prefix=prefix, source=source)
+        if self.model.kind != "mlp" or not self.model.hidden:
+            raise self.error(f"{self.algorithm} partitions hidden neurons: it needs an MLP with at least one hidden "
+                             "layer", "model.hidden", prefix=prefix, source=source)
+        cells = len(self.topology.layout())
+        for k in range(0, len(self.model.hidden), 2):  # hidden layers 1, 3, ... are partitioned
+            if self.model.hidden[k] < cells:
+                raise self.error(f"hidden layer of {self.model.hidden[k]} neurons cannot be split over "
+                                 f"{cells} cells", "model.hidden", prefix=prefix, source=source)
+
+    def _check_loss(self, *, prefix: str, source: str | None) -> None:
+        """weighted_score is the scorers' loss, and only theirs."""
+        if self.traits.scorer:
             self._check_scorer(prefix=prefix, source=source)
         elif self.model.loss == "weighted_score":
             raise self.error(f"weighted_score trains a scorer through X-risk coefficients, which only "
-                             f"{', '.join(SCORE_ALGORITHMS)} computes; {self.algorithm} trains on labels", "model.loss",
+                             f"{', '.join(algorithms.names('scorer'))} computes; {self.algorithm} trains on labels",
+                             "model.loss", prefix=prefix, source=source)
+
+    def _check_privacy(self, privacy: PrivacySection, *, prefix: str, source: str | None) -> None:
+        """[privacy] against the algorithm: its releases must pass the mechanism, with sound sensitivities."""
+        traits, section = self.traits, self.section
+        if traits.scorer:
+            raise self.error(f"{self.algorithm} shares every device's scores (and u values) with the other devices "
+                             "through the cloud: data-dependent releases the differential-privacy mechanism does "
+                             "not cover yet, so a private rollout cannot run it (docs/privacy.md)", "privacy",
                              prefix=prefix, source=source)
-        if self.privacy is not None:
-            if self.algorithm in SCORE_ALGORITHMS:
-                raise self.error(f"{self.algorithm} shares every device's scores (and u values) with the other devices "
-                                 "through the cloud: data-dependent releases the differential-privacy mechanism does "
-                                 "not cover yet, so a private rollout cannot run it (docs/privacy.md)", "privacy",
-                                 prefix=prefix, source=source)
-            if self.algorithm not in PRIVATE_ALGORITHMS:
-                raise self.error(f"differential privacy covers {', '.join(PRIVATE_ALGORITHMS)}; "
-                                 f"{self.algorithm}'s gradient exchange is not covered yet", "privacy",
-                                 prefix=prefix, source=source)
-            section = getattr(self, self.algorithm)
-            if self.privacy.adaptive_clip and (self.algorithm not in ("fedavg", "hier_qsgd")
-                                               or getattr(section, "secure_aggregation", False)):
-                raise self.error("adaptive clipping runs with fedavg and hier_qsgd (without secure aggregation): "
-                                 f"{self.algorithm}'s devices do not report the clipped bit yet",
-                                 "privacy.adaptive_clip", prefix=prefix, source=source)
-            if self.privacy.device_sampling != "none" and int(getattr(section, "edge_rounds", 1)) != 1:
-                raise self.error("device sampling needs edge_rounds = 1: after an intra-round sync every member's "
-                                 "update depends on a sampled device, so the amplified sensitivity would not hold",
-                                 "privacy.device_sampling", prefix=prefix, source=source)
-            if section.weighting != "uniform":
-                raise self.error("privacy needs uniform weights (a device's reported sample count must not raise "
-                                 "its weight, and with it the sensitivity of its cell's mean)",
-                                 f"{self.algorithm}.weighting", prefix=prefix, source=source)
-        self._check_strategy(prefix=prefix, source=source)
+        if not traits.private:
+            raise self.error(f"differential privacy covers {', '.join(algorithms.names('private'))}; "
+                             f"{self.algorithm}'s gradient exchange is not covered yet", "privacy",
+                             prefix=prefix, source=source)
+        if privacy.adaptive_clip and (not traits.adaptive_clipping or getattr(section, "secure_aggregation", False)):
+            raise self.error(f"adaptive clipping runs with {' and '.join(algorithms.names('adaptive_clipping'))} "
+                             f"(without secure aggregation): {self.algorithm}'s devices do not report the clipped "
+                             "bit yet", "privacy.adaptive_clip", prefix=prefix, source=source)
+        if privacy.device_sampling != "none" and int(getattr(section, "edge_rounds", 1)) != 1:
+            raise self.error("device sampling needs edge_rounds = 1: after an intra-round sync every member's "
+                             "update depends on a sampled device, so the amplified sensitivity would not hold",
+                             "privacy.device_sampling", prefix=prefix, source=source)
+        if section.weighting != "uniform":
+            raise self.error("privacy needs uniform weights (a device's reported sample count must not raise "
+                             "its weight, and with it the sensitivity of its cell's mean)",
+                             f"{self.algorithm}.weighting", prefix=prefix, source=source)
+
+    def _check_training(self, *, prefix: str, source: str | None) -> None:
+        """What the devices' training must support: FedProx's term, an attack's flipped labels."""
         if self.proximal_mu and self.simulation.trainer != "ort":
             raise self.error("FedProx's proximal term is in the onnxruntime-training graph; the portable trainer "
                              "does not feed its anchor weights (use trainer = 'ort')", "simulation.trainer",
                              prefix=prefix, source=source)
         if self.attack is not None and self.attack.kind == "label_flip" and (
-                self.algorithm in SCORE_ALGORITHMS or self.model.loss != "cross_entropy"):
+                self.traits.scorer or self.model.loss != "cross_entropy"):
             raise self.error("label_flip flips class labels (y -> classes - 1 - y): it needs a classifier trained "
                              "with cross_entropy", "attack.kind", prefix=prefix, source=source)
-        if self.algorithm == "fedavg" and self.fedavg.secure_aggregation:
-            self._check_secure_aggregation(prefix=prefix, source=source)
-        if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
-            from fedtier.algorithms.qhetfed_plan import InfeasiblePlanError
 
-            try:
-                self.replanner()(None)
-            except InfeasiblePlanError as exc:
-                raise self.error(str(exc), "qhetfed.plan.round_budget_s", prefix=prefix, source=source) from None
+    def _check_plan(self, *, prefix: str, source: str | None) -> None:
+        """A round planner must find a feasible plan before round 0."""
+        planner = self.round_planner()
+        if planner is None:
+            return
+        from fedtier.algorithms.qhetfed_plan import InfeasiblePlanError
+
+        try:
+            planner(None)
+        except InfeasiblePlanError as exc:
+            raise self.error(str(exc), "qhetfed.plan.round_budget_s", prefix=prefix, source=source) from None
 
     def _check_secure_aggregation(self, *, prefix: str, source: str | None) -> None:
         """Secure aggregation: every cell can reach s_min; with [privacy], distributed DP (docs/privacy.md)."""
@@ -888,7 +922,7 @@ class RolloutConfig(Section):
     def _check_strategy(self, *, prefix: str, source: str | None) -> None:
         """[aggregation] and [server_optimizer] against the algorithm, the topology and privacy."""
         if self.edge_optimizer is not None:
-            if self.algorithm == "hist":
+            if self.traits.submodels:
                 raise self.error("hist redraws which neurons a cell trains every round: an edge optimizer's moments "
                                  "would mix different neurons", "edge_optimizer", prefix=prefix, source=source)
             if self.privacy is not None:
@@ -897,10 +931,11 @@ class RolloutConfig(Section):
                                  prefix=prefix, source=source)
         if self.aggregation is None and self.server_optimizer is None and self.edge_optimizer is None:
             return
-        if self.algorithm not in STRATEGY_ALGORITHMS:
+        if not self.traits.strategies:
             key = next(k for k in ("aggregation", "server_optimizer", "edge_optimizer") if getattr(self, k) is not None)
             raise self.error(f"{self.algorithm} combines scores and models its own way; aggregation rules and server "
-                             f"optimizers are for {', '.join(STRATEGY_ALGORITHMS)}", key, prefix=prefix, source=source)
+                             f"optimizers are for {', '.join(algorithms.names('strategies'))}", key, prefix=prefix,
+                             source=source)
         agg = self.aggregation
         if agg is None:
             return
@@ -908,7 +943,7 @@ class RolloutConfig(Section):
             raise self.error("under differential privacy the edge must average: the noise is calibrated to the "
                              "sensitivity of the cell's mean, and a median or a Krum choice has another "
                              "(the cloud may use any rule)", "aggregation.edge", prefix=prefix, source=source)
-        if self.algorithm == "hist" and agg.cloud != "mean":
+        if self.traits.submodels and agg.cloud != "mean":
             raise self.error("hist's cloud reassembles disjoint submodels (one cell per slice): nothing to vote on; "
                              "use mean at the cloud (any rule at the edge)", "aggregation.cloud",
                              prefix=prefix, source=source)
@@ -1002,17 +1037,25 @@ class RolloutConfig(Section):
 
     def algorithm_config(self) -> Any:
         """The configured algorithm's settings object (what every task carries)."""
-        if self.algorithm == "qhetfed" and self.qhetfed.plan is not None:
-            return self.replanner()(None)
-        if self.algorithm == "hsgd":
+        planner = self.round_planner()
+        if planner is not None:
+            return planner(None)
+        if self.traits.split_model:
             return self.hsgd.algorithm_config(self.seed, self.hsgd_hosts())
-        section = getattr(self, self.algorithm)
+        section: Any = self.section
         return self._with_strategy(section.algorithm_config(self.seed))
 
     def _with_strategy(self, config: Any) -> Any:
         """``config`` carrying the rollout's strategy map (unchanged without one)."""
         strategy = self.strategy()
         return config if strategy is None else dataclasses.replace(config, strategy=strategy)
+
+    def round_planner(self) -> Callable[[float | None], Any] | None:
+        """The cloud's per-round planner (``replanner``) when the algorithm re-plans its rounds and
+        ``[qhetfed.plan]`` is set; ``None`` when every round has the configured settings."""
+        if not self.traits.replans or self.qhetfed.plan is None:
+            return None
+        return self.replanner()
 
     def replanner(self) -> Callable[[float | None], Any]:
         """QHetFed's per-round planner: q1 estimate -> config with the planned (tau, gamma).
@@ -1041,8 +1084,8 @@ class RolloutConfig(Section):
     @property
     def proximal_mu(self) -> float:
         """FedProx's mu of the configured algorithm (0 for those without it)."""
-        return float(getattr(getattr(self, self.algorithm), "proximal_mu", 0.0))
+        return float(getattr(self.section, "proximal_mu", 0.0))
 
     @property
     def deadline_s(self) -> float:
-        return float(getattr(self, self.algorithm).deadline_s)
+        return float(self.section.deadline_s)
