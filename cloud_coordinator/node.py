@@ -42,7 +42,7 @@ from cloud_coordinator.rollout import PreparedRollout
 from cloud_coordinator.presence import PresenceBuffer
 from cloud_coordinator.store import CoordinatorStore
 from fedtier import algorithms, wire
-from fedtier.algorithms.base import Action, Dropped, Finished, RoundClosed, SendToChild
+from fedtier.algorithms.base import Action, CloudRole, Dropped, Finished, RoundClosed, SendToChild
 from fedtier.errors import LateMessageError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.runtime.metrics import Metrics
 from fedtier.runtime.node_base import ACCEPTED, NodeBase
@@ -193,7 +193,8 @@ class CloudNode(NodeBase):
         self.on_round = on_round
         self.extra_metrics = extra_metrics
         self.wall_clock = wall_clock
-        self.role: Any = None
+        self.role: CloudRole | None = None
+        """The rollout's cloud role while a round is served (``None``: not started, or paused between rounds)."""
         self.manifest: Manifest = prepared.manifest
         self.history: list[dict[str, Any]] = []
         self.finished = False
@@ -282,18 +283,19 @@ class CloudNode(NodeBase):
             estimate = utility.estimate(plan, parameters, cells_averaged=not self.cfg.traits.submodels)
             for warning in estimate.warnings(plan.epsilon):
                 log.warning("rollout %s: %s (`fedtier privacy plan` shows the details)", self.rollout, warning)
-        self.role = module.Cloud(rollout=self.rollout, cells=self.prepared.cells, initial_params=params,
-                                 config=self.prepared.algorithm_config(), rounds=self.cfg.rounds,
-                                 cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version,
-                                 replan=replan, admit=self.ledger.admit if self.ledger is not None else None,
-                                 **self.prepared.cloud_kwargs())
-        if latest is not None and callable(getattr(self.role, "load_strategy_state", None)):
+        role: CloudRole = module.Cloud(rollout=self.rollout, cells=self.prepared.cells, initial_params=params,
+                                       config=self.prepared.algorithm_config(), rounds=self.cfg.rounds,
+                                       cloud_id=self.cfg.cloud_id, start_round=start_round, model_version=version,
+                                       replan=replan, admit=self.ledger.admit if self.ledger is not None else None,
+                                       **self.prepared.cloud_kwargs())
+        self.role = role
+        if latest is not None:
             saved = self.store.strategy_state(self.rollout, version)
             if saved is not None:  # the server optimizer's moments, as committed with this model version
-                self.role.load_strategy_state(saved)
+                role.load_strategy_state(saved)
                 log.info("rollout %s: server-side strategy state of model version %d restored", self.rollout, version)
         self.store.set_status(self.rollout, "running")
-        self._execute(self.role.start(now), now)
+        self._execute(role.start(now), now)
         for payload in self.store.inputs(self.rollout):
             msg = messages.decode_message(payload, max_bytes=self.max_message_bytes)
             self._on_update(payload, msg, now, replay=True)
@@ -415,6 +417,7 @@ class CloudNode(NodeBase):
 
     def _on_update(self, payload: bytes, msg: messages.Message, now: float, replay: bool = False,
                    wire_bytes: int | None = None) -> None:
+        assert self.role is not None  # callers check: updates reach only a served round
         actions = self.role.receive(msg, now)
         duplicate = any(isinstance(a, Dropped) and a.key == msg.key for a in actions)
         if not duplicate:
@@ -645,4 +648,5 @@ class CloudNode(NodeBase):
 
     @property
     def params(self) -> dict[str, Any]:
+        assert self.role is not None, "no cloud role: the rollout was not started, or is paused between rounds"
         return dict(self.role.params)

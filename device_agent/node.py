@@ -44,6 +44,7 @@ from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import (
     Action,
     ComputeGradient,
+    DeviceRole,
     Embed,
     Evaluate,
     GradientResult,
@@ -123,7 +124,7 @@ class DeviceNode(NodeBase):
         self.gate = ManifestGate(trusted_keys or {}, installed_version=state.manifest_version())
         self.trainers: dict[str, Any] = {}
         """Rollout -> its trainer: a ``Trainer``, or HSGD's split trainer (``embed``, ``train``)."""
-        self.roles: dict[str, Any] = {}
+        self.roles: dict[str, DeviceRole] = {}
         self._pending_task: dict[str, DeviceTask] = {}
         self._pending_msgs: dict[str, list[Any]] = {}
         """Messages for a role (HSGD's partner rows) that came before its trainer was ready."""
@@ -392,7 +393,7 @@ class DeviceNode(NodeBase):
 
     # --- the round ------------------------------------------------------------------------------------
 
-    def _role(self, task: DeviceTask) -> Any:
+    def _role(self, task: DeviceTask) -> DeviceRole:
         role = self.roles.get(task.rollout)
         if role is None and task.config.get("algorithm") == hsgd.NAME:
             # HSGD: the host, or a device; an interval's state lives in the edge, which re-sends what a
@@ -402,11 +403,11 @@ class DeviceNode(NodeBase):
             self.roles[task.rollout] = role
         if role is None:
             module = algorithms.load(str(task.config.get("algorithm", "")))
-            role = module.Device(device_id=self.device_id, cell=self.cell, rollout=task.rollout,
-                                 last_round=self.state.last_round(task.rollout),
-                                 last_sent=self.state.last_sent(task.rollout), noise=self.noise,
-                                 evaluate=self.eval_data is not None)
-            self.roles[task.rollout] = role
+            new: DeviceRole = module.Device(device_id=self.device_id, cell=self.cell, rollout=task.rollout,
+                                            last_round=self.state.last_round(task.rollout),
+                                            last_sent=self.state.last_sent(task.rollout), noise=self.noise,
+                                            evaluate=self.eval_data is not None)
+            role = self.roles[task.rollout] = new
         return role
 
     def _run_task(self, task: DeviceTask, now: float) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from edge_broker.store import EdgeStore
 from fedtier import algorithms, wire
-from fedtier.algorithms.base import Action, Broadcast, Dropped, Note, SendToChild, SendToParent
+from fedtier.algorithms.base import Action, Broadcast, Dropped, EdgeRole, Note, SendToChild, SendToParent
 from fedtier.artifacts.cache import ArtifactCache
 from fedtier.errors import MissingReleaseError, PrivacyViolationError, RemoteProtocolError, UnexpectedMessageError
 from fedtier.privacy import audit
@@ -95,7 +95,7 @@ class EdgeNode(NodeBase):
         self.cloud_tx = cloud_transport
         self.store = store
         self.cache = cache
-        self.roles: dict[str, Any] = {}
+        self.roles: dict[str, EdgeRole] = {}
         self.manifests: dict[str, Manifest] = {}
         self.gate = ManifestGate(trusted_keys or {})
         self._requested: dict[str, float] = {}
@@ -176,8 +176,7 @@ class EdgeNode(NodeBase):
         except RemoteProtocolError as exc:  # the replay reports it for the task itself
             log.debug("no strategy state restored for %s: %s", rollout, exc)
             return
-        if callable(getattr(role, "load_strategy_state", None)):
-            role.load_strategy_state(npz_file.decode_arrays(saved))
+        role.load_strategy_state(npz_file.decode_arrays(saved))
 
     def _end_rollout(self, rollout: str) -> None:
         """The coordinator cleared the rollout's manifest: the rollout ended (or was retired).
@@ -245,15 +244,15 @@ class EdgeNode(NodeBase):
             self.metrics.inc(REJECTED, reason="privacy_violation")
             log.error("refused %s of round %d: %s", msg.KIND, msg.round, exc)
 
-    def _role_for(self, msg: Message) -> Any:
+    def _role_for(self, msg: Message) -> EdgeRole:
         role = self.roles.get(msg.rollout)
         if role is None:
             if not isinstance(msg, CellTask):
                 raise UnexpectedMessageError(f"no open round of rollout {msg.rollout!r}")
             module = algorithms.load(str(msg.config.get("algorithm", "")))
             self._check_clear_inputs(msg)
-            role = module.Edge(cell=self.cell, rollout=msg.rollout, parent=self.parent, noise=self.noise)
-            self.roles[msg.rollout] = role
+            new: EdgeRole = module.Edge(cell=self.cell, rollout=msg.rollout, parent=self.parent, noise=self.noise)
+            role = self.roles[msg.rollout] = new
         return role
 
     def _check_clear_inputs(self, task: CellTask) -> None:
@@ -270,7 +269,7 @@ class EdgeNode(NodeBase):
     def _refuse_clear_aggregate(self, rollout: str, msg: CellUpdate) -> bool:
         """Defence in depth: never publish an un-noised aggregate of a trusted cell to the (untrusted) cloud."""
         role = self.roles.get(rollout)
-        plan = role._plan if role is not None else None
+        plan = role.noise_plan if role is not None else None
         if plan is None or not plan.cells[self.cell].trusted:
             return False
         try:  # the audit the cloud will run, before anything leaves the gateway
@@ -345,13 +344,14 @@ class EdgeNode(NodeBase):
                     counts["embedding_down_bytes"] += sent or len(payload)
             elif isinstance(action, SendToParent):
                 msg = action.message
+                role = self.roles.get(rollout)
                 stats = dict(self._round_bytes.pop((rollout, msg.round), {}))
                 stored = self.store.output(msg.key)
                 if stored is None:
                     if isinstance(msg, CellUpdate):
                         rejected = [[reason, n] for reason, n in sorted(self._rejected.items())]
                         self._rejected = defaultdict(int)
-                        if getattr(self.roles.get(rollout), "sampling_secretly", False):
+                        if role is not None and role.sampling_secretly:
                             # byte and reject counts count the sampled devices' messages: participation
                             # stays in the cell
                             stats = dict.fromkeys(("device_up_bytes", "device_up_f32_bytes", "device_down_bytes"), 0)
@@ -360,8 +360,7 @@ class EdgeNode(NodeBase):
                         if self._refuse_clear_aggregate(rollout, msg):
                             continue
                     stored = msg.encode(action.encodings)
-                    state = getattr(self.roles.get(rollout), "strategy_state", None)
-                    carried = state() if callable(state) and isinstance(msg, CellUpdate) else None
+                    carried = role.strategy_state() if role is not None and isinstance(msg, CellUpdate) else None
                     if carried is not None:  # committed with the output below: both or neither survive a crash
                         self.store.save_strategy_state(rollout, msg.round, npz_file.encode_arrays(carried))
                     self.store.save_output(rollout, msg.round, msg.key, stored)

@@ -35,10 +35,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from local_fleet.demo import free_port, mosquitto_path, wait_for_port
 from fedtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedtier.algorithms.base import EdgeRole
 
 log = logging.getLogger("fedtier.fleet")
 
@@ -519,9 +522,9 @@ def _progress(cloud: Any, edges: list[Any]) -> tuple[int, ...]:
     """Changes whenever a round closes or an edge takes an update or moves on a step."""
     marks = [len(cloud.history)]
     for edge in edges:
-        role = edge.roles.get(ROLLOUT)
+        role: EdgeRole | None = edge.roles.get(ROLLOUT)
         if role is not None:
-            marks += [role.round, getattr(role, "step", 0), len(role.reported)]
+            marks += [role.round, role.step, len(role.reported)]
     return tuple(marks)
 
 

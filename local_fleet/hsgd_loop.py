@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence, cast
 import numpy as np
 
 from fedtier.algorithms import hsgd
-from fedtier.algorithms.base import Broadcast, Finished, Note, RoundClosed, SendToChild, SendToParent
+from fedtier.algorithms.base import Broadcast, Finished, Note, Role, RoundClosed, SendToChild, SendToParent
 from fedtier.errors import LocalProtocolError, RemoteProtocolError
 from fedtier.training.split import SplitTrainer
 from fedtier.wire.messages import decode_message
@@ -170,7 +170,7 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
             elif isinstance(action, Note):
                 result.notes.append(action)
 
-    def role_of(node: str) -> Any:
+    def role_of(node: str) -> Role:
         if node == "cloud":
             return cloud
         return edges.get(node) or hosts.get(node) or devices[node]
@@ -184,7 +184,7 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
 
 
 def _drive(bus: Any, cloud: Any, edges: Mapping[str, hsgd.Edge], execute: Callable[[str, list[Any]], None],
-           role_of: Callable[[str], Any], result: LoopResult, config: hsgd.HsgdConfig, keep_trace: bool,
+           role_of: Callable[[str], Role], result: LoopResult, config: hsgd.HsgdConfig, keep_trace: bool,
            finished: Callable[[], bool]) -> None:
     now = bus.now()
     execute("cloud", cloud.start(now))

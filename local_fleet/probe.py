@@ -9,7 +9,10 @@ error. Reading another thread's node without a lock can be one message behind, w
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedtier.algorithms.base import DeviceRole, EdgeRole
 
 
 def device_state(node: Any, rollout: str) -> str:
@@ -20,10 +23,11 @@ def device_state(node: Any, rollout: str) -> str:
         return "fetching artifacts"
     if rollout not in node.trainers:
         return "task waits for artifacts" if rollout in node._pending_task else "no manifest"
-    role = node.roles.get(rollout)
+    role: DeviceRole | None = node.roles.get(rollout)
     if role is None:
         return "installed, no task"
-    return f"{role._state.value}, round {role._round} step {role._step}"
+    round_, step = role.position
+    return f"{role.state.value}, round {round_} step {step}"
 
 
 def describe_devices(nodes: list[Any], rollout: str) -> dict[str, dict[str, int]]:
@@ -50,12 +54,12 @@ def merge(reports: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]
 
 def describe_edge(edge: Any, inbox: Any, rollout: str) -> dict[str, Any]:
     """An edge's open round, the updates it holds, its inbox backlog and its connections."""
-    role = edge.roles.get(rollout)
+    role: EdgeRole | None = edge.roles.get(rollout)
     out: dict[str, Any] = {"inbox": inbox.qsize(), "connected": edge.cell_tx.connected and edge.cloud_tx.connected}
     if role is None:
         out["round"] = None
         return out
-    out.update(round=role.round, step=getattr(role, "step", 0), state=role._state.value,
+    out.update(round=role.round, step=role.step, state=role.state.value,
                members=len(role.members), reported=len(role.reported))
     return out
 

@@ -181,7 +181,8 @@ def _run(cfg: RolloutConfig, broker: MemoryBroker, nodes: list[Any], cloud: Clou
             node.tick(broker.now)
         stalled_ticks = 0 if delivered else stalled_ticks + 1
         if stalled_ticks > 10 * cfg.deadline_s + 100:
-            raise RuntimeError(f"simulation stalled in round {cloud.role.round}: nothing moves")
+            where = cloud.role.round if cloud.role is not None else "-"
+            raise RuntimeError(f"simulation stalled in round {where}: nothing moves")
     _settle(broker, remote)
     return SimulationResult(rounds=list(cloud.history), params=cloud.params, prepared=prepared,
                             wall_s=time.perf_counter() - t0)

@@ -33,7 +33,9 @@ Edge cases every role implements the same way (tested by the role contract suite
   These are ``RemoteProtocolError``: the shell drops the message, logs and counts it, and
   the role's state is unchanged — one bad peer must not stop a round.
 * Calling a verb in the wrong state (``trained`` while idle) raises ``LocalProtocolError``
-  and moves the role to ``ERROR``; every later call raises too. That is a bug in the shell.
+  and moves the role to ``ERROR``; every later call of a verb raises too. That is a bug in the
+  shell. Each role family's legal state changes are data (``Transitions``), checked in one
+  function (``StateGuard._transition``); ``ERROR`` is entered in one place (``StateGuard``).
 * Quorum not met by the deadline means the round stays open (no new model); the devices
   that did not report are listed in the eventual ``RoundClosed``/cell update.
 """
@@ -41,8 +43,9 @@ Edge cases every role implements the same way (tested by the role contract suite
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -50,11 +53,14 @@ from fedtier.errors import LocalProtocolError
 from fedtier.wire import TensorEncoding
 from fedtier.wire.messages import EvalStats, Message
 
+if TYPE_CHECKING:
+    from fedtier.privacy.plan import NoisePlan
+
 Tensors = Mapping[str, np.ndarray]
 
 
 class RoleState(enum.Enum):
-    """States shared by the roles. Each algorithm module documents its transition table."""
+    """States shared by the roles. Each algorithm module keeps its transition tables (``Transitions``) at its top."""
 
     IDLE = "idle"  # waiting for a task (device/edge) or for start() (cloud)
     TRAINING = "training"  # device: local work requested, result not yet back
@@ -271,8 +277,17 @@ Action = (SendToParent | Broadcast | SendToChild | LocalTrain | ComputeGradient 
 
 
 # --- role protocols -----------------------------------------------------------------------
+#
+# What the shells may call, and nothing else: ``device_agent/node.py`` holds ``DeviceRole``s (HSGD's
+# host included), ``edge_broker/service.py`` ``EdgeRole``s, ``cloud_coordinator/node.py`` a ``CloudRole``;
+# ``local_fleet`` builds the same nodes. ``fedtier/algorithms/conformance.py`` states that every
+# algorithm's classes implement them, so the type checker (run by the suite) fails when a role loses a
+# verb or changes a signature; ``runtime_checkable`` lets the unit tests check the same at runtime.
+# A capability only some roles have (an edge optimizer's state, a secret sample) is still a member,
+# with a neutral default in ``DeviceRoleBase``/``EdgeRoleBase``: a shell never probes a role.
 
 
+@runtime_checkable
 class Role(Protocol):
     """What every role offers its shell."""
 
@@ -288,13 +303,26 @@ class Role(Protocol):
         ...
 
 
+@runtime_checkable
 class DeviceRole(Role, Protocol):
+    """A device-tier role: a device of any algorithm, or HSGD's host (a feature party in a device's shell)."""
+
+    @property
+    def last_round(self) -> int:
+        """The newest round this role finished or works in: the shell stores it with each upload."""
+        ...
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(round, step)`` this role works on or waits for: for diagnostics (``local_fleet.probe``)."""
+        ...
+
     def trained(self, round: int, result: LocalResult) -> list[Action]:
         """The shell finished the ``LocalTrain`` of ``round``."""
         ...
 
     def gradient_done(self, round: int, step: int, result: GradientResult) -> list[Action]:
-        """The shell finished a ``ComputeGradient`` (only algorithms that request them)."""
+        """The shell finished a ``ComputeGradient`` or a ``ScoreGradient``."""
         ...
 
     def evaluated(self, round: int, stats: EvalStats | None) -> list[Action]:
@@ -305,35 +333,220 @@ class DeviceRole(Role, Protocol):
         """The shell finished a ``ScoreRows`` (only algorithms that request them: FeDXL)."""
         ...
 
+    def embedded(self, round: int, step: int, zeta: np.ndarray) -> list[Action]:
+        """The shell finished an ``Embed`` (HSGD)."""
+        ...
 
+    def split_trained(self, round: int, step: int, params: Tensors, loss: float) -> list[Action]:
+        """The shell finished a ``SplitTrain`` (HSGD)."""
+        ...
+
+
+@runtime_checkable
 class EdgeRole(Role, Protocol):
+    """A cell's role in the edge service."""
+
+    @property
+    def round(self) -> int:
+        """The open (or last) round; -1 before the first task."""
+        ...
+
+    @property
+    def step(self) -> int:
+        """The step (edge round, interval) of the open round."""
+        ...
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The children a broadcast of the open round reaches."""
+        ...
+
+    @property
+    def reported(self) -> tuple[str, ...]:
+        """The children whose upload the open step (or round) holds."""
+        ...
+
+    @property
+    def sampling_secretly(self) -> bool:
+        """The cell samples its members in secret: participation must not leave the cell (docs/privacy.md)."""
+        ...
+
+    @property
+    def noise_plan(self) -> NoisePlan | None:
+        """The open round's noise plan (``None`` without differential privacy): the service audits a trusted
+        cell's update against it before it leaves for the cloud."""
+        ...
+
     def resend(self, child: str, now: float) -> list[Action]:
         """A child (re)appeared online: give it the open round's task if it still owes an update."""
         ...
 
+    def overdue(self, now: float) -> tuple[str, ...]:
+        """The children the open step still waits for once its deadline has passed (else empty)."""
+        ...
 
+    def strategy_state(self) -> Mapping[str, np.ndarray] | None:
+        """What the role carries across rounds (an edge optimizer's moments), stored with each cell update."""
+        ...
+
+    def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Continue from ``strategy_state()`` as stored, after a restart (before the open round is replayed)."""
+        ...
+
+
+@runtime_checkable
 class CloudRole(Role, Protocol):
+    """The rollout's role in the coordinator."""
+
+    @property
+    def round(self) -> int:
+        """The open round (after the last: the number of rounds run)."""
+        ...
+
+    @property
+    def params(self) -> Tensors:
+        """The global model after the last closed round."""
+        ...
+
     def start(self, now: float) -> list[Action]:
         """Open the first round (or the resumed round)."""
         ...
 
     def resend(self, child: str, now: float) -> list[Action]:
+        """A cell's edge (re)appeared online: give it the open round's task if the cell still owes its update."""
+        ...
+
+    def overdue(self, now: float) -> tuple[str, ...]:
+        """The cells the open round still waits for once its deadline has passed (else empty)."""
+        ...
+
+    def strategy_state(self) -> Mapping[str, np.ndarray] | None:
+        """The server-side strategy's state after the last closed round, committed with its model version."""
+        ...
+
+    def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore ``strategy_state()`` after a restart (before ``start``)."""
         ...
 
 
-class StateGuard:
-    """Mixin: ``ERROR`` is terminal, and misuse moves a role there (h11's failure state)."""
+# --- state machines -------------------------------------------------------------------------
 
+Transitions = Mapping[RoleState, Mapping[str, RoleState]]
+"""A role family's legal state changes: ``{state: {event: next state}}``; an event absent from its
+state's row is illegal there. Each algorithm module keeps its families' tables at its top."""
+
+VERBS = frozenset({"receive", "tick", "start", "resend", "trained", "gradient_done", "evaluated", "scored",
+                   "embedded", "split_trained", "load_strategy_state"})
+"""The protocols' methods that feed a role: refused once it is in ``ERROR`` (``StateGuard``)."""
+QUERIES = frozenset({"overdue", "strategy_state"})
+"""The protocols' methods that only read a role: they still answer in ``ERROR``, so a shell can say where a
+failed role stood (as h11 lets its caller read the states after an error)."""
+
+
+class StateGuard:
+    """Base of every role: its transitions as data checked in one function, ``ERROR`` entered in one place.
+
+    As in h11's ``_state.py``: each role family lists its legal state changes in ``TRANSITIONS``, and
+    a role changes state only through ``_transition(event)``, which looks the change up and raises
+    ``LocalProtocolError`` when the table has none — a bug in the role or in its shell (``trained``
+    while idle). Checks the table cannot express (a result for another step) raise
+    ``LocalProtocolError`` themselves.
+
+    Every verb (``VERBS``) a subclass defines is wrapped when the class is created: the wrapper refuses
+    every call once the role is in ``ERROR``, and moves the role to ``ERROR`` when a
+    ``LocalProtocolError`` leaves the verb — the one place ``ERROR`` is entered, like h11's
+    ``_process_error``. The promise that every call raises after an error thus holds for a verb whose
+    author never thought of it. ``RemoteProtocolError`` passes through and leaves the state as it was:
+    one bad peer must not stop a round.
+    """
+
+    TRANSITIONS: ClassVar[Transitions] = {}
     _state: RoleState
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in sorted(VERBS.intersection(vars(cls))):
+            setattr(cls, name, _guarded(vars(cls)[name]))
 
     @property
     def state(self) -> RoleState:
         return self._state
 
-    def _guard(self) -> None:
-        if self._state is RoleState.ERROR:
-            raise LocalProtocolError("role is in ERROR state after an earlier misuse")
+    def _transition(self, event: str) -> None:
+        """Move to the state ``TRANSITIONS`` gives for ``event`` in the current one.
 
-    def _misuse(self, message: str) -> LocalProtocolError:
-        self._state = RoleState.ERROR
-        return LocalProtocolError(message)
+        Raises:
+            LocalProtocolError: the table has no such change (the verb's wrapper then enters ``ERROR``).
+        """
+        target = self.TRANSITIONS.get(self._state, {}).get(event)
+        if target is None:
+            raise LocalProtocolError(f"{type(self).__name__}: {event!r} is not allowed in state {self._state.value}")
+        self._state = target
+
+
+GUARDED = "__role_verb__"
+"""Marks a method wrapped by ``StateGuard`` (the unit tests check that every verb of every role is)."""
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` refusing calls in ``ERROR``, and entering ``ERROR`` on a ``LocalProtocolError`` (``StateGuard``)."""
+    if getattr(method, GUARDED, False):
+        return method  # a verb a subclass took over from another role class as it is
+
+    @functools.wraps(method)
+    def verb(self: StateGuard, *args: Any, **kwargs: Any) -> Any:
+        if self._state is RoleState.ERROR:
+            raise LocalProtocolError(f"{type(self).__name__}.{method.__name__}(): role is in ERROR state after an "
+                                     "earlier misuse")
+        try:
+            return method(self, *args, **kwargs)
+        except LocalProtocolError:
+            self._state = RoleState.ERROR
+            raise
+
+    verb.__dict__[GUARDED] = True
+    return verb
+
+
+class DeviceRoleBase(StateGuard):
+    """A device-tier role's answers to local work it never asks for: each is a misuse by the shell.
+
+    ``DeviceRole`` lists every kind of local work a device shell runs; an algorithm overrides the
+    answers to the requests it makes (``LocalTrain`` -> ``trained``, ...).
+    """
+
+    def trained(self, round: int, result: LocalResult) -> list[Action]:
+        raise LocalProtocolError(f"{type(self).__name__} never requests LocalTrain")
+
+    def gradient_done(self, round: int, step: int, result: GradientResult) -> list[Action]:
+        raise LocalProtocolError(f"{type(self).__name__} never requests a gradient")
+
+    def evaluated(self, round: int, stats: EvalStats | None) -> list[Action]:
+        raise LocalProtocolError(f"{type(self).__name__} never requests an evaluation")
+
+    def scored(self, round: int, step: int, result: RowScores) -> list[Action]:
+        raise LocalProtocolError(f"{type(self).__name__} never requests ScoreRows")
+
+    def embedded(self, round: int, step: int, zeta: np.ndarray) -> list[Action]:
+        raise LocalProtocolError(f"{type(self).__name__} never requests an embedding")
+
+    def split_trained(self, round: int, step: int, params: Tensors, loss: float) -> list[Action]:
+        raise LocalProtocolError(f"{type(self).__name__} never requests SplitTrain")
+
+
+class EdgeRoleBase(StateGuard):
+    """An edge role's neutral answers about capabilities it may not have (an edge that overrides them has)."""
+
+    @property
+    def sampling_secretly(self) -> bool:
+        return False
+
+    @property
+    def noise_plan(self) -> NoisePlan | None:
+        return None
+
+    def strategy_state(self) -> Mapping[str, np.ndarray] | None:
+        return None
+
+    def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Nothing is carried across rounds, so nothing is restored."""

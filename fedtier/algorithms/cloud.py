@@ -10,8 +10,7 @@ device count, or its sample count), and the cloud sets
 summing in cell-id order so the result does not depend on arrival order. What differs
 between the algorithms happens below the cloud, in the tasks' ``config``.
 
-Transition table: IDLE --start--> COLLECTING --CellUpdate (last cell) | tick (deadline &
-quorum of cells)--> COLLECTING (next round) | FINISHED.
+Transitions: ``CLOUD_TRANSITIONS`` below, data that ``StateGuard._transition`` checks.
 
 ``replan`` (optional, pure): given the running estimate of the devices' quantizer variance
 ``q1`` (from the cells' reports), return the config of the next round — QHetFed's planner
@@ -32,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -47,6 +46,7 @@ from fedtier.algorithms.base import (
     SendToChild,
     StateGuard,
     Tensors,
+    Transitions,
 )
 from fedtier.algorithms.common import check_like, quorum_count
 from fedtier.algorithms.server_opt import OptimizerSpec, ServerOptimizer
@@ -62,6 +62,20 @@ from fedtier.privacy.adaptive_clip import GeometricClip
 from fedtier.privacy.plan import NoisePlan
 from fedtier.wire.messages import CellTask, CellUpdate, Message
 
+CLOUD_TRANSITIONS: Transitions = {
+    RoleState.IDLE: {
+        "start": RoleState.IDLE,  # start() once; a second call is the shell's bug
+        "open": RoleState.COLLECTING,  # the first (or resumed) round's tasks go out
+        "finish": RoleState.FINISHED,  # every round already ran, or ``admit`` refused the first round
+    },
+    RoleState.COLLECTING: {
+        "open": RoleState.COLLECTING,  # the round closed (all cells, or deadline and quorum): the next one opens
+        "finish": RoleState.FINISHED,  # the last round closed, or ``admit`` refused the next one
+    },
+    RoleState.FINISHED: {},
+}
+"""The cloud role's transitions (``Cloud`` and the algorithms' subclasses)."""
+
 
 class RoundConfig(Protocol):
     """What the cloud needs from an algorithm's config."""
@@ -74,6 +88,8 @@ class RoundConfig(Protocol):
 
 class Cloud(StateGuard):
     """Drives rounds: tasks to cells, weighted average of their changes, next round."""
+
+    TRANSITIONS: ClassVar[Transitions] = CLOUD_TRANSITIONS
 
     def __init__(self, *, rollout: str, cells: Mapping[str, Sequence[str]], initial_params: Tensors,
                  config: RoundConfig, rounds: int, cloud_id: str = "cloud", start_round: int = 0,
@@ -246,7 +262,7 @@ class Cloud(StateGuard):
             reason = self.admit(self.round)
             if reason is not None:
                 self.stop_reason = reason
-                self._state = RoleState.FINISHED
+                self._transition("finish")
                 return [Note("rollout_stopped", {"round": self.round, "reason": reason}), Finished(self.round, reason)]
         if self.replan is not None:
             new = self.replan(self.q1_estimate)
@@ -257,20 +273,17 @@ class Cloud(StateGuard):
         self._round_cells = self._participants()
         self._updates = {}
         self._deadline = now + self.config.deadline_s
-        self._state = RoleState.COLLECTING
+        self._transition("open")
         return [*notes, *(SendToChild(cell, self._cell_task(cell)) for cell in sorted(self._round_cells))]
 
     def start(self, now: float) -> list[Action]:
-        self._guard()
-        if self._state is not RoleState.IDLE:
-            raise self._misuse("start() called twice")
+        self._transition("start")
         if self.round >= self.rounds:
-            self._state = RoleState.FINISHED
+            self._transition("finish")
             return [Finished(self.rounds)]
         return self._open(now)
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if not isinstance(message, CellUpdate):
             raise UnexpectedMessageError(f"cloud does not accept {message.KIND}")
         if message.sender not in self.cells:
@@ -296,7 +309,6 @@ class Cloud(StateGuard):
         return []
 
     def tick(self, now: float) -> list[Action]:
-        self._guard()
         if self._state is not RoleState.COLLECTING or now < self._deadline:
             return []
         if len(self._updates) >= quorum_count(self.config.quorum, len(self._round_cells)):
@@ -310,7 +322,6 @@ class Cloud(StateGuard):
         return tuple(sorted(set(self._round_cells) - set(self._updates)))
 
     def resend(self, child: str, now: float) -> list[Action]:
-        self._guard()
         if self._state is RoleState.COLLECTING and child in self._round_cells and child not in self._updates:
             return [SendToChild(child, self._cell_task(child))]
         return []
@@ -346,6 +357,6 @@ class Cloud(StateGuard):
                                                   if self._updates[c].privacy is not None}})
         self.round += 1
         if self.round >= self.rounds:
-            self._state = RoleState.FINISHED
+            self._transition("finish")
             return [closed, Finished(self.rounds)]
         return [closed, *self._open(now)]

@@ -56,12 +56,11 @@ Differential privacy: scores and ``u`` are data-dependent releases the noise pla
 so these roles refuse a task with a noise plan, and configs refuse ``[privacy]`` with fedxl
 (docs/privacy.md).
 
-Transition tables:
-
-    device: IDLE --XRiskDeviceTask--> TRAINING --(scored, gradient_done) x K--> IDLE (upload)
-            (pool-collecting round: TRAINING --scored--> IDLE)
-    edge:   IDLE|FORWARDED --XRiskCellTask--> COLLECTING --last update | tick (deadline, quorum)--> FORWARDED
-    cloud:  as ``fedtier.algorithms.cloud`` (its cells are those with a sampled device)
+Transitions: ``hier_qsgd.DEVICE_TRANSITIONS``, ``EDGE_TRANSITIONS`` and ``cloud.CLOUD_TRANSITIONS``
+(data, checked by ``StateGuard._transition``). A device trains (TRAINING) through K pairs of ``scored``
+and ``gradient_done`` (the pool-collecting round: one ``scored``) and is IDLE once it uploaded; a
+task with a pool of the wrong round is refused (IDLE). The edge forwards once every member reported,
+or at the deadline with a quorum; the cloud's cells are those with a sampled device.
 """
 
 from __future__ import annotations
@@ -238,7 +237,6 @@ class Device(_DeviceBase):
         return 0
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if not isinstance(message, XRiskDeviceTask):
             raise UnexpectedMessageError(f"fedxl device does not accept {message.KIND}")
         answer = self._accept_task(message)
@@ -249,11 +247,11 @@ class Device(_DeviceBase):
         self._collecting = c.uses_pool and pool.round < 0
         if c.uses_pool and not self._collecting:
             if pool.round != message.round - 1:
-                self._state = RoleState.IDLE
+                self._transition("refuse")
                 raise StaleScoresError(f"round {message.round} offers the scores of round {pool.round}; FeDXL's "
                                        f"passive pool is the previous round's ({message.round - 1})")
             if c.loss.compositional and pool.u is None:
-                self._state = RoleState.IDLE
+                self._transition("refuse")
                 raise ScoreListError("the pool of a pauc rollout carries no u values")
         self._passive = PassivePool(pool, stream(c.seed, "xrisk-pool", self.rollout, self.device_id, message.round))
         if c.loss.compositional:
@@ -267,7 +265,7 @@ class Device(_DeviceBase):
         self._hist: dict[str, list[np.ndarray]] = {"pos": [], "neg": [], "u": []}
         self._values: list[float] = []
         self._pending = False
-        self._state = RoleState.TRAINING
+        self._transition("task")
         return [*self._evaluate_request(), self._score_request()]
 
     def _score_request(self) -> ScoreRows:
@@ -281,13 +279,11 @@ class Device(_DeviceBase):
 
     def scored(self, round: int, step: int, result: RowScores) -> list[Action]:
         """The shell scored the step's rows: update ``u``, compute the coefficients, ask for the gradient."""
-        self._guard()
-        if self._state is not RoleState.TRAINING:
-            raise self._misuse("scored() called while no scoring was requested")
+        self._transition("scored")
         if round != self._round:
             return [Dropped("superseded", f"scores/{round}/{step}", f"now at round {self._round}")]
         if self._pending or step != self._k:
-            raise self._misuse(f"scored() for step {step} while no scoring of it was requested")
+            raise LocalProtocolError(f"scored() for step {step} while no scoring of it was requested")
         c: FedXLConfig = self._config
         obj = c.loss
         rows_pos = np.asarray(result.rows.get(POSITIVE, np.zeros(0, np.int64)), np.int64)
@@ -295,7 +291,7 @@ class Device(_DeviceBase):
         s_pos = xrisk.sigmoid(result.outputs.get(POSITIVE, np.zeros(0)))
         s_neg = xrisk.sigmoid(result.outputs.get(NEGATIVE, np.zeros(0)))
         if len(s_pos) != len(rows_pos) or len(s_neg) != len(rows_neg):
-            raise self._misuse("scored(): outputs and rows differ in length")
+            raise LocalProtocolError("scored(): outputs and rows differ in length")
         self._num_samples = result.num_samples
         if self._collecting:
             u_now = np.array([self._u.get(int(r), obj.u_init) for r in rows_pos.tolist()])
@@ -338,13 +334,11 @@ class Device(_DeviceBase):
 
     def gradient_done(self, round: int, step: int, result: GradientResult) -> list[Action]:
         """The gradient of the step's weighted scores: apply it (FeDXL2 through the momentum)."""
-        self._guard()
-        if self._state is not RoleState.TRAINING:
-            raise self._misuse("gradient_done() called while no gradient was requested")
+        self._transition("gradient_done")
         if round != self._round:
             return [Dropped("superseded", f"gradient/{round}/{step}", f"now at round {self._round}")]
         if not self._pending or step != self._k:
-            raise self._misuse(f"gradient_done() for step {step} while no gradient of it was requested")
+            raise LocalProtocolError(f"gradient_done() for step {step} while no gradient of it was requested")
         check_like(self._params, result.grad, "score gradient")
         c: FedXLConfig = self._config
         lr = np.float32(c.lr)
@@ -390,7 +384,7 @@ class Device(_DeviceBase):
         return [SendToParent(update)]
 
     def trained(self, round: int, result: LocalResult) -> list[Action]:
-        raise self._misuse("fedxl devices run their steps as ScoreRows/ScoreGradient requests, not LocalTrain")
+        raise LocalProtocolError("fedxl devices run their steps as ScoreRows/ScoreGradient requests, not LocalTrain")
 
 
 def check_scores(config: FedXLConfig, msg: XRiskDeviceUpdate, params: Mapping[str, np.ndarray]) -> None:
@@ -438,7 +432,6 @@ class Edge(_EdgeBase):
                                config=task.config, members=task.members, momentum=task.momentum, pool=task.pool)
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if isinstance(message, XRiskCellTask):
             return self._on_task(message, now)
         if isinstance(message, XRiskDeviceUpdate):
@@ -463,7 +456,7 @@ class Edge(_EdgeBase):
                                  weight=float(sum(weights)), reported=tuple(ids),
                                  mean_loss=sum(u.train_loss for u in updates) / len(ids), stats={}, q=0.0,
                                  evaluation=evaluation, momentum=momentum, scores=pool)
-        self._state = RoleState.FORWARDED
+        self._transition("forward")
         actions: list[Action] = [SendToParent(update)]
         missing = sorted(set(self._task.members) - set(ids))
         if missing:
@@ -525,7 +518,6 @@ class Cloud(_Cloud):
                              model_version=self.model_version, momentum=self.momentum, pool=self.pool)
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if not isinstance(message, XRiskCellUpdate):
             raise UnexpectedMessageError(f"fedxl cloud does not accept {message.KIND}")
         if message.round == self.round and self._state is RoleState.COLLECTING:

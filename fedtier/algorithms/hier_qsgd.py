@@ -38,12 +38,9 @@ global model ``w_t`` when it starts round ``t`` (``Evaluate`` before its first l
 sends the result with its last upload of the round; the edge forwards the count-weighted
 combination of its devices' results in the cell update.
 
-Transition tables (anything else raises):
-
-    device: IDLE --DeviceTask--> TRAINING --trained (i < tau-1)--> WAITING --CellStep--> TRAINING
-                                          --trained (i = tau-1)--> IDLE
-    edge:   IDLE|FORWARDED --CellTask--> COLLECTING --last update of step i < tau-1--> COLLECTING (i+1)
-                                         --last update of step tau-1 | tick (deadline, quorum)--> FORWARDED
+Transitions: ``DEVICE_TRANSITIONS`` and ``EDGE_TRANSITIONS`` below, data that
+``StateGuard._transition`` checks (anything else raises ``LocalProtocolError``). The device and
+edge roles built on this module's (FedAvg, HIST, QHetFed, FeDXL, secure aggregation) share them.
 """
 
 from __future__ import annotations
@@ -60,7 +57,9 @@ from fedtier.algorithms import aggregate, strategies
 from fedtier.algorithms.base import (
     Action,
     Broadcast,
+    DeviceRoleBase,
     Dropped,
+    EdgeRoleBase,
     Evaluate,
     LocalResult,
     LocalTrain,
@@ -68,7 +67,7 @@ from fedtier.algorithms.base import (
     RoleState,
     SendToChild,
     SendToParent,
-    StateGuard,
+    Transitions,
 )
 from fedtier.algorithms.cloud import Cloud
 from fedtier.algorithms.server_opt import OptimizerSpec, ServerOptimizer
@@ -97,6 +96,47 @@ from fedtier.wire.messages import CellStep, CellTask, CellUpdate, DeviceTask, De
 NAME = "hier_qsgd"
 
 __all__ = ["HierConfig", "Device", "Edge", "Cloud", "NAME"]
+
+DEVICE_TRANSITIONS: Transitions = {
+    RoleState.IDLE: {
+        "task": RoleState.TRAINING,  # a task of a round this device has not finished: local work
+        "resume": RoleState.WAITING,  # a task of a step it uploaded before a restart: wait for the cell's average
+        "refuse": RoleState.IDLE,  # a task refused once read (FeDXL: a pool of the wrong round)
+    },
+    RoleState.TRAINING: {
+        "task": RoleState.TRAINING,  # a newer round's task supersedes the work (its result comes back superseded)
+        "resume": RoleState.WAITING,
+        "refuse": RoleState.IDLE,
+        # the shell hands back the work the role asked for (the role checks its round and step)
+        "trained": RoleState.TRAINING,
+        "gradient_done": RoleState.TRAINING,
+        "scored": RoleState.TRAINING,
+        "evaluated": RoleState.TRAINING,
+        "uploaded": RoleState.WAITING,  # step i < tau-1 uploaded: wait for the cell's average
+        "round_done": RoleState.IDLE,  # the round's last upload
+    },
+    RoleState.WAITING: {
+        "task": RoleState.TRAINING,  # a newer round's task, or a catch-up (the cell closed our step without us)
+        "resume": RoleState.WAITING,
+        "refuse": RoleState.IDLE,
+        "cell_step": RoleState.TRAINING,  # the cell's average of the step: train the next one
+        "desync": RoleState.IDLE,  # our set model differs from the edge's: a catch-up task brings us back
+        "round_done": RoleState.IDLE,  # secure aggregation: the reveal after the upload ends the round
+    },
+}
+"""The device roles' transitions (every ``_DeviceBase``)."""
+
+EDGE_TRANSITIONS: Transitions = {
+    RoleState.IDLE: {"task": RoleState.COLLECTING},
+    RoleState.COLLECTING: {
+        "task": RoleState.COLLECTING,  # a newer round's task abandons the open one ("round_abandoned")
+        "next_step": RoleState.COLLECTING,  # step i < tau-1 closed: its average went down, step i+1 collects
+        "forward": RoleState.FORWARDED,  # the last step closed (all members, or deadline and quorum): cell update up
+        "abort": RoleState.FORWARDED,  # secure aggregation aborted: nothing goes up; the next task starts afresh
+    },
+    RoleState.FORWARDED: {"task": RoleState.COLLECTING},
+}
+"""The edge roles' transitions (every ``_EdgeBase``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +187,10 @@ def _edge_aggregator(config: Any) -> tuple[strategies.AggregatorSpec, strategies
         raise UnexpectedMessageError(f"task's edge aggregator: {exc}") from None
 
 
-class _DeviceBase(StateGuard):
+class _DeviceBase(DeviceRoleBase):
     """Round bookkeeping shared by the device roles: which task to accept, catch-up, desync."""
 
+    TRANSITIONS: ClassVar[Transitions] = DEVICE_TRANSITIONS
     CONFIG: ClassVar[type[Any]] = HierConfig
     SUPPORTS_PRIVACY: ClassVar[bool] = True
 
@@ -219,12 +260,17 @@ class _DeviceBase(StateGuard):
         if sent == (task.round, task.step):
             # Uploaded before a restart (the upload is in the outbox or with the edge already):
             # hold the step's set model and wait for the cell's average, as before the restart.
-            self._state = RoleState.WAITING
+            self._transition("resume")
             return [Note("resumed", {"round": task.round, "step": task.step, "reason": "step already uploaded"})]
         return None
 
     def _max_start_step(self, config: Any) -> int:
         raise NotImplementedError
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(round, step)`` this device trains or waits for the cell's average of."""
+        return self._round, self._step
 
     def _evaluate_request(self) -> list[Action]:
         """``[Evaluate]`` of the round's global model when this device may and should report one:
@@ -237,11 +283,11 @@ class _DeviceBase(StateGuard):
 
     def evaluated(self, round: int, stats: EvalStats | None) -> list[Action]:
         """The shell evaluated the round's global model; the stats go out with the round's last upload."""
-        self._guard()
         if round != self._round:
             return [Dropped("superseded", f"evaluate/{round}", f"now at round {self._round}")]
-        if self._state is not RoleState.TRAINING or self._step != 0:
-            raise self._misuse("evaluated() called while no evaluation was requested")
+        if self._step != 0:
+            raise LocalProtocolError("evaluated() called while no evaluation was requested")
+        self._transition("evaluated")
         self._evaluation = stats
         return []
 
@@ -263,16 +309,15 @@ class _DeviceBase(StateGuard):
 
     def _desync(self, msg: CellStep) -> list[Action]:
         """Our set model differs from the edge's: leave the round; a catch-up task brings us back."""
-        self._state = RoleState.IDLE
+        self._transition("desync")
         return [Dropped("desync", msg.key, f"set model after step {msg.step} differs from the edge's")]
 
     def _finish_round(self) -> None:
-        self._state = RoleState.IDLE
+        self._transition("round_done")
         self.last_round = self._round
         self._params = {}  # the next task brings the model: a simulator's 10,000 devices need not keep a copy each
 
     def tick(self, now: float) -> list[Action]:
-        self._guard()
         return []
 
 
@@ -283,12 +328,11 @@ class Device(_DeviceBase):
         return int(config.edge_rounds) - 1
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if isinstance(message, DeviceTask):
             answer = self._accept_task(message)
             if answer is not None:
                 return answer
-            self._state = RoleState.TRAINING
+            self._transition("task")
             return [*self._evaluate_request(), self._local_train()]
         if isinstance(message, CellStep):
             self._check_step(message, "delta")
@@ -296,7 +340,7 @@ class Device(_DeviceBase):
             if digest(self._params) != message.model_sha:
                 return self._desync(message)
             self._step += 1
-            self._state = RoleState.TRAINING
+            self._transition("cell_step")
             return [self._local_train()]
         raise UnexpectedMessageError(f"device does not accept {message.KIND}")
 
@@ -311,9 +355,7 @@ class Device(_DeviceBase):
                           stream=(c.seed, "batches", self.rollout, self.device_id, self._round, self._step))
 
     def trained(self, round: int, result: LocalResult) -> list[Action]:
-        self._guard()
-        if self._state is not RoleState.TRAINING:
-            raise self._misuse("trained() called while no local training was requested")
+        self._transition("trained")
         if round != self._round:
             return [Dropped("superseded", f"local/{round}", f"now at round {self._round}")]
         check_like(self._params, result.delta, "local result")
@@ -329,7 +371,7 @@ class Device(_DeviceBase):
                               evaluation=self._evaluation if last else None, unclipped=self._unclipped)
         self._uploaded(self._step)
         if not last:
-            self._state = RoleState.WAITING
+            self._transition("uploaded")
         else:
             self._finish_round()
         return [SendToParent(update, encodings)]
@@ -368,9 +410,10 @@ class Device(_DeviceBase):
         return noised, release, 0.0
 
 
-class _EdgeBase(StateGuard):
+class _EdgeBase(EdgeRoleBase):
     """Round, step and membership bookkeeping shared by the edge roles."""
 
+    TRANSITIONS: ClassVar[Transitions] = EDGE_TRANSITIONS
     CONFIG: ClassVar[type[Any]] = HierConfig
     SUPPORTS_PRIVACY: ClassVar[bool] = True
     EDGE_OPTIMIZER_REFUSAL: ClassVar[str | None] = None
@@ -475,11 +518,16 @@ class _EdgeBase(StateGuard):
         self._params = aggregate.copy_tensors(task.params)
         self._step = 0
         self._seen = set()
-        self._begin_step(now)
+        self._begin_step(now, "task")
         self._start(config)
         if not task.members:  # nobody sampled: the release is noise alone, so the cloud cannot tell
             return [*notes, *self._close(now)]
         return [*notes, Broadcast(self._device_task())]
+
+    @property
+    def noise_plan(self) -> NoisePlan | None:
+        """The open round's noise plan (``None`` without differential privacy)."""
+        return self._plan
 
     @property
     def sampling_secretly(self) -> bool:
@@ -499,10 +547,11 @@ class _EdgeBase(StateGuard):
     def _start(self, config: Any) -> None:
         """Algorithm-specific state at the start of a round."""
 
-    def _begin_step(self, now: float) -> None:
+    def _begin_step(self, now: float, event: str) -> None:
+        """Collect a step: the round's first (``event`` "task") or the next one ("next_step")."""
         self._updates = {}
         self._deadline = now + self._config.deadline_s
-        self._state = RoleState.COLLECTING
+        self._transition(event)
 
     def _admit(self, msg: Message, expected_step: int) -> list[Action] | None:
         """Common checks for a device upload; ``None`` means accept it, a list is the drop."""
@@ -560,7 +609,7 @@ class _EdgeBase(StateGuard):
                 return strategies.run(self._aggregator, tensors, weights), ids, weights
             except strategies.StrategyError as exc:
                 # A custom rule that returns garbage is the node's own code failing: refuse loudly.
-                raise self._misuse(f"edge aggregator: {exc}") from None
+                raise LocalProtocolError(f"edge aggregator: {exc}") from None
         mean = aggregate.weighted_mean(list(zip(tensors, weights, strict=True)))
         return mean, ids, weights
 
@@ -594,7 +643,7 @@ class _EdgeBase(StateGuard):
         update = CellUpdate(rollout=self.rollout, round=self._task.round, sender=self.cell, delta=values,
                             weight=weight, reported=reported, mean_loss=mean_loss, q=q2,
                             stats=stats, privacy=privacy, evaluation=evaluation)
-        self._state = RoleState.FORWARDED
+        self._transition("forward")
         actions: list[Action] = [SendToParent(update, encodings)]
         missing = sorted(set(self._task.members) - set(ids))
         if missing and not self.sampling_secretly:
@@ -660,10 +709,9 @@ class _EdgeBase(StateGuard):
 
     def _next_step(self, now: float) -> None:
         self._step += 1
-        self._begin_step(now)
+        self._begin_step(now, "next_step")
 
     def tick(self, now: float) -> list[Action]:
-        self._guard()
         if self._state is not RoleState.COLLECTING or self._task is None or now < self._deadline:
             return []
         if self._updates and len(self._updates) >= quorum_count(self._config.quorum, len(self._task.members)):
@@ -681,7 +729,6 @@ class _EdgeBase(StateGuard):
 
     def resend(self, child: str, now: float) -> list[Action]:
         """A member came online owing the current step: give it the set model at this step."""
-        self._guard()
         if (self._state is RoleState.COLLECTING and self._task is not None and child in self._task.members
                 and child not in self._updates):
             return [SendToChild(child, self._device_task())]
@@ -695,7 +742,6 @@ class Edge(_EdgeBase):
         self._acc = {n: np.zeros_like(p) for n, p in self._params.items()}
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if isinstance(message, CellTask):
             return self._on_task(message, now)
         if isinstance(message, DeviceUpdate):

@@ -44,12 +44,8 @@ left out of eq. (1). The host itself is required (no rows can be trained without
 Differential privacy: ``zeta2``, ``Z1`` and ``theta0`` are data-dependent releases the noise plan
 does not cover, so these roles refuse a task with a noise plan (docs/privacy.md).
 
-Transition tables (``RoleState``):
-
-* device: IDLE --task, selected--> TRAINING --embedded--> WAITING --partner--> TRAINING
-  --split_trained--> WAITING (until the next task); unselected: stays IDLE.
-* host: IDLE --task--> WAITING --partner Z2--> TRAINING --embedded, split_trained--> WAITING.
-* edge: IDLE --cell task--> COLLECTING (intervals) --last interval closed--> FORWARDED.
+Transitions: ``DEVICE_TRANSITIONS``, ``HOST_TRANSITIONS`` and ``EDGE_TRANSITIONS`` below, data that
+``StateGuard._transition`` checks (anything else raises ``LocalProtocolError``).
 """
 
 from __future__ import annotations
@@ -65,14 +61,16 @@ from fedtier.algorithms import aggregate
 from fedtier.algorithms.base import (
     Action,
     Broadcast,
+    DeviceRoleBase,
     Dropped,
+    EdgeRoleBase,
     Embed,
     Note,
     RoleState,
     SendToChild,
     SendToParent,
     SplitTrain,
-    StateGuard,
+    Transitions,
 )
 from fedtier.algorithms.cloud import Cloud
 from fedtier.algorithms.common import RoundSettings, check_int, quantize
@@ -99,6 +97,50 @@ OFF = 32
 """``bits_embedding = 32``: float32 on the vertical path (the paper's HSGD)."""
 
 __all__ = ["HsgdConfig", "Device", "Host", "Edge", "Cloud", "Embed", "SplitTrain", "select", "NAME"]
+
+DEVICE_TRANSITIONS: Transitions = {
+    RoleState.IDLE: {
+        "task": RoleState.TRAINING,  # selected for the interval: embed zeta2
+        "not_selected": RoleState.IDLE,  # the cell's theta2 only; nothing to do this interval
+    },
+    RoleState.TRAINING: {
+        "task": RoleState.TRAINING,  # a newer interval's task supersedes the work
+        "not_selected": RoleState.IDLE,
+        "embedded": RoleState.WAITING,  # zeta2 sent: wait for the partner row
+        "split_trained": RoleState.WAITING,  # theta2's change sent: wait for the next task
+    },
+    RoleState.WAITING: {
+        "task": RoleState.TRAINING,
+        "not_selected": RoleState.IDLE,
+        "partner": RoleState.TRAINING,  # theta0 and the partner row came: train theta2
+    },
+}
+"""A device's transitions (``Device``)."""
+
+HOST_TRANSITIONS: Transitions = {
+    RoleState.IDLE: {"task": RoleState.WAITING},  # the round's theta0, theta1: wait for the first interval's Z2
+    RoleState.WAITING: {
+        "task": RoleState.WAITING,  # a newer round's task
+        "partner": RoleState.TRAINING,  # the interval's Z2: embed Z1, then train
+        "round_done": RoleState.IDLE,  # the last interval trained: the change of theta0, theta1 went up
+    },
+    RoleState.TRAINING: {
+        "task": RoleState.WAITING,
+        "embedded": RoleState.TRAINING,  # Z1 and theta0 sent; training follows
+        "split_trained": RoleState.WAITING,  # the interval trained: wait for the next Z2
+    },
+}
+"""The host's transitions (``Host``)."""
+
+EDGE_TRANSITIONS: Transitions = {
+    RoleState.IDLE: {"task": RoleState.COLLECTING},  # the cell task: its intervals run in COLLECTING
+    RoleState.COLLECTING: {
+        "task": RoleState.COLLECTING,  # a newer round's task abandons the open one
+        "forward": RoleState.FORWARDED,  # the last interval closed: the cell update went up
+    },
+    RoleState.FORWARDED: {"task": RoleState.COLLECTING},
+}
+"""The edge's transitions (``Edge``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,9 +226,10 @@ def _vertical(tensors: Tensors, config: HsgdConfig, *labels: Any) -> tuple[dict[
 # --- device -----------------------------------------------------------------------------------------
 
 
-class Device(StateGuard):
+class Device(DeviceRoleBase):
     """A device holding ``X2`` of one sample; trains ``theta2`` when selected."""
 
+    TRANSITIONS: ClassVar[Transitions] = DEVICE_TRANSITIONS
     SUPPORTS_PRIVACY: ClassVar[bool] = False  # embeddings are releases the mechanism does not cover
 
     def __init__(self, *, device_id: str, cell: str, rollout: str) -> None:
@@ -202,7 +245,6 @@ class Device(StateGuard):
         self._seen: set[str] = set()
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if message.sender != self.cell:
             raise UnknownSenderError(f"device accepts messages from its cell {self.cell!r}, not {message.sender!r}")
         if message.key in self._seen:
@@ -227,9 +269,9 @@ class Device(StateGuard):
         self._start = aggregate.copy_tensors(theta2)
         self._selected = self.device_id in task.members
         if not self._selected:
-            self._state = RoleState.IDLE
+            self._transition("not_selected")
             return []
-        self._state = RoleState.TRAINING
+        self._transition("task")
         return [Embed(task.round, task.step, "theta2", self.theta2, (self.device_id,))]
 
     @property
@@ -238,10 +280,9 @@ class Device(StateGuard):
         return self.position[0]
 
     def embedded(self, round: int, step: int, zeta: np.ndarray) -> list[Action]:
-        self._guard()
-        if self._state is not RoleState.TRAINING or (round, step) != self.position or self.config is None:
-            raise self._misuse(f"embedded({round}, {step}) while {self._state.value} at {self.position}")
-        self._state = RoleState.WAITING
+        if (round, step) != self.position or self.config is None:
+            raise LocalProtocolError(f"embedded({round}, {step}) while {self._state.value} at {self.position}")
+        self._transition("embedded")
         values, enc = _vertical({"z": np.asarray(zeta, np.float32)}, self.config, self.rollout, self.device_id,
                                 round, step)
         msg = Embeddings(rollout=self.rollout, round=round, sender=self.device_id, step=step, zeta=values["z"],
@@ -260,16 +301,15 @@ class Device(StateGuard):
         if not theta0:
             raise LayoutMismatchError("partner rows lack the head theta0")
         self._seen.add(msg.key)
-        self._state = RoleState.TRAINING
+        self._transition("partner")
         return [SplitTrain(msg.round, msg.step, "device", self.theta2, theta0, msg.zeta, msg.rows,
                            self.config.local_interval, self.config.lr)]
 
     def split_trained(self, round: int, step: int, params: Tensors, loss: float) -> list[Action]:
-        self._guard()
-        if self._state is not RoleState.TRAINING or (round, step) != self.position:
-            raise self._misuse(f"split_trained({round}, {step}) while {self._state.value} at {self.position}")
+        if (round, step) != self.position:
+            raise LocalProtocolError(f"split_trained({round}, {step}) while {self._state.value} at {self.position}")
+        self._transition("split_trained")
         assert self.config is not None
-        self._state = RoleState.WAITING
         self.theta2 = {k: np.asarray(v, np.float32) for k, v in params.items()}
         delta = aggregate.subtract(self.theta2, self._start)
         return [SendToParent(DeviceUpdate(rollout=self.rollout, round=round, sender=self.device_id, step=step,
@@ -283,9 +323,10 @@ class Device(StateGuard):
 # --- host (feature party) ---------------------------------------------------------------------------
 
 
-class Host(StateGuard):
+class Host(DeviceRoleBase):
     """The cell's feature party: ``X1`` of every sample; trains ``theta1`` and the head ``theta0``."""
 
+    TRANSITIONS: ClassVar[Transitions] = HOST_TRANSITIONS
     SUPPORTS_PRIVACY: ClassVar[bool] = False  # embeddings are releases the mechanism does not cover
 
     def __init__(self, *, host_id: str, cell: str, rollout: str) -> None:
@@ -305,7 +346,6 @@ class Host(StateGuard):
         """(round, step, rows) of every interval trained: the mini-batch ids (A5's reuse check)."""
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if message.sender != self.cell:
             raise UnknownSenderError(f"host accepts messages from its cell {self.cell!r}, not {message.sender!r}")
         if message.key in self._seen:
@@ -323,7 +363,7 @@ class Host(StateGuard):
             self.config, self.round = config, message.round
             self.params, self._start = params, aggregate.copy_tensors(params)
             self._done_step, self._losses = -1, []
-            self._state = RoleState.WAITING
+            self._transition("task")
             return []
         if isinstance(message, PartnerEmbeddings):
             if message.round != self.round or message.step <= self._done_step:
@@ -335,7 +375,7 @@ class Host(StateGuard):
                 raise WrongRoundError(f"Z2 for step {message.step}; a round has {self.config.intervals}")
             self._seen.add(message.key)
             self._exchange = message
-            self._state = RoleState.TRAINING
+            self._transition("partner")
             return [Embed(message.round, message.step, "theta1", self.params, message.rows)]
         raise UnexpectedMessageError(f"hsgd host does not accept {message.KIND}")
 
@@ -344,11 +384,16 @@ class Host(StateGuard):
         """The round of the newest task (what a node shell records with each update it sends)."""
         return self.round
 
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(round, interval)``: the interval the host trains, else the next one it waits for."""
+        return self.round, self._exchange.step if self._exchange is not None else self._done_step + 1
+
     def embedded(self, round: int, step: int, zeta: np.ndarray) -> list[Action]:
-        self._guard()
         ex = self._exchange
-        if self._state is not RoleState.TRAINING or ex is None or (round, step) != (ex.round, ex.step):
-            raise self._misuse(f"embedded({round}, {step}) while {self._state.value}")
+        if ex is None or (round, step) != (ex.round, ex.step):
+            raise LocalProtocolError(f"embedded({round}, {step}) while {self._state.value}")
+        self._transition("embedded")
         assert self.config is not None
         values, enc = _vertical({"z": np.asarray(zeta, np.float32), **_block(self.params, "theta0")}, self.config,
                                 self.rollout, self.host_id, round, step)
@@ -362,19 +407,18 @@ class Host(StateGuard):
                            self.config.local_interval if ex.rows else 0, self.config.lr)]
 
     def split_trained(self, round: int, step: int, params: Tensors, loss: float) -> list[Action]:
-        self._guard()
         ex = self._exchange
-        if self._state is not RoleState.TRAINING or ex is None or (round, step) != (ex.round, ex.step):
-            raise self._misuse(f"split_trained({round}, {step}) while {self._state.value}")
+        if ex is None or (round, step) != (ex.round, ex.step):
+            raise LocalProtocolError(f"split_trained({round}, {step}) while {self._state.value}")
+        self._transition("split_trained")
         assert self.config is not None
         self.params = {k: np.asarray(v, np.float32) for k, v in params.items()}
         if ex.rows:
             self._losses.append(float(loss))
         self._done_step, self._exchange = step, None
-        self._state = RoleState.WAITING
         if step < self.config.intervals - 1:
             return []
-        self._state = RoleState.IDLE
+        self._transition("round_done")
         mean = float(np.mean(self._losses)) if self._losses else 0.0
         return [SendToParent(DeviceUpdate(rollout=self.rollout, round=round, sender=self.host_id, step=step,
                                           delta=aggregate.subtract(self.params, self._start), num_samples=0,
@@ -392,9 +436,10 @@ def _reject(counter: Counter[str], exc: RemoteProtocolError) -> RemoteProtocolEr
     return exc
 
 
-class Edge(StateGuard):
+class Edge(EdgeRoleBase):
     """Selects devices, relays embeddings between them and the host, averages ``theta2`` (eq. (1))."""
 
+    TRANSITIONS: ClassVar[Transitions] = EDGE_TRANSITIONS
     SUPPORTS_PRIVACY: ClassVar[bool] = False  # embeddings are releases the mechanism does not cover
 
     def __init__(self, *, cell: str, rollout: str, parent: str = "cloud", noise: Any = None) -> None:
@@ -430,7 +475,6 @@ class Edge(StateGuard):
         self._task: DeviceTask | None = None
         self._to_host_msg: PartnerEmbeddings | None = None
         self._partners: dict[str, PartnerEmbeddings] = {}
-        self._plan = None  # no noise plan, ever (the edge service checks it before publishing)
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -445,7 +489,6 @@ class Edge(StateGuard):
     # --- rounds and intervals
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if message.key in self._seen:
             return [Dropped("duplicate", message.key)]
         if isinstance(message, CellTask):
@@ -479,7 +522,7 @@ class Edge(StateGuard):
         self._global = aggregate.copy_tensors(task.params)
         self.theta2 = blocks["theta2"]
         self._host_update, self._reported, self.paper_values = None, set(), self._size("theta1")
-        self._state = RoleState.COLLECTING
+        self._transition("task")
         host_task = DeviceTask(rollout=self.rollout, round=task.round, sender=self.cell,
                                params={**blocks["theta0"], **blocks["theta1"]}, config=task.config,
                                members=(host,))
@@ -623,7 +666,7 @@ class Edge(StateGuard):
     def _forward(self) -> list[Action]:
         assert self._host_update is not None
         delta = {**self._host_update.delta, **aggregate.subtract(self.theta2, _block(self._global, "theta2"))}
-        self._state = RoleState.FORWARDED
+        self._transition("forward")
         self._phase = ""
         reported = tuple(sorted(self._reported | {self.host}))
         update = CellUpdate(rollout=self.rollout, round=self.round, sender=self.cell,
@@ -634,7 +677,6 @@ class Edge(StateGuard):
         return [SendToParent(update)]
 
     def tick(self, now: float) -> list[Action]:
-        self._guard()
         if self._state is not RoleState.COLLECTING or now < self._deadline:
             return []
         if self._phase == "embed":
@@ -659,7 +701,6 @@ class Edge(StateGuard):
     def resend(self, child: str, now: float) -> list[Action]:
         """A child (re)appeared: give it what the open interval still expects from it (its task, the
         host its rows, a device its partner row); nothing otherwise."""
-        self._guard()
         if self._state is not RoleState.COLLECTING or self._task is None:
             return []
         if child == self.host:

@@ -28,12 +28,10 @@ the trajectory of tau+1 gradient-aggregation steps to float tolerance, quantized
 Uniform device weights (1/N_l, N_l/N) are the paper's; ``weighting = "samples"`` is an option.
 The downlink (aggregated gradients, global model) is exact float32, as the analysis assumes.
 
-Transition tables:
-
-    device: IDLE --DeviceTask(step i < tau)--> GRADIENT --gradient_done--> WAITING --CellStep--> GRADIENT ...
-            ... --CellStep (i = tau-1) | DeviceTask(step tau)--> LOCAL --gamma gradients--> IDLE
-    edge:   IDLE|FORWARDED --CellTask--> COLLECTING(step 0) --gradients of step i--> COLLECTING(i+1)
-            COLLECTING(tau) --deltas--> FORWARDED
+Transitions: ``hier_qsgd.DEVICE_TRANSITIONS`` and ``EDGE_TRANSITIONS`` (data, checked by
+``StateGuard._transition``). A device computes a gradient of step ``i < tau`` in TRAINING and waits
+for the set's average in WAITING; step ``tau``'s gamma local gradients are TRAINING too, and its
+upload ends the round (IDLE). The edge collects every step (COLLECTING) and forwards after step tau.
 """
 
 from __future__ import annotations
@@ -51,13 +49,12 @@ from fedtier.algorithms.base import (
     Dropped,
     GradientResult,
     LocalResult,
-    RoleState,
     SendToParent,
 )
 from fedtier.algorithms.cloud import Cloud
 from fedtier.algorithms.common import RoundSettings, check_int, digest, quantize
 from fedtier.algorithms.hier_qsgd import _DeviceBase, _EdgeBase
-from fedtier.errors import RemoteProtocolError, UnexpectedMessageError, WrongRoundError
+from fedtier.errors import LocalProtocolError, RemoteProtocolError, UnexpectedMessageError, WrongRoundError
 from fedtier.wire.messages import CellStep, CellTask, DeviceGradient, DeviceTask, DeviceUpdate, Message
 
 NAME = "qhetfed"
@@ -102,12 +99,12 @@ class Device(_DeviceBase):
         return int(config.tau)  # step tau = the local phase (a catch-up may start there)
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if isinstance(message, DeviceTask):
             answer = self._accept_task(message)
             if answer is not None:
                 return answer
-            first = self._begin()  # sets TRAINING: the evaluation's answer arrives in that state
+            self._transition("task")  # TRAINING: the evaluation's answer arrives in that state
+            first = self._begin()
             return [*self._evaluate_request(), first]
         if isinstance(message, CellStep):
             self._check_step(message, "gradient")
@@ -115,6 +112,7 @@ class Device(_DeviceBase):
             if digest(self._params) != message.model_sha:
                 return self._desync(message)
             self._step += 1
+            self._transition("cell_step")
             return [self._begin()]
         raise UnexpectedMessageError(f"device does not accept {message.KIND}")
 
@@ -124,11 +122,10 @@ class Device(_DeviceBase):
                                stream=(c.seed, "batches", self.rollout, self.device_id, self._round, stream_step))
 
     def _begin(self) -> ComputeGradient:
-        """Next work at the current step: a gradient (i < tau), or the first local step (i = tau)."""
+        """Next work at the current step (the device is TRAINING): a gradient (i < tau), or the first local
+        step (i = tau)."""
         if self._step < self._config.tau:
-            self._state = RoleState.TRAINING
             return self._gradient_request(self._params, self._step)
-        self._state = RoleState.TRAINING
         self._local_params = self._params
         self._local_sum = {n: np.zeros(p.shape, np.float64) for n, p in self._params.items()}
         self._local_j = 0
@@ -136,26 +133,24 @@ class Device(_DeviceBase):
         return self._gradient_request(self._params, self._config.tau)
 
     def gradient_done(self, round: int, step: int, result: GradientResult) -> list[Action]:
-        self._guard()
-        if self._state is not RoleState.TRAINING:
-            raise self._misuse("gradient_done() called while no gradient was requested")
+        self._transition("gradient_done")
         if round != self._round:
             return [Dropped("superseded", f"gradient/{round}/{step}", f"now at round {self._round}")]
         c = self._config
         if self._step < c.tau:
             if step != self._step:
-                raise self._misuse(f"gradient for step {step}, requested step {self._step}")
+                raise LocalProtocolError(f"gradient for step {step}, requested step {self._step}")
             values, encodings, q = quantize(result.grad, c.bits_device, c.seed, "q1", self.rollout, self.device_id,
                                             self._round, self._step)
             msg = DeviceGradient(rollout=self.rollout, round=self._round, sender=self.device_id, step=self._step,
                                  grad=values, model_sha=digest(self._params), loss=result.loss,
                                  num_samples=result.num_samples, q=q)
             self._uploaded(self._step)
-            self._state = RoleState.WAITING
+            self._transition("uploaded")
             return [SendToParent(msg, encodings)]
         # Local phase, (7)-(8): plain SGD, its change summed exactly.
         if step != c.tau + self._local_j:
-            raise self._misuse(f"gradient for step {step}, requested step {c.tau + self._local_j}")
+            raise LocalProtocolError(f"gradient for step {step}, requested step {c.tau + self._local_j}")
         for name, g in result.grad.items():
             self._local_sum[name] += np.asarray(g, dtype=np.float64)
         self._local_losses.append(result.loss)
@@ -175,7 +170,7 @@ class Device(_DeviceBase):
         return [SendToParent(update, encodings)]
 
     def trained(self, round: int, result: LocalResult) -> list[Action]:
-        raise self._misuse("qhetfed devices run their local steps as gradient requests, not LocalTrain")
+        raise LocalProtocolError("qhetfed devices run their local steps as gradient requests, not LocalTrain")
 
 
 class Edge(_EdgeBase):
@@ -188,7 +183,6 @@ class Edge(_EdgeBase):
         self._w_t = self._params
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if isinstance(message, CellTask):
             return self._on_task(message, now)
         if isinstance(message, DeviceGradient):

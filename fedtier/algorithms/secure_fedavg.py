@@ -171,7 +171,6 @@ class Device(_DeviceBase):
         return 0
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if isinstance(message, DeviceTask):
             answer = self._accept_task(message)
             if answer is not None:
@@ -179,12 +178,11 @@ class Device(_DeviceBase):
             self._session, self._encoded, self._members = None, None, message.members
             c = self._config
             distributed_plan(self._plan, self.cell, c.secagg_min_survivors)
+            self._transition("task")
             if not self._sampled():  # distributed DP with sampling: take part with noise alone
-                self._state = RoleState.TRAINING
                 return self.trained(self._round, LocalResult(
                     delta={n: np.zeros_like(v) for n, v in self._params.items()}, num_samples=0, mean_loss=0.0,
                     steps=0))
-            self._state = RoleState.TRAINING
             return [LocalTrain(round=self._round, step=0, params=self._params, steps=c.local_steps,
                                batch_size=c.batch_size, lr=c.lr,
                                stream=(c.seed, "batches", self.rollout, self.device_id, self._round, 0))]
@@ -234,9 +232,7 @@ class Device(_DeviceBase):
         return self._session
 
     def trained(self, round: int, result: LocalResult) -> list[Action]:
-        self._guard()
-        if self._state is not RoleState.TRAINING:
-            raise self._misuse("trained() called while no local training was requested")
+        self._transition("trained")
         if round != self._round:
             return [Dropped("superseded", f"local/{round}", f"now at round {self._round}")]
         check_like(self._params, result.delta, "local result")
@@ -248,7 +244,7 @@ class Device(_DeviceBase):
         self._session = DeviceSession(self.device_id, self._members, params, c.seed, self.rollout, self._round)
         keys = self._session.advertise()
         self._uploaded(0)
-        self._state = RoleState.WAITING
+        self._transition("uploaded")
         return [SendToParent(SecAggKeys(rollout=self.rollout, round=self._round, sender=self.device_id,
                                         c_pk=keys.c_pk, s_pk=keys.s_pk, b_commit=keys.b_commit))]
 
@@ -302,7 +298,6 @@ class Edge(_EdgeBase):
         return self.session.answered() if self.session is not None else ()
 
     def receive(self, message: Message, now: float) -> list[Action]:
-        self._guard()
         if isinstance(message, CellTask):
             self._check_edge_rule(message)
             return self._on_task(message, now)
@@ -342,7 +337,6 @@ class Edge(_EdgeBase):
         return self.session
 
     def tick(self, now: float) -> list[Action]:
-        self._guard()
         if self._state is not RoleState.COLLECTING or self.session is None or now < self._deadline:
             return []
         return self._advance(now)
@@ -354,7 +348,6 @@ class Edge(_EdgeBase):
 
     def resend(self, child: str, now: float) -> list[Action]:
         """Only while keys are collected can a (re)appearing device still join the round."""
-        self._guard()
         s = self.session
         if (self._state is RoleState.COLLECTING and s is not None and s.phase is Phase.KEYS
                 and child in s.members and child not in s.answered()):
@@ -429,7 +422,7 @@ class Edge(_EdgeBase):
 
     def _abort(self, abort: Abort) -> list[Action]:
         self.aborts.append(abort)
-        self._state = RoleState.FORWARDED  # nothing goes up for this round; the next task starts afresh
+        self._transition("abort")  # nothing goes up for this round; the next task starts afresh
         return [Note("secagg_abort", {"round": self.round, "phase": abort.phase, "reason": abort.reason,
                                       "have": abort.have, "need": abort.need})]
 

@@ -69,7 +69,7 @@ def test_a_trusted_edge_takes_clear_inputs_only_over_tls() -> None:
 
 def test_a_trusted_edge_never_publishes_an_aggregate_without_its_noise() -> None:
     node = edge("cell-a", True)
-    node.roles["r"] = SimpleNamespace(_plan=NoisePlan.from_dict(plan()))
+    node.roles["r"] = SimpleNamespace(noise_plan=NoisePlan.from_dict(plan()))
     delta = {"w": np.zeros(3, np.float32)}
     clear = CellUpdate(rollout="r", round=0, sender="cell-a", delta=delta, weight=2.0, reported=("a", "b"),
                        privacy={"trusted": True, "steps": [["a", "b"]], "releases": [], "clear": []})
