@@ -62,7 +62,13 @@ CLEAR_TIMEOUT_S = 10.0
 
 
 class Evaluator(Protocol):
+    """Evaluates a round's global model on the central test set (``OrtEvaluator``, HSGD's ``SplitEvaluator``)."""
+
     def __call__(self, params: dict[str, Any]) -> EvalResult: ...
+
+    def ranking(self, params: dict[str, Any]) -> dict[str, float] | None:
+        """AUROC and pAUC on a binary task; ``None`` on any other."""
+        ...
 
 
 class OrtEvaluator:
@@ -525,10 +531,9 @@ class CloudNode(NodeBase):
 
     def _evaluate(self, params: Mapping[str, Any]) -> tuple[EvalResult | None, dict[str, float] | None]:
         """The round's model on the central test set, and its ranking on a binary task (``None`` without)."""
-        result = self.evaluator(dict(params)) if self.evaluator is not None else None
-        ranking = getattr(self.evaluator, "ranking", None)
-        ranks = ranking(dict(params)) if callable(ranking) else None
-        return result, ranks
+        if self.evaluator is None:
+            return None, None
+        return self.evaluator(dict(params)), self.evaluator.ranking(dict(params))
 
     def _round_row(self, closed: RoundClosed, result: EvalResult | None,
                    ranks: dict[str, float] | None) -> dict[str, Any]:
@@ -593,10 +598,10 @@ class CloudNode(NodeBase):
     def _commit(self, closed: RoundClosed, row: dict[str, Any], releases: list[dict[str, Any]],
                 clear: list[dict[str, Any]]) -> None:
         """The round into the store: model version, row, privacy rows, strategy state; then who contributed."""
-        state = getattr(self.role, "strategy_state", None)
+        assert self.role is not None  # a round closed: its role runs
         self.store.commit_round(self.rollout, closed.round, int(closed.metrics.get("model_version", 0)),
                                 closed.params, row["accuracy"], row["loss"], row, releases=releases, clear=clear,
-                                strategy_state=state() if callable(state) else None)
+                                strategy_state=self.role.strategy_state())
         self.store.record_contributions(self.rollout, closed.round, int(closed.metrics.get("model_version", 1)) - 1,
                                         [d for r in closed.reported.values() for d in r])
 
