@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from fedtier.embedded_broker.acl import Access, AccessList
 from fedtier.embedded_broker.limits import DEFAULT_LIMITS, BrokerLimits, ByteBudget, MessageHolds
+from fedtier.embedded_broker.passwords import PasswordFile
 from fedtier.embedded_broker.packets import (
     MQTT_5,
     NO_PROPERTIES,
@@ -81,6 +82,8 @@ class BrokerConfig:
     """``None``: every client may read and write every topic (no ``acl_file``)."""
     receive_maximum: int = 20
     """How many QoS 2 messages a client may have awaiting PUBREL at once (§3.2.2.3.3)."""
+    passwords: PasswordFile | None = None
+    """``None``: anyone may connect; else only the users of this file, with their password."""
 
     @property
     def max_packet_size(self) -> int | None:
@@ -98,6 +101,8 @@ class ServerLink(ClientLink):
     session: Session | None = None
     will: Will | None = None
     username: str | None = None
+    keep_alive: int = 0
+    """Seconds the server allows between packets / 1.5, set at CONNECT (0: no limit)."""
 
 
 class Broker:
@@ -220,6 +225,13 @@ class Broker:
                     raise ProtocolViolationError(f"invalid will topic {packet.will.topic!r}")
                 self._refuse(link, ReasonCode.TOPIC_NAME_INVALID, "invalid will topic")
                 return
+        passwords = self.config.passwords
+        if passwords is not None and not passwords.check(packet.username, packet.password):
+            # As Mosquitto with allow_anonymous false: the same answer for no user name, an
+            # unknown one and a wrong password.
+            self._refuse(link, ReasonCode.NOT_AUTHORIZED if v5 else ConnectReturnCode.NOT_AUTHORIZED,
+                         f"user {packet.username!r} not authorized")
+            return
 
         client_id = packet.client_id
         assigned: str | None = None
@@ -264,21 +276,30 @@ class Broker:
         link.will = packet.will
         link.username = packet.username
         link.connected = True
+        max_keepalive = self.config.limits.max_keepalive
+        server_keep_alive: int | None = None
         if v5:
             link.receive_maximum = props.receive_maximum or DEFAULT_V5_RECEIVE_MAXIMUM
             link.maximum_packet_size = props.maximum_packet_size
+            if packet.keep_alive == 0 or packet.keep_alive > max_keepalive:
+                # §3.2.2.3.14, as Mosquitto's max_keepalive: the client must use ours.
+                server_keep_alive = max_keepalive
+            link.keep_alive = packet.keep_alive if server_keep_alive is None else server_keep_alive
         else:
             link.receive_maximum = DEFAULT_V311_RECEIVE_MAXIMUM
             link.maximum_packet_size = None
-        link.send_packet(ConnAck(0, session_present, self._connack_properties(assigned)
+            # 3.1.1 cannot tell the client; one that asked for none is still not kept forever.
+            link.keep_alive = packet.keep_alive or max_keepalive
+        link.send_packet(ConnAck(0, session_present, self._connack_properties(assigned, server_keep_alive)
                                  if v5 else NO_PROPERTIES))
         logger.info("client %r connected (MQTT %s, clean_start=%s, session_present=%s)",
                     client_id, "5.0" if v5 else "3.1.1", packet.clean_start, session_present)
         session.attach(link)  # after CONNACK: re-sends in-flight messages, drains the queue
 
-    def _connack_properties(self, assigned_client_id: str | None) -> Properties:
+    def _connack_properties(self, assigned_client_id: str | None, server_keep_alive: int | None) -> Properties:
         return Properties(
             assigned_client_identifier=assigned_client_id,
+            server_keep_alive=server_keep_alive,
             receive_maximum=self.config.receive_maximum,
             retain_available=1,
             maximum_packet_size=self.config.max_packet_size,

@@ -17,6 +17,7 @@ from types import FrameType
 
 from fedtier.embedded_broker.acl import AccessList
 from fedtier.embedded_broker.limits import DEFAULT_LIMITS, BrokerLimits
+from fedtier.embedded_broker.passwords import PasswordFile
 from fedtier.embedded_broker.server import EmbeddedBroker
 from fedtier.errors import ConfigError
 
@@ -31,6 +32,11 @@ _HELP = {
     "max_output_backlog": "unsent bytes per connection before its QoS 0 traffic is dropped",
     "max_connections": "open sockets in total",
     "max_connections_per_address": "open sockets per client address",
+    "max_input_bytes": "bytes of partial packets held in total beyond each connection's allowance",
+    "input_allowance": "bytes of a partial packet each connection may hold without drawing on the total",
+    "stall_timeout": "seconds after which a partial packet may be closed when the input total runs out",
+    "max_keepalive": ("keep-alive (seconds) imposed on clients that ask for none: told to v5 clients "
+                      "(and to those asking more), 3.1.1 ones closed after 1.5 x it of silence"),
 }
 
 
@@ -56,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
                             default=default, help=f"{_HELP[spec.name]} (default %(default)s)")
     parser.add_argument("--acl-file", default=None,
                         help="Mosquitto-format ACL (user/topic/pattern lines); default: no ACL")
+    parser.add_argument("--password-file", default=None,
+                        help="Mosquitto-format password file ($7$/$6$ hashes, as mosquitto_passwd or "
+                             "'fedtier broker passwd' write it): only its users may connect; "
+                             "default: anyone may")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level (default %(default)s)")
@@ -78,10 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         limits = limits_from(args)
         acl = AccessList.load(args.acl_file) if args.acl_file else None
+        passwords = PasswordFile.load(args.password_file) if args.password_file else None
     except ConfigError as exc:
         logger.error("invalid option: %s", exc)
         return 2
-    broker = EmbeddedBroker(args.host, args.port, limits=limits, acl=acl)
+    if passwords is not None:
+        logger.info("password file %s: %d users; clients without valid credentials are refused",
+                    args.password_file, len(passwords.users))
+    broker = EmbeddedBroker(args.host, args.port, limits=limits, acl=acl, passwords=passwords)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

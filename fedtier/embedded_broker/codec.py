@@ -153,7 +153,7 @@ class PacketFramer:
         self.max_packet_size = max_packet_size
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append bytes received from the peer."""
         self._buffer += data
 

@@ -13,6 +13,7 @@ def broker() -> None:
 
     For demos and tests on machines without Mosquitto. Use Mosquitto (or another production
     broker) on real gateways: this one has no TLS and keeps nothing on disk (docs/broker.md).
+    Without --password-file it lets every client in that can reach its port.
     """
 
 
@@ -27,8 +28,13 @@ def broker() -> None:
               help="Open sockets per client address.")
 @click.option("--acl-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Mosquitto-format ACL file (user/topic/pattern lines).")
+@click.option("--password-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Mosquitto-format password file (mosquitto_passwd or 'fedtier broker passwd'): "
+                   "only its users, with their passwords, may connect.")
+@click.option("--max-keepalive", type=click.IntRange(1, 65535), default=DEFAULT_LIMITS.max_keepalive,
+              show_default=True, help="Keep-alive (s) imposed on clients that ask for none.")
 def run_cmd(host: str, port: int, max_packet_size: int, max_connections_per_address: int,
-            acl_file: str | None) -> None:
+            acl_file: str | None, password_file: str | None, max_keepalive: int) -> None:
     """Serve until SIGINT/SIGTERM. The other limits keep their safe defaults; every limit is
     an option of "python -m fedtier.embedded_broker" (see its --help and docs/broker.md).
 
@@ -42,6 +48,33 @@ def run_cmd(host: str, port: int, max_packet_size: int, max_connections_per_addr
         args += ["--max-connections", str(max_connections_per_address)]
     if acl_file:
         args += ["--acl-file", acl_file]
+    if password_file:
+        args += ["--password-file", password_file]
+    if max_keepalive != DEFAULT_LIMITS.max_keepalive:
+        args += ["--max-keepalive", str(max_keepalive)]
     raise SystemExit(main(args))
+
+
+@broker.command("passwd")
+@click.argument("password_file", type=click.Path(dir_okay=False))
+@click.argument("username")
+@click.option("--password", default=None,
+              help="The password (default: asked for, twice, without echo).")
+def passwd_cmd(password_file: str, username: str, password: str | None) -> None:
+    """Add USERNAME to PASSWORD_FILE (created 0600 if missing) or change its password.
+
+    Writes the $7$ (PBKDF2-SHA512) lines of Mosquitto 2.0's mosquitto_passwd, so the file also
+    serves Mosquitto's password_file. Example: fedtier broker passwd broker.passwd edge-1
+    """
+    from fedtier.embedded_broker.passwords import set_password
+    from fedtier.errors import ConfigError
+
+    if password is None:
+        password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
+    try:
+        set_password(password_file, username, password)
+    except (ConfigError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{username}: password set in {password_file}")
 
 

@@ -15,11 +15,26 @@ Why each exists (a peer that is not yet a client must not be able to cost memory
   messages queued in sessions and retained messages. Over it, the connection that asks for
   more is closed (reason 0x97 Quota exceeded), a queued message is dropped, a retained
   publish is refused.
+* ``input_allowance`` / ``max_input_bytes`` — partial packets, which any connected client can
+  leave half sent for as long as its socket stays open. Each connection may hold
+  ``input_allowance`` of one without asking; beyond that its bytes come out of a total,
+  ``max_input_bytes``, shared by all connections. A read never takes more from a socket than
+  the connection may hold, so a connection the total cannot serve is not read (its bytes wait
+  in the kernel, TCP tells the client to wait) until bytes are given back; if the total is
+  held by packets begun more than ``stall_timeout`` seconds ago, those connections are closed
+  (0x97) to serve the one waiting. At most ``max_connections`` x ``input_allowance`` +
+  ``max_input_bytes`` (48 MiB by default) of partial packets, however many clients stall.
+* ``max_keepalive`` — Mosquitto's option of the same name: a v5 client that asks for no
+  keep-alive (0) or a longer one is told this one in CONNACK (Server Keep Alive) and held to
+  it. A 3.1.1 client that asks for none is closed after 1.5 x this long without a packet
+  (Mosquitto keeps those forever), so silent clients cannot hold every connection slot.
 * ``max_queued_messages`` / ``max_queued_bytes`` — per session, the QoS 1/2 messages waiting
   beyond the in-flight window (Mosquitto's options of the same names); the oldest is dropped.
 * ``max_output_backlog`` — per connection, unsent output: above it QoS 0 messages to that
   client are dropped and QoS 1/2 messages wait in the session.
-* ``max_connections`` / ``max_connections_per_address`` — sockets; more are closed at once.
+* ``max_connections`` / ``max_connections_per_address`` — sockets. When one is reached, a new
+  socket takes the place of the oldest connection that has not completed CONNECT (from the
+  same address, for the per-address limit); with none, the new socket is closed at once.
 """
 
 from __future__ import annotations
@@ -45,6 +60,12 @@ class BrokerLimits:
     max_output_backlog: int = 8 * MIB
     max_connections: int = 1024
     max_connections_per_address: int = 256
+    max_input_bytes: int = 32 * MIB
+    input_allowance: int = 16 * KIB
+    stall_timeout: int = 10
+    """Seconds: a partial packet begun longer ago may be closed when ``max_input_bytes`` runs out."""
+    max_keepalive: int = 300
+    """Seconds; the keep-alive imposed on clients that ask for none (see the module docstring)."""
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -57,9 +78,16 @@ class BrokerLimits:
             raise ConfigError("max_packet_size must be at least 64 bytes", key="max_packet_size")
         if self.max_connect_size < 64:
             raise ConfigError("max_connect_size must be at least 64 bytes", key="max_connect_size")
+        if self.max_keepalive > 65_535:
+            raise ConfigError("max_keepalive must be at most 65535 seconds", key="max_keepalive")
         if self.max_connections_per_address > self.max_connections:
             raise ConfigError("max_connections_per_address exceeds max_connections",
                               key="max_connections_per_address")
+
+    @property
+    def max_input_held(self) -> int:
+        """The most partial packets can hold in all: every connection's allowance plus the shared total."""
+        return self.max_connections * self.input_allowance + self.max_input_bytes
 
     @property
     def connect_limit(self) -> int:
@@ -93,8 +121,16 @@ class ByteBudget:
         self.used += n
         return True
 
+    def force(self, n: int) -> None:
+        """Reserve ``n`` bytes even past the limit (a caller that has already received them)."""
+        self.used += max(0, n)
+
     def give_back(self, n: int) -> None:
         self.used = max(0, self.used - n)
+
+    @property
+    def available(self) -> int:
+        return max(0, self.limit - self.used)
 
 
 class MessageHolds:

@@ -45,6 +45,7 @@ from fedtier.embedded_broker.acl import AccessList
 from fedtier.embedded_broker.codec import PacketFramer, decode_packet, encode_packet
 from fedtier.embedded_broker.limits import DEFAULT_LIMITS, BrokerLimits
 from fedtier.embedded_broker.packets import MQTT_5, ConnAck, Connect, Packet
+from fedtier.embedded_broker.passwords import PasswordFile
 
 from conftest import Broker, start_mosquitto
 
@@ -160,22 +161,32 @@ class RunningBroker:
 
 
 def start_broker(kind: str, directory: Path, *, limits: BrokerLimits = DEFAULT_LIMITS,
-                 acl: str | None = None) -> RunningBroker:
-    """Start ``kind`` with fedtier's limits (``limits``) and, if given, the ACL text ``acl``."""
+                 acl: str | None = None, password_file: Path | None = None) -> RunningBroker:
+    """Start ``kind`` with fedtier's limits (``limits``) and, if given, the ACL text ``acl`` and
+    the Mosquitto-format ``password_file`` (then only its users may connect)."""
     if kind == "mosquitto":
-        extra: tuple[str, ...] = ()
+        extra: list[str] = []
         if acl is not None:
             directory.mkdir(parents=True, exist_ok=True)
             acl_path = directory / "fedtier.acl"
             acl_path.write_text(acl)
+            extra.append(f"acl_file {acl_path}")
+        if password_file is not None:
+            extra += ["allow_anonymous false", f"password_file {password_file}"]
+        if acl is not None or password_file is not None:
             # Started as root, Mosquitto switches to user `mosquitto` before it opens the ACL,
             # which then cannot read the test's private directory: stay the current user.
-            extra = (f"acl_file {acl_path}", f"user {getpass.getuser()}")
-        proc = start_mosquitto(directory, limits=limits, extra=extra)
+            extra.append(f"user {getpass.getuser()}")
+        if limits.max_keepalive != DEFAULT_LIMITS.max_keepalive:
+            # Not in fedtier's Mosquitto configurations (Mosquitto's default, 65535, stays there);
+            # a test that sets it means both brokers.
+            extra.append(f"max_keepalive {limits.max_keepalive}")
+        proc = start_mosquitto(directory, limits=limits, extra=tuple(extra))
         return RunningBroker(kind, proc.host, proc.port, limits, proc.stop, proc.proc.pid, process=proc)
     if kind == "embedded":
         embedded = EmbeddedBroker(HOST, 0, limits=limits,
-                                  acl=AccessList.parse(acl) if acl is not None else None).start()
+                                  acl=AccessList.parse(acl) if acl is not None else None,
+                                  passwords=PasswordFile.load(password_file) if password_file else None).start()
         return RunningBroker(kind, HOST, embedded.port, limits, embedded.stop, embedded=embedded)
     raise ValueError(kind)
 
@@ -265,15 +276,16 @@ class RawClient:
 
 
 def raw_connect(*, name: bytes = b"MQTT", level: int = 5, flags: int = 0x02, client_id: bytes = b"raw",
-                properties: bytes = b"\x00", payload: bytes = b"") -> bytes:
+                properties: bytes = b"\x00", payload: bytes = b"", keep_alive: int = 60) -> bytes:
     """A CONNECT built byte by byte (for the malformed ones no codec would write)."""
-    body = (len(name).to_bytes(2, "big") + name + bytes([level, flags]) + b"\x00\x3c"
+    body = (len(name).to_bytes(2, "big") + name + bytes([level, flags]) + keep_alive.to_bytes(2, "big")
             + (properties if level == 5 else b"") + len(client_id).to_bytes(2, "big") + client_id
             + payload)
-    return b"\x10" + _varint(len(body)) + body
+    return b"\x10" + varint(len(body)) + body
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """``value`` as an MQTT Variable Byte Integer (a Remaining Length, §1.5.5)."""
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
@@ -288,7 +300,7 @@ class Peer:
     def __init__(self, port: int, client_id: str = "", *, protocol: int = MQTT_5,
                  clean: bool = True, session_expiry: int | None = None,
                  maximum_packet_size: int | None = None, manual_ack: bool = False,
-                 keepalive: int = 60, username: str | None = None) -> None:
+                 keepalive: int = 60, username: str | None = None, password: str | None = None) -> None:
         self.port = port
         self.protocol = protocol
         self.clean = clean
@@ -301,7 +313,7 @@ class Peer:
             reconnect_on_failure=False,
         )
         if username is not None:
-            self.client.username_pw_set(username)
+            self.client.username_pw_set(username, password)
         self.connect_properties: PahoProperties | None = None
         if v5 and (session_expiry is not None or maximum_packet_size is not None):
             self.connect_properties = PahoProperties(PacketTypes.CONNECT)
@@ -314,6 +326,8 @@ class Peer:
         self.disconnected = threading.Event()
         self.session_present: bool | None = None
         self.connack_properties: Any = None
+        self.connect_reason: int | None = None
+        """The CONNACK's reason code (3.1.1: its return code) once it arrived."""
         self.disconnect_reason: PahoReasonCode | None = None
         self.publish_reasons: dict[int, int] = {}
         self._subacks: dict[int, list[PahoReasonCode]] = {}
@@ -329,6 +343,7 @@ class Peer:
                     properties: Any) -> None:
         self.session_present = flags.session_present
         self.connack_properties = properties
+        self.connect_reason = int(getattr(reason, "value", reason))
         self.connected.set()
 
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any,
@@ -449,4 +464,4 @@ def rss_kib(pid: int) -> tuple[int, int]:
 
 __all__ = ["HOST", "KINDS", "WAIT", "Check", "Peer", "RawClient", "RunningBroker", "broker", "check",
            "disconnect_and_wait", "kind", "raw_connect", "round_trip", "rss_kib", "sentinel",
-           "start", "start_broker", "summary_lines"]
+           "start", "start_broker", "summary_lines", "varint"]

@@ -158,3 +158,14 @@ def test_will_properties_and_flags_are_accepted(broker: RunningBroker, check: Ch
                 properties=Properties(content_type="text/plain", message_expiry_interval=60))
     check.same("will QoS 2, retained, with properties", raw.connect("will-props", will=will).reason_code, 0)
     raw.close()
+
+
+def test_server_keep_alive_for_a_v5_client_without_keep_alive(broker: RunningBroker, check: Check) -> None:
+    raw = RawClient(broker.port)
+    connack = raw.connect("no-keep-alive", keep_alive=0)
+    check.same("accepted", connack.reason_code, 0)
+    check.differs("Server Keep Alive in CONNACK (max_keepalive)", connack.properties.server_keep_alive,
+                  {"mosquitto": 65535, "embedded": 300},
+                  spec="§3.2.2.3.14 (the Server may impose its own Keep Alive); Mosquitto's default "
+                       "max_keepalive is 65535, fedtier's 300 s")
+    raw.close()

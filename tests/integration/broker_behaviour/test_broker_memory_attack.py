@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from broker_harness import HOST, Check, Peer, check, kind, rss_kib
+from broker_harness import HOST, Check, Peer, check, kind, raw_connect, round_trip, rss_kib, varint
 from conftest import free_port, start_mosquitto, wait_port
 
 from fedtier.embedded_broker.limits import DEFAULT_LIMITS, GIB, MIB, BrokerLimits
@@ -33,7 +33,8 @@ ATTACKERS = 8
 ANNOUNCED = 268_435_455  # 256 MiB - 1: the largest four-byte Remaining Length (§1.5.5)
 STREAM = 64 * MIB
 GROWTH_LIMIT = 64_000_000  # bytes: "less than 64 MB"
-UNLIMITED = BrokerLimits(max_packet_size=None, max_connect_size=ANNOUNCED + 5, max_buffered_bytes=8 * GIB)
+UNLIMITED = BrokerLimits(max_packet_size=None, max_connect_size=ANNOUNCED + 5, max_buffered_bytes=8 * GIB,
+                         max_input_bytes=8 * GIB)
 
 
 @dataclass
@@ -54,7 +55,8 @@ def start_process(kind: str, directory: Path, limits: BrokerLimits) -> tuple[Bro
     if limits != DEFAULT_LIMITS:
         argv += ["--max-packet-size", str(limits.max_packet_size or 0),
                  "--max-connect-size", str(limits.max_connect_size),
-                 "--max-buffered-bytes", str(limits.max_buffered_bytes)]
+                 "--max-buffered-bytes", str(limits.max_buffered_bytes),
+                 "--max-input-bytes", str(limits.max_input_bytes)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port)
     return BrokerProcess(proc.pid, port), proc
@@ -177,8 +179,8 @@ def test_eight_256_mib_connects_cost_under_64_mb_and_a_client_is_served_througho
 
 
 def test_control_without_the_limits_the_same_attack_costs_memory(launch: object, check: Check) -> None:
-    """The measurement is able to fail: with no packet and no pre-CONNECT limit (and a budget
-    far away) eight sockets streaming 16 MiB each grow either broker by more than 64 MB."""
+    """The measurement is able to fail: with no packet and no pre-CONNECT limit (and the budget and
+    the input total far away) eight sockets streaming 16 MiB each grow either broker by more than 64 MB."""
     broker = launch(UNLIMITED)  # type: ignore[operator]
     rss_before, _ = rss_kib(broker.pid)
     sent = attack(broker.port, 16 * MIB)
@@ -187,3 +189,99 @@ def test_control_without_the_limits_the_same_attack_costs_memory(launch: object,
     check.same("nothing cut off", sent, [16 * MIB] * ATTACKERS)
     check.that("RSS grows by more than 64 MB", (peak - rss_before) * 1024 > GROWTH_LIMIT,
                f"{(peak - rss_before) / 1024:.1f} MiB")
+
+
+# --- issue 31: connected clients that stall in the middle of a large PUBLISH ---------------------
+
+STALLED = 250
+STALL_REMAINING = DEFAULT_LIMITS.max_packet_size - 4 if DEFAULT_LIMITS.max_packet_size else MIB
+"""The Remaining Length of each stalled PUBLISH: with its 4-byte fixed header, exactly the packet limit."""
+STALL_SENT = STALL_REMAINING - 1024
+"""Bytes of that body each client sends before it stalls: all but the last KiB."""
+
+
+def _stalled_publish_head() -> bytes:
+    """A v5 PUBLISH (QoS 0, topic ``stall/x``, no properties) announcing STALL_REMAINING bytes, and the
+    first STALL_SENT bytes of its body."""
+    body_head = b"\x00\x07stall/x\x00"
+    return b"\x30" + varint(STALL_REMAINING) + body_head + b"s" * (STALL_SENT - len(body_head))
+
+
+def stall(port: int, count: int, *, settle_s: float = 3.0, deadline_s: float = 60.0) -> list[socket.socket]:
+    """Open ``count`` connections, CONNECT each (v5, keep-alive 0), then send each a PUBLISH head that
+    announces ~1 MiB and all of its body but the last KiB, as far as the broker reads it: a socket whose
+    send would block is left as it is once no socket has made progress for ``settle_s``."""
+    connect = raw_connect(client_id=b"", level=5, keep_alive=0)
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection((HOST, port))
+        sock.sendall(connect)
+        socks.append(sock)
+    for sock in socks:  # CONNACK: each is a connected client before it stalls
+        sock.settimeout(10)
+        head = sock.recv(2)
+        assert head[:1] == b"\x20", f"no CONNACK: {head!r}"
+        sock.setblocking(False)
+    data = _stalled_publish_head()
+    sent = dict.fromkeys(socks, 0)
+    last_progress = time.monotonic()
+    deadline = last_progress + deadline_s
+    while time.monotonic() - last_progress < settle_s and time.monotonic() < deadline:
+        pending = [s for s in socks if sent[s] < len(data)]
+        if not pending:
+            break
+        _, writable, _ = select.select([], pending, [], 0.2)
+        for sock in writable:
+            try:
+                n = sock.send(data[sent[sock]:sent[sock] + 256 * 1024])
+            except BlockingIOError:
+                continue
+            except OSError:  # the broker closed it
+                sent[sock] = len(data)
+                continue
+            if n:
+                sent[sock] += n
+                last_progress = time.monotonic()
+    return socks
+
+
+def still_open(socks: list[socket.socket]) -> int:
+    """How many of ``socks`` the broker has not closed (nothing to read, no EOF, no reset)."""
+    open_count = 0
+    for sock in socks:
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            open_count += 1
+            continue
+        except OSError:
+            continue
+        if data and not data.startswith(b"\xe0"):  # anything but a DISCONNECT: still connected
+            open_count += 1
+    return open_count
+
+
+def test_250_clients_stalled_mid_publish_cost_under_64_mb_and_a_new_client_is_served(
+        launch: object, check: Check) -> None:
+    broker = launch()  # type: ignore[operator]
+    rss_before, _ = rss_kib(broker.pid)
+    started = time.monotonic()
+    socks = stall(broker.port, STALLED)
+    stalled_s = time.monotonic() - started
+    try:
+        time.sleep(1.0)  # whatever the broker was going to read of them, it has read
+        served = round_trip(broker.port, "health/stalled") == b"still alive"
+        rss_after, peak = rss_kib(broker.pid)
+        open_count = still_open(socks)
+    finally:
+        for sock in socks:
+            sock.close()
+    growth = (peak - rss_before) * 1024
+    print(f"\n{check.kind} pid {broker.pid}: RSS {rss_before} KiB before, {rss_after} KiB with "
+          f"{STALLED} clients stalled mid-PUBLISH ({stalled_s:.1f} s to stall them), peak {peak} KiB "
+          f"(growth {growth / 1e6:.1f} MB); {open_count} of them still connected")
+    check.same("a new client connects, subscribes, publishes and receives meanwhile", served, True)
+    check.differs("RSS grows by less than 64 MB", growth < GROWTH_LIMIT,
+                  {"mosquitto": False, "embedded": True},
+                  "§4.13 (a server's resource limits are its own): Mosquitto allocates each packet's "
+                  "announced length on its fixed header")

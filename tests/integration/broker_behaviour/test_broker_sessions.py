@@ -126,6 +126,45 @@ def test_keep_alive_expiry_disconnects_and_publishes_the_will(broker: RunningBro
     watcher.close()
 
 
+def test_a_client_without_keep_alive_is_held_to_max_keepalive(start: Any, check: Check, kind: str) -> None:
+    """``max_keepalive``: v5 clients asking for no keep-alive (or a longer one) are told it in CONNACK
+    (Server Keep Alive) and closed after 1.5 x it without a packet; a silent 3.1.1 client without
+    keep-alive is closed after as long by the embedded broker only (Mosquitto keeps it forever)."""
+    limit = 10 if kind == "mosquitto" else 2  # Mosquitto accepts no max_keepalive under 10
+    broker = start(limits=BrokerLimits(max_keepalive=limit))
+    started = time.monotonic()
+    silent = RawClient(broker.port, MQTT_5, timeout=3 * limit + WAIT)
+    connack = silent.connect("no-keep-alive", keep_alive=0)
+    check.same("v5, keep-alive 0: Server Keep Alive is max_keepalive", connack.properties.server_keep_alive, limit)
+    longer = RawClient(broker.port, MQTT_5)
+    connack = longer.connect("long-keep-alive", keep_alive=10 * limit)
+    check.same("v5, keep-alive over it: Server Keep Alive is max_keepalive", connack.properties.server_keep_alive,
+               limit)
+    longer.close()
+    shorter = RawClient(broker.port, MQTT_5)
+    connack = shorter.connect("short-keep-alive", keep_alive=limit - 1)
+    check.same("v5, keep-alive under it: no Server Keep Alive", connack.properties.server_keep_alive, None)
+    shorter.close()
+    v311 = RawClient(broker.port, MQTT_311, timeout=WAIT)
+    check.same("3.1.1, keep-alive 0: accepted", v311.connect("no-keep-alive-311", keep_alive=0).reason_code, 0)
+    packets = silent.packets_until_closed()
+    elapsed = time.monotonic() - started
+    check.that("v5: closed after 1.5 x max_keepalive without a packet", 1.5 * limit - 0.5 <= elapsed <= 1.5 * limit + 3,
+               f"{elapsed:.1f} s")
+    check.differs("v5: DISCONNECT 0x8D before closing", packets, {"mosquitto": [], "embedded": [Disconnect(0x8D)]},
+                  spec="MQTT 5 §3.1.2.10, §4.13.2 (the Server MAY send DISCONNECT 0x8D)")
+    v311.sock.settimeout(max(0.1, 1.5 * limit + 1 - (time.monotonic() - started)))
+    try:
+        closed = v311.recv() is None
+    except TimeoutError:
+        closed = False
+    check.differs("3.1.1, keep-alive 0: closed after 1.5 x max_keepalive of silence", closed,
+                  {"mosquitto": False, "embedded": True},
+                  spec="3.1.1 §3.1.2.10 (Keep Alive 0 turns the mechanism off) and §4.13 of MQTT 5 "
+                       "(a server may close a connection for its own reasons)")
+    v311.close()
+
+
 def test_ping(broker: RunningBroker, check: Check) -> None:
     raw = RawClient(broker.port)
     assert raw.connect("pinger", keep_alive=2).reason_code == 0

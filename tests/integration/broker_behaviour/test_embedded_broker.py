@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from broker_harness import HOST, WAIT, Peer, RawClient, round_trip
-from conftest import free_port
+from broker_harness import HOST, WAIT, Peer, RawClient, round_trip, varint
+from conftest import free_port, wait_port
 
 from fedtier.embedded_broker import EmbeddedBroker
 from fedtier.embedded_broker.acl import AccessList
@@ -102,6 +102,83 @@ def test_partial_packets_are_charged_to_the_byte_budget() -> None:
         assert first.recv() == PingResp()
         assert round_trip(broker.port) == b"still alive"
         first.close()
+
+
+def _stall(port: int, client_id: str, announced: int, sent: int) -> RawClient:
+    """A connected client that sends a PUBLISH head announcing ``announced`` bytes of body and
+    ``sent`` of them, then stalls (the sending is non-blocking: what the broker does not read
+    stays in the kernel)."""
+    raw = RawClient(port)
+    raw.connect(client_id, keep_alive=0)
+    head = b"\x30" + varint(announced) + b"\x00\x01s\x00"
+    raw.sock.setblocking(False)
+    data = head + b"s" * (sent - 4)
+    try:
+        raw.sock.send(data)
+    except BlockingIOError:
+        pass
+    return raw
+
+
+def test_stalled_partial_packets_are_bounded_and_evicted_for_a_client_that_sends() -> None:
+    limits = BrokerLimits(max_packet_size=64 * KIB, input_allowance=4 * KIB, max_input_bytes=128 * KIB,
+                          stall_timeout=1)
+    with EmbeddedBroker(limits=limits) as broker:
+        stalled = [_stall(broker.port, f"stalled-{i}", 64 * KIB - 5, 60_000) for i in range(6)]
+        assert wait_until(lambda: broker.stats()["input_waiting"] >= 3)  # 6 x 56 KB do not fit 128 KiB
+        stats = broker.stats()
+        assert stats["input_total_used"] <= 128 * KIB + 6, stats  # a read never outgrows the total
+        assert stats["input_bytes"] <= 6 * 4 * KIB + 128 * KIB + 6, stats
+        # A client with small packets needs nothing from the total: served at once.
+        assert round_trip(broker.port) == b"still alive"
+        # One that sends a packet as large as the stalled ones waits for the total, which the
+        # stalled ones give back when they are closed (their packets began over 1 s ago).
+        sub = Peer(broker.port, "big-sub").connect()
+        assert sub.subscribe("big", 1) == [1]
+        pub = Peer(broker.port, "big-pub").connect()
+        pub.publish("big", b"b" * 60_000, qos=1)
+        assert bytes(sub.get().payload) == b"b" * 60_000
+        stats = broker.stats()
+        assert stats["evicted_stalled"] >= 1 and stats["input_waits"] >= 3, stats
+        closed = [raw for raw in stalled if wait_until(lambda raw=raw: _closed(raw), 0.2)]
+        assert closed, "no stalled client was closed"
+        for raw in stalled:
+            raw.close()
+        sub.close()
+        pub.close()
+        assert wait_until(lambda: broker.stats()["input_total_used"] == 0)
+
+
+def _closed(raw: RawClient) -> bool:
+    try:
+        data = raw.sock.recv(65536)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return not data or data.startswith(b"\xe0")  # EOF, or the DISCONNECT before it
+
+
+def test_a_new_connection_takes_the_slot_of_the_oldest_one_without_connect() -> None:
+    with EmbeddedBroker(max_connections_per_address=3, max_connections=3) as broker:
+        silent = [RawClient(broker.port) for _ in range(2)]  # sockets that never send CONNECT
+        assert wait_until(lambda: broker.stats()["connections"] == 2)
+        client = RawClient(broker.port)
+        assert client.connect("client").reason_code == 0
+        newcomer = RawClient(broker.port)  # the limit is reached: the oldest silent one goes
+        assert newcomer.connect("newcomer").reason_code == 0
+        assert silent[0].recv() is None
+        assert wait_until(lambda: broker.stats()["evicted_unconnected"] == 1)
+        third = RawClient(broker.port)  # then the other silent one
+        assert third.connect("third").reason_code == 0
+        assert silent[1].recv() is None
+        refused = RawClient(broker.port)  # all three connected: refused, as before
+        refused.send(Connect("refused"))
+        assert refused.recv() is None
+        for raw in (client, newcomer, third):
+            raw.send(PingReq())
+            assert raw.recv() == PingResp()
+            raw.close()
 
 
 def test_a_subscriber_that_does_not_read_is_bounded() -> None:
@@ -228,6 +305,50 @@ def test_default_limits_are_the_documented_ones() -> None:
     assert (limits.max_queued_messages, limits.max_queued_bytes, limits.max_output_backlog) == (10_000, 64 * MIB,
                                                                                                  8 * MIB)
     assert (limits.max_connections, limits.max_connections_per_address) == (1024, 256)
+
+
+def test_the_limits_of_issue_31_and_their_total() -> None:
+    limits = BrokerLimits()
+    assert (limits.max_input_bytes, limits.input_allowance, limits.stall_timeout, limits.max_keepalive) == (
+        32 * MIB, 16 * KIB, 10, 300)
+    # What partial packets can hold at most, however many clients stall: under 64 MB.
+    assert limits.max_input_held == 48 * MIB < 64_000_000
+    with pytest.raises(ConfigError) as info:
+        BrokerLimits(max_keepalive=65_536)
+    assert info.value.key == "max_keepalive"
+
+
+def test_password_file_option(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from fedtier.embedded_broker.cli import main
+    from fedtier.embedded_broker.command import broker as broker_group
+
+    path = Path(str(tmp_path)) / "broker.passwd"
+    result = CliRunner().invoke(broker_group, ["passwd", str(path), "edge-1", "--password", "s3cret"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(broker_group, ["passwd", str(path), "edge-2"], input="two\ntwo\n")
+    assert result.exit_code == 0, result.output
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [line.split(":")[0] for line in path.read_text().splitlines()] == ["edge-1", "edge-2"]
+    plain = Path(str(tmp_path)) / "plain.passwd"
+    plain.write_text("edge-1:s3cret\n")
+    assert main(["--port", "0", "--password-file", str(plain)]) == 2  # plain text: refused up front
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "fedtier.embedded_broker", "--host", HOST, "--port", str(port),
+                             "--password-file", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        raw = RawClient(port)
+        assert raw.connect("anonymous").reason_code == 0x87
+        raw = RawClient(port)
+        assert raw.connect("edge-2", username="edge-2", password=b"two").reason_code == 0
+        raw.close()
+    finally:
+        proc.terminate()
+        proc.wait(WAIT)
 
 
 # --- API and codec -----------------------------------------------------------------------------

@@ -73,3 +73,11 @@ def test_mosquitto_lines_come_from_the_same_limits() -> None:
     assert f"max_packet_size {MIB}" in mosquitto_global_limits()
     assert not any(line.startswith("max_packet_size") for line in
                    mosquitto_global_limits(BrokerLimits(max_packet_size=None)))
+
+
+def test_budget_force_and_available() -> None:
+    budget = ByteBudget(100)
+    budget.force(120)  # bytes already received are charged even past the limit
+    assert (budget.used, budget.available) == (120, 0)
+    budget.give_back(50)
+    assert budget.available == 30
