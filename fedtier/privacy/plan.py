@@ -323,12 +323,6 @@ class NoisePlan:
         return cloud_sample(members, rate=self.sample_rate, cap=self.device_release_cap or self.rounds,
                             seed=self.sample_seed, cell=cell, round=round)
 
-    @property
-    def device_releases(self) -> int:
-        """Releases a device under an untrusted edge makes at most: ``tau T``, or its cap under sampling."""
-        rounds = self.device_release_cap if self.sampled and self.device_release_cap else self.rounds
-        return self.edge_rounds * rounds
-
     def edge_sensitivity(self, reporters: int) -> float:
         """A trusted edge's release over ``reporters`` devices: the sound sensitivity, the one charged.
         Under sampling ``reporters`` is the cell's size (the fixed denominator's ``n``)."""
