@@ -1,13 +1,12 @@
 """``fedtier privacy``: a rollout's noise plan before it runs, and its privacy ledger after.
 
-Thin commands over :mod:`cloud_coordinator.privacy` (``calibrate`` for the plan, ``ledger`` and
-``report`` for the audit).
+Thin commands over :mod:`cloud_coordinator.privacy` (``plan_view`` for the plan, ``rollout_report``
+and ``report`` for the audit): options in, usage errors out.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -111,114 +110,18 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
         fedtier privacy report --db fedtier-state/coordinator.db --rollout default --out eps.png
     """
     from cloud_coordinator.privacy import report as rep
-    from cloud_coordinator.privacy.ledger import recompute
+    from cloud_coordinator.privacy.rollout_report import ReportError, rollout_report
 
     try:
         cfg = _load(config_path) if config_path is not None else None
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    if db_path is not None:
-        location = str(db_path)
-    elif cfg is not None:
-        location = cfg.store_location
-    else:
-        raise click.UsageError("say which rollout: --config ROLLOUT.toml, or --db PATH with --rollout ID")
-    rollout = rollout_id or (cfg.rollout if cfg is not None else None)
-    if rollout is None:
-        raise click.UsageError(f"--db {db_path} needs --rollout ID (or --config naming the rollout)")
-    store, db = _open_store(location, f" (the store of {config_path})" if db_path is None else "")
-    metrics_path = cfg.metrics_path if cfg is not None else Path(db_path or ".").parent / "metrics.json"
-    metrics = _read_metrics(metrics_path, rollout)
-    p = cfg.privacy if cfg is not None else None
-    plan = metrics.get("noise_plan") or {}
     try:
-        status = store.status(rollout)
-        if status is None:
-            raise click.UsageError(f"no rollout {rollout!r} in {db}")
-        releases = store.privacy_releases(rollout)
-        if not releases:
-            raise click.UsageError(f"rollout {rollout!r} in {db} has no privacy-ledger rows: it ran without "
-                                   "[privacy], or no round has closed yet")
-        clear, rounds = store.privacy_clear(rollout), store.rounds(rollout)
-        # The rollout's own delta and budget (its round metrics, else its metrics file), else the config's.
-        live = next((r["privacy"] for r in reversed(rounds) if r.get("privacy")), None) or {}
-        delta = live.get("delta", plan.get("delta", p.delta if p is not None else None))
-        if delta is None:
-            raise click.UsageError(f"{db}: rollout {rollout!r} records no delta (no round metrics); give --config")
-        delta = float(delta)
-        accounting = str(plan.get("accountant") or (p.accountant if p is not None else "rdp"))
-        recomputed = recompute(store, rollout, delta, accounting)
-        by_accountant = {accounting: max(recomputed.values(), default=0.0)}
-        for other in ("rdp", "pld"):
-            if other != accounting:
-                by_accountant[other] = max(recompute(store, rollout, delta, other).values(), default=0.0)
-    finally:
-        store.close()
-    if "budget_epsilon" in live:
-        budget = math.inf if live["budget_epsilon"] is None else float(live["budget_epsilon"])
-    elif plan:
-        budget = math.inf if plan.get("budget_epsilon") is None else float(plan["budget_epsilon"])
-    elif p is not None:
-        budget = float(p.budget_epsilon if p.budget_epsilon is not None else p.epsilon)
-    else:
-        budget = math.inf
-    modes = sorted({str(r["mode"]) for r in releases})
-    rounds_planned = metrics.get("rounds_planned", cfg.rounds if cfg is not None else None)
-    doc = rep.build(rollout=rollout, db=db, releases=releases, clear=clear, rounds=rounds, recomputed=recomputed,
-                    delta=delta, budget=budget, mode=",".join(modes), status=status, rounds_planned=rounds_planned,
-                    stopped=metrics.get("stopped"), accounting=accounting, by_accountant=by_accountant)
-    if p is not None:
-        if not rep.agrees(p.delta, float(delta), 1e-12):
-            doc["warnings"].append(f"{config_path} now says delta {p.delta:g}; the rollout ran with {delta:g} "
-                                   "(this report uses the rollout's)")
-        config_budget = float(p.budget_epsilon if p.budget_epsilon is not None else p.epsilon)
-        if not (config_budget == budget or rep.agrees(config_budget, budget, 1e-12)):
-            doc["warnings"].append(f"{config_path} now says budget {config_budget:g}; the rollout ran with "
-                                   f"{budget:g} (this report uses the rollout's)")
-    if metrics.get("_error"):
-        doc["warnings"].append(metrics["_error"])
-    out = out_path if out_path is not None else (cfg.state_dir if cfg is not None and db_path is None
-                                                 else Path(db_path or ".").parent) / "privacy_epsilon.png"
-    rep.plot_epsilon(doc["rounds"], out, budget=budget, delta=delta, mode=doc["mode"], rollout=rollout)
-    doc["plot"] = str(out)
-    doc["metrics_file"] = str(metrics_path) if metrics.get("_found") else None
+        doc = rollout_report(cfg, config_path=config_path, db_path=db_path, rollout_id=rollout_id, out_path=out_path)
+    except ReportError as exc:
+        raise click.UsageError(str(exc)) from None
     if as_json:
         click.echo(json.dumps(rep.jsonable(doc), indent=1))
     else:
         click.echo(rep.render(doc))
-        click.echo(f"\nplot: {out}")
-
-
-def _open_store(location: str, where: str) -> tuple[Any, str]:
-    """The coordinator's store at ``location`` and its name for messages, after checking (without
-    writing) that it is one: opening a store creates its tables, which must not happen to some
-    other database given by mistake."""
-    from cloud_coordinator import store_backend as backend
-    from cloud_coordinator.store import CoordinatorStore
-
-    url = backend.parse_url(location)
-    name = backend.display(url) if "://" in location else location
-    try:
-        tables = backend.existing_tables(url)
-    except ConfigError as exc:
-        raise click.UsageError(exc.message) from None
-    if tables is None:
-        raise click.UsageError(f"no coordinator database at {name}{where}: has the rollout run?")
-    missing = {"rollouts", "rounds", "privacy_releases", "privacy_clear"} - tables
-    if missing:
-        raise click.UsageError(f"{name} is not a coordinator database with a privacy ledger "
-                               f"(no table {', '.join(sorted(missing))})")
-    return CoordinatorStore(location), name
-
-
-def _read_metrics(path: Path, rollout: str) -> dict[str, Any]:
-    """The coordinator's metrics JSON of ``rollout`` (``{}`` if absent or of another rollout)."""
-    if not path.is_file():
-        return {}
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        return {"_error": f"metrics file {path} unreadable ({exc}); stop reason unknown"}
-    if not isinstance(doc, dict) or doc.get("rollout") != rollout:
-        return {}
-    return {**doc, "_found": True}
+        click.echo(f"\nplot: {doc['plot']}")

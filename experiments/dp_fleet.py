@@ -31,6 +31,7 @@ import sys
 import time
 import tomllib
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -125,105 +126,163 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     """One configuration: ``eps`` None is the non-DP baseline (same sampling, no clip, no noise)."""
     logging.getLogger("absl").setLevel(logging.ERROR)
     from cloud_coordinator.privacy.accountant import Accountant
-    from fedtier.privacy.adaptive_clip import GeometricClip, noised_centred_count, unclipped_bits, update_multiplier
+    from fedtier.privacy.adaptive_clip import GeometricClip
     from fedtier.privacy.mechanism import NoiseSource
 
     spec, seed, p, eps = job["spec"], job["seed"], job["p"], job["eps"]
     adaptive = job.get("adaptive")
     start = time.perf_counter()
     n_cells, per_cell = spec["cells"], spec["devices_per_cell"]
-    n = n_cells * per_cell
-    x, y, xt, yt = make_data(spec, n)
-    rng = np.random.default_rng(1000 + seed)  # sampling; trusted edges draw theirs from the same (secret) stream
-    noise = NoiseSource(seed=seed)  # simulation: reproducible noise
-    w = np.zeros((spec["data"]["features"] + 1, spec["data"]["classes"]))
-    q, t = spec["sample_rate"], spec["train"]
+    x, y, xt, yt = make_data(spec, n_cells * per_cell)
     plan = layout = None
     secagg = bool(job.get("secagg"))
     if eps is not None:
         plan, layout = plan_for(spec, p, eps, seed, secagg)
     cells = sorted(layout) if layout is not None else [f"c{i}" for i in range(n_cells)]
-    index = {c: np.arange(i * per_cell, (i + 1) * per_cell) for i, c in enumerate(cells)}
-    names = {c: (layout[c] if layout is not None else tuple(f"{c}-{j}" for j in range(per_cell))) for c in cells}
-    ledger = Accountant(spec["delta"], accounting=spec["accountant"])
-    released = np.zeros(n, dtype=int)  # releases per device under untrusted edges (the cap)
-    clip_state = GeometricClip(clip=adaptive["start_clip"], target_quantile=adaptive["target_quantile"],
-                               learning_rate=adaptive["learning_rate"]) if adaptive else None
+    fleet = _Fleet(
+        spec=spec, plan=plan, cells=cells, x=x, y=y,
+        index={c: np.arange(i * per_cell, (i + 1) * per_cell) for i, c in enumerate(cells)},
+        names={c: (layout[c] if layout is not None else tuple(f"{c}-{j}" for j in range(per_cell))) for c in cells},
+        rng=np.random.default_rng(1000 + seed),  # sampling; trusted edges draw theirs from the same (secret) stream
+        noise=NoiseSource(seed=seed),  # simulation: reproducible noise
+        ledger=Accountant(spec["delta"], accounting=spec["accountant"]),
+        released=np.zeros(n_cells * per_cell, dtype=int),  # releases per device under untrusted edges (the cap)
+        adaptive=adaptive,
+        clip_state=GeometricClip(clip=adaptive["start_clip"], target_quantile=adaptive["target_quantile"],
+                                 learning_rate=adaptive["learning_rate"]) if adaptive else None)
+    w = np.zeros((spec["data"]["features"] + 1, spec["data"]["classes"]))
     clips, accs = [], []
     for rnd in range(spec["rounds"]):
-        clip = clip_state.clip if clip_state is not None else spec["clip"]
+        clip = fleet.clip_state.clip if fleet.clip_state is not None else spec["clip"]
         clips.append(clip)
-        updates, weights = [], []
-        count_total = 0.0
-        for c in cells:
-            idx = index[c]
-            distributed = plan is not None and plan.cells[c].distributed
-            trusted = plan is not None and plan.cells[c].trusted and not distributed
-            chosen = rng.random(per_cell) < q  # distributed DP: each device's own secret draw
-            if plan is not None and not trusted and not distributed:  # the cloud samples, within the release cap
-                chosen &= released[idx] < plan.device_release_cap
-            sel = idx[chosen]
-            deltas = local_deltas(w, x[sel], y[sel], t["local_steps"], t["lr"]) if len(sel) else \
-                np.zeros((0, w.size))
-            if plan is None:  # non-DP: the cell's mean over its sampled devices
-                if len(sel):
-                    updates.append(deltas.mean(axis=0))
-                    weights.append(len(sel))
-                continue
-            norms = np.linalg.norm(deltas, axis=1)
-            clipped = deltas * np.minimum(1.0, clip / np.maximum(norms, 1e-12))[:, None]
-            if distributed:
-                # Secure aggregation: every member (no dropouts here) adds its share sigma_d of the cell's noise,
-                # the sampled ones their clipped delta too; the edge unmasks the sum only and divides by q n.
-                # The n shares N(0, sigma_d^2) sum to N(0, n sigma_d^2): drawn at once (the same distribution).
-                shares = noise.add({"d": np.zeros(w.size)}, plan.device_sigma(c) * math.sqrt(per_cell), "dp", c,
-                                   "shares", rnd)["d"]
-                total = clipped.sum(axis=0) + shares
-                updates.append(total / plan.release_denominator(c, per_cell))
-                weights.append(per_cell)
-                ledger.add(names[c], plan.distributed_release(c, per_cell, per_cell)[2], 1, sampling_rate=q)
-            elif trusted:
-                sigma = plan.edge_sigma(c) * clip / plan.clip  # sigma scales with the round's C
-                z_charged = plan.edge_charged_z(c)
-                if clip_state is not None:  # the count's noise takes a share of z: the update gets more
-                    sb = adaptive["count_stddev_per_cell"]
-                    sigma = sigma * update_multiplier(plan.cells[c].edge_z, sb) / plan.cells[c].edge_z
-                    count_total += noised_centred_count(unclipped_bits(norms, clip), sb,
-                                                        noise.generator("count", c, rnd))
-                release = noise.add({"d": clipped.sum(axis=0) / plan.edge_denominator(c)}, sigma, "dp", c, rnd)
-                updates.append(release["d"].astype(np.float64))
-                weights.append(per_cell)
-                ledger.add(names[c], z_charged, 1, sampling_rate=q)
-            else:
-                sigma = plan.device_sigma(c)
-                noised = [noise.add({"d": clipped[i]}, sigma, "dp", int(sel[i]), rnd)["d"] for i in range(len(sel))]
-                released[sel] += 1
-                for i in sel:
-                    ledger.add([names[c][int(i) - idx[0]]], plan.cells[c].device_z, 1)
-                if noised:
-                    updates.append(np.mean(noised, axis=0, dtype=np.float64))
-                    weights.append(per_cell)
-        if updates:
-            agg = np.average(np.stack(updates), axis=0, weights=np.asarray(weights, dtype=float))
-            w = w + t["server_lr"] * agg.reshape(w.shape)
-        if clip_state is not None:
-            clip_state.update(count_total, q * n)
+        w = fleet.round(w, rnd, clip)
         accs.append(accuracy(w, xt, yt))
     out = {"seed": seed, "p": p, "eps": eps, "accuracy": accs[-1], "curve": accs, "clips": clips,
            "seconds": time.perf_counter() - start, "adaptive": bool(adaptive), "secagg": secagg}
     if plan is not None:
-        for c in cells:  # every device is listed, sampled or not
-            ledger.add(names[c], 0.0, 0)
+        out.update(fleet.ledger_summary())
+    return out
+
+
+@dataclass
+class _Fleet:
+    """One run's fleet: its data, plan (``None``: non-DP), sampling and noise streams, and the ledger. Its
+    steps draw from ``rng`` and ``noise`` in a fixed order (cells sorted, devices in index order), so a run
+    is reproducible from its seed."""
+
+    spec: dict[str, Any]
+    plan: Any
+    cells: list[str]
+    x: np.ndarray
+    y: np.ndarray
+    index: dict[str, np.ndarray]
+    names: dict[str, tuple[str, ...]]
+    rng: np.random.Generator
+    noise: Any
+    ledger: Any
+    released: np.ndarray
+    adaptive: dict[str, Any] | None
+    clip_state: Any
+
+    def round(self, w: np.ndarray, rnd: int, clip: float) -> np.ndarray:
+        """The model after round ``rnd``: every cell's update, averaged by weight; the adaptive clip moves on
+        the cells' noised counts."""
+        updates, weights = [], []
+        count_total = 0.0
+        for c in self.cells:
+            update, weight, count = self.cell_update(c, w, rnd, clip)
+            if count is not None:
+                count_total += count
+            if update is not None:
+                updates.append(update)
+                weights.append(weight)
+        if updates:
+            agg = np.average(np.stack(updates), axis=0, weights=np.asarray(weights, dtype=float))
+            w = w + self.spec["train"]["server_lr"] * agg.reshape(w.shape)
+        if self.clip_state is not None:
+            self.clip_state.update(count_total, self.spec["sample_rate"] * len(self.released))
+        return w
+
+    def cell_update(self, c: str, w: np.ndarray, rnd: int,
+                    clip: float) -> tuple[np.ndarray | None, int, float | None]:
+        """(update, weight, noised count) of cell ``c``: its sampled devices train; the update is their mean
+        (non-DP), or the release its plan says (distributed, trusted or untrusted). ``None``: nothing to add."""
+        plan, idx, per_cell, t = self.plan, self.index[c], self.spec["devices_per_cell"], self.spec["train"]
+        distributed = plan is not None and plan.cells[c].distributed
+        trusted = plan is not None and plan.cells[c].trusted and not distributed
+        chosen = self.rng.random(per_cell) < self.spec["sample_rate"]  # distributed DP: each device's own draw
+        if plan is not None and not trusted and not distributed:  # the cloud samples, within the release cap
+            chosen &= self.released[idx] < plan.device_release_cap
+        sel = idx[chosen]
+        deltas = local_deltas(w, self.x[sel], self.y[sel], t["local_steps"], t["lr"]) if len(sel) else \
+            np.zeros((0, w.size))
+        if plan is None:  # non-DP: the cell's mean over its sampled devices
+            return (deltas.mean(axis=0), len(sel), None) if len(sel) else (None, 0, None)
+        norms = np.linalg.norm(deltas, axis=1)
+        clipped = deltas * np.minimum(1.0, clip / np.maximum(norms, 1e-12))[:, None]
+        if distributed:
+            return self.distributed_release(c, clipped, rnd), per_cell, None
+        if trusted:
+            return self.trusted_release(c, clipped, norms, rnd, clip)
+        return self.untrusted_release(c, clipped, sel, rnd), per_cell, None
+
+    def distributed_release(self, c: str, clipped: np.ndarray, rnd: int) -> np.ndarray:
+        """Secure aggregation: every member (no dropouts here) adds its share sigma_d of the cell's noise,
+        the sampled ones their clipped delta too; the edge unmasks the sum only and divides by q n.
+        The n shares N(0, sigma_d^2) sum to N(0, n sigma_d^2): drawn at once (the same distribution)."""
+        plan, per_cell = self.plan, self.spec["devices_per_cell"]
+        shares = self.noise.add({"d": np.zeros(clipped.shape[1])}, plan.device_sigma(c) * math.sqrt(per_cell), "dp",
+                                c, "shares", rnd)["d"]
+        total = clipped.sum(axis=0) + shares
+        self.ledger.add(self.names[c], plan.distributed_release(c, per_cell, per_cell)[2], 1,
+                        sampling_rate=self.spec["sample_rate"])
+        return total / plan.release_denominator(c, per_cell)
+
+    def trusted_release(self, c: str, clipped: np.ndarray, norms: np.ndarray, rnd: int,
+                        clip: float) -> tuple[np.ndarray, int, float | None]:
+        """A trusted edge's fixed-denominator release; with adaptive clipping, its noised count too."""
+        from fedtier.privacy.adaptive_clip import noised_centred_count, unclipped_bits, update_multiplier
+
+        plan = self.plan
+        sigma = plan.edge_sigma(c) * clip / plan.clip  # sigma scales with the round's C
+        z_charged = plan.edge_charged_z(c)
+        count = None
+        if self.clip_state is not None:  # the count's noise takes a share of z: the update gets more
+            sb = self.adaptive["count_stddev_per_cell"]  # type: ignore[index]
+            sigma = sigma * update_multiplier(plan.cells[c].edge_z, sb) / plan.cells[c].edge_z
+            count = noised_centred_count(unclipped_bits(norms, clip), sb, self.noise.generator("count", c, rnd))
+        release = self.noise.add({"d": clipped.sum(axis=0) / plan.edge_denominator(c)}, sigma, "dp", c, rnd)
+        self.ledger.add(self.names[c], z_charged, 1, sampling_rate=self.spec["sample_rate"])
+        return release["d"].astype(np.float64), self.spec["devices_per_cell"], count
+
+    def untrusted_release(self, c: str, clipped: np.ndarray, sel: np.ndarray, rnd: int) -> np.ndarray | None:
+        """Devices under an untrusted edge: each sampled one noises its own update at full price; the edge
+        forwards their mean (``None`` when none was sampled)."""
+        plan, idx = self.plan, self.index[c]
+        sigma = plan.device_sigma(c)
+        noised = [self.noise.add({"d": clipped[i]}, sigma, "dp", int(sel[i]), rnd)["d"] for i in range(len(sel))]
+        self.released[sel] += 1
+        for i in sel:
+            self.ledger.add([self.names[c][int(i) - idx[0]]], plan.cells[c].device_z, 1)
+        return np.mean(noised, axis=0, dtype=np.float64) if noised else None
+
+    def ledger_summary(self) -> dict[str, Any]:
+        """The largest epsilon over devices from the releases made, by RDP and (the same releases) by PLD, and
+        the plan's multipliers and cap."""
+        from cloud_coordinator.privacy.accountant import Accountant
+
+        plan, ledger = self.plan, self.ledger
+        for c in self.cells:  # every device is listed, sampled or not
+            ledger.add(self.names[c], 0.0, 0)
         eps_rdp = max(ledger.epsilons().values())
-        pld = Accountant(spec["delta"], accounting="pld")
-        for device in (d for c in cells for d in names[c]):
+        pld = Accountant(self.spec["delta"], accounting="pld")
+        for device in (d for c in self.cells for d in self.names[c]):
             for rel in ledger.releases(device):
                 pld.add([device], rel[0], rel[1], sampling_rate=rel[2] if len(rel) > 2 else 1.0)
-        out.update(epsilon=eps_rdp, epsilon_pld=max(pld.epsilons().values()),
-                   device_z=max((cp.device_z for cp in plan.cells.values()), default=0.0),
-                   edge_z=max((cp.edge_z for cp in plan.cells.values()), default=0.0),
-                   cap=plan.device_release_cap)
-    return out
+        return {"epsilon": eps_rdp, "epsilon_pld": max(pld.epsilons().values()),
+                "device_z": max((cp.device_z for cp in plan.cells.values()), default=0.0),
+                "edge_z": max((cp.edge_z for cp in plan.cells.values()), default=0.0),
+                "cap": plan.device_release_cap}
 
 
 CACHE = HERE.parent / "runs" / "dp_fleet"
@@ -276,14 +335,45 @@ def _ms(values: list[float]) -> str:
 
 
 def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """This experiment's section of docs/experiments.md, its plot, and the acceptance table on stdout."""
     base = [r["accuracy"] for r in results if r["eps"] is None]
     fixed = [r for r in results if r["eps"] is not None and not r["adaptive"] and not r.get("secagg")]
     dist = [r for r in results if r.get("secagg")]
+    rows, checks = _accuracy_rows(spec, base, fixed)
+    ad = [r for r in results if r["adaptive"]]
+    header = ["p (trusted share)", "epsilon target", "accuracy (3 seeds)", "accuracy points below non-DP",
+              "ledger epsilon (RDP, max)", "same releases, PLD", "edge z", "device z"]
+    body = [
+        *_intro_lines(spec, results, fixed),
+        "",
+        f"Non-DP (same sampling, no clip, no noise): accuracy {_ms(base)}.",
+        "",
+        md_table(header, rows),
+        "",
+        "Acceptance (p = 1 within 3 accuracy points of non-DP at epsilon <= 8): "
+        + "; ".join(f"epsilon {e:g}: {100 * g:.1f} points below — {'met' if g <= 0.03 else 'NOT met'}"
+                    for e, g in checks) + ".",
+        "",
+        "p = 0 (every device adds its own noise, local DP) is reported beside it: with about "
+        f"{int(spec['sample_rate'] * spec['devices_per_cell'])} sampled devices per cell and no amplification, "
+        "the noise on the fleet's mean is far larger than with trusted edges at the same epsilon.",
+        "",
+        *distributed_lines(spec, base, fixed, dist),
+        "",
+        *_adaptive_lines(spec, fixed, ad),
+        "",
+        "![dp fleet](img/dp_fleet.png)",
+    ]
+    _plot(spec, base, fixed, dist, ad)
+    write_section("dp_fleet", "\n".join(body))
+    print_table("dp_fleet acceptance", ["epsilon", "points below non-DP (p = 1)", "met"],
+                [[f"{e:g}", f"{100 * g:.1f}", "yes" if g <= 0.03 else "no"] for e, g in checks])
+
+
+def _accuracy_rows(spec: dict[str, Any], base: list[float],
+                   fixed: list[dict[str, Any]]) -> tuple[list[list[str]], list[tuple[float, float]]]:
+    """The main table's rows (one per trusted share and epsilon) and, for p = 1, each epsilon's accuracy gap
+    to non-DP (the acceptance check)."""
     rows, checks = [], []
     for p in spec["p_trusted"]:
         for e in spec["epsilons"]:
@@ -295,16 +385,12 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
                          f"{rs[0]['edge_z']:.3f}" if p > 0 else "-", f"{rs[0]['device_z']:.2f}" if p < 1 else "-"])
             if p == 1.0:
                 checks.append((e, gap))
-    ad = [r for r in results if r["adaptive"]]
-    x, y, _, _ = make_data(spec, 1000)
-    w0 = np.zeros((spec["data"]["features"] + 1, spec["data"]["classes"]))
-    first_norm = float(np.median(np.linalg.norm(
-        local_deltas(w0, x, y, spec["train"]["local_steps"], spec["train"]["lr"]), axis=1)))
-    a = spec["adaptive"]
-    same = [r for r in fixed if r["p"] == a["p_trusted"] and r["eps"] == a["epsilon"]]
-    header = ["p (trusted share)", "epsilon target", "accuracy (3 seeds)", "accuracy points below non-DP",
-              "ledger epsilon (RDP, max)", "same releases, PLD", "edge z", "device z"]
-    body = [
+    return rows, checks
+
+
+def _intro_lines(spec: dict[str, Any], results: list[dict[str, Any]], fixed: list[dict[str, Any]]) -> list[str]:
+    """The section's title, how it was run, the setup, and what is and is not fedtier's own code."""
+    return [
         "## Differential privacy at fleet scale: sampling, trusted edges, single-digit epsilon",
         "",
         f"`python experiments/dp_fleet.py` ({args_line(spec)}; {len(results)} runs of "
@@ -333,21 +419,18 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
         "but the plan (`make_plan` from a real `RolloutConfig`), every noise draw (`NoiseSource.add`), the "
         "fixed-denominator release (`NoisePlan.edge_denominator`, `edge_sigma`) and the accountant are the "
         "rollout's code; rollouts run the same sampling in the roles (docs/privacy.md).",
-        "",
-        f"Non-DP (same sampling, no clip, no noise): accuracy {_ms(base)}.",
-        "",
-        md_table(header, rows),
-        "",
-        "Acceptance (p = 1 within 3 accuracy points of non-DP at epsilon <= 8): "
-        + "; ".join(f"epsilon {e:g}: {100 * g:.1f} points below — {'met' if g <= 0.03 else 'NOT met'}"
-                    for e, g in checks) + ".",
-        "",
-        "p = 0 (every device adds its own noise, local DP) is reported beside it: with about "
-        f"{int(spec['sample_rate'] * spec['devices_per_cell'])} sampled devices per cell and no amplification, "
-        "the noise on the fleet's mean is far larger than with trusted edges at the same epsilon.",
-        "",
-        *distributed_lines(spec, base, fixed, dist),
-        "",
+    ]
+
+
+def _adaptive_lines(spec: dict[str, Any], fixed: list[dict[str, Any]], ad: list[dict[str, Any]]) -> list[str]:
+    """Adaptive clipping beside the same runs with the hand-picked C, and where C ended."""
+    x, y, _, _ = make_data(spec, 1000)
+    w0 = np.zeros((spec["data"]["features"] + 1, spec["data"]["classes"]))
+    first_norm = float(np.median(np.linalg.norm(
+        local_deltas(w0, x, y, spec["train"]["local_steps"], spec["train"]["lr"]), axis=1)))
+    a = spec["adaptive"]
+    same = [r for r in fixed if r["p"] == a["p_trusted"] and r["eps"] == a["epsilon"]]
+    return [
         f"Adaptive clipping (p = {a['p_trusted']:g}, epsilon {a['epsilon']:g}, C starting at {a['start_clip']} — "
         f"{spec['clip'] / a['start_clip']:.0f}x below the hand-picked C — target quantile "
         f"{a['target_quantile']}, its noised clipped count (std {a['count_stddev_per_cell']} per cell) paid "
@@ -358,9 +441,17 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
         f"most a factor e^({a['learning_rate']:g} x 0.5) a round, so from {spec['clip'] / a['start_clip']:.0f}x below "
         "the hand-picked C it had not settled by the last round (right panel); the linear model learned all the same, "
         "because clipping shrinks an update without turning it and the noise shrinks with C.",
-        "",
-        "![dp fleet](img/dp_fleet.png)",
     ]
+
+
+def _plot(spec: dict[str, Any], base: list[float], fixed: list[dict[str, Any]], dist: list[dict[str, Any]],
+          ad: list[dict[str, Any]]) -> None:
+    """docs/img/dp_fleet.png: accuracy against epsilon per trusted share, and the adaptive clip per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     IMG.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for p in spec["p_trusted"]:
@@ -387,9 +478,6 @@ def write(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> N
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(IMG / "dp_fleet.png", dpi=110)
-    write_section("dp_fleet", "\n".join(body))
-    print_table("dp_fleet acceptance", ["epsilon", "points below non-DP (p = 1)", "met"],
-                [[f"{e:g}", f"{100 * g:.1f}", "yes" if g <= 0.03 else "no"] for e, g in checks])
 
 
 def distributed_lines(spec: dict[str, Any], base: list[float], fixed: list[dict[str, Any]],

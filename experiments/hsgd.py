@@ -178,34 +178,53 @@ def _kb(v: float | None) -> str:
     return "not reached" if v is None else f"{v / 1024:.1f} KiB"
 
 
-def write(spec: dict[str, Any], results: dict, wall: float) -> None:
-    import matplotlib
+class _Seeds:
+    """One sweep's results summarised over its seeds: median bytes to a target AUC and median final AUC."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    def __init__(self, results: dict, seeds: list[int]) -> None:
+        self.results, self.seeds = results, seeds
 
-    seeds, methods, targets = spec["seeds"], spec["methods"], spec["targets"]
-    loose, tight = targets[0], targets[-1]
+    def bytes_to(self, name: str, target: float) -> float | None:
+        """Median paper-meter bytes to ``target`` (``None``: most seeds never reach it)."""
+        return _median([to_target(self.results[(name, s)], target) for s in self.seeds])
 
-    def med_bytes(name: str, target: float) -> float | None:
-        return _median([to_target(results[(name, s)], target) for s in seeds])
-
-    def final(name: str) -> float:
-        return statistics.median(results[(name, s)]["auc"][-1] for s in seeds)
-
-    rows = []
-    for name, m in methods.items():
-        reach = [f"{sum(to_target(results[(name, s)], t) is not None for s in seeds)}/{len(seeds)}" for t in targets]
-        rows.append([m["label"], f"{final(name):.4f}",
-                     *(("—" if m.get("per_group") else _kb(med_bytes(name, t)) + f" ({r})")
-                       for t, r in zip(targets, reach, strict=True)),
-                     str(results[(name, seeds[0])]["host_passes_per_iteration"])])
-
-    def b(name: str, target: float) -> float:
-        v = med_bytes(name, target)
+    def bytes_or_inf(self, name: str, target: float) -> float:
+        """``bytes_to``, never reaching the target counting as infinitely many bytes (for comparisons)."""
+        v = self.bytes_to(name, target)
         return float("inf") if v is None else v
 
+    def final(self, name: str) -> float:
+        return statistics.median(self.results[(name, s)]["auc"][-1] for s in self.seeds)
+
+
+def write(spec: dict[str, Any], results: dict, wall: float) -> None:
+    """The acceptance checks on stdout, the plot, and this experiment's section of docs/experiments.md."""
+    med = _Seeds(results, spec["seeds"])
+    checks = _checks(spec, med)
+    print_table("HSGD acceptance (median of seeds)", ["check", "measured", "result"], checks)
+    _plot(spec, results, med)
+    write_section("hsgd", _body(spec, results, med, _method_rows(spec, med), checks, wall))
+
+
+def _method_rows(spec: dict[str, Any], med: _Seeds) -> list[list[str]]:
+    """One row per method: final AUC, bytes to each target (with how many seeds reach it), host passes."""
+    seeds, targets = spec["seeds"], spec["targets"]
+    rows = []
+    for name, m in spec["methods"].items():
+        reach = [f"{sum(to_target(med.results[(name, s)], t) is not None for s in seeds)}/{len(seeds)}"
+                 for t in targets]
+        rows.append([m["label"], f"{med.final(name):.4f}",
+                     *(("—" if m.get("per_group") else _kb(med.bytes_to(name, t)) + f" ({r})")
+                       for t, r in zip(targets, reach, strict=True)),
+                     str(med.results[(name, seeds[0])]["host_passes_per_iteration"])])
+    return rows
+
+
+def _checks(spec: dict[str, Any], med: _Seeds) -> list[list[str]]:
+    """The paper's claims A9 and A10 as (check, measured, pass or FAIL) rows."""
+    methods, targets = spec["methods"], spec["targets"]
+    loose, tight = targets[0], targets[-1]
+    b = med.bytes_or_inf
     checks = []
     for t in targets:
         ps = {n: b(n, t) for n in ("hsgd-2", "hsgd-4-2", "hsgd-8-2")}
@@ -214,22 +233,37 @@ def write(spec: dict[str, Any], results: dict, wall: float) -> None:
                                  for n, v in ps.items()),
                        "pass" if ps["hsgd-2"] < float("inf") and ps["hsgd-2"] <= min(ps.values()) else "FAIL"])
         checks.append([f"A10 at AUC {t}: HSGD <= JFL-mode bytes (P = Q = 1)",
-                       f"{_kb(med_bytes('hsgd-1', t))} vs {_kb(med_bytes('jfl', t))}",
+                       f"{_kb(med.bytes_to('hsgd-1', t))} vs {_kb(med.bytes_to('jfl', t))}",
                        "pass" if b("hsgd-1", t) < float("inf") and b("hsgd-1", t) <= b("jfl", t) else "FAIL"])
+    final = med.final
     checks.append(["A10: per-group training ends clearly below HSGD (final global-test AUC, -0.01 or more)",
                    f"{final('per-group'):.4f} vs {final('hsgd-1'):.4f}",
                    "pass" if final("per-group") <= final("hsgd-1") - 0.01 else "FAIL"])
     checks.append([f"A10: C-HSGD cheaper to the loose target ({loose})",
-                   f"{_kb(med_bytes('c-hsgd', loose))} vs {_kb(med_bytes('hsgd-1', loose))}",
+                   f"{_kb(med.bytes_to('c-hsgd', loose))} vs {_kb(med.bytes_to('hsgd-1', loose))}",
                    "pass" if b("c-hsgd", loose) < b("hsgd-1", loose) else "FAIL"])
     checks.append([f"A10: C-HSGD worse or never at the tight target ({tight}), or lower final AUC",
-                   f"{_kb(med_bytes('c-hsgd', tight))} vs {_kb(med_bytes('hsgd-1', tight))}; final "
+                   f"{_kb(med.bytes_to('c-hsgd', tight))} vs {_kb(med.bytes_to('hsgd-1', tight))}; final "
                    f"{final('c-hsgd'):.4f} vs {final('hsgd-1'):.4f}",
                    "pass" if b("c-hsgd", tight) > b("hsgd-1", tight) or final("c-hsgd") < final("hsgd-1")
                    else "FAIL"])
-    jfl_eq = max(results[("jfl", s)]["equals_hsgd_1"] for s in seeds)
-    print_table("HSGD acceptance (median of seeds)", ["check", "measured", "result"], checks)
+    return checks
 
+
+# P = Q over this grid: strategy 2's U-shape (the plot's right panel and the section's text).
+_GRID = [("hsgd-1", 1), ("hsgd-2", 2), ("hsgd-5", 5), ("hsgd-10", 10), ("hsgd-20", 20)]
+
+
+def _plot(spec: dict[str, Any], results: dict, med: _Seeds) -> None:
+    """docs/img/hsgd_bytes.png: AUC against the meter's bytes, and bytes to each target against P."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    seeds, methods, targets = spec["seeds"], spec["methods"], spec["targets"]
+    b = med.bytes_or_inf
     IMG.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for name in ("hsgd-1", "jfl", "c-hsgd", "hsgd-2", "hsgd-8-2", "hsgd-20"):
@@ -244,9 +278,8 @@ def write(spec: dict[str, Any], results: dict, wall: float) -> None:
         axes[0].axhline(t, color="grey", lw=0.5, ls=":")
     axes[0].legend(fontsize=8)
     axes[0].grid(alpha=0.3)
-    grid = [("hsgd-1", 1), ("hsgd-2", 2), ("hsgd-5", 5), ("hsgd-10", 10), ("hsgd-20", 20)]
     for t in targets:
-        axes[1].plot([p for _, p in grid], [b(n, t) / 1024 for n, _ in grid], marker="o", label=f"P = Q, AUC {t}")
+        axes[1].plot([p for _, p in _GRID], [b(n, t) / 1024 for n, _ in _GRID], marker="o", label=f"P = Q, AUC {t}")
         axes[1].plot([2, 4, 8], [b(n, t) / 1024 for n in ("hsgd-2", "hsgd-4-2", "hsgd-8-2")], marker="s", ls="--",
                      label=f"Q = 2, P in {{2, 4, 8}}, AUC {t}")
     axes[1].set_xlabel("P")
@@ -258,10 +291,17 @@ def write(spec: dict[str, Any], results: dict, wall: float) -> None:
     fig.savefig(IMG / "hsgd_bytes.png", dpi=110)
     plt.close(fig)
 
+
+def _body(spec: dict[str, Any], results: dict, med: _Seeds, rows: list[list[str]], checks: list[list[str]],
+          wall: float) -> str:
+    """The section's markdown: setup, the methods' table, the checks, wire bytes per tier, and what they show."""
+    seeds, targets = spec["seeds"], spec["targets"]
+    loose = targets[0]
+    jfl_eq = max(results[("jfl", s)]["equals_hsgd_1"] for s in seeds)
     failed = [c[0] for c in checks if c[2] == "FAIL"]
-    grid_bytes = {p: b(n, loose) for n, p in grid}
+    grid_bytes = {p: med.bytes_or_inf(n, loose) for n, p in _GRID}
     best_p = min(grid_bytes, key=lambda p: grid_bytes[p])
-    u_shape = best_p not in (grid[0][1], grid[-1][1])
+    u_shape = best_p not in (_GRID[0][1], _GRID[-1][1])
     vertical_c = results[("c-hsgd", seeds[0])]["wire"]["vertical"] / results[("hsgd-1", seeds[0])]["wire"]["vertical"]
     r = spec["rollout"]
     wire = results[("hsgd-1", seeds[0])]["wire"]
@@ -269,7 +309,7 @@ def write(spec: dict[str, Any], results: dict, wall: float) -> None:
     tiers = ["device_up", "device_down", "host_up", "host_down", "edge_up", "edge_down", "vertical"]
     wire_rows = [[t, f"{wire.get(t, 0) / 1024:.0f} KiB", f"{wire2.get(t, 0) / 1024:.0f} KiB"] for t in tiers]
     groups, _ = data(seeds[0], r)
-    body = f"""## HSGD: hybrid horizontal + vertical FL with a feature party per cell
+    return f"""## HSGD: hybrid horizontal + vertical FL with a feature party per cell
 
 `python experiments/hsgd.py` — config `experiments/hsgd.toml`; {len(results)} runs in {wall / 60:.1f} min on
 2 cores (in-process loop `local_fleet/hsgd_loop.py`: the roles of `fedtier/algorithms/hsgd.py`, every
@@ -310,7 +350,7 @@ What this shows, and what does not reproduce:
   two iterations {jfl_eq:.1e}): one SGD step per selected sample, averaged, equals one step on their mean.
   It differs in bytes (every selected device's own theta0/theta1 crosses the network) and in host compute
   (one forward/backward per selected device instead of one batched pass), which is the paper's point.
-- Strategy 2's U-shape over P = Q in {{{", ".join(str(p) for _, p in grid)}}}: {"seen" if u_shape else "not seen"}
+- Strategy 2's U-shape over P = Q in {{{", ".join(str(p) for _, p in _GRID)}}}: {"seen" if u_shape else "not seen"}
   here; the fewest bytes to AUC {loose} are at P = Q = {best_p}{"" if u_shape else
   " (an end of the range): on this small, easy task long intervals cost little accuracy"}.
 - Checks that do not hold here: {"; ".join(failed) if failed else "none"}. C-HSGD's 7-bit vertical path
@@ -321,7 +361,6 @@ What this shows, and what does not reproduce:
   datasets (OrganAMNIST, ESR, MIMIC-III) are not reproduced. Checks marked FAIL above are reported as
   measured, not tuned away.
 """
-    write_section("hsgd", body)
 
 
 if __name__ == "__main__":

@@ -131,63 +131,102 @@ def _fmt(m: float, s: float) -> str:
     return f"{m:.3f} ± {s:.3f}"
 
 
+class _Seeds:
+    """Runs summarised over the seeds: (mean, std) of the final accuracy of a key, and of its non-DP baseline."""
+
+    def __init__(self, spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]]) -> None:
+        self.seeds, self.results, self.baseline = spec["seeds"], results, baseline_of(spec)
+
+    def acc(self, *key: Any) -> tuple[float, float]:
+        return _stats([self.results[(*key, seed)]["final"] for seed in self.seeds])
+
+    def nondp(self, study: str) -> tuple[float, float]:
+        return self.acc("nondp", self.baseline[study])
+
+
 def write(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], wall: float) -> None:
+    """The plot, this experiment's section of docs/experiments.md, and the acceptance checks on stdout."""
+    runs = _Seeds(spec, results)
+    rows, checks = [], []
+    for study, s in spec["studies"].items():
+        study_rows, study_checks = _study(spec, runs, study, s)
+        rows += study_rows
+        checks += study_checks
+    net_rows, net_check = _network(spec, runs)
+    checks.append(net_check)
+    _plot(spec, runs)
+    body = _body(spec, results, rows, net_rows, checks, wall)
+    print_table("acceptance checks", ["acceptance check", "measured", "result"], checks)
+    print(f"wrote {write_section('m2fdp', body)}")
+
+
+def _study(spec: dict[str, Any], runs: _Seeds, study: str,
+           s: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
+    """One calibration study: a row per epsilon scale, its ordering checks at scale 1, and (several scales) that
+    accuracy does not fall as epsilon grows."""
+    results, seeds, ps = runs.results, runs.seeds, spec["p_trusted"]
+    base = runs.nondp(study)
+    rows, checks = [], []
+    for scale in s["epsilon_scale"]:
+        eps = s["epsilon"] * scale
+        by_p = {p: runs.acc(study, scale, p) for p in ps}
+        sig_dev = statistics.mean(results[(study, scale, 0.0, seed)]["sigma_device"] for seed in seeds)
+        sig_edge = statistics.mean(results[(study, scale, 1.0, seed)]["sigma_edge"] for seed in seeds)
+        eps_real = max(results[(study, scale, p, seed)]["epsilon_max"] for p in ps for seed in seeds)
+        rows.append([study, f"{eps:g}", f"K={s['local_steps'] * s['edge_rounds']}, τ={s['edge_rounds']}",
+                     _fmt(*base), *(_fmt(*by_p[p]) for p in sorted(ps, reverse=True)),
+                     f"{sig_dev:.3f} / {sig_edge:.3f}", f"{eps_real:.3g}"])
+        if scale == 1 and s.get("check", True):
+            checks += _ordering_checks(study, eps, base, by_p, ps)
+    if len(s["epsilon_scale"]) > 1:
+        lo, hi = min(s["epsilon_scale"]), max(s["epsilon_scale"])
+        mono = [(p, runs.acc(study, lo, p)[0], runs.acc(study, hi, p)[0]) for p in ps]
+        checks.append([f"{study}: accuracy does not fall from ε={s['epsilon'] * lo:g} to ε={s['epsilon'] * hi:g}",
+                       ", ".join(f"p={p:g}: {a:.3f} → {b:.3f}" for p, a, b in mono),
+                       "pass" if all(b >= a for _, a, b in mono) else "FAIL"])
+    return rows, checks
+
+
+def _ordering_checks(study: str, eps: float, base: tuple[float, float], by_p: dict[float, tuple[float, float]],
+                     ps: list[float]) -> list[list[str]]:
+    """The paper's claims at the target epsilon: all-local DP lands in its accuracy range, and accuracy falls
+    from non-DP through shrinking trusted shares, each gap beyond the seeds' spread."""
+    order = [("non-DP", base), *((f"p={p:g}", by_p[p]) for p in sorted(ps, reverse=True))]
+    gaps = [(a, b, ma - mb, max(sa, sb)) for (a, (ma, sa)), (b, (mb, sb))
+            in zip(order, order[1:], strict=False)]
+    return [[f"{study}, ε={eps:g}: p=0 (all local DP) accuracy in 0.5..0.65",
+             f"{by_p[0.0][0]:.3f}", "pass" if 0.5 <= by_p[0.0][0] <= 0.65 else "FAIL"],
+            [f"{study}, ε={eps:g}: " + " > ".join(n for n, _ in order) + ", each gap > seed std",
+             ", ".join(f"{g:+.3f} (std {sd:.3f})" for _, _, g, sd in gaps),
+             "pass" if all(g > sd for *_, g, sd in gaps) else "FAIL"]]
+
+
+def _network(spec: dict[str, Any], runs: _Seeds) -> tuple[list[list[str]], list[str]]:
+    """The network-size study's rows, and its check: at the largest fleet, fewer larger cells beat more
+    smaller ones."""
+    net = spec["network"]
+    net_rows = []
+    for config in ("config1", "config2"):
+        for cells, per_cell in net[config]:
+            m, sd = runs.acc("net", cells, per_cell)
+            net_rows.append([config.replace("config", "config "), str(cells), str(per_cell), str(cells * per_cell),
+                             _fmt(m, sd)])
+    big1 = max(net["config1"], key=lambda c: c[0] * c[1])
+    big2 = max(net["config2"], key=lambda c: c[0] * c[1])
+    a1, a2 = runs.acc("net", *big1)[0], runs.acc("net", *big2)[0]
+    same = big1[0] * big1[1] == big2[0] * big2[1]
+    return net_rows, [f"p=1, {big1[0] * big1[1]} devices: {big2[0]} cells x {big2[1]} beat {big1[0]} cells x "
+                      f"{big1[1]}", f"{a2:.3f} > {a1:.3f}", "pass" if same and a2 > a1 else "FAIL"]
+
+
+def _plot(spec: dict[str, Any], runs: _Seeds) -> None:
+    """docs/img/m2fdp.png: accuracy by trusted share for every study and scale, and against network size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    seeds, ps = spec["seeds"], spec["p_trusted"]
-    baseline = baseline_of(spec)
-
-    def acc(*key: Any) -> tuple[float, float]:
-        return _stats([results[(*key, seed)]["final"] for seed in seeds])
-
-    def nondp(study: str) -> tuple[float, float]:
-        return acc("nondp", baseline[study])
-
-    rows, checks = [], []
-    for study, s in spec["studies"].items():
-        base = nondp(study)
-        for scale in s["epsilon_scale"]:
-            eps = s["epsilon"] * scale
-            by_p = {p: acc(study, scale, p) for p in ps}
-            sig_dev = statistics.mean(results[(study, scale, 0.0, seed)]["sigma_device"] for seed in seeds)
-            sig_edge = statistics.mean(results[(study, scale, 1.0, seed)]["sigma_edge"] for seed in seeds)
-            eps_real = max(results[(study, scale, p, seed)]["epsilon_max"] for p in ps for seed in seeds)
-            rows.append([study, f"{eps:g}", f"K={s['local_steps'] * s['edge_rounds']}, τ={s['edge_rounds']}",
-                         _fmt(*base), *(_fmt(*by_p[p]) for p in sorted(ps, reverse=True)),
-                         f"{sig_dev:.3f} / {sig_edge:.3f}", f"{eps_real:.3g}"])
-            if scale == 1 and s.get("check", True):
-                order = [("non-DP", base), *((f"p={p:g}", by_p[p]) for p in sorted(ps, reverse=True))]
-                gaps = [(a, b, ma - mb, max(sa, sb)) for (a, (ma, sa)), (b, (mb, sb))
-                        in zip(order, order[1:], strict=False)]
-                checks.append([f"{study}, ε={eps:g}: p=0 (all local DP) accuracy in 0.5..0.65",
-                               f"{by_p[0.0][0]:.3f}", "pass" if 0.5 <= by_p[0.0][0] <= 0.65 else "FAIL"])
-                checks.append([f"{study}, ε={eps:g}: " + " > ".join(n for n, _ in order) + ", each gap > seed std",
-                               ", ".join(f"{g:+.3f} (std {sd:.3f})" for _, _, g, sd in gaps),
-                               "pass" if all(g > sd for *_, g, sd in gaps) else "FAIL"])
-        if len(s["epsilon_scale"]) > 1:
-            lo, hi = min(s["epsilon_scale"]), max(s["epsilon_scale"])
-            mono = [(p, acc(study, lo, p)[0], acc(study, hi, p)[0]) for p in ps]
-            checks.append([f"{study}: accuracy does not fall from ε={s['epsilon'] * lo:g} to ε={s['epsilon'] * hi:g}",
-                           ", ".join(f"p={p:g}: {a:.3f} → {b:.3f}" for p, a, b in mono),
-                           "pass" if all(b >= a for _, a, b in mono) else "FAIL"])
-
-    net = spec["network"]
-    net_rows = []
-    for config in ("config1", "config2"):
-        for cells, per_cell in net[config]:
-            m, sd = acc("net", cells, per_cell)
-            net_rows.append([config.replace("config", "config "), str(cells), str(per_cell), str(cells * per_cell),
-                             _fmt(m, sd)])
-    big1 = max(net["config1"], key=lambda c: c[0] * c[1])
-    big2 = max(net["config2"], key=lambda c: c[0] * c[1])
-    a1, a2 = acc("net", *big1)[0], acc("net", *big2)[0]
-    same = big1[0] * big1[1] == big2[0] * big2[1]
-    checks.append([f"p=1, {big1[0] * big1[1]} devices: {big2[0]} cells x {big2[1]} beat {big1[0]} cells x {big1[1]}",
-                   f"{a2:.3f} > {a1:.3f}", "pass" if same and a2 > a1 else "FAIL"])
-
+    ps, net, acc = spec["p_trusted"], spec["network"], runs.acc
     IMG.mkdir(parents=True, exist_ok=True)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     x = list(range(len(ps)))
@@ -198,7 +237,7 @@ def write(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], 
         ms = [acc(study, scale, p) for p in ps]
         ax1.bar([xi + (i - (len(studies) - 1) / 2) * width for xi in x], [m for m, _ in ms], width,
                 yerr=[sd for _, sd in ms], capsize=2, label=f"{study}, ε={s['epsilon'] * scale:g}")
-    ax1.axhline(nondp("paper")[0], color="black", linestyle="--", linewidth=1, label="non-DP")
+    ax1.axhline(runs.nondp("paper")[0], color="black", linestyle="--", linewidth=1, label="non-DP")
     ax1.set_xticks(x, [f"p = {p:g}" for p in ps])
     ax1.set_xlabel("share of trusted edges")
     ax1.set_ylabel("test accuracy (mean ± std of seeds)")
@@ -218,10 +257,15 @@ def write(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], 
     fig.savefig(IMG / "m2fdp.png", dpi=110)
     plt.close(fig)
 
+
+def _body(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], rows: list[list[str]],
+          net_rows: list[list[str]], checks: list[list[str]], wall: float) -> str:
+    """The section's markdown: setup, the trusted-share and network tables, the checks, and what they say."""
+    seeds, ps, net = spec["seeds"], spec["p_trusted"], spec["network"]
     r = spec["rollout"]
     net_eps = spec["studies"][net["study"]]["epsilon"]
     ps_desc = " / ".join(f"p={p:g}" for p in sorted(ps, reverse=True))
-    body = f"""## M2FDP: differential privacy with trust labels
+    return f"""## M2FDP: differential privacy with trust labels
 
 `python experiments/m2fdp.py` — config `experiments/m2fdp.toml`; {len(results)} simulated rollouts in
 {wall / 60:.1f} min on 2 cores.
@@ -264,8 +308,6 @@ intra-round sync (*rdp-synced*, τ = 2) a trusted cell's sensitivity grows to 2C
 after a sync every member's update depends on the changed record — and trusting edges no longer
 pays: the price of syncing inside a trusted subtree that the paper's Lemma 1 leaves out.
 """
-    print_table("acceptance checks", ["acceptance check", "measured", "result"], checks)
-    print(f"wrote {write_section('m2fdp', body)}")
 
 
 if __name__ == "__main__":

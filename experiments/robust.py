@@ -151,61 +151,88 @@ def _rounds(values: list[int | None]) -> str:
     return "–" if med is None else str(med)
 
 
+class _Seeds:
+    """One key's runs summarised over the seeds: mean final accuracy, median rounds to the target."""
+
+    def __init__(self, results: dict[tuple[Any, ...], dict[str, Any]], seeds: list[int], target: float) -> None:
+        self.results, self.seeds, self.target = results, seeds, target
+
+    def final(self, key: tuple[Any, ...]) -> float:
+        return _mean([self.results[(*key, s)]["accuracy"][-1] for s in self.seeds])
+
+    def reach(self, key: tuple[Any, ...]) -> str:
+        return _rounds([rounds_to(self.results[(*key, s)], self.target) for s in self.seeds])
+
+    def cell(self, key: tuple[Any, ...]) -> str:
+        """``accuracy (rounds to target)``, as the robustness table shows a run."""
+        return f"{self.final(key):.3f} ({self.reach(key)})"
+
+
 def write(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], wall: float, ran: int) -> None:
-    import matplotlib
+    """This experiment's section of docs/experiments.md (tables and a PNG), and the 20 % sign_flip table on
+    stdout."""
+    seeds, rules = spec["seeds"], spec["rules"]
+    runs = _Seeds(results, seeds, spec["target"])
+    table = _robustness_table(spec, runs)
+    checks = _sign_flip_checks(rules, runs)
+    print_table("20 % sign_flip (mean accuracy over seeds)",
+                ["rule", "clean", "attacked", "vs own", "vs mean clean", "verdict"],
+                [[c[0].strip("`"), *c[1:]] for c in checks])
+    png = _plot(spec, runs)
+    body = _body(spec, results, runs, table=table, checks=checks, png=png, wall=wall, ran=ran)
+    print(f"wrote {write_section('robust', body)}")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    seeds, rules, target = spec["seeds"], spec["rules"], spec["target"]
-    rounds = spec["rollout"]["rounds"]
-
-    def final(key: tuple[Any, ...]) -> float:
-        return _mean([results[(*key, s)]["accuracy"][-1] for s in seeds])
-
-    def reach(key: tuple[Any, ...]) -> str:
-        return _rounds([rounds_to(results[(*key, s)], target) for s in seeds])
-
-    # 1. robustness table: one row per (attack, fraction), a column per rule: "accuracy (rounds to target)".
-    rows = [["none", "0 %", *[f"{final(('robust', r, 'none', 0.0)):.3f} ({reach(('robust', r, 'none', 0.0))})"
-                              for r in rules]]]
+def _robustness_table(spec: dict[str, Any], runs: _Seeds) -> str:
+    """One row per (attack, fraction), a column per rule: "accuracy (rounds to target)"."""
+    rules = spec["rules"]
+    rows = [["none", "0 %", *[runs.cell(("robust", r, "none", 0.0)) for r in rules]]]
     for attack in spec["attacks"]:
         for fraction in [f for f in spec["fractions"] if f > 0]:
             rows.append([attack, f"{fraction:.0%}".replace("%", " %"),
-                         *[f"{final(('robust', r, attack, fraction)):.3f} ({reach(('robust', r, attack, fraction))})"
-                           for r in rules]])
-    table = md_table(["attack", "attackers", *[f"`{r}`" for r in rules]], rows)
+                         *[runs.cell(("robust", r, attack, fraction)) for r in rules]])
+    return md_table(["attack", "attackers", *[f"`{r}`" for r in rules]], rows)
 
-    # Acceptance: 20 % sign_flip against the attack-free accuracy (the rule's own, and mean's).
-    clean_mean = final(("robust", "mean", "none", 0.0))
+
+def _sign_flip_checks(rules: list[str], runs: _Seeds) -> list[list[str]]:
+    """Acceptance: 20 % sign_flip against the attack-free accuracy (the rule's own, and mean's)."""
+    clean_mean = runs.final(("robust", "mean", "none", 0.0))
     checks = []
     for r in rules:
-        clean, hit = final(("robust", r, "none", 0.0)), final(("robust", r, "sign_flip", 0.2))
+        clean, hit = runs.final(("robust", r, "none", 0.0)), runs.final(("robust", r, "sign_flip", 0.2))
         if r == "mean":
             verdict = "falls >= 30 points" if clean - hit >= 0.30 else "does NOT fall 30 points"
         else:
             verdict = ("within 5 points" if clean_mean - hit <= 0.05 else "NOT within 5 points of mean's clean run")
         checks.append([f"`{r}`", f"{clean:.3f}", f"{hit:.3f}", f"{hit - clean:+.3f}", f"{hit - clean_mean:+.3f}",
                        verdict])
-    check_table = md_table(["edge rule", "no attack", "20 % sign_flip", "vs its own clean run",
-                            "vs mean's clean run", "verdict"], checks)
+    return checks
+
+
+def _sign_flip_verdict(rules: list[str], runs: _Seeds, checks: list[list[str]]) -> str:
+    """How far `mean` falls, and which rules stay within 5 points of its attack-free accuracy."""
+    clean_mean = runs.final(("robust", "mean", "none", 0.0))
     within = [c[0] for c, r in zip(checks, rules, strict=True) if r != "mean" and "within 5" in c[5]
               and "NOT" not in c[5]]
     outside = [f"{c[0]} ({c[4]})" for c, r in zip(checks, rules, strict=True) if r != "mean" and "NOT" in c[5]]
-    mean_drop = clean_mean - final(("robust", "mean", "sign_flip", 0.2))
-    verdict = (f"At 20 % sign_flip, `mean` falls {100 * mean_drop:.1f} points. Within 5 points of the attack-free "
-               f"`mean` ({clean_mean:.3f}): {', '.join(within) or 'none'}; not: {', '.join(outside) or 'none'}.")
-    crowding = "; ".join(f"seed {s}: {attackers_per_cell(spec, s, 0.2)}" for s in seeds)
-    print_table("20 % sign_flip (mean accuracy over seeds)",
-                ["rule", "clean", "attacked", "vs own", "vs mean clean", "verdict"],
-                [[c[0].strip("`"), *c[1:]] for c in checks])
+    mean_drop = clean_mean - runs.final(("robust", "mean", "sign_flip", 0.2))
+    return (f"At 20 % sign_flip, `mean` falls {100 * mean_drop:.1f} points. Within 5 points of the attack-free "
+            f"`mean` ({clean_mean:.3f}): {', '.join(within) or 'none'}; not: {', '.join(outside) or 'none'}.")
 
-    # PNG: accuracy against the attacking share, one panel per attack, a line per rule.
+
+def _plot(spec: dict[str, Any], runs: _Seeds) -> Path:
+    """PNG: accuracy against the attacking share, one panel per attack, a line per rule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rules, rounds = spec["rules"], spec["rollout"]["rounds"]
     IMG.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, len(spec["attacks"]), figsize=(4 * len(spec["attacks"]), 3.4), sharey=True)
     for ax, attack in zip(axes, spec["attacks"], strict=True):
         for r in rules:
-            ys = [final(("robust", r, "none" if f == 0 else attack, f)) for f in spec["fractions"]]
+            ys = [runs.final(("robust", r, "none" if f == 0 else attack, f)) for f in spec["fractions"]]
             ax.plot([100 * f for f in spec["fractions"]], ys, marker="o", label=r)
         ax.set_title(attack)
         ax.set_xlabel("attacking devices (%)")
@@ -216,25 +243,41 @@ def write(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], 
     png = IMG / "robust_attacks.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return png
 
-    # 2. server optimizers.
+
+def _optimizer_table(spec: dict[str, Any], runs: _Seeds) -> str:
     opt_rows = []
     for name, opt in spec["optimizers"].items():
         lr = opt.get("lr")
-        opt_rows.append([f"`{name}`", "default" if lr is None else f"{lr:g}", f"{final(('optimizer', name)):.3f}",
-                         reach(("optimizer", name))])
-    opt_table = md_table(["server optimizer", "server lr", "final accuracy", f"rounds to {target:.2f}"], opt_rows)
+        opt_rows.append([f"`{name}`", "default" if lr is None else f"{lr:g}", f"{runs.final(('optimizer', name)):.3f}",
+                         runs.reach(("optimizer", name))])
+    return md_table(["server optimizer", "server lr", "final accuracy", f"rounds to {runs.target:.2f}"], opt_rows)
 
-    # 3. FedProx.
-    if has_fedprox() and all(("fedprox", mu, s) in results for mu in PROX_MUS for s in seeds):
-        prox = md_table(["proximal_mu", "final accuracy", f"rounds to {target:.2f}"],
-                        [[f"{mu:g}", f"{final(('fedprox', mu)):.3f}", reach(("fedprox", mu))] for mu in PROX_MUS])
-    else:
-        prox = "FedProx (`proximal_mu`) is not in this build; no runs."
 
+def _fedprox_table(results: dict[tuple[Any, ...], dict[str, Any]], runs: _Seeds) -> str:
+    """FedProx's runs, or why there are none (a build without ``proximal_mu``)."""
+    if has_fedprox() and all(("fedprox", mu, s) in results for mu in PROX_MUS for s in runs.seeds):
+        return md_table(["proximal_mu", "final accuracy", f"rounds to {runs.target:.2f}"],
+                        [[f"{mu:g}", f"{runs.final(('fedprox', mu)):.3f}", runs.reach(("fedprox", mu))]
+                         for mu in PROX_MUS])
+    return "FedProx (`proximal_mu`) is not in this build; no runs."
+
+
+def _body(spec: dict[str, Any], results: dict[tuple[Any, ...], dict[str, Any]], runs: _Seeds, *, table: str,
+          checks: list[list[str]], png: Path, wall: float, ran: int) -> str:
+    """The section's markdown: setup, the three studies' tables, the verdict and how long it took."""
+    seeds, rules, target = spec["seeds"], spec["rules"], spec["target"]
+    rounds = spec["rollout"]["rounds"]
+    check_table = md_table(["edge rule", "no attack", "20 % sign_flip", "vs its own clean run",
+                            "vs mean's clean run", "verdict"], checks)
+    verdict = _sign_flip_verdict(rules, runs, checks)
+    crowding = "; ".join(f"seed {s}: {attackers_per_cell(spec, s, 0.2)}" for s in seeds)
+    opt_table = _optimizer_table(spec, runs)
+    prox = _fedprox_table(results, runs)
     agg = spec["aggregation"]
     r = spec["rollout"]
-    body = f"""## Robust aggregation at the edge, server optimizers, FedProx
+    return f"""## Robust aggregation at the edge, server optimizers, FedProx
 
 `python experiments/robust.py` (config `experiments/robust.toml`): digits, {r['topology']['cells']} cells x
 {r['topology']['devices_per_cell']} devices, MLP 64-{r['model']['hidden'][0]}-10, hierarchical FedAvg
@@ -276,7 +319,6 @@ kinds' server lr was picked from 0.01 and 0.03 on seed 0 (the same lr for all th
 {len(results)} runs; their simulations took {sum(v['wall_s'] for v in results.values()) / 60:.0f} min in all
 (2 in parallel on a shared 2-core machine); this invocation ran {ran} of them in {wall / 60:.1f} min.
 """
-    print(f"wrote {write_section('robust', body)}")
 
 
 if __name__ == "__main__":

@@ -98,37 +98,65 @@ def _number(text: str) -> float | None:
 
 
 def _read_csv(path: Path, label_column: str | None, key: str, label_key: str) -> Table:
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        rows = [(i + 1, row) for i, row in enumerate(csv.reader(fh)) if row and any(c.strip() for c in row)]
-    if not rows:
-        raise ConfigError("the file has no rows", key=key, source=str(path))
-    width = len(rows[0][1])
+    """Read the rows, choose the label and feature columns (which settles the header), then parse the body."""
+    rows = _csv_rows(path, key)
+    header, label_idx, features = _columns(rows[0][1], label_column, label_key, path)
+    body = rows[1:] if header is not None else rows
+    if not body:
+        raise ConfigError("the file has a header but no data rows", key=key, source=str(path))
+    x, raw_labels = _parse_body(body, len(rows[0][1]), features, label_idx, header, key, path)
+    y, class_names = _label_values(raw_labels, len(label_idx), label_key, path)
+    names = tuple(header[i] for i in features) if header is not None else None
+    return Table(x=_finite(x.astype(np.float32), key, path), y=_labels(y, key, path), feature_names=names,
+                 class_names=class_names)
+
+
+def _columns(first: list[str], label_column: str | None, label_key: str,
+             path: Path) -> tuple[list[str] | None, list[int], list[int]]:
+    """``(header, label columns, feature columns)`` from the first row and ``label_column``. The first row is
+    the header when a label column is named, or when one of its feature cells is not a number."""
+    width = len(first)
     tokens = [t.strip() for t in (label_column or "-1").split(",") if t.strip()]
     if not tokens:
         raise ConfigError("names no column", key=label_key, source=str(path))
     by_name = any(_number(t) is None for t in tokens)
-    header: list[str] | None = [c.strip() for c in rows[0][1]] if by_name else None
-    label_idx: list[int] = []
-    for token in tokens:
-        if _number(token) is None:
-            assert header is not None
-            if token not in header:
-                raise ConfigError(f"no column {token!r}; the header has {header}", key=label_key, source=str(path))
-            label_idx.append(header.index(token))
-        else:
-            index = int(float(token))
-            if not -width <= index < width:
-                raise ConfigError(f"column {index} does not exist: rows have {width} columns", key=label_key,
-                                  source=str(path))
-            label_idx.append(index % width)
+    header: list[str] | None = [c.strip() for c in first] if by_name else None
+    label_idx = [_label_index(token, header, width, label_key, path) for token in tokens]
     features = [i for i in range(width) if i not in label_idx]
     if not features:
         raise ConfigError("every column is a label; no features left", key=label_key, source=str(path))
-    if header is None and any(_number(rows[0][1][i]) is None for i in features):
-        header = [c.strip() for c in rows[0][1]]
-    body = rows[1:] if header is not None else rows
-    if not body:
-        raise ConfigError("the file has a header but no data rows", key=key, source=str(path))
+    if header is None and any(_number(first[i]) is None for i in features):
+        header = [c.strip() for c in first]
+    return header, label_idx, features
+
+
+def _csv_rows(path: Path, key: str) -> list[tuple[int, list[str]]]:
+    """The non-blank rows with their 1-based line numbers (for errors); a BOM is dropped."""
+    with open(path, newline="", encoding="utf-8-sig") as fh:
+        rows = [(i + 1, row) for i, row in enumerate(csv.reader(fh)) if row and any(c.strip() for c in row)]
+    if not rows:
+        raise ConfigError("the file has no rows", key=key, source=str(path))
+    return rows
+
+
+def _label_index(token: str, header: list[str] | None, width: int, label_key: str, path: Path) -> int:
+    """One label column's 0-based index: by its name in the header, or a (possibly negative) index."""
+    if _number(token) is None:
+        assert header is not None  # a non-numeric token makes the first row the header
+        if token not in header:
+            raise ConfigError(f"no column {token!r}; the header has {header}", key=label_key, source=str(path))
+        return header.index(token)
+    index = int(float(token))
+    if not -width <= index < width:
+        raise ConfigError(f"column {index} does not exist: rows have {width} columns", key=label_key,
+                          source=str(path))
+    return index % width
+
+
+def _parse_body(body: list[tuple[int, list[str]]], width: int, features: list[int], label_idx: list[int],
+                header: list[str] | None, key: str, path: Path) -> tuple[np.ndarray, list[list[str]]]:
+    """The feature matrix (float64) and each row's label cells as text; a ragged row or a non-numeric feature
+    cell is an error naming its line (and column)."""
     x = np.empty((len(body), len(features)), dtype=np.float64)
     raw_labels: list[list[str]] = []
     for r, (line, row) in enumerate(body):
@@ -143,20 +171,25 @@ def _read_csv(path: Path, label_column: str | None, key: str, label_key: str) ->
                                   source=str(path))
             x[r, j] = value
         raw_labels.append([row[c].strip() for c in label_idx])
-    class_names: tuple[str, ...] | None = None
+    return x, raw_labels
+
+
+def _label_values(raw_labels: list[list[str]], columns: int, label_key: str,
+                  path: Path) -> tuple[np.ndarray, tuple[str, ...] | None]:
+    """The labels as numbers, ``(rows,)`` for one label column and ``(rows, columns)`` for several, and the class
+    names when the one column holds text: its values numbered in sorted order. Several label columns must all
+    be numbers (multi-output targets)."""
     numbers = [[_number(v) for v in labels] for labels in raw_labels]
+    class_names: tuple[str, ...] | None = None
     if all(v is not None for labels in numbers for v in labels):
         y = np.asarray(numbers, dtype=np.float64)
-    elif len(label_idx) == 1:
+    elif columns == 1:
         class_names = tuple(sorted({labels[0] for labels in raw_labels}))
         number_of = {name: i for i, name in enumerate(class_names)}
         y = np.asarray([[number_of[labels[0]]] for labels in raw_labels], dtype=np.float64)
     else:
         raise ConfigError("several label columns must all be numbers", key=label_key, source=str(path))
-    y = y[:, 0] if len(label_idx) == 1 else y
-    names = tuple(header[i] for i in features) if header is not None else None
-    return Table(x=_finite(x.astype(np.float32), key, path), y=_labels(y, key, path), feature_names=names,
-                 class_names=class_names)
+    return (y[:, 0] if columns == 1 else y), class_names
 
 
 def _finite(x: np.ndarray, key: str, path: Path) -> np.ndarray:

@@ -538,9 +538,6 @@ def lower_training_graph(model: "onnx.ModelProto", params: Sequence[str]) -> Low
         ArtifactError: The graph is not a training graph of these parameters (a parameter
             without gradient accumulator).
     """
-    import onnx
-    from onnx import helper
-
     graph = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     taken = {name for n in graph.node for name in (*n.input, *n.output)}
@@ -550,25 +547,46 @@ def lower_training_graph(model: "onnx.ModelProto", params: Sequence[str]) -> Low
     nodes: list[Any] = []
     unsupported: set[str] = set()
     for node in graph.node:
-        # onnxruntime registers some gradient kernels (MaxPoolGrad, ...) in the standard domain
-        # although ONNX defines no such op: only what the ONNX schema knows is standard.
-        if node.domain in STANDARD_DOMAINS and onnx.defs.has(node.op_type, "" if node.domain == "ai.onnx"
-                                                              else node.domain):
-            nodes.append(node)
-            continue
-        lowering = LOWERINGS.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type))
-        if lowering is None:
-            unsupported.add(node.op_type)
-            continue
-        if opset < _MIN_OPSET:
-            unsupported.add(f"{node.op_type} (opset {opset} < {_MIN_OPSET})")
-            continue
-        try:
-            nodes.extend(lowering(node, ctx))
-        except NotLowerable as exc:
-            unsupported.add(f"{node.op_type} ({exc})")
+        lowered, why_not = _lower_node(node, ctx)
+        nodes.extend(lowered)
+        if why_not is not None:
+            unsupported.add(why_not)
     if unsupported:
         return Lowered(model=None, unsupported_ops=tuple(sorted(unsupported)))
+    outputs = _gradient_outputs(graph, params, ctx, nodes)
+    return Lowered(model=_portable_model(model, nodes, outputs, ctx))
+
+
+def _is_standard(node: Any) -> bool:
+    """Whether the ONNX schema defines ``node``'s op. onnxruntime registers some gradient kernels
+    (MaxPoolGrad, ...) in the standard domain although ONNX defines no such op: the domain alone is not enough."""
+    import onnx
+
+    return node.domain in STANDARD_DOMAINS and onnx.defs.has(node.op_type, "" if node.domain == "ai.onnx"
+                                                             else node.domain)
+
+
+def _lower_node(node: Any, ctx: LoweringContext) -> tuple[list[Any], str | None]:
+    """``(the nodes replacing node, None)``, or ``([], why not)`` naming the op (and the reason) that blocks
+    the portable graph. A standard node stays as it is."""
+    if _is_standard(node):
+        return [node], None
+    lowering = LOWERINGS.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type))
+    if lowering is None:
+        return [], node.op_type
+    if ctx.opset < _MIN_OPSET:
+        return [], f"{node.op_type} (opset {ctx.opset} < {_MIN_OPSET})"
+    try:
+        return lowering(node, ctx), None
+    except NotLowerable as exc:
+        return [], f"{node.op_type} ({exc})"
+
+
+def _gradient_outputs(graph: Any, params: Sequence[str], ctx: LoweringContext, nodes: list[Any]) -> list[Any]:
+    """The portable graph's outputs: the original ones the accumulators did not flag, then ``<param>_grad`` for
+    every parameter in ``params`` order, each typed as its accumulation buffer. A gradient whose tensor has
+    another name (or is a graph input) gets an ``Identity`` appended to ``nodes`` to carry the output's name."""
+    from onnx import helper
 
     inputs_by_name = {i.name: i for i in graph.input}
     missing = [p for p in params if p not in ctx.gradients]
@@ -585,6 +603,17 @@ def lower_training_graph(model: "onnx.ModelProto", params: Sequence[str]) -> Low
         spec = inputs_by_name[ctx.gradient_buffers[param]].type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in spec.shape.dim]
         outputs.append(helper.make_tensor_value_info(target, spec.elem_type, dims))
+    return outputs
+
+
+def _portable_model(model: "onnx.ModelProto", nodes: list[Any], outputs: list[Any],
+                    ctx: LoweringContext) -> "onnx.ModelProto":
+    """The lowered graph as a checked model: only the inputs and value_info still used, the new initializers
+    after the original ones, and opset imports for the domains the nodes still use."""
+    import onnx
+    from onnx import helper
+
+    graph = model.graph
     used = {name for n in nodes for name in n.input} | {o.name for o in outputs}
     inputs = [i for i in graph.input if i.name in used]
     produced = {name for n in nodes for name in n.output} | {i.name for i in inputs}
@@ -593,7 +622,7 @@ def lower_training_graph(model: "onnx.ModelProto", params: Sequence[str]) -> Low
         nodes, f"{graph.name}_portable", inputs, outputs,
         initializer=[*graph.initializer, *ctx.initializers],
         value_info=[v for v in graph.value_info if v.name in produced])
-    opsets = [helper.make_opsetid("", opset)] + [
+    opsets = [helper.make_opsetid("", ctx.opset)] + [
         o for o in model.opset_import if o.domain in domains and o.domain not in ("", "ai.onnx")]
     portable = helper.make_model(new_graph, opset_imports=opsets, producer_name="fedtier.models.portable",
                                  ir_version=model.ir_version)
@@ -602,7 +631,7 @@ def lower_training_graph(model: "onnx.ModelProto", params: Sequence[str]) -> Low
         onnx.checker.check_model(portable)
     except onnx.checker.ValidationError as exc:
         raise ArtifactError(f"the portable training graph is not valid ONNX: {exc}") from exc
-    return Lowered(model=portable)
+    return portable
 
 
 def write_portable(directory: Path, forward: "onnx.ModelProto", training: "onnx.ModelProto",

@@ -147,11 +147,6 @@ def _key(item: object) -> tuple[Key, int]:
     return (float(z), float(q), population), n_rel
 
 
-def _normalize_releases(releases: Iterable[Any]) -> list[tuple[Key, int]]:
-    """Validate every release before computing anything, so one bad release fails the whole query."""
-    return [_key(item) for item in releases]
-
-
 def _dp_event(key: Key) -> dp_accounting.DpEvent:
     z, q, population = key
     event: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(z)

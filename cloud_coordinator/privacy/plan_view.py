@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fedtier.errors import ConfigError
 
@@ -58,10 +58,6 @@ def rounds_within_budget(z: float, per_round: int, rounds: int, delta: float, bu
 def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
     """The plan as plain data (what ``--json`` prints; ``render_plan`` formats it)."""
     from cloud_coordinator.privacy import calibrate
-    from fedtier.privacy.plan import fixed_sample_size
-    from fedtier.privacy.trust import DEVICE
-
-    from cloud_coordinator.privacy import utility
 
     p = cfg.privacy
     data = federated_data(cfg)
@@ -71,54 +67,97 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
     m = calibrate.multipliers(cfg, samples)
     local_steps, tau = calibrate.schedule(cfg)
     budget = float(p.budget_epsilon if p.budget_epsilon is not None else p.epsilon)
-    snr: utility.Estimate | None = None
+    noise_plan, snr = _noise_plan(cfg, samples, data)
+    tiers = _tiers(cfg, rows, m, tau, budget)
+    warnings = _warnings(cfg, tiers, rows, snr, budget)
+    header = _header(cfg, config_path, m, budget, tau, local_steps, len(samples))
+    return {**header, "tiers": tiers, "warnings": warnings, "details": dict(m.details),
+            "signal_to_noise": snr.to_dict() if snr is not None else None,
+            "nodes": [r.to_dict() for r in rows], "noise_plan": noise_plan}
+
+
+def _noise_plan(cfg: Any, samples: dict[str, int], data: Any) -> tuple[dict[str, Any] | None, Any]:
+    """The rollout's noise plan (as it travels) and its signal-to-noise estimate; ``(None, None)`` for a tree
+    with intermediate servers, which rollouts do not run: its per-node rows are the whole plan."""
+    from cloud_coordinator.privacy import calibrate, utility
+
     try:
         made = calibrate.make_plan(cfg, samples)
         noise_plan: dict[str, Any] | None = made.to_dict()
-        snr = utility.estimate(made, utility.parameters_per_cell(cfg, data.num_features, data.num_classes),
-                               cells_averaged=not cfg.traits.submodels)
+        snr: utility.Estimate | None = utility.estimate(
+            made, utility.parameters_per_cell(cfg, data.num_features, data.num_classes),
+            cells_averaged=not cfg.traits.submodels)
     except ConfigError:
-        noise_plan = None  # intermediate servers: the per-node rows are the plan
+        return None, None
+    return noise_plan, snr
+
+
+def _edge_event(p: Any, q: float, fan_in: int) -> tuple[Any, ...]:
+    """(q[, n]) of a trusted server's release under device sampling: amplification (docs/privacy.md)."""
+    from fedtier.privacy.plan import fixed_sample_size
+
+    if p.device_sampling == "poisson":
+        return (q,)
+    if p.device_sampling == "fixed" and fixed_sample_size(fan_in, q) < fan_in:
+        return (fixed_sample_size(fan_in, q) / fan_in, fan_in)
+    return ()
+
+
+def _tiers(cfg: Any, rows: Sequence[Any], m: Any, tau: int, budget: float) -> dict[str, dict[str, Any]]:
+    """Both tiers: the devices that add their own noise, and the trusted servers that add it for their members.
+    A device under an untrusted edge releases at most its cap (under sampling the cloud stops sampling it
+    there), so its tier is charged that many rounds."""
+    from cloud_coordinator.privacy import calibrate
+    from fedtier.privacy.trust import DEVICE
+
+    p = cfg.privacy
+    q = calibrate.sample_rate(cfg)
     devices_in = [r for r in rows if r.kind == DEVICE and r.injects]
     servers_in = [r for r in rows if r.kind != DEVICE and r.injects]
-    tiers: dict[str, dict[str, Any]] = {}
+    return {
+        "device": _tier(p, DEVICE_TIER, devices_in, m.device_z, tau, m.details["epsilon_device_tier"],
+                        int(m.details["device_releases"]) // tau, budget, cfg.rounds, lambda fan_in: ()),
+        "edge": _tier(p, EDGE_TIER, servers_in, m.edge_z, 1, m.details["epsilon_edge_tier"], cfg.rounds, budget,
+                      cfg.rounds, lambda fan_in: _edge_event(p, q, fan_in)),
+    }
+
+
+def _tier(p: Any, who: str, injecting: Sequence[Any], z: float, per_round: int, eps: float, rounds_charged: int,
+          budget: float, rounds: int, event_of: Callable[[int], tuple[Any, ...]]) -> dict[str, Any]:
+    """One tier's entry. With injecting nodes, ``z`` and ``eps`` are what the ledger charges: the tier's smallest
+    multiplier (paper mode: it varies with the fan-in) over the releases charged, sampled as ``event_of`` its
+    fan-in says; without, the calibration's values are shown."""
     from cloud_coordinator.privacy.accountant import epsilon
 
-    q = calibrate.sample_rate(cfg)
+    event: tuple[Any, ...] = ()
+    if injecting:
+        worst = min(injecting, key=lambda r: r.z)
+        z = worst.z
+        event = event_of(worst.protects)
+        eps = epsilon([(z, per_round * rounds_charged, *event)], p.delta, accounting=p.accountant)
+    sens = [r.sensitivity for r in injecting]
+    sigmas = [r.sigma for r in injecting]
+    within = rounds_within_budget(z, per_round, rounds_charged, p.delta, budget, event, p.accountant)
+    if within >= rounds_charged:
+        within = rounds
+    return {
+        "who": who, "injectors": [r.node for r in injecting],
+        "devices": sum(r.protects for r in injecting),
+        "releases_per_round": per_round, "releases_per_device": per_round * rounds_charged,
+        "sampling": p.device_sampling, "amplified": bool(event),
+        "z": z, "sensitivity_min": min(sens, default=None), "sensitivity_max": max(sens, default=None),
+        "sigma_min": min(sigmas, default=None), "sigma_max": max(sigmas, default=None),
+        "epsilon": eps, "rounds_within_budget": within,
+    }
 
-    def edge_event(fan_in: int) -> tuple[Any, ...]:
-        """(q[, n]) of a trusted server's release under device sampling: amplification (docs/privacy.md)."""
-        if p.device_sampling == "poisson":
-            return (q,)
-        if p.device_sampling == "fixed" and fixed_sample_size(fan_in, q) < fan_in:
-            return (fixed_sample_size(fan_in, q) / fan_in, fan_in)
-        return ()
 
-    for name, who, injecting, z, per_round, eps in (
-            ("device", DEVICE_TIER, devices_in, m.device_z, tau, m.details["epsilon_device_tier"]),
-            ("edge", EDGE_TIER, servers_in, m.edge_z, 1, m.details["epsilon_edge_tier"])):
-        # a device under an untrusted edge releases at most its cap (sampling: the cloud stops sampling it there)
-        rounds_charged = int(m.details["device_releases"]) // tau if name == "device" else cfg.rounds
-        event: tuple[Any, ...] = ()
-        if injecting:  # what the ledger charges: the smallest multiplier of the tier (paper mode: per fan-in)
-            worst = min(injecting, key=lambda r: r.z)
-            z = worst.z
-            event = edge_event(worst.protects) if name == "edge" else ()
-            eps = epsilon([(z, per_round * rounds_charged, *event)], p.delta, accounting=p.accountant)
-        sens = [r.sensitivity for r in injecting]
-        sigmas = [r.sigma for r in injecting]
-        within = rounds_within_budget(z, per_round, rounds_charged, p.delta, budget, event, p.accountant)
-        if within >= rounds_charged:
-            within = cfg.rounds
-        tiers[name] = {
-            "who": who, "injectors": [r.node for r in injecting],
-            "devices": sum(r.protects for r in injecting),
-            "releases_per_round": per_round, "releases_per_device": per_round * rounds_charged,
-            "sampling": p.device_sampling, "amplified": bool(event),
-            "z": z, "sensitivity_min": min(sens, default=None), "sensitivity_max": max(sens, default=None),
-            "sigma_min": min(sigmas, default=None), "sigma_max": max(sigmas, default=None),
-            "epsilon": eps, "rounds_within_budget": within,
-        }
+def _warnings(cfg: Any, tiers: dict[str, dict[str, Any]], rows: Sequence[Any], snr: Any,
+              budget: float) -> list[str]:
+    """What the operator should hear before the rollout: a tier the budget stops early, noise that would drown
+    the model, clear updates allowed without TLS."""
+    from fedtier.privacy.trust import DEVICE
+
+    p = cfg.privacy
     warnings = []
     for name, t in tiers.items():
         if not t["injectors"] or t["rounds_within_budget"] >= cfg.rounds:
@@ -133,76 +172,130 @@ def plan_document(cfg: Any, config_path: Path) -> dict[str, Any]:
         warnings += snr.warnings(p.epsilon)
     if not p.require_tls and any(r.kind == DEVICE and not r.injects and not r.distributed for r in rows):
         warnings.append("require_tls = false: devices under trusted cells may send clear updates without TLS")
+    return warnings
+
+
+def _header(cfg: Any, config_path: Path, m: Any, budget: float, tau: int, local_steps: int,
+            devices: int) -> dict[str, Any]:
+    """The rollout's privacy settings as planned (paper mode adds the inputs of its closed form)."""
+    from cloud_coordinator.privacy import calibrate
+
+    p = cfg.privacy
     header = {
         "config": str(config_path), "rollout": cfg.rollout, "algorithm": cfg.algorithm,
         "mode": p.calibration, "epsilon": p.epsilon, "delta": p.delta, "budget_epsilon": budget, "clip": p.clip,
         "rounds": cfg.rounds, "edge_rounds": tau, "local_steps": local_steps, "require_tls": p.require_tls,
-        "cells": len(cfg.topology.layout()), "devices": len(samples), "accountant": p.accountant,
-        "device_sampling": p.device_sampling, "sample_rate": q, "secure_noise": p.secure_noise,
-        "distributed_min_survivors": calibrate.distributed_min_survivors(cfg),
+        "cells": len(cfg.topology.layout()), "devices": devices, "accountant": p.accountant,
+        "device_sampling": p.device_sampling, "sample_rate": calibrate.sample_rate(cfg),
+        "secure_noise": p.secure_noise, "distributed_min_survivors": calibrate.distributed_min_survivors(cfg),
         "adaptive_clip": {"quantile": p.clip_quantile, "lr": p.clip_lr, "count_share": p.clip_count_share}
         if p.adaptive_clip else None,
     }
     if p.calibration == "paper":
         header.update(alpha=m.details["alpha"], sampling_rate=m.details["sampling_rate"],
                       steps_per_round=m.details["steps_per_round"])
-    return {**header, "tiers": tiers, "warnings": warnings, "details": dict(m.details),
-            "signal_to_noise": snr.to_dict() if snr is not None else None,
-            "nodes": [r.to_dict() for r in rows], "noise_plan": noise_plan}
+    return header
 
 
 def render_plan(doc: dict[str, Any]) -> str:
-    """The human-readable plan (no trailing newline)."""
-    from cloud_coordinator.privacy.report import fmt, table
+    """The human-readable plan (no trailing newline): the settings, the tiers, the signal-to-noise estimate,
+    every node of the tree, then notes and warnings."""
+    lines = [f"privacy plan of rollout {doc['rollout']} ({doc['config']}): {doc['algorithm']}, {doc['cells']} cells, "
+             f"{doc['devices']} devices"]
+    rows = _setting_rows(doc)
+    width = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+    lines += ["", "tiers (every device is protected by exactly one injection point):"]
+    lines += _tier_table(doc)
+    lines += _snr_lines(doc)
+    lines += ["", "nodes:"]
+    lines += _node_table(doc)
+    if doc["noise_plan"] is None:
+        lines += ["", "note: intermediate servers (topology.parents) are planned here, but rollouts run "
+                      "device -> cell -> cloud"]
+    if doc["warnings"]:
+        lines += ["", "warnings:"]
+        lines += [f"  - WARNING: {w}" for w in doc["warnings"]]
+    return "\n".join(lines)
 
+
+def _accountant(doc: dict[str, Any]) -> str:
+    return str(doc.get("accountant", "rdp")).upper()
+
+
+def _setting_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """The settings block: (name, explanation) rows, the optional ones only when they apply."""
     budget = doc["budget_epsilon"]
     budget_text = ("none: privacy never stops the rollout" if math.isinf(budget)
                    else f"{budget:g} (the rollout stops before any device would exceed it)")
-    lines = [f"privacy plan of rollout {doc['rollout']} ({doc['config']}): {doc['algorithm']}, {doc['cells']} cells, "
-             f"{doc['devices']} devices"]
-    acct = str(doc.get("accountant", "rdp")).upper()
-    if doc["mode"] == "rdp":
-        calib = f"rdp: each tier's noise multiplier z solved with the {acct} accountant for its real release count"
-    else:
-        calib = (f"paper: z = alpha q sqrt(K T ln(1/delta)) / epsilon (eq. 11; alpha {doc['alpha']:g}, "
-                 f"q {doc['sampling_rate']:.4g}, K {doc['steps_per_round']}) -- a HEURISTIC closed form, not a "
-                 "guarantee; the ledger charges the RDP epsilon shown per tier")
-    rows = [("calibration", calib),
+    rows = [("calibration", _calibration_text(doc)),
             ("target", f"epsilon {doc['epsilon']:g} per device at delta {doc['delta']:g}"),
             ("budget", budget_text),
-            ("accountant", f"epsilon over the whole rollout ({acct}, what the ledger charges): "
-                           + ", ".join(f"{name} tier {fmt(t['epsilon'], '.4g')}"
-                                       + ("" if t["injectors"] else " (no node)")
-                                       for name, t in doc["tiers"].items())
-                           + ("" if doc["mode"] == "rdp" else f" -- the paper's target was {doc['epsilon']:g}")),
-            ("clip", f"C = {doc['clip']:g} (L2 bound on each released model delta)" if not doc.get("adaptive_clip")
-             else (f"adaptive: C starts at {doc['clip']:g} and moves every round towards the "
-                   f"{doc['adaptive_clip']['quantile']:g}-quantile of update norms (rate "
-                   f"{doc['adaptive_clip']['lr']:g}); each release spends {doc['adaptive_clip']['count_share']:g} of "
-                   "its z^-2 on its noised clipped count, its update's noise grows by "
-                   f"{(1 - doc['adaptive_clip']['count_share']) ** -0.5:.3g}x")),
+            ("accountant", _accountant_text(doc)),
+            ("clip", _clip_text(doc)),
             ("schedule", f"{doc['rounds']} rounds x {doc['edge_rounds']} edge rounds x {doc['local_steps']} "
                          "local steps"),
             ("require_tls", "yes" if doc["require_tls"] else "no")]
-    s_min = doc.get("distributed_min_survivors", 0)
-    if s_min:
-        rows.append(("distributed DP", f"secure aggregation in every cell: each device adds 1/{s_min} of its cell's "
-                                       f"noise variance (s_min = {s_min} survivors at least), no edge sees an update "
-                                       "and none adds noise; a cell's sum is charged as a trusted edge's release"
-                                       + (", its devices sampling themselves in secret" if doc.get(
-                                           "device_sampling", "none") != "none" else "") + " (docs/privacy.md)"))
-    elif doc.get("device_sampling", "none") != "none":
-        rows.append(("sampling", f"{doc['device_sampling']} at q = {doc['sample_rate']:g} per round: trusted edges "
-                                 "sample in secret and release a fixed-denominator sum (amplified); devices under "
-                                 "untrusted edges pay full price, sampled at most "
-                                 f"{doc['tiers']['device']['releases_per_device'] // max(1, doc['edge_rounds'])} "
-                                 "rounds (docs/privacy.md)"))
+    sampling = _sampling_row(doc)
+    if sampling is not None:
+        rows.append(sampling)
     if doc.get("secure_noise"):
         rows.append(("noise", "secure: CSPRNG, sum of Gaussians (docs/privacy.md, hardened noise)"))
-    width = max(len(k) for k, _ in rows)
-    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+    return rows
 
-    lines += ["", "tiers (every device is protected by exactly one injection point):"]
+
+def _calibration_text(doc: dict[str, Any]) -> str:
+    if doc["mode"] == "rdp":
+        return (f"rdp: each tier's noise multiplier z solved with the {_accountant(doc)} accountant for its real "
+                "release count")
+    return (f"paper: z = alpha q sqrt(K T ln(1/delta)) / epsilon (eq. 11; alpha {doc['alpha']:g}, "
+            f"q {doc['sampling_rate']:.4g}, K {doc['steps_per_round']}) -- a HEURISTIC closed form, not a "
+            "guarantee; the ledger charges the RDP epsilon shown per tier")
+
+
+def _accountant_text(doc: dict[str, Any]) -> str:
+    """Each tier's epsilon over the whole rollout; paper mode recalls the target it was calibrated for."""
+    from cloud_coordinator.privacy.report import fmt
+
+    return (f"epsilon over the whole rollout ({_accountant(doc)}, what the ledger charges): "
+            + ", ".join(f"{name} tier {fmt(t['epsilon'], '.4g')}" + ("" if t["injectors"] else " (no node)")
+                        for name, t in doc["tiers"].items())
+            + ("" if doc["mode"] == "rdp" else f" -- the paper's target was {doc['epsilon']:g}"))
+
+
+def _clip_text(doc: dict[str, Any]) -> str:
+    adaptive = doc.get("adaptive_clip")
+    if not adaptive:
+        return f"C = {doc['clip']:g} (L2 bound on each released model delta)"
+    return (f"adaptive: C starts at {doc['clip']:g} and moves every round towards the "
+            f"{adaptive['quantile']:g}-quantile of update norms (rate "
+            f"{adaptive['lr']:g}); each release spends {adaptive['count_share']:g} of "
+            "its z^-2 on its noised clipped count, its update's noise grows by "
+            f"{(1 - adaptive['count_share']) ** -0.5:.3g}x")
+
+
+def _sampling_row(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """Distributed DP (which covers its own sampling), else device sampling, else nothing."""
+    s_min = doc.get("distributed_min_survivors", 0)
+    sampled = doc.get("device_sampling", "none") != "none"
+    if s_min:
+        return ("distributed DP", f"secure aggregation in every cell: each device adds 1/{s_min} of its cell's "
+                                  f"noise variance (s_min = {s_min} survivors at least), no edge sees an update "
+                                  "and none adds noise; a cell's sum is charged as a trusted edge's release"
+                                  + (", its devices sampling themselves in secret" if sampled else "")
+                                  + " (docs/privacy.md)")
+    if sampled:
+        return ("sampling", f"{doc['device_sampling']} at q = {doc['sample_rate']:g} per round: trusted edges "
+                            "sample in secret and release a fixed-denominator sum (amplified); devices under "
+                            "untrusted edges pay full price, sampled at most "
+                            f"{doc['tiers']['device']['releases_per_device'] // max(1, doc['edge_rounds'])} "
+                            "rounds (docs/privacy.md)")
+    return None
+
+
+def _tier_table(doc: dict[str, Any]) -> list[str]:
+    from cloud_coordinator.privacy.report import fmt, table
+
     tier_rows = []
     for name, t in doc["tiers"].items():
         present = bool(t["injectors"])
@@ -213,25 +306,36 @@ def render_plan(doc: dict[str, Any]) -> str:
             _span(t["sensitivity_min"], t["sensitivity_max"]), _span(t["sigma_min"], t["sigma_max"]),
             fmt(t["epsilon"]) + ("" if present else " (no node in this tier)"),
             f"{t['rounds_within_budget']} of {doc['rounds']}"])
-    lines += table(["tier", "who adds noise", "devices", "releases/device", "z", "sensitivity", "sigma",
-                    f"epsilon ({acct})", "rounds within budget"], tier_rows)
+    return table(["tier", "who adds noise", "devices", "releases/device", "z", "sensitivity", "sigma",
+                  f"epsilon ({_accountant(doc)})", "rounds within budget"], tier_rows)
+
+
+def _snr_lines(doc: dict[str, Any]) -> list[str]:
+    """The signal-to-noise block, when the plan has an estimate (not for intermediate servers)."""
+    from cloud_coordinator.privacy.report import fmt, table
 
     snr = doc["signal_to_noise"]
-    if snr is not None:
-        lines += ["", f"signal-to-noise per round (clipped signal bound vs expected noise norm over "
-                      f"{snr['parameters']} parameters; every member reporting):"]
-        snr_rows = []
-        for name, label in (("device", "an untrusted cell's change"), ("edge", "a trusted cell's release"),
-                            ("cloud", "the global update")):
-            r = snr[name]
-            if r is not None:
-                snr_rows.append([label, r["cell"] or "-", fmt(r["signal"], ".3g"), fmt(r["noise"], ".3g"),
-                                 fmt(r["snr"], ".2g")])
-        lines += table(["aggregate", "worst cell", "signal <=", "noise ~", "signal/noise"], snr_rows)
-        lines.append(f"  over {doc['rounds']} rounds: signal/noise {fmt(snr['rollout_snr'], '.2g')} "
-                     f"(x sqrt(rounds): the signal can add up, the noise adds up as a random walk)")
+    if snr is None:
+        return []
+    lines = ["", f"signal-to-noise per round (clipped signal bound vs expected noise norm over "
+                 f"{snr['parameters']} parameters; every member reporting):"]
+    snr_rows = []
+    for name, label in (("device", "an untrusted cell's change"), ("edge", "a trusted cell's release"),
+                        ("cloud", "the global update")):
+        r = snr[name]
+        if r is not None:
+            snr_rows.append([label, r["cell"] or "-", fmt(r["signal"], ".3g"), fmt(r["noise"], ".3g"),
+                             fmt(r["snr"], ".2g")])
+    lines += table(["aggregate", "worst cell", "signal <=", "noise ~", "signal/noise"], snr_rows)
+    lines.append(f"  over {doc['rounds']} rounds: signal/noise {fmt(snr['rollout_snr'], '.2g')} "
+                 f"(x sqrt(rounds): the signal can add up, the noise adds up as a random walk)")
+    return lines
 
-    lines += ["", "nodes:"]
+
+def _node_table(doc: dict[str, Any]) -> list[str]:
+    """Every node, by section: the cloud, the servers by layer, the devices by cell (identical runs collapsed)."""
+    from cloud_coordinator.privacy.report import table
+
     nodes = doc["nodes"]
     cloud = [n for n in nodes if n["kind"] == "cloud"]
     servers = sorted((n for n in nodes if n["kind"] == "server"), key=lambda n: (n["layer"], n["node"]))
@@ -243,15 +347,8 @@ def render_plan(doc: dict[str, Any]) -> str:
         body.append([f"[{section}]", "", "", "", "", "", "", "", "", "", ""])
         for label, n in (_collapse(members) if section == "devices" else [(n["node"], n) for n in members]):
             body.append(_node_cells(label, n, doc["require_tls"]))
-    lines += table(["node", "layer", "parent", "declared", "effective", "injects", "releases", "sensitivity", "z",
-                    "sigma", "why"], body)
-    if doc["noise_plan"] is None:
-        lines += ["", "note: intermediate servers (topology.parents) are planned here, but rollouts run "
-                      "device -> cell -> cloud"]
-    if doc["warnings"]:
-        lines += ["", "warnings:"]
-        lines += [f"  - WARNING: {w}" for w in doc["warnings"]]
-    return "\n".join(lines)
+    return table(["node", "layer", "parent", "declared", "effective", "injects", "releases", "sensitivity", "z",
+                  "sigma", "why"], body)
 
 
 def _span(lo: float | None, hi: float | None) -> str:

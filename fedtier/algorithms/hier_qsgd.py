@@ -178,11 +178,10 @@ def _noise_plan(config: Any, cell: str, supported: bool) -> NoisePlan | None:
     return plan
 
 
-def _edge_aggregator(config: Any) -> tuple[strategies.AggregatorSpec, strategies.Aggregator]:
+def _edge_aggregator(config: Any) -> strategies.Aggregator:
     """The edge rule the task names; ``UnexpectedMessageError`` if this node cannot run it."""
     try:
-        spec = strategies.parse_strategy(config.strategy)["edge"]
-        return spec, strategies.build(spec)
+        return strategies.build(strategies.parse_strategy(config.strategy)["edge"])
     except strategies.StrategyError as exc:
         raise UnexpectedMessageError(f"task's edge aggregator: {exc}") from None
 
@@ -437,7 +436,6 @@ class _EdgeBase(EdgeRoleBase):
         self._seen: set[str] = set()
         self._members: tuple[str, ...] = ()  # the cloud's members of the round (the sample is a subset)
         self._aggregator: strategies.Aggregator = strategies.Mean()
-        self._aggregator_spec: strategies.AggregatorSpec = strategies.AggregatorSpec()
         self._edge_optimizer: ServerOptimizer | None = None
         """``strategy["edge_optimizer"]``: a server optimizer on the cell's change, its state kept across
         rounds in this role; the edge node stores ``strategy_state()`` with each cell update and a restarted
@@ -495,8 +493,7 @@ class _EdgeBase(EdgeRoleBase):
             raise WrongRoundError(f"task for round {task.round}, cell is at round {self.round}")
         config = self.CONFIG.from_dict(task.config)
         plan = _noise_plan(config, self.cell, self.SUPPORTS_PRIVACY)
-        spec, aggregator = _edge_aggregator(config)
-        self._aggregator_spec, self._aggregator = spec, aggregator
+        self._aggregator = _edge_aggregator(config)
         opt = (config.strategy or {}).get("edge_optimizer")
         if opt is not None and self.EDGE_OPTIMIZER_REFUSAL is not None:
             raise UnexpectedMessageError(self.EDGE_OPTIMIZER_REFUSAL)

@@ -31,7 +31,6 @@ from fedtier.errors import LocalProtocolError
 Tensors = Mapping[str, np.ndarray]
 
 KINDS = ("sgd", "momentum", "adam", "yogi", "adagrad")
-ADAPTIVE = ("adam", "yogi", "adagrad")
 DEFAULT_LR = {"sgd": 1.0, "momentum": 1.0, "adam": 0.01, "yogi": 0.01, "adagrad": 0.01}
 """η when ``lr`` is not given: 1 for sgd/momentum (sgd then is plain FedAvg), 10^-2 for the adaptive
 ones (the order of the server rates Reddi et al. report for them)."""

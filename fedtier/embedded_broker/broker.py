@@ -127,14 +127,6 @@ class Broker:
         self._acl = config.acl
         self._shut_down = False
 
-    @property
-    def session_count(self) -> int:
-        return len(self._sessions)
-
-    @property
-    def retained_count(self) -> int:
-        return len(self._retained)
-
     def stats(self) -> dict[str, int]:
         """Counters for operators and tests: what the broker holds and what it has dropped."""
         return {

@@ -155,14 +155,6 @@ class Session:
         self._last_drop_warning = -math.inf
 
     @property
-    def inflight_count(self) -> int:
-        return len(self._inflight)
-
-    @property
-    def pending_count(self) -> int:
-        return len(self._pending)
-
-    @property
     def dropped(self) -> int:
         """Messages this session dropped (queue full, budget exhausted, client not reading)."""
         return self._dropped

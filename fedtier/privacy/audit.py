@@ -132,6 +132,23 @@ def check_cell_update(plan: NoisePlan, cell: str, round: int, privacy: Mapping[s
     p = plan.cells[cell]
     if not isinstance(privacy, Mapping):
         raise MissingReleaseError(f"update of cell {cell} (round {round}) carries no privacy report")
+    steps, releases = _report_lists(cell, privacy, reported)
+    if bool(privacy.get("trusted")) != p.trusted:
+        raise MissingReleaseError(f"cell {cell} says trusted={privacy.get('trusted')!r}, the plan {p.trusted}")
+    if p.distributed:
+        _check_distributed(plan, cell, round, privacy, steps, releases)
+    elif p.trusted:
+        _check_trusted_edge(plan, cell, round, steps, releases)
+    else:
+        by_key = {(r.get("node"), r.get("step")): r for r in releases if isinstance(r, Mapping)}
+        for i, step_reporters in enumerate(steps):
+            for device in step_reporters:
+                check_device_release(plan, cell, device, round, i, by_key.get((device, i)))
+
+
+def _report_lists(cell: str, privacy: Mapping[str, Any], reported: Iterable[str]) -> tuple[list[list[str]], list[Any]]:
+    """The report's ``steps`` (device ids per edge round) and ``releases``, after checking their shape, and that
+    every device whose update is in the aggregate appears in some step: an unlisted reporter escapes the audit."""
     steps = privacy.get("steps")
     releases = privacy.get("releases")
     if not isinstance(steps, list) or not isinstance(releases, list) or \
@@ -139,37 +156,32 @@ def check_cell_update(plan: NoisePlan, cell: str, round: int, privacy: Mapping[s
         raise MissingReleaseError(f"privacy report of cell {cell} is malformed")
     if set(reported) - {d for s in steps for d in s}:
         raise MissingReleaseError(f"cell {cell} reports devices without a step record")
-    if bool(privacy.get("trusted")) != p.trusted:
-        raise MissingReleaseError(f"cell {cell} says trusted={privacy.get('trusted')!r}, the plan {p.trusted}")
-    if p.distributed:
-        _check_distributed(plan, cell, round, privacy, steps, releases)
-        return
-    if p.trusted:
-        own = [r for r in releases if isinstance(r, Mapping) and r.get("node") == cell and r.get("event") == "edge"]
-        if len(own) != 1:
-            raise MissingReleaseError(f"trusted cell {cell} sent its aggregate without exactly one noise release "
-                                      f"(found {len(own)})")
-        record = own[0]
-        if record.get("round") != round:
-            raise MissingReleaseError(f"noise record of cell {cell} is for round {record.get('round')!r}")
-        covered = set(record.get("protected") or ())
-        missing = {d for s in steps for d in s} - covered
-        if missing:
-            raise MissingReleaseError(f"noise release of cell {cell} does not cover {sorted(missing)}")
-        if not steps or not all(steps):
-            raise MissingReleaseError(f"trusted cell {cell} reports an edge round without reporters")
-        reporters = min(len(s) for s in steps)
-        planned = plan.edge_charged_z(cell, reporters)
-        if _z(record) < planned * (1 - Z_TOLERANCE):
-            raise MissingReleaseError(f"cell {cell} added noise with multiplier {_z(record):.6g}, below the planned "
-                                      f"{planned:.6g}")
-        _check_charge(record, plan.edge_sensitivity(reporters))
-        _check_count(plan, record, planned, EDGE_COUNT_SENSITIVITY)
-        return
-    by_key = {(r.get("node"), r.get("step")): r for r in releases if isinstance(r, Mapping)}
-    for i, step_reporters in enumerate(steps):
-        for device in step_reporters:
-            check_device_release(plan, cell, device, round, i, by_key.get((device, i)))
+    return steps, releases
+
+
+def _check_trusted_edge(plan: NoisePlan, cell: str, round: int, steps: list[list[str]], releases: list[Any]) -> None:
+    """A trusted edge's own release: exactly one, for this round, covering every reporter, at no less than the
+    multiplier the plan charges for the fewest reporters of any edge round."""
+    own = [r for r in releases if isinstance(r, Mapping) and r.get("node") == cell and r.get("event") == "edge"]
+    if len(own) != 1:
+        raise MissingReleaseError(f"trusted cell {cell} sent its aggregate without exactly one noise release "
+                                  f"(found {len(own)})")
+    record = own[0]
+    if record.get("round") != round:
+        raise MissingReleaseError(f"noise record of cell {cell} is for round {record.get('round')!r}")
+    covered = set(record.get("protected") or ())
+    missing = {d for s in steps for d in s} - covered
+    if missing:
+        raise MissingReleaseError(f"noise release of cell {cell} does not cover {sorted(missing)}")
+    if not steps or not all(steps):
+        raise MissingReleaseError(f"trusted cell {cell} reports an edge round without reporters")
+    reporters = min(len(s) for s in steps)
+    planned = plan.edge_charged_z(cell, reporters)
+    if _z(record) < planned * (1 - Z_TOLERANCE):
+        raise MissingReleaseError(f"cell {cell} added noise with multiplier {_z(record):.6g}, below the planned "
+                                  f"{planned:.6g}")
+    _check_charge(record, plan.edge_sensitivity(reporters))
+    _check_count(plan, record, planned, EDGE_COUNT_SENSITIVITY)
 
 
 def _check_distributed(plan: NoisePlan, cell: str, round: int, privacy: Mapping[str, Any], steps: list[Any],

@@ -223,13 +223,28 @@ class NoisePlan:
     adaptive: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
-        if self.adaptive is not None:
-            a = self.adaptive
-            if set(a) != {"quantile", "lr", "count_share"} or not (
-                    0 < a["quantile"] < 1 and a["lr"] > 0 and 0 < a["count_share"] < 1):
-                raise ValueError(f"adaptive clipping needs quantile and count_share in (0, 1) and lr > 0: {a}")
-            if self.sampling != "poisson":
-                raise ValueError("adaptive clipping runs with Poisson device sampling (add/remove adjacency)")
+        """Refuse a plan no role could follow faithfully: the plan travels in the signed manifest and every
+        role trusts it, so it is checked once, where it is made or read. The checks run in this order, so
+        that a plan with several faults is reported by the same first one."""
+        self._check_adaptive()
+        self._check_schemes()
+        self._check_bounds()
+        for cell, p in self.cells.items():
+            self._check_cell(cell, p)
+
+    def _check_adaptive(self) -> None:
+        """Adaptive clipping's parameters, and the Poisson sampling its clipped-count release is charged under."""
+        if self.adaptive is None:
+            return
+        a = self.adaptive
+        if set(a) != {"quantile", "lr", "count_share"} or not (
+                0 < a["quantile"] < 1 and a["lr"] > 0 and 0 < a["count_share"] < 1):
+            raise ValueError(f"adaptive clipping needs quantile and count_share in (0, 1) and lr > 0: {a}")
+        if self.sampling != "poisson":
+            raise ValueError("adaptive clipping runs with Poisson device sampling (add/remove adjacency)")
+
+    def _check_schemes(self) -> None:
+        """The named choices (calibration mode, accountant, sampling) and how sampling constrains the rest."""
         if self.mode not in MODES:
             raise ValueError(f"privacy mode must be one of {MODES}, got {self.mode!r}")
         if self.accountant not in ("rdp", "pld"):
@@ -240,24 +255,34 @@ class NoisePlan:
             raise ValueError("a sample rate below 1 needs a sampling scheme")
         if self.sampling != "none" and self.edge_rounds != 1:
             raise ValueError("device sampling needs edge_rounds = 1")
+
+    def _check_bounds(self) -> None:
+        """The numbers the accountant and the injectors divide by or compare against."""
         if not (self.epsilon > 0 and 0 < self.delta < 1 and self.budget_epsilon > 0):
             raise ValueError("privacy epsilon and budget must be > 0 and delta in (0, 1)")
         if not (math.isfinite(self.clip) and self.clip > 0):
             raise ValueError(f"privacy clip must be finite and > 0, got {self.clip!r}")
         if self.edge_rounds < 1 or self.rounds < 1:
             raise ValueError("privacy edge_rounds and rounds must be >= 1")
-        for cell, p in self.cells.items():
-            if p.members < 1 or p.device_z < 0 or p.edge_z < 0 or p.min_survivors < 0:
-                raise ValueError(f"privacy plan of cell {cell!r} is invalid: {p}")
-            if p.distributed and not (p.edge_z > 0 and p.device_z > 0 and p.min_survivors <= p.members):
-                raise ValueError(f"distributed-DP cell {cell!r} needs edge_z > 0, device_z > 0 and "
-                                 f"min_survivors <= members: {p}")
-            if p.distributed and self.edge_rounds != 1:
-                raise ValueError("distributed DP (secure aggregation) needs edge_rounds = 1")
-            if p.trusted and p.edge_z <= 0:
-                raise ValueError(f"trusted cell {cell!r} must add noise towards the cloud (edge_z > 0)")
-            if not p.trusted and p.device_z <= 0:
-                raise ValueError(f"devices of untrusted cell {cell!r} must add noise (device_z > 0)")
+
+    def _check_cell(self, cell: str, p: CellPlan) -> None:
+        """One cell's entry: every device is protected by noise somewhere on its path to the cloud."""
+        if p.members < 1 or p.device_z < 0 or p.edge_z < 0 or p.min_survivors < 0:
+            raise ValueError(f"privacy plan of cell {cell!r} is invalid: {p}")
+        if p.distributed:
+            self._check_distributed_cell(cell, p)
+        if p.trusted and p.edge_z <= 0:
+            raise ValueError(f"trusted cell {cell!r} must add noise towards the cloud (edge_z > 0)")
+        if not p.trusted and p.device_z <= 0:
+            raise ValueError(f"devices of untrusted cell {cell!r} must add noise (device_z > 0)")
+
+    def _check_distributed_cell(self, cell: str, p: CellPlan) -> None:
+        """Distributed DP: the devices' shares must add up to the cell's release even at ``s_min`` survivors."""
+        if not (p.edge_z > 0 and p.device_z > 0 and p.min_survivors <= p.members):
+            raise ValueError(f"distributed-DP cell {cell!r} needs edge_z > 0, device_z > 0 and "
+                             f"min_survivors <= members: {p}")
+        if self.edge_rounds != 1:
+            raise ValueError("distributed DP (secure aggregation) needs edge_rounds = 1")
 
     # --- sensitivities and sigmas ---------------------------------------------------------------
 
@@ -297,12 +322,6 @@ class NoisePlan:
             return tuple(sorted(members))
         return cloud_sample(members, rate=self.sample_rate, cap=self.device_release_cap or self.rounds,
                             seed=self.sample_seed, cell=cell, round=round)
-
-    @property
-    def device_releases(self) -> int:
-        """Releases a device under an untrusted edge makes at most: ``tau T``, or its cap under sampling."""
-        rounds = self.device_release_cap if self.sampled and self.device_release_cap else self.rounds
-        return self.edge_rounds * rounds
 
     def edge_sensitivity(self, reporters: int) -> float:
         """A trusted edge's release over ``reporters`` devices: the sound sensitivity, the one charged.

@@ -22,7 +22,8 @@ product of child counts over the devices below ``v`` (the paper's ``prod s_l``, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from fedtier.errors import ConfigError
@@ -85,6 +86,24 @@ def resolve(*, cloud: str, cells: Mapping[str, tuple[str, ...]], parents: Mappin
     declared = dict(declared or {})
     devices = {d: cell for cell, members in cells.items() for d in members}
     servers = set(cells) | set(parents) | {p for p in parents.values() if p != cloud}
+    _check_parents(cloud, parents, devices, servers, key)
+    _check_declared(cloud, declared, devices, servers, key)
+    parent_of: dict[str, str] = {s: parents.get(s, cloud) for s in servers}
+    parent_of.update(devices)
+    children: dict[str, list[str]] = {cloud: [], **{s: [] for s in servers}}
+    for node, parent in parent_of.items():
+        children[parent].append(node)
+    _check_reaches_cloud(cloud, servers, parent_of, children, key)
+    labeler = _Labeler(cloud=cloud, devices=devices, parent_of=parent_of, children=children, declared=declared,
+                       key=key)
+    labeler.visit(cloud, 0)
+    return _place_noise(labeler.out)
+
+
+def _check_parents(cloud: str, parents: Mapping[str, str], devices: Mapping[str, str], servers: set[str],
+                   key: str) -> None:
+    """``topology.parents`` links servers to servers (or the cloud): never the cloud or a device as a child,
+    never a device or an unknown node as a parent."""
     for node in parents:
         if node == cloud:
             raise ConfigError("the cloud has no parent", key=f"{key}.parents.{node}")
@@ -96,6 +115,11 @@ def resolve(*, cloud: str, cells: Mapping[str, tuple[str, ...]], parents: Mappin
             raise ConfigError(f"parent {parent!r} is not a server of this topology", key=f"{key}.parents.{node}")
         if parent in devices:
             raise ConfigError(f"parent {parent!r} is a device", key=f"{key}.parents.{node}")
+
+
+def _check_declared(cloud: str, declared: Mapping[str, bool], devices: Mapping[str, str], servers: set[str],
+                    key: str) -> None:
+    """Labels go on servers only: the cloud may be declared untrusted (it is anyway), never trusted."""
     for node, label in declared.items():
         if node == cloud:
             if label:
@@ -108,12 +132,11 @@ def resolve(*, cloud: str, cells: Mapping[str, tuple[str, ...]], parents: Mappin
         if node not in servers:
             raise ConfigError(f"no server {node!r} in the topology", key=f"{key}.trusted.{node}")
 
-    parent_of: dict[str, str] = {s: parents.get(s, cloud) for s in servers}
-    parent_of.update(devices)
-    children: dict[str, list[str]] = {cloud: [], **{s: [] for s in servers}}
-    for node, parent in parent_of.items():
-        children[parent].append(node)
-    for node in servers:  # every server must reach the cloud without a cycle
+
+def _check_reaches_cloud(cloud: str, servers: set[str], parent_of: Mapping[str, str],
+                         children: Mapping[str, list[str]], key: str) -> None:
+    """Every server reaches the cloud without a cycle and has devices below it: a tree, and no empty branch."""
+    for node in servers:
         seen, cur = {node}, parent_of[node]
         while cur != cloud:
             if cur in seen:
@@ -123,48 +146,68 @@ def resolve(*, cloud: str, cells: Mapping[str, tuple[str, ...]], parents: Mappin
         if not children[node]:
             raise ConfigError(f"server {node!r} has no devices below it", key=f"{key}.parents.{node}")
 
-    out: dict[str, TrustNode] = {}
 
-    def visit(node: str, layer: int) -> TrustNode:
-        kids = sorted(children.get(node, ()))
-        resolved = [visit(k, layer + 1) for k in kids]
-        if node in devices:
-            entry = TrustNode(node, DEVICE, devices[node], layer, None, False, False, 1, 1, "device")
-            out[node] = entry
-            return entry
-        fan_in = len(kids) * min(r.fan_in for r in resolved) if resolved else 1
-        count = sum(r.devices for r in resolved)
-        if node == cloud:
-            trusted, why, label, kind, parent = False, "the cloud is never trusted", declared.get(node), CLOUD, None
+@dataclass
+class _Labeler:
+    """The checked tree, labelled bottom-up: a server's effective label depends on its children's, so each
+    node is resolved after its subtree. ``out`` collects the nodes in that (post-)order."""
+
+    cloud: str
+    devices: Mapping[str, str]
+    parent_of: Mapping[str, str]
+    children: Mapping[str, list[str]]
+    declared: Mapping[str, bool]
+    key: str
+    out: dict[str, TrustNode] = field(default_factory=dict)
+
+    def visit(self, node: str, layer: int) -> TrustNode:
+        kids = sorted(self.children.get(node, ()))
+        resolved = [self.visit(k, layer + 1) for k in kids]
+        if node in self.devices:
+            entry = TrustNode(node, DEVICE, self.devices[node], layer, None, False, False, 1, 1, "device")
         else:
-            kind, parent, label = SERVER, parent_of[node], declared.get(node)
-            untrusted_kids = [r.node for r in resolved if r.kind == SERVER and not r.trusted]
-            if label is None:
-                trusted, why = False, "not declared (untrusted by default)"
-            elif not label:
-                trusted, why = False, "declared untrusted"
-            elif untrusted_kids:
-                contradicted = [k for k in untrusted_kids if declared.get(k) is False]
-                if contradicted:
-                    raise ConfigError(f"declared trusted, but its child {contradicted[0]!r} is declared untrusted; "
-                                      "a server with an untrusted child is untrusted (closure rule) — remove one "
-                                      "of the two labels", key=f"{key}.trusted.{node}")
-                trusted, why = False, f"declared trusted; untrusted by closure (child {untrusted_kids[0]!r} is)"
-            else:
-                trusted, why = True, "declared trusted"
-        entry = TrustNode(node, kind, parent, layer, label, trusted, False, fan_in, count, why)
-        out[node] = entry
+            entry = self._aggregator(node, layer, kids, resolved)
+        self.out[node] = entry
         return entry
 
-    visit(cloud, 0)
+    def _aggregator(self, node: str, layer: int, kids: list[str], resolved: list[TrustNode]) -> TrustNode:
+        """The cloud or a server, from its resolved children: its fan-in, device count and effective label."""
+        fan_in = len(kids) * min(r.fan_in for r in resolved) if resolved else 1
+        count = sum(r.devices for r in resolved)
+        label = self.declared.get(node)
+        if node == self.cloud:
+            return TrustNode(node, CLOUD, None, layer, label, False, False, fan_in, count,
+                             "the cloud is never trusted")
+        trusted, why = self._effective(node, label, resolved)
+        return TrustNode(node, SERVER, self.parent_of[node], layer, label, trusted, False, fan_in, count, why)
+
+    def _effective(self, node: str, label: bool | None, resolved: list[TrustNode]) -> tuple[bool, str]:
+        """The closure rule: a server declared trusted is untrusted if a child server is; when that child was
+        itself declared untrusted, the two declarations contradict each other and the config is refused."""
+        if label is None:
+            return False, "not declared (untrusted by default)"
+        if not label:
+            return False, "declared untrusted"
+        untrusted_kids = [r.node for r in resolved if r.kind == SERVER and not r.trusted]
+        if not untrusted_kids:
+            return True, "declared trusted"
+        contradicted = [k for k in untrusted_kids if self.declared.get(k) is False]
+        if contradicted:
+            raise ConfigError(f"declared trusted, but its child {contradicted[0]!r} is declared untrusted; "
+                              "a server with an untrusted child is untrusted (closure rule) — remove one "
+                              "of the two labels", key=f"{self.key}.trusted.{node}")
+        return False, f"declared trusted; untrusted by closure (child {untrusted_kids[0]!r} is)"
+
+
+def _place_noise(out: dict[str, TrustNode]) -> dict[str, TrustNode]:
+    """Mark where noise goes: a device or a trusted server whose parent is untrusted (module docstring)."""
     for node, entry in list(out.items()):
         if entry.parent is None:
             continue
         parent_trusted = out[entry.parent].trusted
         injects = (entry.kind == DEVICE or entry.trusted) and not parent_trusted
         if injects:
-            out[node] = TrustNode(entry.node, entry.kind, entry.parent, entry.layer, entry.declared, entry.trusted,
-                                  True, entry.fan_in, entry.devices, entry.why)
+            out[node] = dataclasses.replace(entry, injects=True)
     return out
 
 

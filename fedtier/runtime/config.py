@@ -127,58 +127,86 @@ def _type_name(tp: Any) -> str:
 
 
 def _convert(value: Any, tp: Any, path: str, source: str | None, base_dir: Path | None) -> Any:
+    """``value`` as the declared type ``tp``, or a ``ConfigError`` naming ``path``: unions first, then
+    nested sections, the scalar kinds (a table: ``_SCALARS``), paths, and the two containers."""
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        if len(args) == 1:  # Optional[X]: X's own error names the real problem
-            return _convert(value, args[0], path, source, base_dir)
-        errors = []
-        for arg in args:
-            try:
-                return _convert(value, arg, path, source, base_dir)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"expected {' or '.join(_type_name(a) for a in args)}, got {value!r}",
-                          key=path, source=source)
+        return _convert_union(value, tp, path, source, base_dir)
     if isinstance(tp, type) and issubclass(tp, Section):
         return tp.from_mapping(value, prefix=path, source=source, base_dir=base_dir)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"expected true or false, got {value!r}", key=path, source=source)
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"expected an integer, got {value!r}", key=path, source=source)
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"expected a number, got {value!r}", key=path, source=source)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"expected a string, got {value!r}", key=path, source=source)
-        return value
+    if tp in _SCALARS:
+        return _convert_scalar(value, tp, path, source)
     if tp is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"expected a path string, got {value!r}", key=path, source=source)
-        p = Path(value).expanduser()
-        if not p.is_absolute() and base_dir is not None:
-            p = Path(os.path.normpath(base_dir / p))
-        return p
+        return _convert_path(value, path, source, base_dir)
     if origin is tuple:
-        item_args = get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"expected a list, got {value!r}", key=path, source=source)
-        item_tp = item_args[0]
-        return tuple(_convert(v, item_tp, f"{path}[{i}]", source, base_dir) for i, v in enumerate(value))
+        return _convert_tuple(value, tp, path, source, base_dir)
     if origin in (dict, collections.abc.Mapping):
-        key_tp, val_tp = get_args(tp)
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"expected a table, got {value!r}", key=path, source=source)
-        return {str(k): _convert(v, val_tp, _join(path, str(k)), source, base_dir) for k, v in value.items()}
+        return _convert_table(value, tp, path, source, base_dir)
     raise ConfigError(f"unsupported config type {tp!r}", key=path, source=source)  # pragma: no cover
+
+
+def _convert_union(value: Any, tp: Any, path: str, source: str | None, base_dir: Path | None) -> Any:
+    """``X | None`` takes ``None`` or an ``X``; a wider union takes the first member type that converts."""
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if value is None:
+        return None
+    if len(args) == 1:  # Optional[X]: X's own error names the real problem
+        return _convert(value, args[0], path, source, base_dir)
+    for arg in args:
+        try:
+            return _convert(value, arg, path, source, base_dir)
+        except ConfigError:
+            continue
+    raise ConfigError(f"expected {' or '.join(_type_name(a) for a in args)}, got {value!r}",
+                      key=path, source=source)
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+_SCALARS: dict[Any, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
+    # type -> (accepts, what the error says was expected, conversion). Strict: TOML's true is not 1, and
+    # a float is not silently truncated to an int; an int where a float is wanted is widened.
+    bool: (lambda v: isinstance(v, bool), "true or false", lambda v: v),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", lambda v: v),
+    float: (_is_number, "a number", float),
+    str: (lambda v: isinstance(v, str), "a string", lambda v: v),
+}
+
+
+def _convert_scalar(value: Any, tp: type, path: str, source: str | None) -> Any:
+    accepts, expected, cast = _SCALARS[tp]
+    if not accepts(value):
+        raise ConfigError(f"expected {expected}, got {value!r}", key=path, source=source)
+    return cast(value)
+
+
+def _convert_path(value: Any, path: str, source: str | None, base_dir: Path | None) -> Path:
+    """A path string, ``~`` expanded; a relative one is taken from the config file's directory, so the
+    config means the same files whatever directory the service starts in."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"expected a path string, got {value!r}", key=path, source=source)
+    p = Path(value).expanduser()
+    if not p.is_absolute() and base_dir is not None:
+        p = Path(os.path.normpath(base_dir / p))
+    return p
+
+
+def _convert_tuple(value: Any, tp: Any, path: str, source: str | None, base_dir: Path | None) -> tuple[Any, ...]:
+    """A TOML array as a tuple of the first type argument, each item's errors naming ``path[i]``."""
+    if not isinstance(value, list):
+        raise ConfigError(f"expected a list, got {value!r}", key=path, source=source)
+    item_tp = get_args(tp)[0]
+    return tuple(_convert(v, item_tp, f"{path}[{i}]", source, base_dir) for i, v in enumerate(value))
+
+
+def _convert_table(value: Any, tp: Any, path: str, source: str | None, base_dir: Path | None) -> dict[str, Any]:
+    """A TOML table as a dict of string keys, each value converted to the value type and named ``path.key``."""
+    _, val_tp = get_args(tp)
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"expected a table, got {value!r}", key=path, source=source)
+    return {str(k): _convert(v, val_tp, _join(path, str(k)), source, base_dir) for k, v in value.items()}
 
 
 def _validate(value: Any, meta: Mapping[str, Any], path: str, source: str | None) -> None:

@@ -27,7 +27,6 @@ from fedtier.errors import LocalProtocolError
 from fedtier.rng import stream
 
 Tensors = Mapping[str, np.ndarray]
-BLOCKS = ("theta0", "theta1", "theta2")
 
 
 @dataclass(frozen=True, slots=True)
