@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install fedtier for development on this machine: Mosquitto, Chromium and PostgreSQL (if missing, via apt-get),
+# Install fedtier for development on this machine: Mosquitto, Chromium, PostgreSQL, promtool and
+# systemd-analyze (if missing, via apt-get),
 # the CPU build of torch 2.13.0 (any other torch pulls several GB of CUDA packages),
 # then fedtier with every extra; and .venv-portable/, a small second environment set up as
 # a board without onnxruntime-training has it (stock onnxruntime, no torch), in which tests
@@ -32,6 +33,24 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q postgresql
+fi
+
+# promtool (Debian's prometheus package) checks and unit-tests the alerting rules in deploy/prometheus/;
+# systemd-analyze rates the sandbox of the units `install-service` writes. Only the binaries are
+# used: nothing here starts or configures a Prometheus server.
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "install.sh: installing promtool (Prometheus) with apt-get" >&2
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends prometheus
+fi
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+  echo "install.sh: installing systemd-analyze (systemd) with apt-get" >&2
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q systemd
 fi
 
 PYTHON="${PYTHON:-python3}"

@@ -110,8 +110,10 @@ def coordinator_serve(state_dir: Path, store_url: str | None, log_level: str) ->
 @click.option("--print", "print_only", is_flag=True, help="Print the unit instead of writing it.")
 @click.option("--unit-dir", type=click.Path(file_okay=False, path_type=Path), default="/etc/systemd/system",
               show_default=True, help="Where to write the unit file.")
-@click.option("--user", default=None, help="Run the service as this user (default root).")
-def coordinator_install_service(state_dir: Path, print_only: bool, unit_dir: Path, user: str | None) -> None:
+@click.option("--user", default="fedtier", show_default=True,
+              help="Run the service as this user (DynamicUser=yes: systemd allocates it unless a static "
+                   "user of that name exists); root runs it as root, still sandboxed.")
+def coordinator_install_service(state_dir: Path, print_only: bool, unit_dir: Path, user: str) -> None:
     """Write a systemd unit running `fedtier coordinator serve` for a store: restarted on failure (not
     on exit code 77, refused credentials), StateDirectory=fedtier-coordinator, SIGTERM to stop.
 
@@ -119,16 +121,20 @@ def coordinator_install_service(state_dir: Path, print_only: bool, unit_dir: Pat
     """
     from fedtier.runtime.service_unit import unit
 
-    service = unit(role="coordinator", node="serve", args=["coordinator", "serve", "--state-dir",
-                                                           str(state_dir.absolute())],
-                   state_dir="fedtier-coordinator", user=user)
-    from fedtier.runtime.service_unit import install
+    state = state_dir.absolute()
+    service = unit(role="coordinator", node="serve", args=["coordinator", "serve", "--state-dir", str(state)],
+                   state_dir="fedtier-coordinator", user=user,
+                   writable=[] if state == Path("/var/lib/fedtier-coordinator") else [str(state)])
+    from fedtier.runtime.service_unit import install, readable_note
 
     if print_only:
         click.echo(service.text, nl=False)
         return
     path = install(service, unit_dir)
     click.echo(f"wrote {path}; now: systemctl daemon-reload && systemctl enable --now {service.name}")
+    note = readable_note(service, [])
+    if note:
+        click.echo(note)
 
 
 def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None:
