@@ -67,6 +67,6 @@ if [ ! -x "$PORTABLE_VENV/bin/python" ]; then
   "$PYTHON" -m venv "$PORTABLE_VENV"
 fi
 "$PORTABLE_VENV/bin/python" -m pip install -q "onnxruntime>=1.17" "numpy>=1.24" "msgpack>=1.0" "click>=8.1" \
-  "cryptography>=42" "paho-mqtt>=2.1,<3" "prometheus-client>=0.17"
+  "cryptography>=42" "paho-mqtt>=2.1,<3" "prometheus-client>=0.18"
 "$PORTABLE_VENV/bin/python" -m pip install -q --no-deps -e .
 echo "install.sh: done ($("$PYTHON" -c 'import fedtier; print("fedtier", fedtier.__version__)'))" >&2

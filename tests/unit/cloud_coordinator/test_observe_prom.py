@@ -66,3 +66,18 @@ def test_rejects_by_reason() -> None:
     m.inc("fedtier_rejected_total", 2, reason="late")
 
     assert observed.rejects() == {"sha_mismatch": 1.0, "late": 2.0}
+
+
+def test_the_open_rounds_deadline_the_quorum_and_the_epsilon_budget() -> None:
+    m = Metrics(node="cloud", role="cloud")
+    observed = CoordinatorMetrics(m, CELLS, quorum=0.5, deadline_s=60.0)
+    before = m.get("fedtier_round_deadline_timestamp_seconds")
+
+    observed.round_opened(1000.0)
+    opened = m.get("fedtier_round_deadline_timestamp_seconds")
+    observed.round_closed({"round": 0, "missing": [], "privacy": {"epsilon_max": 1.5, "budget_epsilon": 8.0,
+                                                                   "epsilon": {"d1": 1.5}}}, {"cell-a": ("d1",)})
+
+    assert before == float("inf") and opened == 1060.0
+    assert m.get("fedtier_round_deadline_timestamp_seconds") == float("inf")  # closed: nothing open to be late
+    assert m.get("fedtier_quorum") == 0.5 and m.get("fedtier_epsilon_budget") == 8.0
