@@ -143,9 +143,8 @@ def coordinator_install_service(state_dir: Path, print_only: bool, unit_dir: Pat
     Example: fedtier coordinator install-service --print
              fedtier coordinator install-service --http 127.0.0.1:8080
     """
-    from fedtier.runtime.service_unit import unit
-
     from cloud_coordinator.observe.web import parse_bind
+    from fedtier.runtime.service_unit import install, readable_note, unit
 
     if http is not None:
         try:
@@ -157,8 +156,6 @@ def coordinator_install_service(state_dir: Path, print_only: bool, unit_dir: Pat
     service = unit(role="coordinator", node="serve", args=args,
                    state_dir="fedtier-coordinator", user=user,
                    writable=[] if state == Path("/var/lib/fedtier-coordinator") else [str(state)])
-    from fedtier.runtime.service_unit import install, readable_note
-
     if print_only:
         click.echo(service.text, nl=False)
         return
