@@ -37,7 +37,7 @@ fi
 
 # promtool (Debian's prometheus package) checks and unit-tests the alerting rules in deploy/prometheus/;
 # systemd-analyze rates the sandbox of the units `install-service` writes. Only the binaries are
-# used: nothing here starts or configures a Prometheus server.
+# used (on a machine run by systemd the package also starts a Prometheus server; nothing here uses it).
 if ! command -v promtool >/dev/null 2>&1; then
   echo "install.sh: installing promtool (Prometheus) with apt-get" >&2
   SUDO=""
