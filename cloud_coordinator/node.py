@@ -212,7 +212,8 @@ class CloudNode(NodeBase):
         self._round_bytes: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._started_at = wall_clock()
         self._last_close = self._started_at
-        self.observed = CoordinatorMetrics(self.metrics, prepared.cells)
+        self.observed = CoordinatorMetrics(self.metrics, prepared.cells, deadline_s=cfg.deadline_s,
+                                           quorum=float(getattr(getattr(cfg, cfg.algorithm, None), "quorum", 1.0)))
         """Per-cell Prometheus series (devices online, dropouts, epsilon ...), docs/operations.md."""
         self.desired = "running"
         """What the operator asked (``fedtier rollout start|pause|resume|stop``), polled from the store."""
@@ -374,6 +375,7 @@ class CloudNode(NodeBase):
         self.stop_reason = "stopped by the operator"
         self.store.set_status(self.rollout, "stopped")
         self.store.set_open_round(self.rollout, None)
+        self.observed.no_round_open()
         log.warning("rollout %s stopped by the operator", self.rollout)
         self.write_metrics()
         self._clear_retained()
@@ -515,6 +517,7 @@ class CloudNode(NodeBase):
             if not self.finished and round_ != self._open_recorded and self.role is not None:
                 self._open_recorded = round_
                 self.store.set_open_round(self.rollout, round_, cells)
+                self.observed.round_opened(self.wall_clock())
 
     def _close(self, closed: RoundClosed) -> None:
         """A closed round: evaluated, its row built, its privacy charged, committed to the store, then

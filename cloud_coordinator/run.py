@@ -58,19 +58,52 @@ def build(cfg: RolloutConfig, on_round: Callable[[dict[str, Any]], None] | None 
 
 
 def run(cfg: RolloutConfig, stop: threading.Event | None = None,
-        on_round: Callable[[dict[str, Any]], None] | None = None, http: tuple[str, int] | None = None) -> int:
-    """Run the rollout; ``http`` = (host, port) also serves the read-only dashboard (``observe.web``)."""
+        on_round: Callable[[dict[str, Any]], None] | None = None, http: tuple[str, int] | None = None,
+        exit_when_done: bool = False, on_done: Callable[[int], None] | None = None,
+        linger: threading.Event | None = None) -> int:
+    """Run the rollout; ``http`` = (host, port) also serves the read-only dashboard (``observe.web``).
+
+    The dashboard listens before the rollout's artifacts are built (its page says so while the store
+    has no rollout yet), and when the rollout has ended it keeps serving the finished rollout until
+    SIGINT/SIGTERM (or ``linger`` is set), unless ``exit_when_done``. ``on_done(code)`` is called when
+    the rollout's loop has ended, before that wait (the CLI prints its summary there).
+    """
     validate(cfg)
     if not identity.preflight(cfg.cloud_id, [cfg.broker]):
         return mqtt_service.EXIT_UNAUTHORIZED
-    node, tx, inbox = build(cfg, on_round)
-    if cfg.metrics_port:
-        node.metrics.serve(cfg.metrics_port)
+    dashboard = None
+    hosted: dict[str, Any] = {}
     if http is not None:
         from cloud_coordinator.observe import web
         from cloud_coordinator.observe.status import StoreStatus
 
-        web.start(StoreStatus(cfg.store_location, live=node.observed), *http)
-    log.info("rollout %s: %s, %d rounds, %d cells, %d devices; broker %s:%d", cfg.rollout, cfg.algorithm,
-             cfg.rounds, len(node.prepared.cells), len(node.prepared.devices), cfg.broker.host, cfg.broker.port)
-    return mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop, done=lambda: node.done)
+        status = StoreStatus(cfg.store_location, live_for=lambda rollout: hosted.get(rollout))
+        dashboard = web.start(status, *http)
+    try:
+        node, tx, inbox = build(cfg, on_round)
+        hosted[cfg.rollout] = node.observed  # what only this process knows: its rejects, by reason
+        if cfg.metrics_port:
+            node.metrics.serve(cfg.metrics_port)
+        log.info("rollout %s: %s, %d rounds, %d cells, %d devices; broker %s:%d", cfg.rollout, cfg.algorithm,
+                 cfg.rounds, len(node.prepared.cells), len(node.prepared.devices), cfg.broker.host, cfg.broker.port)
+        code = mqtt_service.run(node, [tx], inbox, start=node.start, stop=stop, done=lambda: node.done)
+        if on_done is not None:
+            on_done(code)
+        if dashboard is not None and not exit_when_done and code == 0 and node.done:
+            _linger(dashboard.url, cfg.rollout, linger or threading.Event())
+        return code
+    finally:
+        if dashboard is not None:
+            dashboard.stop()
+
+
+def _linger(url: str, rollout: str, until: threading.Event) -> None:
+    """Keep the dashboard up for a look at the ended rollout: until SIGINT/SIGTERM or ``until``."""
+    if threading.current_thread() is threading.main_thread():
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: until.set())
+    log.info("rollout %s has ended; the dashboard keeps serving it on %s until Ctrl-C (--exit-when-done: exit "
+             "at once)", rollout, url)
+    until.wait()

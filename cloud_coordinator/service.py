@@ -88,6 +88,7 @@ class CoordinatorService(NodeBase):
             node.presence = None  # this service records every node's presence once, for all its rollouts
             log.info("hosting rollout %s (%s)", rollout, row["status"])
             self.nodes[rollout] = node
+            self.metrics.include(node.metrics)  # one scrape: the service's series and each rollout's
             node.start(now)
 
     def tick(self, now: float) -> None:
@@ -99,6 +100,7 @@ class CoordinatorService(NodeBase):
             if node.done:
                 log.info("rollout %s is %s: no longer hosted", rollout, self.store.status(rollout))
                 del self.nodes[rollout]
+                self.metrics.exclude(node.metrics)
 
     def handle(self, inbound: Inbound, now: float) -> None:
         parsed = self.parse_topic(inbound)
@@ -142,25 +144,50 @@ def wait_for_rollout(store: CoordinatorStore, stop: threading.Event, poll_s: flo
     return None
 
 
-def serve(state_dir: Path, stop: threading.Event | None = None, store_url: str | None = None) -> int:
+def serve(state_dir: Path, stop: threading.Event | None = None, store_url: str | None = None,
+          http: tuple[str, int] | None = None) -> int:
     """Serve every rollout of the store (``store_url``, else ``state_dir/coordinator.db``) until a
     signal (or ``stop``). A rollout another coordinator holds is left to it (and taken over if it
-    stops holding it)."""
+    stops holding it). ``http`` = (host, port): also the read-only dashboard of every rollout of the
+    store, running or ended, from the start (before any rollout exists) until the service stops."""
     from fedtier.rollout.config import store_url as resolve
+
+    stop = stop or threading.Event()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    location = resolve(state_dir, store_url)
+    store = CoordinatorStore(location)
+    if threading.current_thread() is threading.main_thread():
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+    hosted: dict[str, CoordinatorService] = {}
+    dashboard = None
+    if http is not None:
+        from cloud_coordinator.observe import web
+        from cloud_coordinator.observe.status import StoreStatus
+
+        def live(rollout: str) -> Any:  # what only this process knows of a rollout it drives: its rejects
+            node = hosted["service"].nodes.get(rollout) if "service" in hosted else None
+            return None if node is None else node.observed
+
+        dashboard = web.start(StoreStatus(location, live_for=live), *http)
+    try:
+        return _serve(state_dir, store, stop, hosted)
+    finally:
+        if dashboard is not None:
+            dashboard.stop()
+        store.close()
+
+
+def _serve(state_dir: Path, store: CoordinatorStore, stop: threading.Event,
+           hosted: dict[str, "CoordinatorService"]) -> int:
     from cloud_coordinator.node import OrtEvaluator
     from cloud_coordinator.rollout import prepare
     from cloud_coordinator.run import validate
     from fedtier.transport import mqtt
     from fedtier.transport.chunking import SqliteChunkStore
 
-    stop = stop or threading.Event()
-    state_dir.mkdir(parents=True, exist_ok=True)
-    store = CoordinatorStore(resolve(state_dir, store_url))
-    if threading.current_thread() is threading.main_thread():
-        import signal
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stop.set())
     first = wait_for_rollout(store, stop)
     if first is None:
         return 0
@@ -176,13 +203,12 @@ def serve(state_dir: Path, stop: threading.Event | None = None, store_url: str |
         validate(cfg)
         store.hold_rollout(cfg.rollout, base.cloud_id)
         prepared = prepare(cfg)
-        return CloudNode(prepared=prepared, transport=tx, store=store, evaluator=OrtEvaluator.for_rollout(prepared))
+        return CloudNode(prepared=prepared, transport=tx, store=store, evaluator=OrtEvaluator.for_rollout(prepared),
+                         metrics=Metrics(node=base.cloud_id, role="cloud", rollout=cfg.rollout))
 
     service = CoordinatorService(store=store, transport=tx, cloud_id=base.cloud_id, make_node=make_node)
+    hosted["service"] = service
     if base.metrics_port:
         service.metrics.serve(base.metrics_port)
     log.info("coordinator serving the rollouts of %s; broker %s:%d", store.where, base.broker.host, base.broker.port)
-    try:
-        return mqtt_service.run(service, [tx], inbox, start=service.start, stop=stop, install_signals=False)
-    finally:
-        store.close()
+    return mqtt_service.run(service, [tx], inbox, start=service.start, stop=stop, install_signals=False)

@@ -141,6 +141,10 @@ def rollout_list(store: CoordinatorStore) -> list[dict[str, Any]]:
 def device_inventory(store: CoordinatorStore, cell: str | None = None) -> list[dict[str, Any]]:
     """Every node the coordinator has seen (presence) or that a rollout names, one dict each.
 
+    ``last_seen`` is the newest sign of life the coordinator recorded: a changed presence document,
+    or the commit of a round the node's update made (a device that trains sends no presence while it
+    is online, so its presence alone would freeze "last seen" at its connection).
+
     Fields: node, role, cell, state (online/offline/unknown), since, last_seen, agent_version,
     trainer, instance, last_round (rollout, round it last contributed to), trained_version (the
     model version that round started from) and model_version (the version its cell serves:
@@ -158,6 +162,10 @@ def device_inventory(store: CoordinatorStore, cell: str | None = None) -> list[d
         for c, v in store.deployments(row["rollout"]).items():
             deployed[(row["rollout"], c)] = v
     nodes = sorted(set(presence) | set(member_of))
+    closes: dict[str, dict[int, float]] = {}  # rollout -> round -> committed, for the contributions' rounds
+    for made in contributions.values():
+        if made["rollout"] not in closes:
+            closes[made["rollout"]] = store.round_close_times(made["rollout"])
     out = []
     for node in nodes:
         doc = presence.get(node, {})
@@ -171,9 +179,14 @@ def device_inventory(store: CoordinatorStore, cell: str | None = None) -> list[d
         if cell is not None and node_cell != cell:
             continue
         contribution = contributions.get(node)
+        seen = doc.get("last_seen")
+        if contribution is not None:
+            committed = closes.get(contribution["rollout"], {}).get(contribution["round"])
+            if committed is not None and (seen is None or committed > seen):
+                seen = committed
         out.append({
             "node": node, "role": role, "cell": node_cell, "rollout": rollout,
-            "state": doc.get("state", "unknown"), "since": doc.get("since"), "last_seen": doc.get("last_seen"),
+            "state": doc.get("state", "unknown"), "since": doc.get("since"), "last_seen": seen,
             "agent_version": doc.get("version"), "trainer": doc.get("trainer"), "instance": doc.get("instance"),
             "last_round": None if contribution is None else contribution["round"],
             "trained_version": None if contribution is None else contribution["model_version"],

@@ -292,6 +292,11 @@ class CoordinatorStore:
         return [{"round": r, "closed": c, "accuracy": _finite_or_none(a), "loss": _finite_or_none(lo),
                  **json.loads(m)} for r, c, a, lo, m in rows]
 
+    def round_close_times(self, rollout: str) -> dict[int, float]:
+        """round -> Unix time it was committed (without the rounds' metrics)."""
+        t = rounds_t
+        return {int(r): float(c) for r, c in self._rows(sa.select(t.c.round, t.c.closed).where(t.c.rollout == rollout))}
+
     # --- operations: desired state, open round, presence, versions (fedtier rollout / devices) ---------
 
     def create_rollout(self, rollout: str, config: Mapping[str, Any]) -> bool:

@@ -33,7 +33,11 @@ def coordinator() -> None:
                    "off by default. A host beyond loopback exposes it without a login.")
 @click.option("--store", "store_url", metavar="URL", default=None,
               help="Override the config's `store`: sqlite:///PATH or postgresql://USER@HOST:PORT/DB.")
-def coordinator_run(config_path: Path, log_level: str | None, http: str | None, store_url: str | None) -> None:
+@click.option("--exit-when-done", is_flag=True,
+              help="With --http: exit when the rollout ends (default: keep serving the ended rollout's dashboard "
+                   "until Ctrl-C).")
+def coordinator_run(config_path: Path, log_level: str | None, http: str | None, store_url: str | None,
+                    exit_when_done: bool) -> None:
     """Run the rollout over MQTT until its last round closes (or SIGINT/SIGTERM).
 
     State (rounds, model versions, accepted updates of the open round) is in the config's
@@ -42,6 +46,9 @@ def coordinator_run(config_path: Path, log_level: str | None, http: str | None, 
     refused, with the name of the one that runs it. When
     the rollout ends it prints a summary (accuracy per round, bytes per tier, where the
     metrics are, how to export the model) and clears the rollout's retained messages.
+
+    With --http the dashboard listens from the start and, once the rollout has ended, keeps
+    serving it (its final state, summary and plots) until Ctrl-C; --exit-when-done exits at once.
 
     Exit codes: 0 the rollout ended (or a signal stopped it); 2 a bad config; 77 this
     node's certificate or the broker's ACL does not let it work (the log says which).
@@ -69,10 +76,12 @@ def coordinator_run(config_path: Path, log_level: str | None, http: str | None, 
         cfg = dataclasses.replace(cfg, store=store_url)
     logs.setup(log_level or cfg.log_level, node=cfg.cloud_id)
     started = time.perf_counter()
-    code = run(cfg, http=bind)
-    if code == 0:
-        _print_summary(cfg, config_path, time.perf_counter() - started)
-    raise SystemExit(code)
+
+    def done(code: int) -> None:  # before the dashboard's linger: the summary when the rollout ends
+        if code == 0:
+            _print_summary(cfg, config_path, time.perf_counter() - started)
+
+    raise SystemExit(run(cfg, http=bind, exit_when_done=exit_when_done, on_done=done))
 
 
 @coordinator.command("serve")
@@ -83,7 +92,11 @@ def coordinator_run(config_path: Path, log_level: str | None, http: str | None, 
               help="Serve this store instead of <state-dir>/coordinator.db, e.g. postgresql://fedtier@db:5432/fedtier "
                    "(also $FEDTIER_STORE). Chunks in transit stay in --state-dir.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
-def coordinator_serve(state_dir: Path, store_url: str | None, log_level: str) -> None:
+@click.option("--http", "http", metavar="HOST:PORT", envvar="FEDTIER_HTTP", default=None,
+              help="Also serve the read-only web dashboard and its JSON API (/api/) of every rollout of the store, "
+                   "running or ended, e.g. 127.0.0.1:8080 (also $FEDTIER_HTTP); off by default. It has no login: "
+                   "beyond loopback, put a reverse proxy with authentication in front.")
+def coordinator_serve(state_dir: Path, store_url: str | None, log_level: str, http: str | None) -> None:
     """Serve every rollout of a store, as a long-running service, until SIGINT/SIGTERM.
 
     Rollouts are created and steered with `fedtier rollout ...`, which writes into the same
@@ -96,12 +109,18 @@ def coordinator_serve(state_dir: Path, store_url: str | None, log_level: str) ->
     \b
     Example: fedtier coordinator serve --state-dir /var/lib/fedtier/coordinator
              fedtier coordinator serve --store postgresql://fedtier@db.internal:5432/fedtier
+             fedtier coordinator serve --state-dir /var/lib/fedtier/coordinator --http 127.0.0.1:8080
     """
+    from cloud_coordinator.observe.web import parse_bind
     from cloud_coordinator.service import serve
     from fedtier.runtime import logs
 
+    try:
+        bind = parse_bind(http) if http is not None else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--http") from None
     logs.setup(log_level, node="cloud")
-    raise SystemExit(serve(state_dir, store_url=store_url))
+    raise SystemExit(serve(state_dir, store_url=store_url, http=bind))
 
 
 @coordinator.command("install-service")
@@ -110,25 +129,41 @@ def coordinator_serve(state_dir: Path, store_url: str | None, log_level: str) ->
 @click.option("--print", "print_only", is_flag=True, help="Print the unit instead of writing it.")
 @click.option("--unit-dir", type=click.Path(file_okay=False, path_type=Path), default="/etc/systemd/system",
               show_default=True, help="Where to write the unit file.")
-@click.option("--user", default=None, help="Run the service as this user (default root).")
-def coordinator_install_service(state_dir: Path, print_only: bool, unit_dir: Path, user: str | None) -> None:
+@click.option("--user", default="fedtier", show_default=True,
+              help="Run the service as this user (DynamicUser=yes: systemd allocates it unless a static "
+                   "user of that name exists); root runs it as root, still sandboxed.")
+@click.option("--http", "http", metavar="HOST:PORT", default=None,
+              help="The service also serves its dashboard here (`coordinator serve --http`), e.g. 127.0.0.1:8080.")
+def coordinator_install_service(state_dir: Path, print_only: bool, unit_dir: Path, user: str,
+                                http: str | None) -> None:
     """Write a systemd unit running `fedtier coordinator serve` for a store: restarted on failure (not
     on exit code 77, refused credentials), StateDirectory=fedtier-coordinator, SIGTERM to stop.
 
+    \b
     Example: fedtier coordinator install-service --print
+             fedtier coordinator install-service --http 127.0.0.1:8080
     """
-    from fedtier.runtime.service_unit import unit
+    from cloud_coordinator.observe.web import parse_bind
+    from fedtier.runtime.service_unit import install, readable_note, unit
 
-    service = unit(role="coordinator", node="serve", args=["coordinator", "serve", "--state-dir",
-                                                           str(state_dir.absolute())],
-                   state_dir="fedtier-coordinator", user=user)
-    from fedtier.runtime.service_unit import install
-
+    if http is not None:
+        try:
+            parse_bind(http)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--http") from None
+    state = state_dir.absolute()
+    args = ["coordinator", "serve", "--state-dir", str(state), *(["--http", http] if http else [])]
+    service = unit(role="coordinator", node="serve", args=args,
+                   state_dir="fedtier-coordinator", user=user,
+                   writable=[] if state == Path("/var/lib/fedtier-coordinator") else [str(state)])
     if print_only:
         click.echo(service.text, nl=False)
         return
     path = install(service, unit_dir)
     click.echo(f"wrote {path}; now: systemctl daemon-reload && systemctl enable --now {service.name}")
+    note = readable_note(service, [])
+    if note:
+        click.echo(note)
 
 
 def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None:

@@ -85,7 +85,8 @@ from commands.strategy_options import overrides, pop_values, strategy_options
               help="Give up after this many seconds.")
 @click.option("--dashboard", is_flag=True,
               help="The coordinator also serves its read-only web dashboard on a free 127.0.0.1 port; the demo "
-                   "prints the URL (open it while the rounds run).")
+                   "prints the URL once it listens (open it while the rounds run; with --keep-running it stays up "
+                   "with the fleet).")
 @click.option("--keep-running", is_flag=True,
               help="Run the coordinator as `coordinator serve` and leave the whole fleet up after the last round "
                    "(restarting nodes that die) for `fedtier rollout ...` / `fedtier devices list`; Ctrl-C stops it.")
@@ -147,9 +148,6 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     given = [name for name, value in privacy_only.items() if value is not None]
     if keep_running and compare:
         raise click.UsageError("--keep-running leaves one fleet up: it does not go with --compare")
-    if keep_running and dashboard:
-        raise click.UsageError("--dashboard serves from `coordinator run`; --keep-running runs `coordinator serve`, "
-                               "which has no dashboard yet: use one of the two")
     if given and not privacy:
         raise click.UsageError(f"{', '.join(given)} only make sense with --privacy")
     dp = None

@@ -91,9 +91,11 @@ def enroll_cmd(name: str, out_dir: Path) -> None:
 @click.option("--print", "print_only", is_flag=True, help="Print the unit instead of writing it.")
 @click.option("--unit-dir", type=click.Path(file_okay=False, path_type=Path), default="/etc/systemd/system",
               show_default=True, help="Where to write the unit file.")
-@click.option("--user", default=None, help="Run the service as this user (default root).")
+@click.option("--user", default="fedtier", show_default=True,
+              help="Run the service as this user (DynamicUser=yes: systemd allocates it unless a static "
+                   "user of that name exists); root runs it as root, still sandboxed.")
 def install_service_cmd(config_path: Path | None, bundle_dir: Path | None, print_only: bool, unit_dir: Path,
-                        user: str | None) -> None:
+                        user: str) -> None:
     """Write a systemd unit that runs this agent: restarted on failure (not on exit code 77,
     refused credentials), state in /var/lib/fedtier-agent (StateDirectory), SIGTERM to stop.
 
@@ -110,10 +112,13 @@ def install_service_cmd(config_path: Path | None, bundle_dir: Path | None, print
     source = ["--config" if config_path is not None else "--bundle", str(chosen.absolute())]
     node = chosen.stem
     service = unit(role="agent", node=node, args=["agent", "run", *source], state_dir="fedtier-agent", user=user)
-    from fedtier.runtime.service_unit import install
+    from fedtier.runtime.service_unit import install, readable_note
 
     if print_only:
         click.echo(service.text, nl=False)
         return
     path = install(service, unit_dir)
     click.echo(f"wrote {path}; now: systemctl daemon-reload && systemctl enable --now {service.name}")
+    note = readable_note(service, [chosen])
+    if note:
+        click.echo(note)

@@ -45,8 +45,10 @@ def run_cmd(config_path: Path, log_level: str | None) -> None:
 @click.option("--print", "print_only", is_flag=True, help="Print the unit instead of writing it.")
 @click.option("--unit-dir", type=click.Path(file_okay=False, path_type=Path), default="/etc/systemd/system",
               show_default=True, help="Where to write the unit file.")
-@click.option("--user", default=None, help="Run the service as this user (default root).")
-def install_service_cmd(config_path: Path, print_only: bool, unit_dir: Path, user: str | None) -> None:
+@click.option("--user", default="fedtier", show_default=True,
+              help="Run the service as this user (DynamicUser=yes: systemd allocates it unless a static "
+                   "user of that name exists); root runs it as root, still sandboxed.")
+def install_service_cmd(config_path: Path, print_only: bool, unit_dir: Path, user: str) -> None:
     """Write a systemd unit that runs this gateway's edge: restarted on failure (not on exit code 77,
     refused credentials), state in /var/lib/fedtier-edge (StateDirectory), SIGTERM to stop.
 
@@ -56,10 +58,13 @@ def install_service_cmd(config_path: Path, print_only: bool, unit_dir: Path, use
 
     service = unit(role="edge", node=config_path.stem, args=["edge", "run", "--config", str(config_path.absolute())],
                    state_dir="fedtier-edge", user=user)
-    from fedtier.runtime.service_unit import install
+    from fedtier.runtime.service_unit import install, readable_note
 
     if print_only:
         click.echo(service.text, nl=False)
         return
     path = install(service, unit_dir)
     click.echo(f"wrote {path}; now: systemctl daemon-reload && systemctl enable --now {service.name}")
+    note = readable_note(service, [config_path])
+    if note:
+        click.echo(note)

@@ -145,6 +145,16 @@ class DemoView(Protocol):
         """No more rounds (finished, failed or interrupted)."""
 
 
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether something listens on 127.0.0.1:``port`` within ``timeout_s`` (False at once if ``proc`` exits)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -528,14 +538,12 @@ class Demo:
     def start_nodes(self, paths: FleetPaths) -> None:
         fedtier = [sys.executable, "-m", "fedtier"]
         http: list[str] = []
-        if self.opts.dashboard:
-            port = free_port()
+        port = free_port() if self.opts.dashboard else None
+        if port is not None:
             http = ["--http", f"127.0.0.1:{port}"]
-            self.dashboard_url = f"http://127.0.0.1:{port}/"
-            self.say(f"dashboard: {self.dashboard_url} (read-only; up while the coordinator runs)")
         if self.opts.keep_running:
             self._spawn("coordinator", "coordinator", [*fedtier, "coordinator", "serve", "--state-dir",
-                                                       str(self.workdir / KEEP_RUNNING_STATE)])
+                                                       str(self.workdir / KEEP_RUNNING_STATE), *http])
         else:
             self._spawn("coordinator", "coordinator",
                         [*fedtier, "coordinator", "run", "--config", str(paths.coordinator), *http])
@@ -546,6 +554,13 @@ class Demo:
                  "-m", "fedtier"]
         for device, path in paths.devices.items():
             self._spawn(device, "agent", [*agent, "agent", "run", "--config", str(path)])
+        if port is not None:  # the URL once something answers there, not before
+            self.dashboard_url = f"http://127.0.0.1:{port}/"
+            if wait_listening(port, next(p for p in self.procs if p.role == "coordinator").popen, 60.0):
+                self.say(f"dashboard: {self.dashboard_url} (read-only; "
+                         + ("up with the fleet)" if self.opts.keep_running else "up until the demo ends)"))
+            else:
+                self.say(f"the dashboard did not come up on {self.dashboard_url} (see {self.logs})")
 
     def stop_all(self, grace_s: float = 5.0) -> None:
         """SIGTERM every node (devices, edges, coordinator), wait for them, then the broker; SIGKILL what
@@ -663,6 +678,8 @@ class Demo:
                  f"{len(paths.devices)} agents) until Ctrl-C. Try:")
         self.say(f"  export FEDTIER_STATE_DIR={state}")
         self.say("  fedtier rollout status demo; fedtier devices list; fedtier rollout models demo")
+        if self.dashboard_url:
+            self.say(f"  the dashboard of every rollout: {self.dashboard_url}")
         self.say(f"  fedtier rollout create --config {paths.coordinator} (another rollout: change its rollout id)")
         while True:
             self.restart_dead()

@@ -8,11 +8,13 @@ plotted value back and compare it with the store.
 
 from __future__ import annotations
 
+import io
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cloud_coordinator.observe.status import RolloutStatus
+from cloud_coordinator.observe.status import RolloutStatus, StoreStatus
 from cloud_coordinator.report import human_bytes
 
 MIB = 1 << 20
@@ -34,79 +36,131 @@ class Report:
     plots: dict[str, Path]
 
 
-def figures(status: RolloutStatus) -> dict[str, Any]:
-    """The report's figures (``matplotlib.figure.Figure``), by file stem (``PLOTS``)."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+BARS_UP_TO = 20
+"""Devices reporting: grouped bars per round up to this many rounds, a line per cell beyond (bars
+of 40 rounds and more merge into one block)."""
 
-    name = status.summary.rollout
-    rounds = [r.round for r in status.rounds]
+
+def figures(status: RolloutStatus, only: str | None = None) -> dict[str, Any]:
+    """The report's figures (``matplotlib.figure.Figure``), by file stem (``PLOTS``); ``only``: just that one."""
+    builders = {"accuracy_loss": _accuracy_loss, "bytes_per_tier": _bytes_per_tier,
+                "accuracy_vs_bytes": _accuracy_vs_bytes, "epsilon": _epsilon, "devices_reporting": _devices_reporting}
     out: dict[str, Any] = {}
+    for stem, build in builders.items():
+        if only is None or stem == only:
+            out[stem] = build(status)
+            out[stem].axes[0].set_title(f"{PLOTS[stem]}: {status.summary.rollout}")
+    return out
+
+
+def _figure() -> tuple[Any, Any]:
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.2), layout="constrained")
-    ax = fig.add_subplot()
-    acc = ax.plot(rounds, [_nan(r.accuracy) for r in status.rounds], "o-", color="tab:blue",
-                  label="test accuracy")
+    return fig, fig.add_subplot()
+
+
+def _integer_x(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _accuracy_loss(status: RolloutStatus) -> Any:
+    fig, ax = _figure()
+    rounds = [r.round for r in status.rounds]
+    acc = ax.plot(rounds, [_nan(r.accuracy) for r in status.rounds], "o-", color="tab:blue", label="test accuracy")
     ax.set_xlabel("round (0-based)")
     ax.set_ylabel("test accuracy (fraction correct)")
     right = ax.twinx()
     loss = right.plot(rounds, [_nan(r.loss) for r in status.rounds], "s--", color="tab:red", label="test loss")
     right.set_ylabel("test loss (mean per example)")
     ax.legend(handles=[*acc, *loss], loc="center right")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(f"{PLOTS['accuracy_loss']}: {name}")
-    out["accuracy_loss"] = fig
+    _integer_x(ax)
+    return fig
 
-    fig = Figure(figsize=(7, 4.2), layout="constrained")
-    ax = fig.add_subplot()
+
+def _bytes_per_tier(status: RolloutStatus) -> Any:
+    fig, ax = _figure()
+    rounds = [r.round for r in status.rounds]
     for tier, label in TIER_LABELS.items():
         ax.plot(rounds, _cumulative([r.bytes[tier] / MIB for r in status.rounds]), "o-", label=label)
     ax.set_xlabel("round (0-based)")
     ax.set_ylabel("bytes since the start (MiB)")
     ax.legend(title="tier")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(f"{PLOTS['bytes_per_tier']}: {name}")
-    out["bytes_per_tier"] = fig
+    _integer_x(ax)
+    return fig
 
-    fig = Figure(figsize=(7, 4.2), layout="constrained")
-    ax = fig.add_subplot()
+
+def _accuracy_vs_bytes(status: RolloutStatus) -> Any:
+    fig, ax = _figure()
     total = _cumulative([sum(r.bytes.values()) / MIB for r in status.rounds])
     ax.plot(total, [_nan(r.accuracy) for r in status.rounds], "o-", color="tab:blue", label="test accuracy")
     ax.set_xlabel("bytes on all tiers since the start (MiB)")
     ax.set_ylabel("test accuracy (fraction correct)")
-    ax.set_title(f"{PLOTS['accuracy_vs_bytes']}: {name}")
-    out["accuracy_vs_bytes"] = fig
+    return fig
 
-    fig = Figure(figsize=(7, 4.2), layout="constrained")
-    ax = fig.add_subplot()
+
+def _epsilon(status: RolloutStatus) -> Any:
+    fig, ax = _figure()
     if any(r.epsilon is not None for r in status.rounds):
-        ax.plot(rounds, [_nan(r.epsilon) for r in status.rounds], "o-", color="tab:purple",
-                label="epsilon (largest over devices)")
+        ax.plot([r.round for r in status.rounds], [_nan(r.epsilon) for r in status.rounds], "o-",
+                color="tab:purple", label="epsilon (largest over devices)")
     else:
         ax.text(0.5, 0.5, "no differential privacy: nothing spent", ha="center", va="center",
                 transform=ax.transAxes)
     ax.set_xlabel("round (0-based)")
     ax.set_ylabel("epsilon spent after the round (privacy loss, unitless)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(f"{PLOTS['epsilon']}: {name}")
-    out["epsilon"] = fig
+    _integer_x(ax)
+    return fig
 
-    fig = Figure(figsize=(7, 4.2), layout="constrained")
-    ax = fig.add_subplot()
-    width = 0.8 / max(1, len(status.cells))  # grouped bars: equal counts do not hide one another
-    for i, cell in enumerate(status.cells):
-        ax.bar([x - 0.4 + width * (i + 0.5) for x in rounds],
-               [r.reported_per_cell.get(cell.cell, 0) for r in status.rounds], width,
-               label=f"{cell.cell} (of {cell.devices_known})")
+
+def _devices_reporting(status: RolloutStatus) -> Any:
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _figure()
+    rounds = [r.round for r in status.rounds]
+    if len(rounds) <= BARS_UP_TO:
+        width = 0.8 / max(1, len(status.cells))  # grouped bars: equal counts do not hide one another
+        for i, cell in enumerate(status.cells):
+            ax.bar([x - 0.4 + width * (i + 0.5) for x in rounds],
+                   [r.reported_per_cell.get(cell.cell, 0) for r in status.rounds], width,
+                   label=f"{cell.cell} (of {cell.devices_known})")
+    else:  # a step line per cell, offset a little so that equal counts stay apart
+        spread = 0.15 / max(1, len(status.cells))
+        for i, cell in enumerate(status.cells):
+            ax.step(rounds, [r.reported_per_cell.get(cell.cell, 0) + spread * (i - (len(status.cells) - 1) / 2)
+                             for r in status.rounds], where="mid", label=f"{cell.cell} (of {cell.devices_known})")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round (0-based)")
     ax.set_ylabel("devices whose update made the round (count)")
-    ax.set_ylim(bottom=0)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(title="cell")
-    ax.set_title(f"{PLOTS['devices_reporting']}: {name}")
-    out["devices_reporting"] = fig
-    return out
+    ax.set_ylim(bottom=0, top=max([c.devices_known for c in status.cells], default=1) * 1.3 + 0.5)
+    _integer_x(ax)
+    # above the bars or lines (the y axis leaves room), in columns: it never covers them
+    ax.legend(title="cell", loc="upper center", ncols=min(4, max(1, len(status.cells))), fontsize="small")
+    return fig
+
+
+def png(source: StoreStatus, rollout: str, stem: str) -> bytes:
+    """One plot of ``rollout`` as PNG bytes, as the report writes it (the dashboard serves it); the last
+    rendering is reused while the rollout has not changed (``KeyError``: no such rollout)."""
+    status = source.rollout(rollout)
+    key = (rollout, stem, status.summary.status, status.summary.rounds_closed, len(status.models))
+    with _cache_lock:
+        if key in _cache:
+            return _cache[key]
+    buffer = io.BytesIO()
+    with _render_lock:  # one at a time: matplotlib is not thread-safe (not even its first import)
+        figures(status, only=stem)[stem].savefig(buffer, format="png", dpi=90)
+    with _cache_lock:
+        _cache.clear() if len(_cache) > 64 else None
+        _cache[key] = buffer.getvalue()
+    return _cache[key]
+
+
+_cache: dict[tuple[Any, ...], bytes] = {}
+_cache_lock = threading.Lock()
+_render_lock = threading.Lock()
 
 
 def write_report(status: RolloutStatus, out: Path) -> Report:

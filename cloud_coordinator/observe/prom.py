@@ -8,6 +8,7 @@ and the round-latency histogram on the node's ``Metrics``.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Mapping, Sequence
 
 from fedtier.runtime.metrics import Metrics
@@ -25,13 +26,18 @@ QUORUM_MISSES = "fedtier_quorum_misses_total"
 MODEL_VERSION = "fedtier_model_version"
 EPSILON_CELL = "fedtier_epsilon_spent"
 EPSILON_MAX = "fedtier_epsilon_spent_max"
+EPSILON_BUDGET = "fedtier_epsilon_budget"
+QUORUM = "fedtier_quorum"
+DEADLINE = "fedtier_round_deadline_timestamp_seconds"
 
 
 class CoordinatorMetrics:
     """Per-cell series of one rollout: ``cells`` maps each cell to its devices."""
 
-    def __init__(self, metrics: Metrics, cells: Mapping[str, Sequence[str]]) -> None:
+    def __init__(self, metrics: Metrics, cells: Mapping[str, Sequence[str]], *, quorum: float = 1.0,
+                 deadline_s: float | None = None) -> None:
         self.metrics = metrics
+        self.deadline_s = deadline_s
         self.cells = {c: tuple(d) for c, d in cells.items()}
         self.cell_of = {d: c for c, devices in self.cells.items() for d in devices}
         self.online: set[str] = set()
@@ -40,6 +46,8 @@ class CoordinatorMetrics:
             metrics.set(DEVICES_ONLINE, 0, cell=cell)
             metrics.inc(DROPOUTS, 0, cell=cell)
             metrics.inc(QUORUM_MISSES, 0, cell=cell)
+        metrics.set(QUORUM, quorum)
+        metrics.set(DEADLINE, math.inf)  # no round open yet
 
     def presence(self, device: str | None, payload: bytes) -> None:
         """A retained status document of ``device``: online/offline per cell (other nodes ignored)."""
@@ -56,9 +64,19 @@ class CoordinatorMetrics:
         cell = self.cell_of[device]
         self.metrics.set(DEVICES_ONLINE, sum(1 for d in self.cells[cell] if d in self.online), cell=cell)
 
+    def round_opened(self, now: float) -> None:
+        """A round opened at Unix time ``now``: its deadline passes ``deadline_s`` later."""
+        if self.deadline_s is not None:
+            self.metrics.set(DEADLINE, now + self.deadline_s)
+
+    def no_round_open(self) -> None:
+        """Between rounds, paused, stopped or finished: no deadline to miss."""
+        self.metrics.set(DEADLINE, math.inf)
+
     def round_closed(self, row: Mapping[str, Any], reported: Mapping[str, Sequence[str]]) -> None:
         """Everything a closed round changes; ``row`` is the round's stored metrics."""
         m = self.metrics
+        self.no_round_open()
         m.set(ROUND, row["round"])
         if row.get("accuracy") is not None:
             m.set(ACCURACY, row["accuracy"])
@@ -78,6 +96,9 @@ class CoordinatorMetrics:
                 m.set(EPSILON_CELL, max((float(epsilon.get(d, 0.0)) for d in devices), default=0.0), cell=cell)
         if epsilon:
             m.set(EPSILON_MAX, float(row["privacy"].get("epsilon_max", max(epsilon.values()))))
+        budget = (row.get("privacy") or {}).get("budget_epsilon")
+        if isinstance(budget, (int, float)) and math.isfinite(budget):
+            m.set(EPSILON_BUDGET, float(budget))
 
     # --- what the dashboard asks a running coordinator (``observe.status.Live``) ---------------------
 

@@ -15,7 +15,7 @@ import math
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from cloud_coordinator import status as operator_status
 from cloud_coordinator import store_backend
@@ -42,6 +42,10 @@ class RoundStatus:
     """Bytes of the round per tier (``TIERS``)."""
     model_version: int | None
     round_s: float
+    federated: dict[str, Any] | None = None
+    """The devices' evaluation on their held-out rows of the model the round started from (federated
+    evaluation): ``loss``, ``accuracy``, ``examples``, ``devices``, ``model_version``; ``per_device``
+    ({device: {"accuracy", "loss", "examples"}}) when the round carries each device's own."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ class RolloutStatus:
     """The document of ``fedtier rollout status ROLLOUT --json``, word for word."""
     promotions: list[dict[str, Any]] = field(default_factory=list)
     """Every promotion (candidate, previous, canary cells, passed, reasons), oldest first."""
+    live: bool = False
+    """A coordinator of this process drives (or drove) the rollout: ``rejects`` are its counts."""
 
     @property
     def round_in_progress(self) -> int | None:
@@ -134,9 +140,13 @@ class StoreStatus:
     opened once, on first use: its reads take no write lock, so it is safe next to the
     coordinator's own connection)."""
 
-    def __init__(self, location: Path | str, live: Live | None = None) -> None:
+    def __init__(self, location: Path | str, live: Live | None = None,
+                 live_for: Callable[[str], Live | None] | None = None) -> None:
         self.location = location
         self.live = live
+        """What a running coordinator knows, for every rollout (a process that runs one rollout)."""
+        self.live_for = live_for
+        """... or per rollout: ``None`` for one no coordinator of this process drives (ended, or elsewhere)."""
         self._store: CoordinatorStore | None = None
         self._opening = threading.Lock()
 
@@ -183,9 +193,10 @@ class StoreStatus:
                                      accuracy=m["accuracy"], cells=m["cells"],
                                      canary=canary_state(latest.get(m["version"]), m["cells"]))
                   for m in registry]
-        rejects = self.live.rejects() if self.live is not None else {}
+        live = self.live_for(rollout) if self.live_for is not None else self.live
+        rejects = live.rejects() if live is not None else {}
         return RolloutStatus(summary=summary, rounds=rounds, cells=cells, models=models, rejects=rejects,
-                             operator=operator, promotions=promotions)
+                             operator=operator, promotions=promotions, live=live is not None)
 
 
 def canary_state(promotion: Mapping[str, Any] | None, serving: Sequence[str]) -> str | None:
@@ -217,7 +228,8 @@ def round_status(row: Mapping[str, Any], layout: Mapping[str, Sequence[str]]) ->
         loss=row.get("loss"), epsilon=round_epsilon(row), devices_reported=int(row.get("devices_reported", 0)),
         reported_per_cell={c: sum(1 for d in devices if d not in gone) for c, devices in layout.items()},
         missing=missing, bytes={t: int(stored.get(t, 0)) for t in TIERS},
-        model_version=row.get("model_version"), round_s=float(row.get("round_s", 0.0)))
+        model_version=row.get("model_version"), round_s=float(row.get("round_s", 0.0)),
+        federated=row.get("federated") if isinstance(row.get("federated"), dict) else None)
 
 
 def _finite(value: Any) -> Any:

@@ -1,10 +1,13 @@
 """The coordinator's read-only web dashboard: a Starlette app served by uvicorn from a daemon thread.
 
-``fedtier coordinator run --http 127.0.0.1:8080`` starts it next to the rollout (off by default).
-Everything it shows comes from ``observe.status`` through a JSON API under ``/api/`` (documented in
-docs/operations.md); the page polls it once a second. Only GET exists: nothing on the dashboard
-changes the fleet. The charting library (uPlot, MIT, vendored in ``static/``) is served from the
-package: gateways and devices are often offline, and the page loads nothing from elsewhere.
+``fedtier coordinator serve --http 127.0.0.1:8080`` serves it for every rollout of the store, running
+or ended, for as long as the service runs; ``fedtier coordinator run --http ...`` next to its rollout,
+and on after the rollout ended until Ctrl-C (both off by default). Everything it shows comes from
+``observe.status`` through a JSON API under ``/api/`` (documented in docs/operations.md), and the
+report's plots (``observe.plots``) as PNGs; the page polls the API once a second. Only GET exists:
+nothing on the dashboard changes the fleet. The charting library (uPlot, MIT, vendored in
+``static/``) is served from the package: gateways and devices are often offline, and the page loads
+nothing from elsewhere.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cloud_coordinator.observe import plots
+from cloud_coordinator.observe.plots import PLOTS
 from cloud_coordinator.observe.status import StoreStatus
 
 log = logging.getLogger("fedtier.coordinator.dashboard")
@@ -29,8 +34,9 @@ POLL_MS = 1000
 def create_app(status: StoreStatus, poll_ms: int = POLL_MS) -> Any:
     """The dashboard as an ASGI app over ``status``; the page polls the API every ``poll_ms``."""
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
-    from starlette.responses import HTMLResponse, JSONResponse
+    from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Mount, Route
     from starlette.staticfiles import StaticFiles
 
@@ -39,8 +45,21 @@ def create_app(status: StoreStatus, poll_ms: int = POLL_MS) -> Any:
                             headers={"Cache-Control": "no-store"})
 
     async def rollouts(request: Request) -> JSONResponse:
-        items = [asdict(s) for s in status.rollouts()]
+        try:
+            items = [asdict(s) for s in status.rollouts()]
+        except FileNotFoundError:  # the coordinator has not created its store yet
+            items = []
         return JSONResponse({"rollouts": items, "time": time.time()}, headers={"Cache-Control": "no-store"})
+
+    async def plot(request: Request) -> Response:
+        name, stem = request.path_params["rollout"], request.path_params["stem"]
+        if stem not in PLOTS:
+            return JSONResponse({"error": f"no plot {stem!r} (plots: {', '.join(PLOTS)})"}, status_code=404)
+        try:
+            png = await run_in_threadpool(plots.png, status, name, stem)
+        except KeyError:
+            return JSONResponse({"error": f"no rollout {name!r}"}, status_code=404)
+        return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
 
     async def rollout(request: Request) -> JSONResponse:
         name = request.path_params["rollout"]
@@ -54,6 +73,7 @@ def create_app(status: StoreStatus, poll_ms: int = POLL_MS) -> Any:
         Route("/", index, methods=["GET"]),
         Route("/api/rollouts", rollouts, methods=["GET"]),
         Route("/api/rollouts/{rollout}", rollout, methods=["GET"]),
+        Route("/api/rollouts/{rollout}/plots/{stem}.png", plot, methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ])
 

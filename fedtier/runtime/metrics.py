@@ -8,15 +8,17 @@ the simulator and the tests run many nodes in one process, each with its own ser
 
 ``watch(transport)`` exports the transports' traffic counters (messages and bytes per tier and
 direction) at scrape time; ``serve`` exposes everything, plus the process's CPU, memory and file
-descriptors, with ``prometheus_client``'s own HTTP server. Names and labels: docs/operations.md.
+descriptors, with ``prometheus_client``'s own HTTP server. Names and labels: docs/operations.md;
+each series' help text: ``DOCS``. Counters and histograms export no ``_created`` series (it doubles
+the series count and nothing reads it): ``disable_created_metrics`` at import, for the process.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.gc_collector import GCCollector
@@ -43,6 +45,8 @@ a fleet's round minutes."""
 
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
+disable_created_metrics()
+
 
 class Metrics:
     """The metrics of one node; thread-safe (``prometheus_client`` locks each series)."""
@@ -55,6 +59,26 @@ class Metrics:
         self._traffic = _TrafficCollector(self.const_labels)
         self.registry.register(self._traffic)
         self._process_collectors = False
+        self._included: list[Metrics] = []
+        self.exposed = CollectorRegistry(auto_describe=False)
+        """What a scrape returns: this node's series and those of every ``include``d one, merged by name."""
+        self.exposed.register(_Merged(self._registries))
+
+    def include(self, other: "Metrics") -> None:
+        """Export ``other``'s series with this node's (a service hosting nodes: one scrape for all of them;
+        their constant labels tell them apart)."""
+        with self._lock:
+            if all(m is not other for m in self._included):
+                self._included.append(other)
+
+    def exclude(self, other: "Metrics") -> None:
+        """Stop exporting ``other``'s series (a hosted node is gone)."""
+        with self._lock:
+            self._included = [m for m in self._included if m is not other]
+
+    def _registries(self) -> list[CollectorRegistry]:
+        with self._lock:
+            return [self.registry, *(m.registry for m in self._included)]
 
     # --- writing ------------------------------------------------------------------------------------
 
@@ -128,7 +152,7 @@ class Metrics:
 
     def render(self) -> str:
         """The Prometheus text exposition format, as a scrape returns it."""
-        return generate_latest(self.registry).decode()
+        return generate_latest(self.exposed).decode()
 
     # --- serving ------------------------------------------------------------------------------------
 
@@ -143,7 +167,7 @@ class Metrics:
                 PlatformCollector(registry=self.registry)
                 GCCollector(registry=self.registry)
                 self._process_collectors = True
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        server, _thread = start_http_server(port, addr=host, registry=self.exposed)
         return server
 
 
@@ -152,11 +176,63 @@ def _doc(name: str) -> str:
 
 
 DOCS = {
-    "fedtier_rejected_total": "Messages rejected, by reason (bad input: the typed error's reason).",
-    "fedtier_dropped_total": "Messages ignored without being an error (duplicate, superseded ...), by reason.",
+    # every node (fedtier.runtime.node_base; the traffic is read from the transports at scrape time)
+    MESSAGES: "MQTT messages (chunks) sent and received, per tier and direction.",
+    BYTES: "MQTT payload bytes sent and received, per tier and direction.",
+    "fedtier_rejected_total": "Messages rejected as bad input, by the typed error's reason.",
+    "fedtier_dropped_total": "Messages ignored without being an error (duplicate, superseded, not selected), "
+                             "by reason.",
     "fedtier_accepted_total": "Messages accepted by the node's role, by message kind.",
+    "fedtier_stragglers_total": "Messages for a round the node had already closed (also rejected as late).",
+    "fedtier_identity_conflicts_total": "Times the presence of a child of this node showed two clients taking "
+                                        "turns under one identity (a copied bundle), by that identity.",
+    # the coordinator (cloud_coordinator.observe.prom, cloud_coordinator.node)
+    "fedtier_round": "The last closed round (0-based).",
+    "fedtier_accuracy": "Central test accuracy (fraction correct) after the last closed round.",
+    "fedtier_loss": "Central test loss (mean per example) after the last closed round.",
+    "fedtier_federated_accuracy": "The devices' accuracy on their held-out rows of the model the last round "
+                                  "started from (federated evaluation).",
+    "fedtier_auroc": "Central test AUROC after the last closed round (binary tasks).",
+    "fedtier_round_seconds": "Round latency in seconds: from the previous round's close (or the start) to this "
+                             "round's close.",
+    "fedtier_devices_known": "Devices of the cell in the rollout's topology.",
+    "fedtier_devices_online": "Devices of the cell whose presence is online.",
+    "fedtier_devices_reporting": "Devices of the cell whose updates made it into the last closed round.",
+    "fedtier_dropouts_total": "Devices of the cell missing from a closed round, summed over rounds.",
+    "fedtier_quorum_misses_total": "Rounds that closed without the cell (its deadline passed and a quorum of "
+                                   "the other cells closed the round).",
+    "fedtier_model_version": "The model version the cell's next task carries.",
+    "fedtier_epsilon_spent": "The largest differential-privacy epsilon spent by a device of the cell (ledger).",
+    "fedtier_epsilon_spent_max": "The largest differential-privacy epsilon spent by any device (ledger).",
+    "fedtier_epsilon_budget": "The rollout's differential-privacy epsilon budget per device.",
+    "fedtier_quorum": "The share of a cell's devices (and of the cells) enough to close a round after its "
+                      "deadline.",
+    "fedtier_round_deadline_timestamp_seconds": "Unix time the open round's deadline passes (+Inf while no "
+                                                "round is open: between rounds, paused or ended).",
+    # an edge (edge_broker.service)
+    "fedtier_edge_aggregation_seconds": "Seconds from a round's cell task arriving at the edge to the cell's "
+                                        "update leaving for the cloud.",
+    "fedtier_secagg_aborts_total": "Secure-aggregation rounds of the cell the edge aborted, by reason.",
 }
-"""Help texts of the metrics the runtime itself declares; the roles add theirs."""
+"""Help text of every series a fedtier node exports (docs/operations.md lists them with their labels)."""
+
+
+class _Merged:
+    """The families of several registries as one exposition: families of one name (the same series of
+    different nodes) are merged, since a scrape may name each family once."""
+
+    def __init__(self, registries: Callable[[], list[CollectorRegistry]]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterable[Metric]:
+        merged: dict[str, Metric] = {}
+        for registry in self.registries():
+            for family in registry.collect():
+                found = merged.get(family.name)
+                if found is None:
+                    found = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                found.samples.extend(family.samples)
+        return list(merged.values())
 
 
 class _TrafficCollector:
@@ -193,9 +269,7 @@ class _TrafficCollector:
     def _families(self, messages: dict[tuple[str, str], float], nbytes: dict[tuple[str, str], float]
                   ) -> Iterator[Metric]:
         names = [*self.const_labels, "tier", "direction"]
-        for name, help_text, values in (
-                (MESSAGES, "MQTT messages (chunks) sent and received, per tier and direction.", messages),
-                (BYTES, "MQTT payload bytes sent and received, per tier and direction.", nbytes)):
+        for name, help_text, values in ((MESSAGES, DOCS[MESSAGES], messages), (BYTES, DOCS[BYTES], nbytes)):
             family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=names)
             for (tier, direction), value in sorted(values.items()):
                 family.add_metric([*self.const_labels.values(), tier, direction], value)

@@ -31,7 +31,9 @@ ACCEPTED = "fedtier_accepted_total"
 STRAGGLERS = "fedtier_stragglers_total"
 """Messages for a round the node had already closed (rejected as ``late``), by the tier they came up."""
 IDENTITY_CONFLICTS = "fedtier_identity_conflicts_total"
-"""Times a child's presence showed two clients taking turns under its id (a copied bundle)."""
+"""Times a child's presence showed two clients taking turns under its id (a copied bundle), labelled
+by that id (``identity``); the ``node`` label stays the exporting node's. Bounded: only identities
+that had a conflict get a series."""
 EXPECTED_DROPS = ("duplicate",)
 """Drop reasons that a healthy fleet produces (QoS 1 redeliveries, resends after a restart): DEBUG, not INFO."""
 
@@ -115,7 +117,7 @@ class NodeBase:
             return
         if instance in seen:
             others = sorted(set(seen) - {instance})
-            self.metrics.inc(IDENTITY_CONFLICTS, node=node)
+            self.metrics.inc(IDENTITY_CONFLICTS, identity=node)
             skipped = self._conflict_log(node)
             if skipped is not None:
                 more = f" ({skipped} more since the last report)" if skipped else ""

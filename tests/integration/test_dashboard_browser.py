@@ -179,3 +179,102 @@ def test_the_dashboard_of_a_demo_shows_the_live_round_and_accuracy(tmp_path: Pat
     shot = tmp_path / "dashboard.png"
     assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 20_000
     print(f"rounds shown: {seen}; screenshot {shot}")
+
+
+def _wait(condition, timeout: float, what: str, proc: subprocess.Popen, output: list[str]) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the demo ended while waiting for {what}:\n" + "".join(output)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + "".join(output)
+        time.sleep(0.3)
+
+
+def test_the_services_dashboard_shows_a_finished_rollout_after_its_coordinator_exited_and_a_running_one(
+        tmp_path: Path) -> None:
+    """``fedtier demo --keep-running --dashboard`` runs ``coordinator serve --http``: its rollout finishes, a
+    second one is created and started beside it, and the service process is killed (the demo restarts it,
+    as systemd would). The page lists both rollouts of the store; the finished one shows its final
+    accuracy, as stored; the running one its state. Accuracy and loss are on two scales of the chart."""
+    sync_playwright = _playwright()
+    require(mosquitto_binary() is not None, "Mosquitto (apt-get install mosquitto)")
+    from fedtier.runtime.config import dumps_toml, read_toml
+
+    work = tmp_path / "demo"
+    state = work / "coordinator"
+    proc = subprocess.Popen([sys.executable, "-m", "fedtier", "demo", "--keep-running", "--dashboard", "--devices", "4",
+                             "--cells", "2", "--rounds", "3", "--broker", "mosquitto", "--workdir", str(work)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    said = lambda text: any(text in line for line in output)  # noqa: E731
+    shown: dict = {}
+    try:
+        # Prepare: the first rollout finished; a second one runs beside it; the service is killed once.
+        _wait(lambda: said("dashboard: http://127.0.0.1:"), 120, "the dashboard's URL", proc, output)
+        url = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/)", "".join(output)).group(1)  # type: ignore[union-attr]
+        _wait(lambda: said("the fleet keeps running"), 240, "the first rollout to finish", proc, output)
+        config = read_toml(work / "configs" / "coordinator.toml")
+        second = tmp_path / "second.toml"
+        second.write_text(dumps_toml({**config, "rollout": "second", "rounds": 500}))
+        assert _fedtier(state, "rollout", "create", "--config", str(second), "--start")["rollout"] == "second"
+        found = subprocess.run(["pgrep", "-f", f"coordinator serve --state-dir {state}"], capture_output=True,
+                               text=True).stdout.split()
+        assert len(found) == 1, found
+        os.kill(int(found[0]), 9)
+        _wait(lambda: said("coordinator died (exit code -9); restarted it"), 60, "the restart", proc, output)
+        _wait(lambda: _fedtier(state, "rollout", "status", "second")["rounds_closed"] >= 1, 120,
+              "the second rollout's first round", proc, output)
+
+        # Execute: the page of the finished rollout, then of the running one.
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1500})
+                page.goto(f"{url}#rollout=demo")
+                page.wait_for_function("() => document.querySelector('#final-accuracy') !== null && "
+                                       "document.querySelectorAll('#rollouts tbody tr').length === 2", timeout=30_000)
+                page.wait_for_function("() => [...document.querySelectorAll('#plots img')].every(i => i.complete && "
+                                       "i.naturalWidth > 0)", timeout=60_000)
+                shown["listed"] = [[td.inner_text() for td in tr.query_selector_all("td")][:3]
+                                   for tr in page.query_selector_all("#rollouts tbody tr")]
+                shown["final"] = page.inner_text("#final-accuracy")
+                shown["status"] = page.inner_text("#rollout-status")
+                shown["plots"] = page.eval_on_selector_all("#plots img", "imgs => imgs.map(i => i.naturalWidth)")
+                shown["chart"] = page.evaluate("""() => {
+                    const u = window.fedtierCharts["chart-accuracy"];
+                    return {series: u.series.map(s => [s.label, s.scale]), axes: u.axes.map(a => [a.scale, a.side]),
+                            accuracy: [u.scales.accuracy.min, u.scales.accuracy.max],
+                            loss: [u.scales.loss.min, u.scales.loss.max]};
+                }""")
+                page.screenshot(path=str(tmp_path / "finished.png"), full_page=True)
+                page.click("#rollouts a >> text=second")
+                page.wait_for_function("() => document.querySelector('#rollout-name').textContent === 'second'",
+                                       timeout=10_000)
+                shown["second"] = (page.inner_text("#rollout-status"), page.is_hidden("#final"))
+            finally:
+                browser.close()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # the demo stops every process it started
+            proc.wait(timeout=60)
+
+    # Assert: both rollouts of the store; the finished one's final accuracy as the store has it.
+    status = StoreStatus(state / "coordinator.db").rollout("demo")
+    assert status.summary.status == "finished" and len(status.rounds) == 3
+    assert shown["listed"] == [["demo", "fedavg", "finished"], ["second", "fedavg", "running"]], shown
+    assert shown["final"] == f"{status.rounds[-1].accuracy:.4f}", shown
+    assert shown["status"].endswith("finished") and shown["second"] == ("fedavg, running", True), shown
+    assert len(shown["plots"]) == 5 and all(width > 300 for width in shown["plots"]), shown
+    # Accuracy and loss on scales of their own: the loss axis on the right.
+    chart = shown["chart"]
+    assert chart["series"][1:] == [["accuracy", "accuracy"], ["loss", "loss"]], chart
+    assert ["accuracy", 3] in chart["axes"] and ["loss", 1] in chart["axes"], chart
+    assert chart["accuracy"] == [0, 1], chart  # a fraction, whatever the loss
+    assert chart["loss"][1] >= max(r.loss for r in status.rounds if r.loss is not None), chart
+    print(f"shown: {shown}; screenshot {tmp_path / 'finished.png'}")

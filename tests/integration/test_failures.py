@@ -310,7 +310,7 @@ def test_two_agents_with_a_copied_bundle_are_reported_and_counted_at_the_edge(
     try:
         deadline = time.monotonic() + 60  # two agents take turns; slower on a loaded machine
         while time.monotonic() < deadline and not (
-                node.metrics.get(IDENTITY_CONFLICTS, node="dev-1") >= 1
+                node.metrics.get(IDENTITY_CONFLICTS, identity="dev-1") >= 1
                 and any("another client connected as 'dev-1'" in m for m in messages(caplog, logging.ERROR))):
             time.sleep(0.1)
     finally:
@@ -320,7 +320,7 @@ def test_two_agents_with_a_copied_bundle_are_reported_and_counted_at_the_edge(
         for thread, _, _ in runs:
             thread.join(10)
         edge.join(10)
-    assert node.metrics.get(IDENTITY_CONFLICTS, node="dev-1") >= 1
+    assert node.metrics.get(IDENTITY_CONFLICTS, identity="dev-1") >= 1
     errors = messages(caplog, logging.ERROR)
     assert any("two clients use the identity dev-1" in m for m in errors), errors
     assert any("another client connected as 'dev-1'" in m and "copied bundle" in m for m in errors), errors

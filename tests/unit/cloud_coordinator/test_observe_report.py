@@ -108,3 +108,23 @@ def test_fedtier_report_names_what_is_missing(private_store: Path, tmp_path: Pat
     assert unknown.exit_code == 1 and "no rollout 'nope'" in unknown.output and "rep" in unknown.output
     assert absent.exit_code == 1 and "no coordinator store" in absent.output
     assert both.exit_code == 2 and "--store" in both.output
+
+
+def test_devices_reporting_past_20_rounds_is_a_line_per_cell_under_its_legend(private_store: Path) -> None:
+    """Bars of 40 rounds and more merge into one block: a step line per cell instead, the legend above them."""
+    import dataclasses
+
+    status = StoreStatus(private_store).rollout("rep")
+    many = [dataclasses.replace(status.rounds[i % 3], round=i,
+                                reported_per_cell={c.cell: 2 - (i % 5 == 0) for c in status.cells})
+            for i in range(45)]
+    fig = figures(dataclasses.replace(status, rounds=many), only="devices_reporting")["devices_reporting"]
+    ax = fig.axes[0]
+    fig.canvas.draw()
+
+    assert not ax.containers and len(ax.lines) == len(status.cells)  # no bars
+    for line, cell in zip(ax.lines, status.cells, strict=True):
+        assert [round(y) for y in line.get_ydata()] == [r.reported_per_cell[cell.cell] for r in many]
+    legend = ax.get_legend().get_window_extent()
+    top = max(max(line.get_ydata()) for line in ax.lines)
+    assert ax.transData.inverted().transform((0, legend.y0))[1] > top  # the legend sits above every line

@@ -149,3 +149,122 @@ def test_the_api_carries_the_operators_status_document(store: Path) -> None:
     assert doc["operator"]["last_accuracy"] == doc["rounds"][-1]["accuracy"] == 0.625
     assert [c["devices_online"] for c in doc["cells"]] == [expected["cells"][c]["devices_online"]
                                                           for c in ("cell-a", "cell-b")]
+
+
+def test_the_report_plots_are_served_as_png(store: Path) -> None:
+    client = TestClient(web.create_app(StoreStatus(store)))
+
+    plot = client.get("/api/rollouts/r1/plots/accuracy_loss.png")
+    again = client.get("/api/rollouts/r1/plots/accuracy_loss.png")
+    unknown_plot = client.get("/api/rollouts/r1/plots/nope.png")
+    unknown_rollout = client.get("/api/rollouts/nope/plots/epsilon.png")
+
+    assert plot.status_code == 200 and plot.headers["content-type"] == "image/png"
+    assert plot.content.startswith(b"\x89PNG") and again.content == plot.content  # rendered once per state
+    assert unknown_plot.status_code == 404 and "accuracy_loss" in unknown_plot.json()["error"]
+    assert unknown_rollout.status_code == 404
+
+
+def test_before_the_store_exists_the_api_lists_no_rollout(tmp_path: Path) -> None:
+    client = TestClient(web.create_app(StoreStatus(tmp_path / "not-yet.db")))
+
+    assert client.get("/api/rollouts").json()["rollouts"] == []
+    assert not (tmp_path / "not-yet.db").exists()
+
+
+def test_live_counts_belong_to_the_rollout_this_process_drives(store: Path) -> None:
+    client = TestClient(web.create_app(StoreStatus(store, live_for=lambda r: _Live() if r == "other" else None)))
+
+    doc = client.get("/api/rollouts/r1").json()
+
+    assert doc["rejects"] == {} and doc["live"] is False
+
+
+def test_the_page_draws_accuracy_and_loss_on_two_scales_and_pages_every_model_version(store: Path) -> None:
+    """What the page's script sets up (the browser test reads the same options from the running chart)."""
+    page = TestClient(web.create_app(StoreStatus(store))).get("/").text
+
+    assert 'scale: "accuracy"' in page and 'scale: "loss"' in page and "side: 1" in page
+    for element in ("chart-duration", "per-device", "final-facts", "models-older", "models-newer", "plots"):
+        assert f'id="{element}"' in page, element
+    assert "slice(-10)" not in page  # every version, paged, not the 10 newest
+
+
+def test_coordinator_serve_serves_the_dashboard_before_any_rollout_and_until_it_stops(tmp_path: Path) -> None:
+    import json
+    import socket
+    import threading
+    import urllib.request
+
+    from cloud_coordinator.service import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stop = threading.Event()
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(serve(tmp_path / "state", stop, http=("127.0.0.1", port))))
+    thread.start()
+    try:
+        listing = None
+        for _ in range(200):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/rollouts", timeout=2) as resp:
+                    listing = json.loads(resp.read())
+                break
+            except OSError:
+                threading.Event().wait(0.05)
+    finally:
+        stop.set()
+        thread.join(30)
+
+    assert listing is not None and listing["rollouts"] == []  # an empty store: waiting for `rollout create`
+    assert codes == [0]
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/api/rollouts", timeout=2)
+
+
+@pytest.mark.parametrize("exit_when_done", [False, True])
+def test_coordinator_run_keeps_serving_an_ended_rollout_until_told(small_rollout, store: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   exit_when_done: bool) -> None:
+    """``coordinator run --http``: the page outlives the rollout (its final state stays readable) until
+    Ctrl-C, or ``--exit-when-done``. The rollout's loop is stubbed: it has ended at once."""
+    import json
+    import socket
+    import threading
+    import urllib.request
+    from types import SimpleNamespace
+
+    from cloud_coordinator import run as run_module
+
+    cfg = small_rollout(rollout="r1", state_dir=str(store.parent))
+    node = SimpleNamespace(observed=_Live(), done=True, metrics=SimpleNamespace(serve=lambda port: None),
+                           prepared=SimpleNamespace(cells={}, devices={}), start=None)
+    monkeypatch.setattr(run_module, "build", lambda cfg, on_round: (node, None, None))
+    monkeypatch.setattr(run_module.mqtt_service, "run", lambda *a, **k: 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    linger = threading.Event()
+    done: list[int] = []
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(run_module.run(
+        cfg, http=("127.0.0.1", port), exit_when_done=exit_when_done, on_done=done.append, linger=linger)))
+
+    thread.start()
+    thread.join(2 if exit_when_done else 1)
+    lingering = thread.is_alive()
+    doc = None
+    if lingering:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/rollouts/r1", timeout=5) as resp:
+            doc = json.loads(resp.read())
+    linger.set()
+    thread.join(10)
+
+    assert done == [0] and codes == [0] and not thread.is_alive()
+    assert lingering is not exit_when_done
+    if doc is not None:  # the ended rollout's page, with what its coordinator counted
+        assert doc["summary"]["rounds_closed"] == 2 and doc["rejects"] == {"sha_mismatch": 2.0} and doc["live"]
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/api/rollouts", timeout=2)

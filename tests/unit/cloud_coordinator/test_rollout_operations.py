@@ -117,3 +117,15 @@ def test_status_sums_bytes_per_tier_and_reports_the_ledgers_epsilon(store_url: s
     assert a["updates_accepted"] == 1 and a["updates_rejected"] == {"late": 2} and a["stragglers"] == ["d1"]
     assert b["updates_accepted"] == 1 and b["stragglers"] == []
     assert json.loads(json.dumps(status)) == status  # plain JSON types (--json, dashboards)
+
+
+def test_a_training_device_is_last_seen_when_its_update_made_a_round(store_url: str) -> None:
+    """An online device sends no presence while it trains: the rounds its updates made are sightings too."""
+    store = _store(store_url)
+    store.record_contributions("r", 2, 2, ["d0"])
+    closed = {r["round"]: r["closed"] for r in store.rounds("r")}
+
+    seen = {d["node"]: d["last_seen"] for d in device_inventory(store)}
+
+    assert closed[2] > 10.0  # committed now, after the presence recorded at t = 10
+    assert seen["d0"] == closed[2] and seen["d1"] == 10.0  # d1 made no round: its presence

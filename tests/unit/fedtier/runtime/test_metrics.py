@@ -202,3 +202,69 @@ def test_serve_reflects_later_updates(served: tuple[Metrics, str]) -> None:
         body = resp.read().decode()
 
     assert _families(body)["g"].samples[0].value == 2.0
+
+
+def _source_metric_names() -> set[str]:
+    """Every ``fedtier_*`` series name the packages' sources spell out (constants and literal names)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[4]
+    names: set[str] = set()
+    for package in ("fedtier", "cloud_coordinator", "edge_broker", "device_agent"):
+        for path in (root / package).rglob("*.py"):
+            names |= set(re.findall(r'"(fedtier_[a-z_]+)"', path.read_text()))
+    return names - {"fedtier_read_only", "fedtier_user_model_"}  # a database role, a module prefix
+
+
+def test_every_series_has_a_real_help_text_and_no_created_series() -> None:
+    from fedtier.runtime.metrics import DOCS
+
+    names = _source_metric_names()
+    m = Metrics(node="edge-1", role="edge")
+    for name in sorted(names - {MESSAGES, BYTES}):  # those two the traffic collector always exports
+        if name.endswith("_total"):
+            m.inc(name, reason="x")
+        elif name.endswith("_seconds") and not name.endswith("_timestamp_seconds"):
+            m.observe(name, 1.0)
+        else:
+            m.set(name, 1.0)
+
+    families = _families(m.render())
+
+    assert len(names) >= 20 and names <= set(DOCS), sorted(names - set(DOCS))
+    for family in families.values():
+        placeholder = family.name.replace("_", " ")
+        assert family.documentation not in (placeholder, f"{placeholder} total"), family.name
+        assert not any(s.name.endswith("_created") for s in family.samples), family.name
+
+
+def test_every_series_is_in_the_operations_runbook() -> None:
+    """docs/operations.md's metrics table names every series (its label column too)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[4] / "docs" / "operations.md").read_text()
+    section = text.split("### Metrics", 1)[1].split("\n### ", 1)[0]
+    documented = set(re.findall(r"^\| `(fedtier_[a-z_]+)` \|", section, re.MULTILINE))
+
+    assert _source_metric_names() <= documented, sorted(_source_metric_names() - documented)
+
+
+def test_an_included_node_is_exported_with_the_host_in_one_family_per_name() -> None:
+    host = Metrics(node="cloud", role="cloud")
+    hosted = Metrics(node="cloud", role="cloud", rollout="r1")
+    host.inc("fedtier_rejected_total", reason="bad_magic")
+    hosted.inc("fedtier_rejected_total", reason="late")
+    hosted.set("fedtier_round", 3)
+
+    host.include(hosted)
+    both = _families(host.render())
+    host.exclude(hosted)
+    alone = _families(host.render())
+
+    assert {tuple(sorted(s.labels.items())) for s in both["fedtier_rejected"].samples} == {
+        (("node", "cloud"), ("reason", "bad_magic"), ("role", "cloud")),
+        (("node", "cloud"), ("reason", "late"), ("role", "cloud"), ("rollout", "r1"))}
+    assert both["fedtier_round"].samples[0].labels["rollout"] == "r1"
+    assert "fedtier_round" not in alone and len(alone["fedtier_rejected"].samples) == 1

@@ -34,14 +34,14 @@ def online(base: NodeBase, *events: tuple[str, float]) -> list[str | None]:
 def test_a_restart_is_a_new_instance_once_and_not_a_conflict() -> None:
     base = NodeBase("cell-a", Metrics(node="cell-a", role="edge"), log, 1 << 20)
     assert online(base, ("A", 1.0), ("B", 2.0), ("B", 3.0)) == ["dev-0", "dev-0", "dev-0"]
-    assert base.metrics.get(IDENTITY_CONFLICTS, node="dev-0") == 0
+    assert base.metrics.get(IDENTITY_CONFLICTS, identity="dev-0") == 0
 
 
 def test_two_instances_taking_turns_are_counted_and_named_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
     base = NodeBase("cell-a", Metrics(node="cell-a", role="edge"), log, 1 << 20)
     with caplog.at_level(logging.ERROR, logger="test.node"):
         online(base, ("A", 1.0), ("B", 2.0), ("A", 3.0), ("B", 4.0), ("A", 5.0))
-    assert base.metrics.get(IDENTITY_CONFLICTS, node="dev-0") == 3
+    assert base.metrics.get(IDENTITY_CONFLICTS, identity="dev-0") == 3
     [line] = [r.getMessage() for r in caplog.records]  # one line a minute, however often they flap
     assert "two clients use the identity dev-0" in line and "copied bundle" in line
 
@@ -84,3 +84,12 @@ def test_a_late_message_is_a_straggler_and_a_rejection() -> None:
 
     assert m.get(STRAGGLERS) == 1
     assert m.get(REJECTED, reason="late") == 1 and m.total(REJECTED) == 2
+
+
+def test_an_identity_conflict_is_labelled_by_the_exporting_node_and_the_shared_identity() -> None:
+    base = NodeBase("cell-a", Metrics(node="cell-a", role="edge"), log, 1 << 20)
+    online(base, ("A", 1.0), ("B", 2.0), ("A", 3.0))
+
+    exported = [line for line in base.metrics.render().splitlines() if line.startswith(IDENTITY_CONFLICTS)]
+
+    assert exported == [f'{IDENTITY_CONFLICTS}{{identity="dev-0",node="cell-a",role="edge"}} 1.0']
