@@ -12,10 +12,11 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from cloud_coordinator.admission import TRAINER_PATHS, admit
 from fedtier.rollout.config import RolloutConfig
 from fleet_data.datasets import FederatedData, make_federated
 from fleet_data.hybrid import HybridData, make_hybrid
@@ -96,13 +97,23 @@ class PreparedRollout:
         return [d for members in self.cells.values() for d in members]
 
 
-def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout:
-    """Build artifacts, data, initial parameters and the manifest of a rollout."""
+def prepare(cfg: RolloutConfig, *, manifest_version: int = 1,
+            trainers: Sequence[str] = TRAINER_PATHS) -> PreparedRollout:
+    """Build artifacts, data, initial parameters and the manifest of a rollout.
+
+    The built bundles are admitted (``cloud_coordinator.admission``) before the manifest is
+    written: trained for a few steps in a child process on each of ``trainers`` (the paths the
+    devices may use; a simulation pins its own), cached in the artifact store.
+
+    Raises:
+        ModelRefused: A trial crashed, raised or gave a non-finite result (a ``ConfigError`` of key
+            ``model``).
+    """
     from models.artifacts import build_artifacts  # torch: only here, only on the coordinator
     from models.source import source_for
 
     if cfg.traits.split_model:
-        return _prepare_hsgd(cfg, manifest_version)
+        return _prepare_hsgd(cfg, manifest_version, trainers)
     cells = cfg.topology.layout()
     devices = [d for members in cells.values() for d in members]
     data = make_federated(cfg.data, devices, cells)
@@ -126,6 +137,8 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
         for cell, sizes in zip(sorted(cells), fixed_sizes(plan, len(cells)), strict=True):
             cell_bundles[cell] = build_artifacts(submodel_arch(plan, sizes), cfg.artifacts_path,
                                                  seed=cfg.model.init_seed)
+    admit([bundle, *cell_bundles.values()], cfg.artifacts_path, trainers,
+          labels={b.bundle_id: f"cell {c}'s submodel" for c, b in cell_bundles.items()})
     noise_plan = None
     extra: dict[str, Any] = {"layout_sha256": bundle.layout.sha256}
     if cfg.privacy is not None:
@@ -143,7 +156,7 @@ def prepare(cfg: RolloutConfig, *, manifest_version: int = 1) -> PreparedRollout
                            manifest=manifest, cell_bundles=cell_bundles, noise_plan=noise_plan)
 
 
-def _prepare_hsgd(cfg: RolloutConfig, manifest_version: int) -> PreparedRollout:
+def _prepare_hsgd(cfg: RolloutConfig, manifest_version: int, trainers: Sequence[str]) -> PreparedRollout:
     """HSGD: the hybrid data, the split model's artifacts and initial weights; each cell's members are its
     devices and, last, its host (both run ``fedtier agent run``)."""
     from models.split_artifacts import build_split_artifacts  # torch: only here, only on the coordinator
@@ -151,6 +164,7 @@ def _prepare_hsgd(cfg: RolloutConfig, manifest_version: int) -> PreparedRollout:
     hybrid = make_hybrid(cfg)
     arch = hybrid.arch(cfg.hsgd.embed_host, cfg.hsgd.embed_device)
     bundle = build_split_artifacts(arch, cfg.artifacts_path, seed=cfg.model.init_seed)
+    admit([bundle], cfg.artifacts_path, trainers)
     cells = {c: (*h.devices, h.host) for c, h in hybrid.cells.items()}
     train = {d: (h.x2[n:n + 1], h.y[n:n + 1]) for h in hybrid.cells.values() for n, d in enumerate(h.devices)}
     x1, x2, y = hybrid.test

@@ -8,6 +8,10 @@ state directory, or PostgreSQL) and this process polls them — a new rollout is
 CLI needs no port, no credentials beyond file access, and works while the coordinator is down;
 the store is the one source of truth, which is also what makes a restart resume everything.
 
+A rollout whose model fails admission (``cloud_coordinator.admission``: a stored rollout that
+``rollout create`` did not admit, e.g. one of an older fedtier) is stopped with the reason in the
+log and its metrics file, never started: its manifest is not published.
+
 One MQTT connection serves every rollout: messages on a rollout's topics go to its
 ``CloudNode``; presence goes to all of them (and into the store's device inventory). The
 connection uses the ``[broker]`` and ``cloud_id`` of the rollouts, which ``rollout create``
@@ -25,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedtier.rollout.config import RolloutConfig
-from cloud_coordinator.node import CloudNode
+from cloud_coordinator.admission import ModelRefused
+from cloud_coordinator.node import CloudNode, write_json_atomic
 from cloud_coordinator.presence import PresenceBuffer
 from cloud_coordinator.store import CoordinatorStore
 from cloud_coordinator.store_backend import RolloutHeldError
@@ -84,12 +89,30 @@ class CoordinatorService(NodeBase):
                     log.warning("%s", exc)
                     self.held_elsewhere.add(rollout)
                 continue
+            except ModelRefused as exc:
+                self._refuse(row, exc)
+                continue
             self.held_elsewhere.discard(rollout)
             node.presence = None  # this service records every node's presence once, for all its rollouts
             log.info("hosting rollout %s (%s)", rollout, row["status"])
             self.nodes[rollout] = node
             self.metrics.include(node.metrics)  # one scrape: the service's series and each rollout's
             node.start(now)
+
+    def _refuse(self, row: dict[str, Any], exc: ModelRefused) -> None:
+        """A rollout whose model fails admission is stopped with the reason, never started (its manifest is
+        never published): the reason goes to the log and to its metrics file, as a stop's reason does."""
+        rollout = row["rollout"]
+        log.error("rollout %s stopped before it started: %s", rollout, exc.message)
+        self.store.set_desired(rollout, "stopped")
+        self.store.set_status(rollout, "stopped")
+        cfg = stored_config(row)
+        try:
+            write_json_atomic(cfg.metrics_path, {"rollout": rollout, "algorithm": cfg.algorithm,
+                                                 "rounds_planned": cfg.rounds, "finished": True, "rounds": [],
+                                                 "stopped": f"model refused: {exc.message}"})
+        except OSError as err:
+            log.warning("cannot write the metrics file of rollout %s: %s", rollout, err)
 
     def tick(self, now: float) -> None:
         self.presence.flush_due(now)

@@ -50,8 +50,10 @@ def coordinator_run(config_path: Path, log_level: str | None, http: str | None, 
     With --http the dashboard listens from the start and, once the rollout has ended, keeps
     serving it (its final state, summary and plots) until Ctrl-C; --exit-when-done exits at once.
 
-    Exit codes: 0 the rollout ended (or a signal stopped it); 2 a bad config; 77 this
-    node's certificate or the broker's ACL does not let it work (the log says which).
+    Exit codes: 0 the rollout ended (or a signal stopped it); 2 a bad config, or a model that
+    crashes, fails or gives NaN when trained for a few steps on a trainer the devices use (refused
+    before connecting; docs/models.md); 77 this node's certificate or the broker's ACL does not
+    let it work (the log says which).
 
     \b
     Example: fedtier coordinator run --config fleet/coordinator/hand1.toml

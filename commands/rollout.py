@@ -130,18 +130,23 @@ SHARED_KEYS = ("broker", "cloud_id", "state_dir", "store", "signing_key")
 @click.option("--start", "start_now", is_flag=True, help="Start it at once (else `fedtier rollout start ID`).")
 @json_option
 def rollout_create(config_path: Path, start_now: bool, as_json: bool) -> None:
-    """Validate a rollout config, register it in the coordinator's store and print its plan.
+    """Validate a rollout config, admit its model, register it in the coordinator's store and print its plan.
 
     Everything that can be checked before a round is checked now (keys, values, the signing
-    key, the topology); the model's artifacts are built when the coordinator first hosts it.
-    Every rollout of one store shares [broker], cloud_id, state_dir, store and signing_key. Its
-    metrics file defaults to <state_dir>/metrics-<rollout>.json.
+    key, the topology, the data against the model). The model's artifacts are built into the
+    artifact store and admitted: trained for a few steps in a child process on every trainer
+    path a device may use; a model that crashes, fails or gives NaN there is refused (exit 2,
+    naming the trainer and the op) and nothing is stored (docs/models.md). Every rollout of one
+    store shares [broker], cloud_id, state_dir, store and signing_key. Its metrics file defaults
+    to <state_dir>/metrics-<rollout>.json.
 
     Example: fedtier rollout create --config fleet/configs/coordinator.toml --start
     """
     import dataclasses
 
     from fedtier.rollout.config import RolloutConfig
+    from cloud_coordinator.admission import STEPS, TRAINER_PATHS, paths_for
+    from cloud_coordinator.rollout import prepare
     from cloud_coordinator.run import validate
     from cloud_coordinator.store import CoordinatorStore
     from fedtier.runtime.config import load
@@ -150,6 +155,9 @@ def rollout_create(config_path: Path, start_now: bool, as_json: bool) -> None:
     validate(cfg)
     if cfg.metrics_file is None:
         cfg = dataclasses.replace(cfg, metrics_file=cfg.state_dir / f"metrics-{cfg.rollout}.json")
+    prepared = prepare(cfg)  # builds and admits the model before anything is stored (ModelRefused: exit 2)
+    bundles = [b for b in (prepared.bundle, prepared.split, *prepared.cell_bundles.values()) if b is not None]
+    admitted = sorted({p for b in bundles for p in paths_for(b, TRAINER_PATHS)})
     plain = cfg.to_dict()
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     store = CoordinatorStore(cfg.store_location)
@@ -185,6 +193,8 @@ def rollout_create(config_path: Path, start_now: bool, as_json: bool) -> None:
     else:
         lines.append("  privacy: off")
     where = f"--store {cfg.store}" if cfg.store else f"--state-dir {cfg.state_dir}"
+    lines.append(f"  model admitted: {STEPS} training steps on {', '.join(admitted)} ({len(bundles)} "
+                 f"bundle{'s' if len(bundles) != 1 else ''})")
     lines.append(f"  store: {plan['store']}")
     lines.append("  started: the coordinator opens round 0 within a second" if start_now else
                  f"  next: fedtier rollout start {cfg.rollout} {where}")

@@ -32,6 +32,12 @@ def noise_source(cfg: RolloutConfig, node: str) -> NoiseSource:
     return NoiseSource(int.from_bytes(hashlib.sha256(f"{seed}/{node}".encode()).digest()[:16], "little"))
 
 
+def simulated_trainers(cfg: RolloutConfig) -> tuple[str, ...]:
+    """The trainer paths a simulation runs, so the ones its admission trials: the devices' trainer, and
+    onnxruntime-training, which the coordinator evaluates with."""
+    return tuple(dict.fromkeys(("ort", cfg.simulation.trainer)))
+
+
 class SharedTrainers:
     """One trainer per artifact bundle, shared by every simulated device.
 

@@ -34,7 +34,7 @@ from fedtier.artifacts.cache import ArtifactCache
 from fedtier.errors import ArtifactError, ConfigError
 from fedtier.rollout.config import RolloutConfig
 from fedtier.transport.memory import MemoryBroker
-from local_fleet.sim_nodes import SharedTrainers, TrainObjective, bind, device_node, noise_source
+from local_fleet.sim_nodes import SharedTrainers, TrainObjective, bind, device_node, noise_source, simulated_trainers
 
 log = logging.getLogger("fedtier.simulate")
 
@@ -74,7 +74,7 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
         raise ConfigError(f"unknown simulation backend {backend!r}: choose one of {', '.join(BACKENDS)}",
                           key="backend")
     t0 = time.perf_counter()
-    prepared = prepared or prepare(cfg)
+    prepared = prepared or prepare(cfg, trainers=simulated_trainers(cfg))
     if cfg.simulation.trainer == "portable" and prepared.hybrid is None:
         _require_portable_graphs(prepared)
     _require_edge_rule(cfg)

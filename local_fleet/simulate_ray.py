@@ -72,10 +72,10 @@ class DeviceShard:
 
     def __init__(self, cfg: RolloutConfig, devices: list[tuple[str, str]], root: str) -> None:
         from cloud_coordinator.rollout import prepare
-        from local_fleet.sim_nodes import SharedTrainers, device_node
+        from local_fleet.sim_nodes import SharedTrainers, device_node, simulated_trainers
         from fedtier.artifacts.cache import ArtifactCache
 
-        prepared = prepare(cfg)
+        prepared = prepare(cfg, trainers=simulated_trainers(cfg))
         self.broker = MemoryBroker(max_payload=cfg.simulation.max_payload or (1 << 30))
         cache = ArtifactCache(Path(root) / "artifact-cache")
         for sha, path in prepared.artifact_files().items():
