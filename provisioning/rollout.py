@@ -269,10 +269,12 @@ def rebase_paths(cls: type[Section], table: Mapping[str, Any], base: Path) -> di
     """``table`` (raw TOML of section ``cls``) with every relative path made absolute against ``base``.
 
     A config's relative paths are relative to the file's own directory; a copy of it written
-    elsewhere keeps meaning the same files this way.
+    elsewhere keeps meaning the same files this way. That covers ``Path`` fields and the strings
+    a section names files with (``Section.rebase_strings``: ``[model] factory = "mymodel.py:make"``,
+    a ``sqlite:///`` store).
     """
     kinds = _path_fields(cls)
-    out = dict(table)
+    out = dict(cls.rebase_strings(table, base))
 
     def absolute(value: Any) -> Any:
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():

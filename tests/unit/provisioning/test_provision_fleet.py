@@ -119,6 +119,26 @@ def test_rebase_paths_follows_nested_sections_and_lists() -> None:
                    "rounds": 3}
 
 
+def test_a_factory_file_and_a_sqlite_store_relative_to_the_rollout_file_keep_meaning_them(tmp_path: Path) -> None:
+    # Issue 34: `factory = "mymodel.py:make_mlp"` was left relative, then resolved against site/coordinator/.
+    source = rollout_file(tmp_path / "cfg")
+    (tmp_path / "cfg" / "mymodel.py").write_text("def make_mlp():\n    raise NotImplementedError\n")
+    text = source.read_text().replace('kind = "mlp"\nhidden = [8]', 'kind = "torch"\nfactory = "mymodel.py:make_mlp"')
+    source.write_text('store = "sqlite:///db/coordinator.db"\n' + text)
+
+    result = provision_fleet(source, tmp_path / "site")
+
+    cfg = load(RolloutConfig, result.rollout_config)
+    assert cfg.model.factory == f"{tmp_path / 'cfg' / 'mymodel.py'}:make_mlp"
+    assert cfg.store == f"sqlite:///{tmp_path / 'cfg' / 'db' / 'coordinator.db'}"
+    assert load(RolloutConfig, source).model.factory == cfg.model.factory  # as the original file means it
+    raw = {"model": {"factory": "m.py:f"}, "store": "sqlite:///s.db"}
+    assert rebase_paths(RolloutConfig, raw, Path("/base")) == {"model": {"factory": "/base/m.py:f"},
+                                                               "store": "sqlite:////base/s.db"}
+    kept = {"model": {"factory": "package.module:f"}, "store": "postgresql://u@h:5432/db"}
+    assert rebase_paths(RolloutConfig, kept, Path("/base")) == kept
+
+
 def test_running_it_again_keeps_every_identity_and_issues_only_what_is_new(tmp_path: Path) -> None:
     first = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")
     assert len(first.issued) == 1 + 2 + 3 + 1  # coordinator, gateways, devices, broker
