@@ -10,7 +10,8 @@ where the coordinator connects) this writes, under ``OUT``::
                            with the bundle's settings (TLS, signing key, state directory), ready
                            for `fedtier coordinator run --config OUT/coordinator/<rollout>.toml`
       gateways/<cell>/     each edge's bundle (edge.toml)
-      devices/<device>/    each device's bundle (device.toml; its data goes into data/)
+      devices/<device>/    each device's bundle (device.toml; its data goes into data/: the shard of
+                           its name with --shards DIR, its share of a built-in dataset with --sample-data)
       brokers/<name>/      each broker's Mosquitto config: mosquitto.conf, fedtier.acl,
                            broker.pem, broker.key, ca.pem, crl.pem
       fleet.json           what was written (what ``--json`` prints)
@@ -122,6 +123,8 @@ class FleetResult:
     kept: list[str] = field(default_factory=list)
     departed: list[str] = field(default_factory=list)
     data: dict[str, int] = field(default_factory=dict)
+    held_out: dict[str, int] = field(default_factory=dict)
+    shards: Path | None = None
     run_as: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -130,6 +133,7 @@ class FleetResult:
                 "gateways": {c: str(p) for c, p in self.gateways.items()},
                 "devices": {d: str(p) for d, p in self.devices.items()}, "brokers": self.brokers,
                 "issued": self.issued, "kept": self.kept, "departed": self.departed, "data": self.data,
+                "held_out": self.held_out, "shards": None if self.shards is None else str(self.shards),
                 "broker_user": self.run_as}
 
 
@@ -320,7 +324,8 @@ def merged_rollout(source: Path, coordinator_dir: Path, *, signing_key: Path, cl
 
 def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str | Path | None = None,
                     cell_brokers: Mapping[str, Endpoint] | None = None, run_as: str | None = None,
-                    sample_data: bool = False, days: float | None = None, bridge: bool = False) -> FleetResult:
+                    sample_data: bool = False, days: float | None = None, bridge: bool = False,
+                    shards: str | Path | None = None) -> FleetResult:
     """Provision every node of a rollout's topology (see the module docstring).
 
     Args:
@@ -334,6 +339,9 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
             where this process can (see ``provisioning.broker_config``).
         sample_data: write each device's share of the rollout's built-in dataset into its
             bundle's ``data/`` (for trials; real devices bring their own data).
+        shards: the directory ``fedtier data split`` wrote: each device's bundle gets the shard of
+            its own name as its ``data/`` (``fleet_data.shards.place_shards``); every device needs
+            one and every shard a device, or nothing is written.
         days: validity of newly issued node certificates.
         bridge: bridge each ``cell_brokers`` broker to the rollout's broker; those edges then
             connect to their gateway's broker alone (``provisioning.broker_bridge``).
@@ -342,7 +350,8 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
         What was written.
 
     Raises:
-        ConfigError: the rollout config does not load, or a ``--cell-broker`` is wrong.
+        ConfigError: the rollout config does not load, a ``--cell-broker`` is wrong, or the shards'
+            names are not the topology's devices.
         NameConflictError, InvalidNameError: a node name the fleet cannot issue.
         ProvisioningError: ``run_as`` is not a user of this machine.
     """
@@ -355,6 +364,14 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
     cloud = (cfg.broker.host, cfg.broker.port)
     cell_brokers = dict(cell_brokers or {})
     plans = plan_brokers(list(cells), cloud, cell_brokers, bridge=bridge)
+    split_dir = Path(shards).expanduser().resolve() if shards is not None else None
+    if split_dir is not None:
+        from fleet_data.shards import match_shards, shards_in
+
+        if sample_data:
+            raise ConfigError("--shards puts your shards in the bundles, --sample-data a built-in dataset: give one",
+                              key="--shards")
+        match_shards(shards_in(split_dir), [d for ds in cells.values() for d in ds], split_dir)  # before any write
     run_as = run_as or current_user()
     _user(run_as)
     fleet_root = Path(fleet_dir).expanduser().resolve() if fleet_dir else out / "ca"
@@ -417,6 +434,13 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
         from fleet_data.shards import write_device_data
 
         result.data = write_device_data(cfg, {d: p / "data" for d, p in result.devices.items()})
+    if split_dir is not None:
+        from fleet_data.shards import place_shards
+
+        placed = place_shards(split_dir, {d: p / "data" for d, p in result.devices.items()})
+        result.shards = split_dir
+        result.data = {d: rows for d, (rows, _) in placed.items()}
+        result.held_out = {d: held for d, (_, held) in placed.items()}
     pki.write_atomic(out / "fleet.json", (json.dumps(result.to_json(), indent=1) + "\n").encode(), 0o644,
                      overwrite=True)
     log.info("provisioned rollout %s in %s: %d issued, %d kept", cfg.rollout, out, len(result.issued),

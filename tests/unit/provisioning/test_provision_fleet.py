@@ -183,6 +183,71 @@ def test_sample_data_is_each_devices_share_of_the_coordinators_split(tmp_path: P
     assert sum(result.data.values()) == sum(len(y) for _, y in expected.train.values())
 
 
+def split_csv(directory: Path, devices: int) -> Path:
+    """A small CSV split by `fedtier data split` into ``devices`` shards (dev-00, ...); returns the split's folder."""
+    from fleet_data.split import SplitOptions, split_table
+    from fleet_data.tables import read_table
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((60, 4))
+    rows = [",".join(f"{v:.4f}" for v in r) + f",{int(r[0] > 0)}" for r in x]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "table.csv").write_text("a,b,c,d,label\n" + "\n".join(rows) + "\n")
+    split_table(read_table(directory / "table.csv", "label"), SplitOptions(devices=devices, holdout=0.25),
+                directory / "shards")
+    return directory / "shards"
+
+
+def test_shards_go_each_to_the_bundle_of_its_device_and_names_must_match(tmp_path: Path) -> None:
+    shards = split_csv(tmp_path / "data", 3)
+    source = rollout_file(tmp_path / "cfg", 'cell-a = ["dev-00", "dev-01"]\ncell-b = ["dev-02"]')
+
+    result = provision_fleet(source, tmp_path / "site", shards=shards)
+
+    for device in ("dev-00", "dev-01", "dev-02"):
+        data = result.devices[device] / "data"
+        assert (data / "train.npz").read_bytes() == (shards / device / "train.npz").read_bytes()
+        assert (data / "eval" / "eval.npz").read_bytes() == (shards / device / "eval" / "eval.npz").read_bytes()
+        with np.load(shards / device / "train.npz") as z:
+            assert result.data[device] == len(z["y"])
+        assert result.held_out[device] > 0
+    assert result.to_json()["shards"] == str(shards)
+    # Again, over a stale file: data/ becomes the shard, nothing else.
+    (result.devices["dev-00"] / "data" / "old.csv").write_text("1,2,3,4,0\n")
+    provision_fleet(source, tmp_path / "site", shards=shards)
+    assert not (result.devices["dev-00"] / "data" / "old.csv").exists()
+
+
+def test_shards_that_do_not_match_the_topologys_names_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    shards = split_csv(tmp_path / "data", 3)
+    padded = rollout_file(tmp_path / "cfg", 'cell-a = ["dev-0", "dev-1"]\ncell-b = ["dev-2"]')
+    with pytest.raises(ConfigError, match=r"no shard for dev-0, dev-1, dev-2; no device in the topology for shards "
+                                          r"dev-00, dev-01, dev-02\..*differ only in their zero padding") as padding:
+        provision_fleet(padded, tmp_path / "site", shards=shards)
+    assert padding.value.key == "--shards" and not (tmp_path / "site").exists()
+    fewer = rollout_file(tmp_path / "cfg", 'cell-a = ["dev-00", "dev-01"]', name="two.toml")
+    with pytest.raises(ConfigError, match=r"no device in the topology for shard dev-02\..*--devices 2"):
+        provision_fleet(fewer, tmp_path / "site", shards=shards)
+    with pytest.raises(ConfigError, match="give one"):
+        provision_fleet(fewer, tmp_path / "site", shards=shards, sample_data=True)
+    with pytest.raises(ConfigError, match="holds no shard"):
+        provision_fleet(fewer, tmp_path / "site", shards=tmp_path / "cfg")
+    assert not (tmp_path / "site").exists()
+
+
+def test_the_command_prints_where_each_shard_went(tmp_path: Path) -> None:
+    shards = split_csv(tmp_path / "data", 3)
+    source = rollout_file(tmp_path / "cfg", 'cell-a = ["dev-00", "dev-01"]\ncell-b = ["dev-02"]')
+    out = CliRunner().invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "site"),
+                                         "--shards", str(shards)])
+    assert out.exit_code == 0, out.output
+    assert f"shards of {shards}, each in the bundle of its device" in out.output
+    assert f"-> {tmp_path / 'site' / 'devices' / 'dev-02' / 'data'}" in out.output
+    bad = CliRunner().invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "x"),
+                                         "--shards", str(tmp_path / "nowhere")])
+    assert bad.exit_code == 2 and "--shards" in bad.output and "directory not found" in bad.output
+
+
 def test_the_command_prints_what_runs_where_and_json_for_machines(tmp_path: Path) -> None:
     source = rollout_file(tmp_path / "cfg")
     runner = CliRunner()
