@@ -165,8 +165,11 @@ def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None
               help="A model version (round r's model is version r + 1); default the newest.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 def coordinator_export(config_path: Path, out: Path, version: int | None, as_json: bool) -> None:
-    """Write the rollout's trained model as an inference ONNX file (input "input", output "logits";
-    HSGD's split model: inputs "x1" and "x2", the host's and a device's features).
+    """Write the rollout's trained model as an inference ONNX file (input "input", float32 rows
+    (batch, features) as in the data, also for a model whose example is (channels, length) or an
+    image: the file reshapes them itself; output "logits"; HSGD's split model: inputs "x1" and "x2",
+    the host's and a device's features). Prints the inputs' and outputs' names, shapes and types,
+    and writes them beside the file as OUT.json (e.g. hand1.onnx.json).
 
     Reads the model version from the coordinator's state (<state_dir>/coordinator.db) and the model's
     graph from its artifacts, never the training data ([data] is not read); works during a rollout too
@@ -178,12 +181,22 @@ def coordinator_export(config_path: Path, out: Path, version: int | None, as_jso
     from fedtier.runtime.config import read_toml
 
     cfg = export_config(read_toml(config_path), source=str(config_path), base_dir=config_path.resolve().parent)
-    result = export_model(cfg, out, version=version)
+    echo_export(export_model(cfg, out, version=version), as_json)
+
+
+def echo_export(result: Any, as_json: bool) -> None:
+    """What `coordinator export` and `rollout export` print: the file, its model version, its interface."""
+    from models.inference import interface_lines
+
     if as_json:
         click.echo(json.dumps({"path": str(result.path), "rollout": result.rollout, "round": result.round,
-                               "version": result.version, "sha256": result.sha256}))
+                               "version": result.version, "sha256": result.sha256, "interface": result.interface,
+                               "description": str(result.description)}))
         return
     click.echo(f"wrote {result.path}: rollout {result.rollout}, model version {result.version} (round {result.round})")
+    for line in interface_lines(result.interface):
+        click.echo(line)
+    click.echo(f"  described in {result.description}")
 
 
 @click.command()

@@ -379,9 +379,10 @@ def rollout_models(rollout_id: str, state_dir: StoreRef, as_json: bool) -> None:
 @state_dir_option
 @json_option
 def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: StoreRef, as_json: bool) -> None:
-    """Write a model version as an inference ONNX file (input "input", output "logits"; HSGD's split
-    model: inputs "x1", the host's features, and "x2", a device's) that onnxruntime.InferenceSession
-    runs. Same as `fedtier coordinator export`, by rollout id.
+    """Write a model version as an inference ONNX file (input "input": float32 rows (batch, features),
+    as in the data; output "logits"; HSGD's split model: inputs "x1", the host's features, and "x2", a
+    device's) that onnxruntime.InferenceSession runs, and its interface beside it as OUT.json. Same as
+    `fedtier coordinator export`, by rollout id.
 
     Example: fedtier rollout export hand1 --version 3 --out hand1-v3.onnx
     """
@@ -396,14 +397,9 @@ def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: S
         raise ConfigError(f"no rollout {rollout_id!r} in {state_dir}", key="rollout")
     row = rows[rollout_id]
     cfg = export_config(row["config"], source=f"rollout {rollout_id} (stored config)")
-    result = export_model(cfg, out, version=version)
-    doc = {"path": str(result.path), "rollout": result.rollout, "round": result.round, "version": result.version,
-           "sha256": result.sha256}
-    if as_json:
-        _echo_json(doc)
-    else:
-        click.echo(f"wrote {result.path}: rollout {result.rollout}, model version {result.version} "
-                   f"(round {result.round})")
+    from commands.coordinator import echo_export
+
+    echo_export(export_model(cfg, out, version=version), as_json)
 
 
 @rollout.command("promote")
