@@ -495,6 +495,10 @@ def fleet_cmd(rollout_path: Path, out: Path, fleet_dir: Path | None, cell_broker
     click.echo(f"rollout {result.rollout}: {len(result.devices)} devices in {len(result.gateways)} cells, "
                f"{len(result.brokers)} broker(s); issued {len(result.issued)}, kept {len(result.kept)} "
                f"(fleet {result.fleet})")
+    for label in result.issued:
+        reason = result.reasons.get(label, "")
+        verb = "issued" if reason.startswith("new") else "reissued (a new key and certificate; install this bundle)"
+        click.echo(f"  {verb} {label}: {reason}")
     click.echo("\nrun, each on its box (paths as written here; copy each directory to the same path there):")
     for name, broker in result.brokers.items():
         click.echo(f"  broker {name} ({broker['host']}:{broker['port']}; {broker['serves']}):")

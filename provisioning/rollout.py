@@ -34,7 +34,8 @@ username and client id.
 
 Running it again keeps what still holds — the CA, each bundle whose certificate is active and
 was issued for the same cell and brokers, each broker certificate valid for its host — and
-issues what is new (a second rollout with the same topology issues nothing). Configs and ACLs
+issues what is new (a second rollout with the same topology issues nothing). Every node it issues
+or reissues a key and certificate is named with the reason (``FleetResult.reasons``). Configs and ACLs
 are rewritten. Nodes that left the topology are listed, not revoked (``provision revoke``).
 """
 
@@ -120,6 +121,9 @@ class FleetResult:
     devices: dict[str, Path]
     brokers: dict[str, dict[str, Any]]
     issued: list[str] = field(default_factory=list)
+    """Every node given a new key and certificate by this run ("device dev-01"), ..."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """... and why, by the same label ("new: ...", "its broker changed (...)", ...)."""
     kept: list[str] = field(default_factory=list)
     departed: list[str] = field(default_factory=list)
     data: dict[str, int] = field(default_factory=dict)
@@ -132,7 +136,8 @@ class FleetResult:
                 "rollout_config": str(self.rollout_config), "coordinator": str(self.coordinator),
                 "gateways": {c: str(p) for c, p in self.gateways.items()},
                 "devices": {d: str(p) for d, p in self.devices.items()}, "brokers": self.brokers,
-                "issued": self.issued, "kept": self.kept, "departed": self.departed, "data": self.data,
+                "issued": self.issued, "reasons": self.reasons, "kept": self.kept, "departed": self.departed,
+                "data": self.data,
                 "held_out": self.held_out, "shards": None if self.shards is None else str(self.shards),
                 "broker_user": self.run_as}
 
@@ -183,27 +188,51 @@ def _bind(host: str) -> str:
 # --- bundles: keep what holds, issue what is new -------------------------------------------------
 
 
-def _kept(fleet: Fleet, kind: str, name: str, directory: Path, *, cell: str | None, broker: Endpoint,
-          cloud_broker: Endpoint | None = None, parent: str | None = None) -> bool:
-    """Whether the bundle in ``directory`` is this node's current identity for these brokers."""
-    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    if not (cert_path.is_file() and key_path.is_file() and (directory / CONFIG_NAMES[kind]).is_file()):
-        return False
+def _why_issue(fleet: Fleet, kind: str, name: str, directory: Path, *, cell: str | None, broker: Endpoint,
+               cloud_broker: Endpoint | None = None, parent: str | None = None) -> str | None:
+    """Why this node needs a new identity (key and certificate), in words; ``None`` when the bundle in
+    ``directory`` is still its current identity for these brokers (it is kept)."""
     found = fleet.find(name, kind=kind)
     if not found:
-        return False
+        return "new: the fleet has issued it nothing yet"
+    files = [directory / "cert.pem", directory / "key.pem", directory / CONFIG_NAMES[kind]]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        return f"its bundle in {directory} lacks {', '.join(absent)}"
     record: CertRecord = found[-1]
     try:
-        cert = pki.load_certificate(cert_path)
-        key = pki.load_private_key(key_path)
-    except ConfigError:
-        return False
-    return (cert.serial_number == record.serial and not record.revoked
-            and record.not_after - ca.utcnow() > dt.timedelta(days=1)
-            and pki.same_public_key(key.public_key(), cert.public_key())  # type: ignore[arg-type]
-            and record.cell == cell and record.broker == _format_endpoint(*broker)
-            and (kind != "gateway" or (record.cloud_broker == _format_endpoint(*(cloud_broker or broker))
-                                       and record.parent == parent)))
+        cert = pki.load_certificate(files[0])
+        key = pki.load_private_key(files[1])
+    except ConfigError as exc:
+        return f"its bundle does not load ({exc})"
+    if cert.serial_number != record.serial:
+        return f"its bundle's certificate is not the last one the fleet issued it (serial {record.serial:x})"
+    if record.revoked:
+        return "its certificate was revoked"
+    if record.not_after - ca.utcnow() <= dt.timedelta(days=1):
+        return f"its certificate expires {record.not_after:%Y-%m-%d %H:%M} UTC, within a day"
+    if not pki.same_public_key(key.public_key(), cert.public_key()):  # type: ignore[arg-type]
+        return "its key is not its certificate's"
+    if record.cell != cell:
+        return f"its cell changed ({record.cell} -> {cell})"
+    if record.broker != _format_endpoint(*broker):
+        return f"its broker changed ({record.broker} -> {_format_endpoint(*broker)})"
+    if kind == "gateway":
+        wanted = _format_endpoint(*(cloud_broker or broker))
+        if record.cloud_broker != wanted:
+            return f"its cloud broker changed ({record.cloud_broker} -> {wanted})"
+        if record.parent != parent:
+            return f"its coordinator changed ({record.parent} -> {parent})"
+    return None
+
+
+def _record(result: FleetResult, label: str, reason: str | None) -> None:
+    """``label`` was issued for ``reason``, or kept (``None``)."""
+    if reason is None:
+        result.kept.append(label)
+    else:
+        result.issued.append(label)
+        result.reasons[label] = reason
 
 
 def _broker_dir(fleet: Fleet, plan: BrokerPlan, directory: Path, *, cloud_id: str, devices: Mapping[str, str],
@@ -214,13 +243,11 @@ def _broker_dir(fleet: Fleet, plan: BrokerPlan, directory: Path, *, cloud_id: st
     host, port = plan.endpoint
     hosts = _hosts(host)
     cert, key = directory / "broker.pem", directory / "broker.key"
-    problem = _check_server_identity(fleet, cert, key, hosts) if cert.is_file() and key.is_file() else "missing"
-    label = f"broker {plan.name}"
+    problem = (_check_server_identity(fleet, cert, key, hosts) if cert.is_file() and key.is_file()
+               else f"new: no broker.pem and broker.key in {directory} yet")
     if problem:
         issue_broker(fleet, f"broker-{plan.name}", hosts, directory, days=days, force=True)
-        result.issued.append(label)
-    else:
-        result.kept.append(label)
+    _record(result, f"broker {plan.name}", problem)
     ca_copy, crl_copy = directory / "ca.pem", directory / "crl.pem"
     shutil.copyfile(fleet.ca_cert_path, ca_copy)
     shutil.copyfile(fleet.crl_path, crl_copy)
@@ -389,29 +416,26 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
     edge_cloud = {cell: cell_endpoint[cell] if bridge else cloud for cell in cells}
 
     coordinator_dir = out / "coordinator"
-    if _kept(fleet, "coordinator", cfg.cloud_id, coordinator_dir, cell=None, broker=cloud):
-        result.kept.append(f"coordinator {cfg.cloud_id}")
-    else:
+    reason = _why_issue(fleet, "coordinator", cfg.cloud_id, coordinator_dir, cell=None, broker=cloud)
+    if reason:
         issue_coordinator(fleet, cloud, coordinator_dir, cloud_id=cfg.cloud_id, days=days, force=True)
-        result.issued.append(f"coordinator {cfg.cloud_id}")
+    _record(result, f"coordinator {cfg.cloud_id}", reason)
     for cell, members in cells.items():
         directory = out / "gateways" / cell
-        if _kept(fleet, "gateway", cell, directory, cell=cell, broker=cell_endpoint[cell],
-                 cloud_broker=edge_cloud[cell], parent=cfg.cloud_id):
-            result.kept.append(f"gateway {cell}")
-        else:
+        reason = _why_issue(fleet, "gateway", cell, directory, cell=cell, broker=cell_endpoint[cell],
+                            cloud_broker=edge_cloud[cell], parent=cfg.cloud_id)
+        if reason:
             issue_gateway(fleet, cell, cell_endpoint[cell], directory, cloud_broker=edge_cloud[cell],
                           cloud_id=cfg.cloud_id, days=days, force=True)
-            result.issued.append(f"gateway {cell}")
+        _record(result, f"gateway {cell}", reason)
         result.gateways[cell] = directory
         for device in members:
             directory = out / "devices" / device
-            if _kept(fleet, "device", device, directory, cell=cell, broker=cell_endpoint[cell]):
-                result.kept.append(f"device {device}")
-            else:
+            reason = _why_issue(fleet, "device", device, directory, cell=cell, broker=cell_endpoint[cell])
+            if reason:
                 issue_device(fleet, device, cell, cell_endpoint[cell], directory, data_dir="data", days=days,
                              force=True)
-                result.issued.append(f"device {device}")
+            _record(result, f"device {device}", reason)
             result.devices[device] = directory
     membership = {d: c for c, ds in cells.items() for d in ds}
     result.departed = sorted(d for d in fleet.active_devices() if d not in membership)

@@ -155,6 +155,33 @@ def test_running_it_again_keeps_every_identity_and_issues_only_what_is_new(tmp_p
     assert not any(r.revoked for r in Fleet(fourth.fleet).records())
 
 
+def test_every_node_issued_or_reissued_is_named_with_its_reason(tmp_path: Path) -> None:
+    source = rollout_file(tmp_path / "cfg")
+    first = provision_fleet(source, tmp_path / "site")
+    assert first.reasons["device d0"] == "new: the fleet has issued it nothing yet"
+    assert first.reasons["broker shared"].startswith("new: no broker.pem and broker.key in ")
+    (first.devices["d1"] / "cert.pem").unlink()
+    runner = CliRunner()
+
+    out = runner.invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "site"),
+                                    "--cell-broker", "cell-b=10.0.0.7:8883"])
+
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert "issued 5, kept 3" in lines[0]  # kept: the coordinator, gateway cell-a, device d0
+    reissued = "  reissued (a new key and certificate; install this bundle)"
+    brokers = tmp_path / "site" / "brokers"
+    assert lines[1:6] == [
+        f"{reissued} device d1: its bundle in {tmp_path / 'site' / 'devices' / 'd1'} lacks cert.pem",
+        f"{reissued} gateway cell-b: its broker changed (cloud.example:8883 -> 10.0.0.7:8883)",
+        f"{reissued} device d2: its broker changed (cloud.example:8883 -> 10.0.0.7:8883)",
+        f"  issued broker cloud: new: no broker.pem and broker.key in {brokers / 'cloud'} yet",
+        f"  issued broker cell-b: new: no broker.pem and broker.key in {brokers / 'cell-b'} yet",
+    ]
+    doc = json.loads((tmp_path / "site" / "fleet.json").read_text())
+    assert doc["reasons"]["device d2"] == "its broker changed (cloud.example:8883 -> 10.0.0.7:8883)"
+
+
 def test_moving_an_active_device_to_another_cell_is_refused(tmp_path: Path) -> None:
     provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")
     with pytest.raises(NameConflictError, match="revoke it before moving"):
