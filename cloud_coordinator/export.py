@@ -67,7 +67,7 @@ def export_model(cfg: RolloutConfig, out: Path | str, *, version: int | None = N
     """
     from cloud_coordinator.status import open_store
 
-    store = open_store(cfg.state_dir, cfg.store)
+    store = open_store(cfg.state_dir, cfg.store, read_only=True)
     db = store.where
     try:
         model = store.latest_model(cfg.rollout) if version is None else store.model(cfg.rollout, version)

@@ -104,6 +104,46 @@ def coordinator_serve(state_dir: Path, store_url: str | None, log_level: str) ->
     raise SystemExit(serve(state_dir, store_url=store_url))
 
 
+@coordinator.command("migrate")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A rollout config whose store (its `store`, else <state_dir>/coordinator.db) to migrate.")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar="FEDTIER_STATE_DIR",
+              default=None, help="The state directory whose coordinator.db to migrate (also $FEDTIER_STATE_DIR).")
+@click.option("--store", "store_url", metavar="URL", envvar="FEDTIER_STORE", default=None,
+              help="The store to migrate: sqlite:///PATH or postgresql://USER@HOST:PORT/DB (also $FEDTIER_STORE).")
+def coordinator_migrate(config_path: Path | None, state_dir: Path | None, store_url: str | None) -> None:
+    """Migrate a coordinator store written by an older fedtier to this version's schema.
+
+    `coordinator run` and `serve` do the same when they open a store; commands that only read
+    (`rollout status`, `rollout list`, `rollout models`, `rollout export`, `devices list`, `report`,
+    `privacy report`, `coordinator export`) never do, and say when a migration is due. Stop the
+    coordinators of the older version that use the store first: they would not understand it after.
+
+    \b
+    Example: fedtier coordinator migrate --state-dir fleet/coordinator/state
+             fedtier coordinator migrate --config site/coordinator/hand1.toml
+    """
+    from cloud_coordinator import store_backend as backend
+    from cloud_coordinator.status import open_store
+
+    if config_path is not None:
+        if state_dir is not None or store_url is not None:
+            raise click.UsageError("give --config, or --state-dir / --store, not both")
+        from fedtier.rollout.config import RolloutConfig
+        from fedtier.runtime.config import load
+
+        cfg = load(RolloutConfig, config_path)
+        state_dir, store_url = cfg.state_dir, cfg.store
+    reader = open_store(state_dir or Path("fedtier-state"), store_url, read_only=True)
+    found, where = reader.schema_found, reader.where
+    reader.close()
+    if found == backend.SCHEMA_VERSION:
+        click.echo(f"store {where} has schema version {found}, this fedtier's: nothing to migrate")
+        return
+    open_store(state_dir or Path("fedtier-state"), store_url).close()  # opening it to write migrates it
+    click.echo(f"store {where}: migrated from schema version {found} to {backend.SCHEMA_VERSION}")
+
+
 @coordinator.command("install-service")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default="/var/lib/fedtier-coordinator",
               show_default=True, help="The store the service serves (rollout configs' state_dir).")
@@ -180,7 +220,12 @@ def coordinator_export(config_path: Path, out: Path, version: int | None, as_jso
     from cloud_coordinator.export import export_config, export_model
     from fedtier.runtime.config import read_toml
 
+    from cloud_coordinator.status import schema_notice
+
     cfg = export_config(read_toml(config_path), source=str(config_path), base_dir=config_path.resolve().parent)
+    notice = schema_notice(cfg.store_location, f"--config {config_path}")
+    if notice:
+        click.echo(notice, err=True)
     echo_export(export_model(cfg, out, version=version), as_json)
 
 

@@ -208,7 +208,10 @@ def _open_store(location: str, where: str) -> tuple[Any, str]:
     if missing:
         raise click.UsageError(f"{name} is not a coordinator database with a privacy ledger "
                                f"(no table {', '.join(sorted(missing))})")
-    return CoordinatorStore(location), name
+    store = CoordinatorStore(location, read_only=True)  # a report only reads: it never migrates the store
+    if store.migration_due:
+        click.echo(backend.migration_due(url, store.schema_found, f"--store {backend.display(url)}"), err=True)
+    return store, name
 
 
 def _read_metrics(path: Path, rollout: str) -> dict[str, Any]:

@@ -36,6 +36,10 @@ class StoreRef:
     def __str__(self) -> str:
         return str(self.state_dir) if self.url is None else _display_store(self.url)
 
+    def option(self) -> str:
+        """The option that names this store on a command line."""
+        return f"--state-dir {self.state_dir}" if self.url is None else f"--store {_display_store(self.url)}"
+
 
 def state_dir_option(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--state-dir`` and ``--store``, passed to ``command`` as one ``state_dir: StoreRef``."""
@@ -56,10 +60,17 @@ def state_dir_option(command: Callable[..., Any]) -> Callable[..., Any]:
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON (for machines) instead of a table.")
 
 
-def _store(where: StoreRef) -> Any:
+def _store(where: StoreRef, *, read_only: bool = False) -> Any:
+    """The store a command works on; a command that only reads (``read_only``) never migrates it and says so
+    on stderr when a migration is due."""
     from cloud_coordinator.status import open_store
 
-    return open_store(where.state_dir, where.url)
+    store = open_store(where.state_dir, where.url, read_only=read_only)
+    if read_only and store.migration_due:
+        from cloud_coordinator.store_backend import migration_due
+
+        click.echo(migration_due(store.url, store.schema_found, where.option()), err=True)
+    return store
 
 
 def _echo_json(obj: Any) -> None:
@@ -256,7 +267,7 @@ def rollout_list_cmd(state_dir: StoreRef, as_json: bool) -> None:
     from commands.console import make_console
     from cloud_coordinator.status import rollout_list
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         rows = rollout_list(store)
     finally:
@@ -317,7 +328,7 @@ def rollout_status_cmd(rollout_id: str, state_dir: StoreRef, as_json: bool, watc
     from commands.console import make_console
     from cloud_coordinator.status import rollout_status
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         if as_json:
             _echo_json(rollout_status(store, rollout_id))
@@ -355,7 +366,7 @@ def rollout_models(rollout_id: str, state_dir: StoreRef, as_json: bool) -> None:
     from commands.console import make_console
     from cloud_coordinator.status import model_registry
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         rows = model_registry(store, rollout_id)
     finally:
@@ -388,7 +399,7 @@ def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: S
     """
     from cloud_coordinator.export import export_config, export_model
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         rows = {r["rollout"]: r for r in store.rollout_rows()}
     finally:
@@ -491,7 +502,7 @@ def devices_list(cell: str | None, state_dir: StoreRef, as_json: bool) -> None:
     from commands.console import make_console
     from cloud_coordinator.status import device_inventory
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         rows = device_inventory(store, cell)
     finally:
