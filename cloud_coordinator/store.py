@@ -509,7 +509,16 @@ class CoordinatorStore:
                                                 .order_by(t.c.round, t.c.seq))]
 
     def close(self) -> None:
+        """Release this store's locks (the lease rows of rollouts that ended go with them) and its connections."""
         with self._lock:
+            if self._locks.held:
+                ended = sa.select(rollouts.c.rollout).where(rollouts.c.status.in_(ENDED))
+                try:
+                    with self.engine.begin() as conn:
+                        conn.execute(sa.delete(leases).where(leases.c.rollout.in_(sorted(self._locks.held)),
+                                                             leases.c.rollout.in_(ended)))
+                except sa.exc.SQLAlchemyError:
+                    pass  # the store is gone already; the lease rows only say who last drove a rollout
             self._locks.release_all()
             self.engine.dispose()
 

@@ -16,7 +16,7 @@ import hashlib
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -255,11 +255,21 @@ class RolloutLocks:
     url: sa.URL
     _pg_conn: Connection | None = None
     _files: dict[str, int] | None = None
+    held: set[str] = field(default_factory=set)
+    """The rollouts whose locks this object holds."""
 
     def try_acquire(self, rollout: str) -> bool:
+        got = self._try_acquire(rollout)
+        if got:
+            self.held.add(rollout)
+        return got
+
+    def _try_acquire(self, rollout: str) -> bool:
         if self.engine.dialect.name == "postgresql":
             if self._pg_conn is None:
                 self._pg_conn = self.engine.connect()  # a session of its own: the lock lives as long as it
+            if rollout in self.held:
+                return True  # advisory locks count: taking it twice would need two unlocks
             got = bool(self._pg_conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"),
                                              {"k": lock_key(f"rollout:{rollout}")}).scalar())
             self._pg_conn.commit()
@@ -284,6 +294,9 @@ class RolloutLocks:
 
     def release(self, rollout: str) -> None:
         """Give up ``rollout``'s lock, if this object holds it (its rollout ended)."""
+        if rollout not in self.held:
+            return
+        self.held.discard(rollout)
         if self.engine.dialect.name == "postgresql":
             if self._pg_conn is not None:
                 try:
@@ -310,6 +323,7 @@ class RolloutLocks:
         for fd in (self._files or {}).values():
             os.close(fd)
         self._files = {}
+        self.held.clear()
 
 
 def holder_identity(holder: str) -> dict[str, Any]:
