@@ -9,11 +9,15 @@ store. Artifacts the store no longer has are rebuilt from the bundle's own archi
 model) or from the config's ``[model]`` (your torch factory or ONNX file); they are content-addressed,
 so the same bundle comes back, and a model changed since the rollout is refused rather than exported
 with the wrong graph.
+
+The file takes rows ``(batch, features)`` whatever the model's example shape (a 1-D CNN's ``(1, 30)``
+gets a leading ``Reshape``), and its interface — input and output names, shapes, element types, how to
+read the outputs — is written beside it as ``<file>.json`` (``models.inference``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,13 +34,15 @@ from fedtier.training.split import SplitArch
 
 @dataclass(frozen=True)
 class Exported:
-    """What ``export_model`` wrote."""
+    """What ``export_model`` wrote: the model, and its interface (also in ``description``, beside it)."""
 
     path: Path
     rollout: str
     round: int
     version: int
     sha256: str
+    interface: dict[str, Any] = field(default_factory=dict)
+    description: Path | None = None
 
 
 def export_config(mapping: Mapping[str, Any], *, source: str, base_dir: Path | None = None) -> RolloutConfig:
@@ -61,7 +67,7 @@ def export_model(cfg: RolloutConfig, out: Path | str, *, version: int | None = N
     """
     from cloud_coordinator.status import open_store
 
-    store = open_store(cfg.state_dir, cfg.store)
+    store = open_store(cfg.state_dir, cfg.store, read_only=True)
     db = store.where
     try:
         model = store.latest_model(cfg.rollout) if version is None else store.model(cfg.rollout, version)
@@ -74,22 +80,34 @@ def export_model(cfg: RolloutConfig, out: Path | str, *, version: int | None = N
     if not raw:
         raise ConfigError(f"{db} holds no manifest of rollout {cfg.rollout!r}: it was never started", key="rollout")
     manifest = open_manifest(raw, {})  # the coordinator's own copy: what it signed, or issued unsigned
-    path = _write(cfg, manifest, model.params, Path(out))
-    return Exported(path=path, rollout=cfg.rollout, round=model.round, version=model.version, sha256=model.sha256)
+    path, interface = _write(cfg, manifest, model.params, Path(out),
+                             {"rollout": cfg.rollout, "version": model.version, "round": model.round,
+                              "sha256": model.sha256})
+    from models.inference import write_description
+
+    return Exported(path=path, rollout=cfg.rollout, round=model.round, version=model.version, sha256=model.sha256,
+                    interface=interface, description=write_description(path, interface))
 
 
-def _write(cfg: RolloutConfig, manifest: Manifest, params: Mapping[str, Any], out: Path) -> Path:
-    """The inference graph of the manifest's model with ``params``, written to ``out``."""
+def _write(cfg: RolloutConfig, manifest: Manifest, params: Mapping[str, Any], out: Path, facts: Mapping[str, Any]
+           ) -> tuple[Path, dict[str, Any]]:
+    """The inference graph of the manifest's model with ``params``, written to ``out``, and its interface."""
+    from models.inference import accept_flat_rows, describe
+
     if is_split(manifest.bundle):  # HSGD: one graph over both feature blocks, (x1, x2) -> logits
         from models.split_export import export_split
 
-        return export_split(SplitArch(**manifest.extra["split_arch"]), params, out)
+        path = export_split(SplitArch(**manifest.extra["split_arch"]), params, out)
+        return path, describe(path, loss="cross_entropy", **facts)
     from device_agent.trainers.ort import OrtTrainer
     from models.export import OUTPUT_NAME
 
-    trainer = OrtTrainer(shipped_bundle(cfg, manifest))
+    bundle = shipped_bundle(cfg, manifest)
+    trainer = OrtTrainer(bundle)
     trainer.set_parameters(dict(params))
-    return trainer.export_inference(out, [OUTPUT_NAME])
+    path = trainer.export_inference(out, [OUTPUT_NAME])
+    accept_flat_rows(path, bundle.arch.input_shape)
+    return path, describe(path, loss=bundle.arch.loss, example_shape=bundle.arch.input_shape, **facts)
 
 
 def shipped_bundle(cfg: RolloutConfig, manifest: Manifest) -> ArtifactBundle:

@@ -9,6 +9,7 @@ simulator and the demo all start from here, so they train the same model on the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,8 @@ from fedtier.security.manifest import Manifest
 from fedtier.training import split
 from fedtier.training.layout import ArchSpec
 from fedtier.training.submodels import fixed_sizes, plan_for, submodel_arch
+
+log = logging.getLogger("fedtier.coordinator")
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,8 @@ def _check_binary(data: FederatedData) -> None:
 
 
 def _check_fits(arch: ArchSpec, data: FederatedData) -> None:
-    """The data the coordinator has must fit the model, before anything is built."""
+    """The data the coordinator has must fit the model, before anything is built: the example size, and the
+    model's outputs against the labels (``_check_outputs``)."""
     size = int(np.prod(arch.input_shape))
     if (data.train or data.test is not None) and data.num_features != size:
         raise ConfigError(f"the data has {data.num_features} features per example; the model takes "
@@ -196,3 +200,57 @@ def _check_fits(arch: ArchSpec, data: FederatedData) -> None:
     if arch.loss == "cross_entropy" and data.num_classes > arch.num_classes:
         raise ConfigError(f"the data has labels 0..{data.num_classes - 1}; the model has {arch.num_classes} "
                           "outputs (one per class)", key="data")
+    _check_outputs(arch, data)
+
+
+def _check_outputs(arch: ArchSpec, data: FederatedData) -> None:
+    """The model's output width against the labels the coordinator has (its test set, the devices' shards it
+    simulates): a refusal naming ``[model] loss`` and the fix where training cannot work, a warning with the
+    numbers where it works but is likely a mistake (more outputs than classes)."""
+    test = [data.test] if data.test is not None else []
+    parts = [y for _, y in (*data.train.values(), *data.holdout.values(), *test) if len(y)]
+    if not parts:
+        return
+    outputs, loss = arch.num_classes, arch.loss
+    if loss == "cross_entropy":
+        if data.num_classes == 0:
+            raise ConfigError(f"loss = 'cross_entropy' trains on class numbers 0, 1, ...; the data's labels are "
+                              f"{_labels_seen(parts)}: for float targets use loss = 'mse' (or 'bce' for targets in "
+                              "[0, 1], one output per target column)", key="model.loss")
+        if outputs > data.num_classes >= 2:
+            log.warning("the model has %d outputs and the data %d classes (labels 0..%d): outputs %d..%d never "
+                        "match a label. Training works; if no label above %d exists, give the model %d outputs "
+                        "([model])", outputs, data.num_classes, data.num_classes - 1, data.num_classes, outputs - 1,
+                        data.num_classes - 1, data.num_classes)
+        return
+    if loss not in ("bce", "mse"):
+        return
+    widths = {1 if y.ndim == 1 else int(np.prod(y.shape[1:])) for y in parts}
+    if widths != {outputs}:
+        width = max(widths)
+        if loss == "bce" and width == 1 and outputs == 2 and _binary(parts):
+            fix = ("for labels 0/1 give the model one output (bce: the probability of 1), or keep its 2 outputs and "
+                   "set loss = 'cross_entropy' (labels 0 and 1 are then its two classes)")
+        else:
+            fix = f"give the model {width} output{'s' if width > 1 else ''}, one per target column"
+        raise ConfigError(f"loss = '{loss}' trains one output per target column: the data's targets have {width} "
+                          f"column{'s' if width > 1 else ''} per example (labels of shape "
+                          f"{sorted({tuple(y.shape[1:]) for y in parts})}), the model has {outputs} outputs: {fix}",
+                          key="model.loss")
+    if loss == "bce":
+        low, high = min(float(np.min(y)) for y in parts), max(float(np.max(y)) for y in parts)
+        if low < 0 or high > 1:
+            raise ConfigError(f"loss = 'bce' trains on targets in [0, 1]; the data's span [{low:g}, {high:g}]: use "
+                              "cross_entropy for class numbers, mse for other targets", key="model.loss")
+
+
+def _binary(parts: list[np.ndarray]) -> bool:
+    return all(np.isin(y, (0, 1)).all() for y in parts)
+
+
+def _labels_seen(parts: list[np.ndarray]) -> str:
+    shapes = {tuple(y.shape[1:]) for y in parts}
+    if shapes != {()}:
+        return f"of shape {sorted(shapes)} per example"
+    low, high = min(float(np.min(y)) for y in parts), max(float(np.max(y)) for y in parts)
+    return f"numbers in [{low:g}, {high:g}], not all whole and non-negative"

@@ -18,9 +18,10 @@ from cloud_coordinator.store import CoordinatorStore
 from fedtier.errors import ConfigError
 from fedtier.rollout.config import store_url
 
-def open_store(state_dir: Path | str, store: str | None = None) -> CoordinatorStore:
+def open_store(state_dir: Path | str, store: str | None = None, *, read_only: bool = False) -> CoordinatorStore:
     """The coordinator's store (``store``, else the SQLite file in ``state_dir``); it must exist: a
-    coordinator or ``rollout create`` made it. Nothing is created where there is none.
+    coordinator or ``rollout create`` made it. Nothing is created where there is none; with
+    ``read_only`` (commands that only read) nothing is migrated either (``CoordinatorStore``).
 
     Raises:
         ConfigError: no store there.
@@ -30,7 +31,21 @@ def open_store(state_dir: Path | str, store: str | None = None) -> CoordinatorSt
         raise ConfigError(f"no coordinator store at {backend.display(url)}: `fedtier rollout create --config ...` "
                           "makes one (or pass --state-dir / set FEDTIER_STATE_DIR to the coordinator's state_dir, "
                           "or --store / FEDTIER_STORE to its store URL)", key="store" if store else "state_dir")
-    return CoordinatorStore(url.render_as_string(hide_password=False))
+    return CoordinatorStore(url.render_as_string(hide_password=False), read_only=read_only)
+
+
+def schema_notice(location: Path | str, where: str | None = None) -> str | None:
+    """What a read-only command says about the store at ``location`` when a migration is due (``None``: none is),
+    read without changing it; ``where`` is how the command named the store (``--state-dir DIR``)."""
+    url = backend.parse_url(location)
+    if "rollouts" not in (backend.existing_tables(url) or set()):
+        return None
+    engine = backend.make_engine(url, read_only=True)
+    try:
+        found = backend.read_schema(engine, url)
+    finally:
+        engine.dispose()
+    return backend.migration_due(url, found, where) if 0 < found < backend.SCHEMA_VERSION else None
 
 
 def _config(store: CoordinatorStore, rollout: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from fedtier import wire
+from fedtier.errors import ConfigError
 from fedtier.storage import npz as npz_file
 from cloud_coordinator import store_backend as backend
 
@@ -96,6 +97,9 @@ leases = _table("leases", _col("rollout", _str), _col("holder", _str), _col("hos
                 _col("acquired", _real), key=["rollout"])
 schema_version = sa.Table("schema_version", metadata, _col("version", _int), _col("applied", _real))
 
+ENDED = ("finished", "stopped")
+"""Statuses of a rollout no coordinator drives any more (its lease is released)."""
+
 RELEASE_COLUMNS = ("rollout", "round", "event", "step", "node", "parent", "parent_trusted", "protected",
                    "sensitivity", "inputs", "sigma", "noise_multiplier", "mode", "observed")
 CLEAR_COLUMNS = ("rollout", "round", "step", "sender", "receiver", "receiver_trusted")
@@ -115,30 +119,49 @@ class CoordinatorStore:
     Args:
         location: a SQLite file (``Path`` or path string), ``":memory:"``, or a URL
             (``sqlite:///PATH``, ``postgresql://USER@HOST:PORT/DB``).
+        read_only: for commands that only read (``rollout status``, ``report``, ...): the store is
+            read as it is, never created or migrated (a coordinator of an older fedtier may still
+            run on it). ``schema_found`` says which version it has; ``migration_due`` whether it is
+            older than this fedtier's (``store_backend.migration_due`` words it). Writing raises.
 
     Raises:
         ConfigError(key="store"): a URL of another database, a server that cannot be reached,
             or a store written by a newer fedtier.
     """
 
-    def __init__(self, location: Path | str) -> None:
+    def __init__(self, location: Path | str, *, read_only: bool = False) -> None:
         self.url = backend.parse_url(location)
         self.where = backend.display(self.url)
-        self.engine = backend.make_engine(self.url)
+        self.read_only = read_only
+        self.engine = backend.make_engine(self.url, read_only=read_only)
         self.dialect = self.engine.dialect.name
         # One user at a time in this process (node thread, paho callbacks, the dashboard): the
         # transactions below are short, and SQLite allows one writer anyway.
         self._lock = threading.RLock()
         try:
-            backend.ensure_schema(self.engine, metadata, self.url)
+            if read_only:
+                self.schema_found = backend.read_schema(self.engine, self.url)
+            else:
+                backend.ensure_schema(self.engine, metadata, self.url)
+                self.schema_found = backend.SCHEMA_VERSION
         except sa.exc.OperationalError as exc:
             self.engine.dispose()
             raise backend.connect_error(self.url, exc) from None
+        except BaseException:
+            self.engine.dispose()
+            raise
         self._locks = backend.RolloutLocks(self.engine, self.url)
+
+    @property
+    def migration_due(self) -> bool:
+        """Whether this (read-only) store has an older schema than this fedtier writes."""
+        return 0 < self.schema_found < backend.SCHEMA_VERSION
 
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
         """One transaction: everything inside commits together, or nothing if it raises."""
+        if self.read_only:
+            raise RuntimeError(f"store {self.where} was opened read-only: a command that reads must not write")
         with self._lock, self.engine.begin() as conn:
             yield conn
 
@@ -164,10 +187,21 @@ class CoordinatorStore:
         return conn.execute(stmt.returning(key)).first() is not None  # psycopg reports no rowcount here
 
     def _rows(self, stmt: Any) -> list[Any]:
-        """The rows of one query, read in a transaction of its own that takes no write lock."""
+        """The rows of one query, read in a transaction of its own that takes no write lock.
+
+        Raises:
+            ConfigError(key="store"): a read-only store of an older schema lacks what the query reads.
+        """
         with self._lock, self.engine.connect() as conn:
             conn.execution_options(**{backend.READ_ONLY: True})
-            rows = list(conn.execute(stmt).all())
+            try:
+                rows = list(conn.execute(stmt).all())
+            except (sa.exc.OperationalError, sa.exc.ProgrammingError) as exc:
+                if not self.migration_due:
+                    raise
+                detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+                raise ConfigError(f"cannot read store {self.where} as it is ({detail}): "
+                                  f"{backend.migration_due(self.url, self.schema_found)}", key="store") from None
             conn.rollback()
         return rows
 
@@ -218,11 +252,18 @@ class CoordinatorStore:
         return bytes(rows[0][0]) if rows else None
 
     def set_status(self, rollout: str, status: str) -> None:
+        """What the coordinator did with ``rollout``. A rollout that ended (``finished``, ``stopped``) releases its
+        lease: the lease row goes with the status change, and the lock this store held on it is given up."""
         values: dict[str, Any] = {"status": status}
         if status == "finished":
             values["finished"] = time.time()
         with self._tx() as conn:
             conn.execute(sa.update(rollouts).where(rollouts.c.rollout == rollout).values(**values))
+            if status in ENDED:
+                conn.execute(sa.delete(leases).where(leases.c.rollout == rollout))
+        if status in ENDED:
+            with self._lock:
+                self._locks.release(rollout)
 
     def status(self, rollout: str) -> str | None:
         rows = self._rows(sa.select(rollouts.c.status).where(rollouts.c.rollout == rollout))
@@ -473,7 +514,16 @@ class CoordinatorStore:
                                                 .order_by(t.c.round, t.c.seq))]
 
     def close(self) -> None:
+        """Release this store's locks (the lease rows of rollouts that ended go with them) and its connections."""
         with self._lock:
+            if self._locks.held:
+                ended = sa.select(rollouts.c.rollout).where(rollouts.c.status.in_(ENDED))
+                try:
+                    with self.engine.begin() as conn:
+                        conn.execute(sa.delete(leases).where(leases.c.rollout.in_(sorted(self._locks.held)),
+                                                             leases.c.rollout.in_(ended)))
+                except sa.exc.SQLAlchemyError:
+                    pass  # the store is gone already; the lease rows only say who last drove a rollout
             self._locks.release_all()
             self.engine.dispose()
 

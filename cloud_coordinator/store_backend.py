@@ -16,7 +16,7 @@ import hashlib
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,14 +81,15 @@ def sqlite_path(url: sa.URL) -> Path | None:
     return Path(url.database)
 
 
-def make_engine(url: sa.URL) -> Engine:
-    """An engine for ``url`` with the settings the store relies on.
+def make_engine(url: sa.URL, *, read_only: bool = False) -> Engine:
+    """An engine for ``url`` with the settings the store relies on (``read_only``: for a store this process only
+    reads, which it must not change, not even its SQLite journal mode).
 
     Raises:
         ConfigError(key="store"): PostgreSQL without psycopg installed.
     """
     if url.get_backend_name() == "sqlite":
-        return _sqlite_engine(url)
+        return _sqlite_engine(url, read_only=read_only)
     try:
         import psycopg  # noqa: F401  (a clear message instead of SQLAlchemy's NoSuchModuleError)
     except ImportError:
@@ -102,7 +103,7 @@ READ_ONLY = "fedtier_read_only"
 """Execution option of a connection that only reads (see ``_sqlite_engine``)."""
 
 
-def _sqlite_engine(url: sa.URL) -> Engine:
+def _sqlite_engine(url: sa.URL, *, read_only: bool = False) -> Engine:
     memory = sqlite_path(url) is None
     engine = sa.create_engine(url, poolclass=sa.pool.StaticPool if memory else sa.pool.QueuePool,
                               connect_args={"check_same_thread": False, "timeout": 30})
@@ -110,6 +111,8 @@ def _sqlite_engine(url: sa.URL) -> Engine:
     @sa.event.listens_for(engine, "connect")
     def _configure(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
+        if read_only:
+            return  # the journal mode is the file's (a coordinator set it); a reader leaves it as it is
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=FULL")  # an acknowledged update has reached the disk
@@ -144,6 +147,47 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_1_to_2}
 """from version N to N + 1 (new tables come from ``metadata.create_all`` afterwards)."""
 
 
+MIGRATE_COMMAND = "fedtier coordinator migrate"
+"""What runs a due migration (so does the coordinator, ``run`` or ``serve``, when it opens the store)."""
+
+
+def _found_version(conn: Connection) -> int:
+    """The schema version of the store ``conn`` reads (0: no store; 1: fedtier 0.1's, before the version table)."""
+    tables = set(sa.inspect(conn).get_table_names())
+    if "schema_version" in tables:
+        return int(conn.execute(sa.text("SELECT MAX(version) FROM schema_version")).scalar() or 0)
+    return 1 if "rollouts" in tables else 0
+
+
+def _newer(url: sa.URL, found: int) -> ConfigError:
+    return ConfigError(f"store {display(url)} has schema version {found}, written by a newer fedtier "
+                       f"(this one knows {SCHEMA_VERSION}): upgrade fedtier", key="store")
+
+
+def read_schema(engine: Engine, url: sa.URL) -> int:
+    """The schema version of the store, read without changing anything (a read-only command's open).
+
+    Raises:
+        ConfigError(key="store"): the store was written by a newer fedtier.
+    """
+    with engine.connect() as conn:
+        conn.execution_options(**{READ_ONLY: True})
+        found = _found_version(conn)
+        conn.rollback()
+    if found > SCHEMA_VERSION:
+        raise _newer(url, found)
+    return found
+
+
+def migration_due(url: sa.URL, found: int, where: str | None = None) -> str:
+    """What a read-only command says about a store of an older schema: a migration is due, and what runs it."""
+    option = where or f"--store {display(url)}"
+    return (f"store {display(url)} has schema version {found}, this fedtier writes version {SCHEMA_VERSION}: a "
+            f"migration is due (read as it is, nothing changed). `{MIGRATE_COMMAND} {option}` migrates it, as "
+            "`fedtier coordinator run` or `serve` of this version does when it opens the store; stop coordinators "
+            "of the older version on it first")
+
+
 def ensure_schema(engine: Engine, metadata: sa.MetaData, url: sa.URL) -> int:
     """Create the tables of a new store, or migrate an older one to ``SCHEMA_VERSION``.
 
@@ -157,14 +201,9 @@ def ensure_schema(engine: Engine, metadata: sa.MetaData, url: sa.URL) -> int:
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock_key("schema")})
-        tables = set(sa.inspect(conn).get_table_names())
-        if "schema_version" in tables:
-            found = int(conn.execute(sa.text("SELECT MAX(version) FROM schema_version")).scalar() or 0)
-        else:
-            found = 1 if "rollouts" in tables else 0
+        found = _found_version(conn)
         if found > SCHEMA_VERSION:
-            raise ConfigError(f"store {display(url)} has schema version {found}, written by a newer fedtier "
-                              f"(this one knows {SCHEMA_VERSION}): upgrade fedtier", key="store")
+            raise _newer(url, found)
         for version in range(max(found, 1), SCHEMA_VERSION):
             if found:
                 MIGRATIONS[version](conn)
@@ -216,11 +255,21 @@ class RolloutLocks:
     url: sa.URL
     _pg_conn: Connection | None = None
     _files: dict[str, int] | None = None
+    held: set[str] = field(default_factory=set)
+    """The rollouts whose locks this object holds."""
 
     def try_acquire(self, rollout: str) -> bool:
+        got = self._try_acquire(rollout)
+        if got:
+            self.held.add(rollout)
+        return got
+
+    def _try_acquire(self, rollout: str) -> bool:
         if self.engine.dialect.name == "postgresql":
             if self._pg_conn is None:
                 self._pg_conn = self.engine.connect()  # a session of its own: the lock lives as long as it
+            if rollout in self.held:
+                return True  # advisory locks count: taking it twice would need two unlocks
             got = bool(self._pg_conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"),
                                              {"k": lock_key(f"rollout:{rollout}")}).scalar())
             self._pg_conn.commit()
@@ -243,6 +292,24 @@ class RolloutLocks:
         self._files[rollout] = fd
         return True
 
+    def release(self, rollout: str) -> None:
+        """Give up ``rollout``'s lock, if this object holds it (its rollout ended)."""
+        if rollout not in self.held:
+            return
+        self.held.discard(rollout)
+        if self.engine.dialect.name == "postgresql":
+            if self._pg_conn is not None:
+                try:
+                    self._pg_conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"),
+                                          {"k": lock_key(f"rollout:{rollout}")})
+                    self._pg_conn.commit()
+                except sa.exc.DBAPIError:
+                    pass  # the session is gone, and the lock with it
+            return
+        fd = (self._files or {}).pop(rollout, None)
+        if fd is not None:
+            os.close(fd)
+
     def release_all(self) -> None:
         if self._pg_conn is not None:
             try:  # released now, in this session: closing may only return the connection to the engine's pool,
@@ -256,6 +323,7 @@ class RolloutLocks:
         for fd in (self._files or {}).values():
             os.close(fd)
         self._files = {}
+        self.held.clear()
 
 
 def holder_identity(holder: str) -> dict[str, Any]:

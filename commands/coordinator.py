@@ -125,6 +125,46 @@ def coordinator_serve(state_dir: Path, store_url: str | None, log_level: str, ht
     raise SystemExit(serve(state_dir, store_url=store_url, http=bind))
 
 
+@coordinator.command("migrate")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A rollout config whose store (its `store`, else <state_dir>/coordinator.db) to migrate.")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), envvar="FEDTIER_STATE_DIR",
+              default=None, help="The state directory whose coordinator.db to migrate (also $FEDTIER_STATE_DIR).")
+@click.option("--store", "store_url", metavar="URL", envvar="FEDTIER_STORE", default=None,
+              help="The store to migrate: sqlite:///PATH or postgresql://USER@HOST:PORT/DB (also $FEDTIER_STORE).")
+def coordinator_migrate(config_path: Path | None, state_dir: Path | None, store_url: str | None) -> None:
+    """Migrate a coordinator store written by an older fedtier to this version's schema.
+
+    `coordinator run` and `serve` do the same when they open a store; commands that only read
+    (`rollout status`, `rollout list`, `rollout models`, `rollout export`, `devices list`, `report`,
+    `privacy report`, `coordinator export`) never do, and say when a migration is due. Stop the
+    coordinators of the older version that use the store first: they would not understand it after.
+
+    \b
+    Example: fedtier coordinator migrate --state-dir fleet/coordinator/state
+             fedtier coordinator migrate --config site/coordinator/hand1.toml
+    """
+    from cloud_coordinator import store_backend as backend
+    from cloud_coordinator.status import open_store
+
+    if config_path is not None:
+        if state_dir is not None or store_url is not None:
+            raise click.UsageError("give --config, or --state-dir / --store, not both")
+        from fedtier.rollout.config import RolloutConfig
+        from fedtier.runtime.config import load
+
+        cfg = load(RolloutConfig, config_path)
+        state_dir, store_url = cfg.state_dir, cfg.store
+    reader = open_store(state_dir or Path("fedtier-state"), store_url, read_only=True)
+    found, where = reader.schema_found, reader.where
+    reader.close()
+    if found == backend.SCHEMA_VERSION:
+        click.echo(f"store {where} has schema version {found}, this fedtier's: nothing to migrate")
+        return
+    open_store(state_dir or Path("fedtier-state"), store_url).close()  # opening it to write migrates it
+    click.echo(f"store {where}: migrated from schema version {found} to {backend.SCHEMA_VERSION}")
+
+
 @coordinator.command("install-service")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default="/var/lib/fedtier-coordinator",
               show_default=True, help="The store the service serves (rollout configs' state_dir).")
@@ -202,8 +242,11 @@ def _print_summary(cfg: RolloutConfig, config_path: Path, wall_s: float) -> None
               help="A model version (round r's model is version r + 1); default the newest.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 def coordinator_export(config_path: Path, out: Path, version: int | None, as_json: bool) -> None:
-    """Write the rollout's trained model as an inference ONNX file (input "input", output "logits";
-    HSGD's split model: inputs "x1" and "x2", the host's and a device's features).
+    """Write the rollout's trained model as an inference ONNX file (input "input", float32 rows
+    (batch, features) as in the data, also for a model whose example is (channels, length) or an
+    image: the file reshapes them itself; output "logits"; HSGD's split model: inputs "x1" and "x2",
+    the host's and a device's features). Prints the inputs' and outputs' names, shapes and types,
+    and writes them beside the file as OUT.json (e.g. hand1.onnx.json).
 
     Reads the model version from the coordinator's state (<state_dir>/coordinator.db) and the model's
     graph from its artifacts, never the training data ([data] is not read); works during a rollout too
@@ -214,13 +257,28 @@ def coordinator_export(config_path: Path, out: Path, version: int | None, as_jso
     from cloud_coordinator.export import export_config, export_model
     from fedtier.runtime.config import read_toml
 
+    from cloud_coordinator.status import schema_notice
+
     cfg = export_config(read_toml(config_path), source=str(config_path), base_dir=config_path.resolve().parent)
-    result = export_model(cfg, out, version=version)
+    notice = schema_notice(cfg.store_location, f"--config {config_path}")
+    if notice:
+        click.echo(notice, err=True)
+    echo_export(export_model(cfg, out, version=version), as_json)
+
+
+def echo_export(result: Any, as_json: bool) -> None:
+    """What `coordinator export` and `rollout export` print: the file, its model version, its interface."""
+    from models.inference import interface_lines
+
     if as_json:
         click.echo(json.dumps({"path": str(result.path), "rollout": result.rollout, "round": result.round,
-                               "version": result.version, "sha256": result.sha256}))
+                               "version": result.version, "sha256": result.sha256, "interface": result.interface,
+                               "description": str(result.description)}))
         return
     click.echo(f"wrote {result.path}: rollout {result.rollout}, model version {result.version} (round {result.round})")
+    for line in interface_lines(result.interface):
+        click.echo(line)
+    click.echo(f"  described in {result.description}")
 
 
 @click.command()

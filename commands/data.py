@@ -51,9 +51,11 @@ def split(input_path: Path, devices: int, out: Path, partition: str, label_colum
     """Split a table into per-device shards in the format agents read.
 
     Each device gets <out>/<device>/train.npz and, with --holdout > 0, held-out rows in
-    <out>/<device>/eval/ that it evaluates each round's global model on. Point a device's
-    data_dir at its shard; point a rollout at all of them with [data] dataset = "files",
-    dir = "<out>" (and eval_file = "<out>/test.npz" with --test-fraction).
+    <out>/<device>/eval/ that it evaluates each round's global model on. The devices are named
+    dev-00, dev-01, ...: name them so in the rollout's [topology], and `fedtier provision fleet
+    --shards <out>` puts each shard in its device's bundle (or point a device's data_dir at its
+    shard). Point a rollout at all of them with [data] dataset = "files", dir = "<out>" (and
+    eval_file = "<out>/test.npz" with --test-fraction).
 
     \b
     Example (runs as printed):

@@ -120,6 +120,8 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
         doc = rollout_report(cfg, config_path=config_path, db_path=db_path, rollout_id=rollout_id, out_path=out_path)
     except ReportError as exc:
         raise click.UsageError(str(exc)) from None
+    if doc.get("migration_due"):  # a report only reads: it never migrates the store, it says so
+        click.echo(doc["migration_due"], err=True)
     if as_json:
         click.echo(json.dumps(rep.jsonable(doc), indent=1))
     else:

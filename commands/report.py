@@ -38,6 +38,11 @@ def report(rollout: str, store_path: str | None, config_path: Path | None, out: 
 
         store_path = load(RolloutConfig, config_path).store_location
     assert store_path is not None
+    from cloud_coordinator.status import schema_notice
+
+    notice = schema_notice(store_path, f"--config {config_path}" if config_path is not None else None)
+    if notice:
+        click.echo(notice, err=True)
     try:
         status = StoreStatus(store_path).rollout(rollout)
     except FileNotFoundError as exc:

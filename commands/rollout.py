@@ -36,6 +36,10 @@ class StoreRef:
     def __str__(self) -> str:
         return str(self.state_dir) if self.url is None else _display_store(self.url)
 
+    def option(self) -> str:
+        """The option that names this store on a command line."""
+        return f"--state-dir {self.state_dir}" if self.url is None else f"--store {_display_store(self.url)}"
+
 
 def state_dir_option(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--state-dir`` and ``--store``, passed to ``command`` as one ``state_dir: StoreRef``."""
@@ -56,10 +60,17 @@ def state_dir_option(command: Callable[..., Any]) -> Callable[..., Any]:
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON (for machines) instead of a table.")
 
 
-def _store(where: StoreRef) -> Any:
+def _store(where: StoreRef, *, read_only: bool = False) -> Any:
+    """The store a command works on; a command that only reads (``read_only``) never migrates it and says so
+    on stderr when a migration is due."""
     from cloud_coordinator.status import open_store
 
-    return open_store(where.state_dir, where.url)
+    store = open_store(where.state_dir, where.url, read_only=read_only)
+    if read_only and store.migration_due:
+        from cloud_coordinator.store_backend import migration_due
+
+        click.echo(migration_due(store.url, store.schema_found, where.option()), err=True)
+    return store
 
 
 def _echo_json(obj: Any) -> None:
@@ -266,7 +277,7 @@ def rollout_list_cmd(state_dir: StoreRef, as_json: bool) -> None:
     from commands.console import make_console
     from cloud_coordinator.status import rollout_list
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         rows = rollout_list(store)
     finally:
@@ -327,7 +338,7 @@ def rollout_status_cmd(rollout_id: str, state_dir: StoreRef, as_json: bool, watc
     from commands.console import make_console
     from cloud_coordinator.status import rollout_status
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         if as_json:
             _echo_json(rollout_status(store, rollout_id))
@@ -365,7 +376,7 @@ def rollout_models(rollout_id: str, state_dir: StoreRef, as_json: bool) -> None:
     from commands.console import make_console
     from cloud_coordinator.status import model_registry
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         rows = model_registry(store, rollout_id)
     finally:
@@ -389,15 +400,16 @@ def rollout_models(rollout_id: str, state_dir: StoreRef, as_json: bool) -> None:
 @state_dir_option
 @json_option
 def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: StoreRef, as_json: bool) -> None:
-    """Write a model version as an inference ONNX file (input "input", output "logits"; HSGD's split
-    model: inputs "x1", the host's features, and "x2", a device's) that onnxruntime.InferenceSession
-    runs. Same as `fedtier coordinator export`, by rollout id.
+    """Write a model version as an inference ONNX file (input "input": float32 rows (batch, features),
+    as in the data; output "logits"; HSGD's split model: inputs "x1", the host's features, and "x2", a
+    device's) that onnxruntime.InferenceSession runs, and its interface beside it as OUT.json. Same as
+    `fedtier coordinator export`, by rollout id.
 
     Example: fedtier rollout export hand1 --version 3 --out hand1-v3.onnx
     """
     from cloud_coordinator.export import export_config, export_model
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         rows = {r["rollout"]: r for r in store.rollout_rows()}
     finally:
@@ -406,14 +418,9 @@ def rollout_export(rollout_id: str, version: int | None, out: Path, state_dir: S
         raise ConfigError(f"no rollout {rollout_id!r} in {state_dir}", key="rollout")
     row = rows[rollout_id]
     cfg = export_config(row["config"], source=f"rollout {rollout_id} (stored config)")
-    result = export_model(cfg, out, version=version)
-    doc = {"path": str(result.path), "rollout": result.rollout, "round": result.round, "version": result.version,
-           "sha256": result.sha256}
-    if as_json:
-        _echo_json(doc)
-    else:
-        click.echo(f"wrote {result.path}: rollout {result.rollout}, model version {result.version} "
-                   f"(round {result.round})")
+    from commands.coordinator import echo_export
+
+    echo_export(export_model(cfg, out, version=version), as_json)
 
 
 @rollout.command("promote")
@@ -505,7 +512,7 @@ def devices_list(cell: str | None, state_dir: StoreRef, as_json: bool) -> None:
     from commands.console import make_console
     from cloud_coordinator.status import device_inventory
 
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=True)
     try:
         rows = device_inventory(store, cell)
     finally:

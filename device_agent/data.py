@@ -200,7 +200,16 @@ def fit_to_model(data: LocalData, arch: ArchSpec) -> LocalData:
         return LocalData(x=x, y=y.astype(np.int64))
     targets = y.reshape(len(y), 1) if y.ndim == 1 and k == 1 else y
     if targets.shape[1:] != (k,):
-        raise ConfigError(f"targets have shape {y.shape[1:]} per example; the model has {k} output(s)")
+        width = 1 if y.ndim == 1 else int(np.prod(y.shape[1:]))
+        if arch.loss == "bce" and y.ndim == 1 and np.isin(y, (0, 1)).all():
+            fix = (f"for labels 0/1 the model needs one output with bce, or loss = 'cross_entropy' for its {k} "
+                   "outputs (labels 0 and 1 as classes)")
+        else:
+            fix = f"give the model {width} output(s), one per target column"
+        raise ConfigError(f"the rollout's [model] loss = {arch.loss!r} trains one model output per target column: "
+                          f"local labels have {width} column(s) per example (shape {y.shape[1:]}), the model has {k} "
+                          f"output(s); fix the rollout's [model]: {fix}")
     if arch.loss == "bce" and (targets.min() < 0 or targets.max() > 1):
-        raise ConfigError(f"bce targets must lie in [0, 1]; local targets span [{targets.min()}, {targets.max()}]")
+        raise ConfigError(f"the rollout's [model] loss = 'bce' trains on targets in [0, 1]; local targets span "
+                          f"[{targets.min()}, {targets.max()}] (class numbers: loss = 'cross_entropy')")
     return LocalData(x=x, y=np.ascontiguousarray(targets, dtype=np.float32))

@@ -457,10 +457,15 @@ def _cell_broker(ctx: click.Context, param: click.Parameter, values: tuple[str, 
 @click.option("--sample-data", is_flag=True,
               help="Write each device's share of the rollout's built-in dataset into its bundle's data/ "
                    "(for a trial; real devices bring their own data).")
+@click.option("--shards", "shards", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+              help="The --out of `fedtier data split`: each device's bundle gets the shard of its own name as its "
+                   "data/ (replacing what was there). Every device needs a shard and every shard a device; names "
+                   "are matched exactly (dev-00, dev-01, ... as the split names them), never guessed.")
 @DAYS
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON (also in OUT/fleet.json).")
 def fleet_cmd(rollout_path: Path, out: Path, fleet_dir: Path | None, cell_brokers: dict[str, tuple[str, int]],
-              bridge: bool, broker_user: str | None, sample_data: bool, days: float | None, as_json: bool) -> None:
+              bridge: bool, broker_user: str | None, sample_data: bool, shards: Path | None, days: float | None,
+              as_json: bool) -> None:
     """Provision every node a rollout's topology names, in one step.
 
     Writes a bundle per device, gateway and the coordinator, a Mosquitto config per broker
@@ -473,19 +478,27 @@ def fleet_cmd(rollout_path: Path, out: Path, fleet_dir: Path | None, cell_broker
 
     Example: fedtier provision fleet --rollout rollout.toml --out fleet --sample-data
 
+    Example: fedtier data split --input data.csv --devices 3 --out shards, then
+    fedtier provision fleet --rollout rollout.toml --out fleet --shards shards
+
     Example: fedtier provision fleet --rollout rollout.toml --out fleet --cell-broker cell-a=gw-a:8883 --bridge
     """
     from provisioning.rollout import provision_fleet
 
     with _errors(name_hint="--rollout"):
         result = provision_fleet(rollout_path, out, fleet_dir=fleet_dir, cell_brokers=cell_brokers,
-                                 run_as=broker_user, sample_data=sample_data, days=days, bridge=bridge)
+                                 run_as=broker_user, sample_data=sample_data, days=days, bridge=bridge,
+                                 shards=shards)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
         return
     click.echo(f"rollout {result.rollout}: {len(result.devices)} devices in {len(result.gateways)} cells, "
                f"{len(result.brokers)} broker(s); issued {len(result.issued)}, kept {len(result.kept)} "
                f"(fleet {result.fleet})")
+    for label in result.issued:
+        reason = result.reasons.get(label, "")
+        verb = "issued" if reason.startswith("new") else "reissued (a new key and certificate; install this bundle)"
+        click.echo(f"  {verb} {label}: {reason}")
     click.echo("\nrun, each on its box (paths as written here; copy each directory to the same path there):")
     for name, broker in result.brokers.items():
         click.echo(f"  broker {name} ({broker['host']}:{broker['port']}; {broker['serves']}):")
@@ -495,7 +508,12 @@ def fleet_cmd(rollout_path: Path, out: Path, fleet_dir: Path | None, cell_broker
         click.echo(f"  gateway {cell}:  fedtier edge run --config {path / 'edge.toml'}")
     for device, path in result.devices.items():
         click.echo(f"  device {device}:  fedtier agent run --bundle {path}")
-    if result.data:
+    if result.shards is not None:
+        click.echo(f"\nshards of {result.shards}, each in the bundle of its device (data/):")
+        for device, rows in result.data.items():
+            click.echo(f"  {device}: {rows} training rows, {result.held_out.get(device, 0)} held out for federated "
+                       f"evaluation -> {result.devices[device] / 'data'}")
+    elif result.data:
         click.echo(f"\nsample data: {sum(result.data.values())} samples over {len(result.data)} devices "
                    "(each bundle's data/train.npz)")
     else:

@@ -10,7 +10,8 @@ where the coordinator connects) this writes, under ``OUT``::
                            with the bundle's settings (TLS, signing key, state directory), ready
                            for `fedtier coordinator run --config OUT/coordinator/<rollout>.toml`
       gateways/<cell>/     each edge's bundle (edge.toml)
-      devices/<device>/    each device's bundle (device.toml; its data goes into data/)
+      devices/<device>/    each device's bundle (device.toml; its data goes into data/: the shard of
+                           its name with --shards DIR, its share of a built-in dataset with --sample-data)
       brokers/<name>/      each broker's Mosquitto config: mosquitto.conf, fedtier.acl,
                            broker.pem, broker.key, ca.pem, crl.pem
       fleet.json           what was written (what ``--json`` prints)
@@ -33,7 +34,8 @@ username and client id.
 
 Running it again keeps what still holds — the CA, each bundle whose certificate is active and
 was issued for the same cell and brokers, each broker certificate valid for its host — and
-issues what is new (a second rollout with the same topology issues nothing). Configs and ACLs
+issues what is new (a second rollout with the same topology issues nothing). Every node it issues
+or reissues a key and certificate is named with the reason (``FleetResult.reasons``). Configs and ACLs
 are rewritten. Nodes that left the topology are listed, not revoked (``provision revoke``).
 """
 
@@ -119,9 +121,14 @@ class FleetResult:
     devices: dict[str, Path]
     brokers: dict[str, dict[str, Any]]
     issued: list[str] = field(default_factory=list)
+    """Every node given a new key and certificate by this run ("device dev-01"), ..."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """... and why, by the same label ("new: ...", "its broker changed (...)", ...)."""
     kept: list[str] = field(default_factory=list)
     departed: list[str] = field(default_factory=list)
     data: dict[str, int] = field(default_factory=dict)
+    held_out: dict[str, int] = field(default_factory=dict)
+    shards: Path | None = None
     run_as: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -129,7 +136,9 @@ class FleetResult:
                 "rollout_config": str(self.rollout_config), "coordinator": str(self.coordinator),
                 "gateways": {c: str(p) for c, p in self.gateways.items()},
                 "devices": {d: str(p) for d, p in self.devices.items()}, "brokers": self.brokers,
-                "issued": self.issued, "kept": self.kept, "departed": self.departed, "data": self.data,
+                "issued": self.issued, "reasons": self.reasons, "kept": self.kept, "departed": self.departed,
+                "data": self.data,
+                "held_out": self.held_out, "shards": None if self.shards is None else str(self.shards),
                 "broker_user": self.run_as}
 
 
@@ -179,27 +188,51 @@ def _bind(host: str) -> str:
 # --- bundles: keep what holds, issue what is new -------------------------------------------------
 
 
-def _kept(fleet: Fleet, kind: str, name: str, directory: Path, *, cell: str | None, broker: Endpoint,
-          cloud_broker: Endpoint | None = None, parent: str | None = None) -> bool:
-    """Whether the bundle in ``directory`` is this node's current identity for these brokers."""
-    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    if not (cert_path.is_file() and key_path.is_file() and (directory / CONFIG_NAMES[kind]).is_file()):
-        return False
+def _why_issue(fleet: Fleet, kind: str, name: str, directory: Path, *, cell: str | None, broker: Endpoint,
+               cloud_broker: Endpoint | None = None, parent: str | None = None) -> str | None:
+    """Why this node needs a new identity (key and certificate), in words; ``None`` when the bundle in
+    ``directory`` is still its current identity for these brokers (it is kept)."""
     found = fleet.find(name, kind=kind)
     if not found:
-        return False
+        return "new: the fleet has issued it nothing yet"
+    files = [directory / "cert.pem", directory / "key.pem", directory / CONFIG_NAMES[kind]]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        return f"its bundle in {directory} lacks {', '.join(absent)}"
     record: CertRecord = found[-1]
     try:
-        cert = pki.load_certificate(cert_path)
-        key = pki.load_private_key(key_path)
-    except ConfigError:
-        return False
-    return (cert.serial_number == record.serial and not record.revoked
-            and record.not_after - ca.utcnow() > dt.timedelta(days=1)
-            and pki.same_public_key(key.public_key(), cert.public_key())  # type: ignore[arg-type]
-            and record.cell == cell and record.broker == _format_endpoint(*broker)
-            and (kind != "gateway" or (record.cloud_broker == _format_endpoint(*(cloud_broker or broker))
-                                       and record.parent == parent)))
+        cert = pki.load_certificate(files[0])
+        key = pki.load_private_key(files[1])
+    except ConfigError as exc:
+        return f"its bundle does not load ({exc})"
+    if cert.serial_number != record.serial:
+        return f"its bundle's certificate is not the last one the fleet issued it (serial {record.serial:x})"
+    if record.revoked:
+        return "its certificate was revoked"
+    if record.not_after - ca.utcnow() <= dt.timedelta(days=1):
+        return f"its certificate expires {record.not_after:%Y-%m-%d %H:%M} UTC, within a day"
+    if not pki.same_public_key(key.public_key(), cert.public_key()):  # type: ignore[arg-type]
+        return "its key is not its certificate's"
+    if record.cell != cell:
+        return f"its cell changed ({record.cell} -> {cell})"
+    if record.broker != _format_endpoint(*broker):
+        return f"its broker changed ({record.broker} -> {_format_endpoint(*broker)})"
+    if kind == "gateway":
+        wanted = _format_endpoint(*(cloud_broker or broker))
+        if record.cloud_broker != wanted:
+            return f"its cloud broker changed ({record.cloud_broker} -> {wanted})"
+        if record.parent != parent:
+            return f"its coordinator changed ({record.parent} -> {parent})"
+    return None
+
+
+def _record(result: FleetResult, label: str, reason: str | None) -> None:
+    """``label`` was issued for ``reason``, or kept (``None``)."""
+    if reason is None:
+        result.kept.append(label)
+    else:
+        result.issued.append(label)
+        result.reasons[label] = reason
 
 
 def _broker_dir(fleet: Fleet, plan: BrokerPlan, directory: Path, *, cloud_id: str, devices: Mapping[str, str],
@@ -210,13 +243,11 @@ def _broker_dir(fleet: Fleet, plan: BrokerPlan, directory: Path, *, cloud_id: st
     host, port = plan.endpoint
     hosts = _hosts(host)
     cert, key = directory / "broker.pem", directory / "broker.key"
-    problem = _check_server_identity(fleet, cert, key, hosts) if cert.is_file() and key.is_file() else "missing"
-    label = f"broker {plan.name}"
+    problem = (_check_server_identity(fleet, cert, key, hosts) if cert.is_file() and key.is_file()
+               else f"new: no broker.pem and broker.key in {directory} yet")
     if problem:
         issue_broker(fleet, f"broker-{plan.name}", hosts, directory, days=days, force=True)
-        result.issued.append(label)
-    else:
-        result.kept.append(label)
+    _record(result, f"broker {plan.name}", problem)
     ca_copy, crl_copy = directory / "ca.pem", directory / "crl.pem"
     shutil.copyfile(fleet.ca_cert_path, ca_copy)
     shutil.copyfile(fleet.crl_path, crl_copy)
@@ -269,10 +300,12 @@ def rebase_paths(cls: type[Section], table: Mapping[str, Any], base: Path) -> di
     """``table`` (raw TOML of section ``cls``) with every relative path made absolute against ``base``.
 
     A config's relative paths are relative to the file's own directory; a copy of it written
-    elsewhere keeps meaning the same files this way.
+    elsewhere keeps meaning the same files this way. That covers ``Path`` fields and the strings
+    a section names files with (``Section.rebase_strings``: ``[model] factory = "mymodel.py:make"``,
+    a ``sqlite:///`` store).
     """
     kinds = _path_fields(cls)
-    out = dict(table)
+    out = dict(cls.rebase_strings(table, base))
 
     def absolute(value: Any) -> Any:
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
@@ -318,7 +351,8 @@ def merged_rollout(source: Path, coordinator_dir: Path, *, signing_key: Path, cl
 
 def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str | Path | None = None,
                     cell_brokers: Mapping[str, Endpoint] | None = None, run_as: str | None = None,
-                    sample_data: bool = False, days: float | None = None, bridge: bool = False) -> FleetResult:
+                    sample_data: bool = False, days: float | None = None, bridge: bool = False,
+                    shards: str | Path | None = None) -> FleetResult:
     """Provision every node of a rollout's topology (see the module docstring).
 
     Args:
@@ -332,6 +366,9 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
             where this process can (see ``provisioning.broker_config``).
         sample_data: write each device's share of the rollout's built-in dataset into its
             bundle's ``data/`` (for trials; real devices bring their own data).
+        shards: the directory ``fedtier data split`` wrote: each device's bundle gets the shard of
+            its own name as its ``data/`` (``fleet_data.shards.place_shards``); every device needs
+            one and every shard a device, or nothing is written.
         days: validity of newly issued node certificates.
         bridge: bridge each ``cell_brokers`` broker to the rollout's broker; those edges then
             connect to their gateway's broker alone (``provisioning.broker_bridge``).
@@ -340,7 +377,8 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
         What was written.
 
     Raises:
-        ConfigError: the rollout config does not load, or a ``--cell-broker`` is wrong.
+        ConfigError: the rollout config does not load, a ``--cell-broker`` is wrong, or the shards'
+            names are not the topology's devices.
         NameConflictError, InvalidNameError: a node name the fleet cannot issue.
         ProvisioningError: ``run_as`` is not a user of this machine.
     """
@@ -353,6 +391,14 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
     cloud = (cfg.broker.host, cfg.broker.port)
     cell_brokers = dict(cell_brokers or {})
     plans = plan_brokers(list(cells), cloud, cell_brokers, bridge=bridge)
+    split_dir = Path(shards).expanduser().resolve() if shards is not None else None
+    if split_dir is not None:
+        from fleet_data.shards import match_shards, shards_in
+
+        if sample_data:
+            raise ConfigError("--shards puts your shards in the bundles, --sample-data a built-in dataset: give one",
+                              key="--shards")
+        match_shards(shards_in(split_dir), [d for ds in cells.values() for d in ds], split_dir)  # before any write
     run_as = run_as or current_user()
     _user(run_as)
     fleet_root = Path(fleet_dir).expanduser().resolve() if fleet_dir else out / "ca"
@@ -370,29 +416,26 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
     edge_cloud = {cell: cell_endpoint[cell] if bridge else cloud for cell in cells}
 
     coordinator_dir = out / "coordinator"
-    if _kept(fleet, "coordinator", cfg.cloud_id, coordinator_dir, cell=None, broker=cloud):
-        result.kept.append(f"coordinator {cfg.cloud_id}")
-    else:
+    reason = _why_issue(fleet, "coordinator", cfg.cloud_id, coordinator_dir, cell=None, broker=cloud)
+    if reason:
         issue_coordinator(fleet, cloud, coordinator_dir, cloud_id=cfg.cloud_id, days=days, force=True)
-        result.issued.append(f"coordinator {cfg.cloud_id}")
+    _record(result, f"coordinator {cfg.cloud_id}", reason)
     for cell, members in cells.items():
         directory = out / "gateways" / cell
-        if _kept(fleet, "gateway", cell, directory, cell=cell, broker=cell_endpoint[cell],
-                 cloud_broker=edge_cloud[cell], parent=cfg.cloud_id):
-            result.kept.append(f"gateway {cell}")
-        else:
+        reason = _why_issue(fleet, "gateway", cell, directory, cell=cell, broker=cell_endpoint[cell],
+                            cloud_broker=edge_cloud[cell], parent=cfg.cloud_id)
+        if reason:
             issue_gateway(fleet, cell, cell_endpoint[cell], directory, cloud_broker=edge_cloud[cell],
                           cloud_id=cfg.cloud_id, days=days, force=True)
-            result.issued.append(f"gateway {cell}")
+        _record(result, f"gateway {cell}", reason)
         result.gateways[cell] = directory
         for device in members:
             directory = out / "devices" / device
-            if _kept(fleet, "device", device, directory, cell=cell, broker=cell_endpoint[cell]):
-                result.kept.append(f"device {device}")
-            else:
+            reason = _why_issue(fleet, "device", device, directory, cell=cell, broker=cell_endpoint[cell])
+            if reason:
                 issue_device(fleet, device, cell, cell_endpoint[cell], directory, data_dir="data", days=days,
                              force=True)
-                result.issued.append(f"device {device}")
+            _record(result, f"device {device}", reason)
             result.devices[device] = directory
     membership = {d: c for c, ds in cells.items() for d in ds}
     result.departed = sorted(d for d in fleet.active_devices() if d not in membership)
@@ -415,6 +458,13 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
         from fleet_data.shards import write_device_data
 
         result.data = write_device_data(cfg, {d: p / "data" for d, p in result.devices.items()})
+    if split_dir is not None:
+        from fleet_data.shards import place_shards
+
+        placed = place_shards(split_dir, {d: p / "data" for d, p in result.devices.items()})
+        result.shards = split_dir
+        result.data = {d: rows for d, (rows, _) in placed.items()}
+        result.held_out = {d: held for d, (_, held) in placed.items()}
     pki.write_atomic(out / "fleet.json", (json.dumps(result.to_json(), indent=1) + "\n").encode(), 0o644,
                      overwrite=True)
     log.info("provisioned rollout %s in %s: %d issued, %d kept", cfg.rollout, out, len(result.issued),

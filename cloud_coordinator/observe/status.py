@@ -156,7 +156,7 @@ class StoreStatus:
                 url = store_backend.parse_url(self.location)
                 if "rollouts" not in (store_backend.existing_tables(url) or set()):
                     raise FileNotFoundError(f"no coordinator store at {store_backend.display(url)}")
-                self._store = CoordinatorStore(self.location)
+                self._store = CoordinatorStore(self.location, read_only=True)  # reads only: never migrates
             return self._store
 
     def rollouts(self) -> list[RolloutSummary]:

@@ -60,7 +60,7 @@ def rollout_report(cfg: Any, *, config_path: Path | None, db_path: Path | None, 
     rollout = rollout_id or (cfg.rollout if cfg is not None else None)
     if rollout is None:
         raise ReportError(f"--db {db_path} needs --rollout ID (or --config naming the rollout)")
-    store, db = _open_store(location, f" (the store of {config_path})" if db_path is None else "")
+    store, db, migration_due = _open_store(location, f" (the store of {config_path})" if db_path is None else "")
     metrics_path = cfg.metrics_path if cfg is not None else Path(db_path or ".").parent / "metrics.json"
     metrics = _read_metrics(metrics_path, rollout)
     p = cfg.privacy if cfg is not None else None
@@ -84,6 +84,7 @@ def rollout_report(cfg: Any, *, config_path: Path | None, db_path: Path | None, 
     rep.plot_epsilon(doc["rounds"], out, budget=budget, delta=ledger.delta, mode=doc["mode"], rollout=rollout)
     doc["plot"] = str(out)
     doc["metrics_file"] = str(metrics_path) if metrics.get("_found") else None
+    doc["migration_due"] = migration_due
     return doc
 
 
@@ -154,10 +155,10 @@ def _config_warnings(config_path: Path | None, p: Any, delta: float, budget: flo
     return warnings
 
 
-def _open_store(location: str, where: str) -> tuple[Any, str]:
-    """The coordinator's store at ``location`` and its name for messages, after checking (without
-    writing) that it is one: opening a store creates its tables, which must not happen to some
-    other database given by mistake."""
+def _open_store(location: str, where: str) -> tuple[Any, str, str | None]:
+    """The coordinator's store at ``location`` (opened read-only), its name for messages, and the notice that a
+    migration is due (``None`` if not), after checking that it is one: a report must neither create tables in
+    some other database given by mistake nor migrate a store a coordinator of an older version may still run on."""
     from cloud_coordinator import store_backend as backend
     from cloud_coordinator.store import CoordinatorStore
 
@@ -173,7 +174,10 @@ def _open_store(location: str, where: str) -> tuple[Any, str]:
     if missing:
         raise ReportError(f"{name} is not a coordinator database with a privacy ledger "
                           f"(no table {', '.join(sorted(missing))})")
-    return CoordinatorStore(location), name
+    store = CoordinatorStore(location, read_only=True)  # a report only reads: it never migrates the store
+    due = (backend.migration_due(url, store.schema_found, f"--store {backend.display(url)}")
+           if store.migration_due else None)
+    return store, name, due
 
 
 def _read_metrics(path: Path, rollout: str) -> dict[str, Any]:

@@ -80,15 +80,14 @@ class ModelConfig(Section):
                                                        "the others stay frozen.")
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, prefix: str = "", source: str | None = None,
-                     base_dir: Path | None = None) -> "ModelConfig":
+    def rebase_strings(cls, data: Mapping[str, Any], base_dir: Path) -> Mapping[str, Any]:
         # A factory given as a file is relative to the config file, like every path in a config.
-        factory = data.get("factory") if isinstance(data, Mapping) else None
-        if isinstance(factory, str) and base_dir is not None:
+        factory = data.get("factory")
+        if isinstance(factory, str):
             target, sep, name = factory.rpartition(":")
             if sep and target and _is_file_factory(target) and not Path(target).expanduser().is_absolute():
-                data = {**data, "factory": f"{os.path.normpath(base_dir / Path(target).expanduser())}:{name}"}
-        return super().from_mapping(data, prefix=prefix, source=source, base_dir=base_dir)
+                return {**data, "factory": f"{os.path.normpath(base_dir / Path(target).expanduser())}:{name}"}
+        return data
 
     @property
     def builtin(self) -> bool:
@@ -721,8 +720,9 @@ class RolloutConfig(Section):
     seed: int = opt(0, help="Rollout seed: names every RNG stream (minibatches, ...).")
     state_dir: Path = opt(Path("fedtier-state"), help="Coordinator state: SQLite database and artifact store.")
     store: str | None = opt(None, check=store_url_check,
-                            help="The coordinator's store: sqlite:///PATH or postgresql://USER@HOST:PORT/DB "
-                                 "(default sqlite:///<state_dir>/coordinator.db; docs/deployment.md).")
+                            help="The coordinator's store: sqlite:///PATH (a relative PATH is relative to this "
+                                 "file) or postgresql://USER@HOST:PORT/DB (default sqlite:///<state_dir>/"
+                                 "coordinator.db; docs/deployment.md).")
     metrics_file: Path | None = opt(None, help="Per-round metrics JSON (default <state_dir>/metrics.json).")
     cloud_id: str = opt("cloud", check=node_id, help="The coordinator's node id.")
     artifact_store: Path | None = opt(None, help="Content-addressed artifact store (default <state_dir>/artifacts).")
@@ -752,6 +752,17 @@ class RolloutConfig(Section):
                                                                    "qhetfed; none when absent).")
     attack: AttackSection | None = opt(None, help="Attacking devices, for robustness tests (simulate and demo only; "
                                                   "none when absent).")
+
+    @classmethod
+    def rebase_strings(cls, data: Mapping[str, Any], base_dir: Path) -> Mapping[str, Any]:
+        # A SQLite store named by a relative path is relative to the config file, like every path in it.
+        store = data.get("store")
+        prefix = "sqlite:///"
+        if isinstance(store, str) and store.startswith(prefix):
+            path = store[len(prefix):]
+            if path and path != ":memory:" and not Path(path).expanduser().is_absolute():
+                return {**data, "store": prefix + os.path.normpath(base_dir / Path(path).expanduser())}
+        return data
 
     @property
     def store_location(self) -> str:

@@ -68,6 +68,8 @@ class Section:
                      base_dir: Path | None = None) -> T:
         if not isinstance(data, Mapping):
             raise ConfigError(f"expected a table, got {type(data).__name__}", key=prefix or None, source=source)
+        if base_dir is not None:
+            data = cls.rebase_strings(data, base_dir)
         hints = typing.get_type_hints(cls)
         known = {f.name: f for f in fields(cls) if f.init}
         for key in data:
@@ -93,6 +95,13 @@ class Section:
             raise ConfigError(str(exc), key=prefix or None, source=source) from None
         obj.check(prefix=prefix, source=source)
         return obj
+
+    @classmethod
+    def rebase_strings(cls, data: Mapping[str, Any], base_dir: Path) -> Mapping[str, Any]:
+        """``data`` (this section's raw table) with its relative file names that are not ``Path`` fields made
+        absolute against ``base_dir`` (a factory's ``file.py:function``, a ``sqlite:///`` URL). ``Path``
+        fields are resolved by type; override for strings that name a file."""
+        return data
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         """Cross-field validation; override and raise ``self.error(...)``."""

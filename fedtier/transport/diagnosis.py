@@ -133,9 +133,12 @@ def connect_failure(exc: BaseException | None, *, host: str, port: int, tls: boo
     """
     where = _where(host, port)
     if exc is None:
-        return Diagnosis("lost", f"connection to {where} lost (the broker closed it or the network dropped)",
-                         "reconnecting; if this repeats, the broker's log says why it closed the connection "
-                         "(\"already connected, closing old connection\": another client uses this identity)")
+        # Most likely first: a broker that restarted or stopped, a network that dropped. A second client
+        # with this node's id is reported as an identity conflict when this node detects one, not guessed here.
+        return Diagnosis("lost", f"connection to {where} lost: the broker restarted or stopped, or the network "
+                                 "dropped",
+                         "reconnecting; if it keeps happening while the broker runs, its log says why it closed the "
+                         "connection")
     if isinstance(exc, ssl.SSLCertVerificationError):
         return _broker_certificate(exc, where, host, ca_file)
     if isinstance(exc, ssl.CertificateError):  # pragma: no cover - older Pythons' host name check

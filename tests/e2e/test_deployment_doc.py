@@ -1,21 +1,25 @@
 """docs/deployment.md, run as written: its commands are read from the page, not copied here.
 
-The page's conventions (an HTML comment at its top says the same): a ```toml block whose first
-line is ``# file: NAME`` is written to NAME; each line of a ```bash block is a command, run in
+The page's conventions (an HTML comment at its top says the same): a ```toml or ```python block
+whose first line is ``# file: NAME`` is written to NAME; each line of a ```bash block is a command, run in
 one working directory — ``mosquitto -c``, ``fedtier edge run`` and ``fedtier agent run`` keep
 running in the background, every other command must finish with exit code 0 (``fedtier
 coordinator run`` when its rollout ended); ```text blocks are illustrations. The only change
 made to the page's text is its broker ports, replaced by free ones so the test cannot collide
 with anything else on the machine.
 
-Asserted: every rollout the page runs finishes with every device in every round and prints its
-summary; the model exports; the edge and the agents log the end of each rollout and go idle; no
-node logs a WARNING or an ERROR in the whole healthy run, a clean stop included; and no
-retained message of either rollout is left on either broker.
+Asserted: your own data, split by ``fedtier data split``, reaches each device's bundle through
+``provision fleet --shards``; every rollout the page runs (the built-in MLP, then your own model
+from your own file) finishes with every device in every round, with the devices' federated
+evaluation, and prints its summary; the models export as files that take the data's rows and say
+so beside them, and the page's own script runs one on the CSV; the edge and the agents log the end
+of each rollout and go idle; no node logs a WARNING or an ERROR in the whole healthy run, a clean
+stop included; and no retained message of either rollout is left on either broker.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -45,7 +49,7 @@ def steps(markdown: str) -> list[Step]:
     """The page's files and commands, in order."""
     out: list[Step] = []
     for lang, body in BLOCK.findall(markdown):
-        if lang == "toml" and body.startswith("# file: "):
+        if lang in ("toml", "python") and body.startswith("# file: "):
             first, _, rest = body.partition("\n")
             out.append(Step("file", rest, first.removeprefix("# file: ").strip()))
         elif lang == "bash":
@@ -72,12 +76,15 @@ def test_the_page_has_the_steps_a_deployment_needs() -> None:
     """Guards the parser: a page that lost its blocks would make the run below test nothing."""
     found = steps(DOC.read_text())
     commands = [s.text for s in found if s.kind == "run"]
-    assert [s.name for s in found if s.kind == "file"] == ["rollout.toml", "rollout2.toml"]
+    assert [s.name for s in found if s.kind == "file"] == ["rollout.toml", "mymodel.py", "rollout2.toml", "predict.py"]
+    assert sum(c.startswith("fedtier data split ") for c in commands) == 1
     assert sum(c.startswith("fedtier provision fleet ") for c in commands) == 2
+    assert "--shards shards" in next(c for c in commands if c.startswith("fedtier provision fleet "))
     assert sum(c.startswith("mosquitto -c ") for c in commands) == 2
     assert sum(c.startswith("fedtier agent run ") for c in commands) == 3
     assert sum(c.startswith("fedtier coordinator run ") for c in commands) == 2
-    assert any(c.startswith("fedtier coordinator export ") for c in commands)
+    assert sum(c.startswith("fedtier coordinator export ") for c in commands) == 2
+    assert 'factory = "mymodel.py:make_cnn"' in next(s.text for s in found if s.name == "rollout2.toml")
 
 
 def test_the_deployment_page_runs_as_written(tmp_path: Path) -> None:
@@ -108,13 +115,19 @@ def test_the_deployment_page_runs_as_written(tmp_path: Path) -> None:
             (tmp_path / "logs").mkdir(exist_ok=True)
             (tmp_path / "logs" / f"step-{n:02d}.out").write_text(f"$ {command}\n{done.stdout}\n{done.stderr}")
 
+        # Each device's bundle holds its shard of the split.
+        for device in ("dev-00", "dev-01", "dev-02"):
+            for part in ("train.npz", "eval/eval.npz"):
+                placed = tmp_path / "site" / "devices" / device / "data" / part
+                assert placed.read_bytes() == (tmp_path / "shards" / device / part).read_bytes(), placed
         # Every rollout finished with every device in every round, and said so.
         summaries = [out for cmd, out in outputs.items() if cmd.startswith("fedtier coordinator run ")]
         assert len(summaries) == 2
         for summary in summaries:
-            rows = re.findall(r"^\s+(\d+)\s+(0\.\d+)\s+\d\.\d+\s+(\d+)\s", summary, re.M)
-            assert [int(r) for r, _, _ in rows] == list(range(5)), summary
-            assert all(int(devices) == 3 for _, _, devices in rows), summary
+            rows = summary_rows(summary)
+            assert [int(r["round"]) for r in rows] == list(range(5)), summary
+            assert all(int(r["devices"]) == 3 for r in rows), summary
+            assert all(0 <= float(r["fed acc"]) <= 1 for r in rows), summary  # the devices' held-out rows
             assert re.search(r"final accuracy\s+0\.\d+", summary) and "export the model" in summary
         final = float(re.findall(r"final accuracy\s+(\d\.\d+)", summaries[0])[0])
         assert final > 0.8, summaries[0]  # digits, 10 classes: chance is 0.1
@@ -122,6 +135,13 @@ def test_the_deployment_page_runs_as_written(tmp_path: Path) -> None:
         # The second provisioning kept every identity.
         second = [out for cmd, out in outputs.items() if cmd.startswith("fedtier provision fleet ")][-1]
         assert "issued 0, kept 7" in second, second
+        # Your own model's export takes the CSV's rows (it reshapes them to its (1, 64)) and says so.
+        described = json.loads((tmp_path / "hand2.onnx.json").read_text())
+        assert described["inputs"] == [{"name": "input", "shape": ["batch", 64], "dtype": "float32"}]
+        assert described["example_shape"] == [1, 64] and described["rollout"] == "hand2"
+        predicted = next(out for cmd, out in outputs.items() if cmd.startswith("python3 predict.py "))
+        right = int(re.findall(r"1797 rows of 64 features; the label predicted right for (\d+)", predicted)[0])
+        assert right > 0.8 * 1797, predicted
 
         edge = next(p for p in procs.started if p.name.startswith("edge"))
         agents = [p for p in procs.started if p.name.startswith("agent")]
@@ -147,6 +167,20 @@ def test_the_deployment_page_runs_as_written(tmp_path: Path) -> None:
             assert left == [], (port, left)
     finally:
         procs.close()
+
+
+def summary_rows(summary: str) -> list[dict[str, str]]:
+    """The per-round table of a coordinator's summary, as column -> cell (columns named as printed)."""
+    lines = summary.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["round", "accuracy"])
+    names = re.split(r"\s{2,}", lines[head].strip())
+    rows = []
+    for line in lines[head + 2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) != len(names) or not cells[0].isdigit():
+            break
+        rows.append(dict(zip(names, cells, strict=True)))
+    return rows
 
 
 def _port_of(workdir: Path, command: str) -> int:

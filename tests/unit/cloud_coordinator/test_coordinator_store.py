@@ -151,3 +151,105 @@ def test_an_unreachable_or_foreign_store_is_a_config_error_naming_it() -> None:
     assert "secret" not in str(refused.value)  # never a password in a message
     with pytest.raises(ConfigError, match="sqlite:///PATH or postgresql://"):
         CoordinatorStore("mysql://root@localhost/fedtier")
+
+
+def test_a_rollout_that_ended_releases_its_lease(store_url: str) -> None:
+    # Issue 34: the lease row of a finished rollout stayed in the store.
+    first, second = CoordinatorStore(store_url), CoordinatorStore(store_url)
+    for rollout, end in (("done", "finished"), ("halted", "stopped")):
+        first.ensure_rollout(rollout, {}, b"")
+        first.hold_rollout(rollout, "cloud-east")
+        first.set_status(rollout, "paused")  # a rollout that has not ended keeps it
+        assert first.lease(rollout)["holder"] == "cloud-east"
+        with pytest.raises(RolloutHeldError):
+            second.hold_rollout(rollout, "cloud-west")
+
+        first.set_status(rollout, end)
+
+        assert first.lease(rollout) is None
+        second.hold_rollout(rollout, "cloud-west")  # its lock is free while the first coordinator still runs
+        assert second.lease(rollout)["holder"] == "cloud-west"
+    first.close()
+    second.close()  # a coordinator started again on ended rollouts (it only clears their manifests) ...
+    third = CoordinatorStore(store_url)
+    assert third.lease("done") is None and third.lease("halted") is None  # ... leaves no lease behind either
+    third.close()
+
+
+def older_store(db: Path) -> None:
+    """A store as fedtier 0.1 left it: this version's tables without the version table, the leases and inputs.seq."""
+    CoordinatorStore(db).close()
+    store = CoordinatorStore(db)
+    store.ensure_rollout("r", {"rounds": 2, "topology": {"members": {"cell-a": ["d0"]}}}, b"{}")
+    store.commit_round("r", 0, 1, PARAMS, 0.5, 1.0, {"round": 0})
+    store.close()
+    with sqlite3.connect(db) as conn:
+        conn.executescript("DROP TABLE schema_version; DROP TABLE leases; ALTER TABLE inputs DROP COLUMN seq;"
+                           "PRAGMA journal_mode=DELETE;")
+
+
+def layout(db: Path) -> tuple[list[str], list[str], str]:
+    with sqlite3.connect(db) as conn:
+        tables = sorted(n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+        columns = [c[1] for c in conn.execute("PRAGMA table_info(inputs)")]
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    return tables, columns, mode
+
+
+def test_a_read_only_open_never_migrates_an_older_store_and_says_a_migration_is_due(tmp_path: Path) -> None:
+    db = tmp_path / "coordinator.db"
+    older_store(db)
+    before = layout(db)
+
+    store = CoordinatorStore(db, read_only=True)
+
+    assert (store.schema_found, store.migration_due) == (1, True)
+    assert store.status("r") == "running" and store.rounds("r")[0]["accuracy"] == 0.5  # it reads what it can
+    with pytest.raises(ConfigError, match=r"cannot read store .* as it is \(no such column: inputs.seq\): store "
+                                          r".* has schema version 1, this fedtier writes version 2: a migration is "
+                                          r"due .*`fedtier coordinator migrate --store sqlite:///"):
+        store.inputs("r")
+    with pytest.raises(RuntimeError, match="opened read-only"):
+        store.set_desired("r", "paused")
+    store.close()
+    assert layout(db) == before  # no table, no column, not even the journal mode
+    assert "schema_version" not in before[0] and before[2] == "delete"
+
+    CoordinatorStore(db).close()  # a coordinator of this version opens it: migrated
+    tables, columns, _ = layout(db)
+    assert {"schema_version", "leases"} <= set(tables) and "seq" in columns
+    assert not CoordinatorStore(db, read_only=True).migration_due
+
+
+def test_read_only_commands_leave_an_older_store_as_it_is_and_name_the_command_that_migrates_it(
+        tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from fedtier.cli import cli
+
+    state = tmp_path / "state"
+    state.mkdir()
+    db = state / "coordinator.db"
+    older_store(db)
+    before = layout(db)
+    runner = CliRunner()
+    for command in (["rollout", "status", "r"], ["rollout", "list"], ["rollout", "models", "r"], ["devices", "list"]):
+        result = runner.invoke(cli, [*command, "--state-dir", str(state)])
+        assert result.exit_code == 0, (command, result.output)
+        assert "has schema version 1, this fedtier writes version 2: a migration is due" in result.stderr
+        assert f"`fedtier coordinator migrate --state-dir {state}` migrates it" in result.stderr
+        assert layout(db) == before, command
+    assert "rollout r" in runner.invoke(cli, ["rollout", "status", "r", "--state-dir", str(state)]).stdout
+    report = runner.invoke(cli, ["report", "r", "--store", str(db), "--out", str(tmp_path / "report")])
+    assert report.exit_code == 0 and "a migration is due" in report.stderr, report.output
+    assert layout(db) == before
+
+    migrated = runner.invoke(cli, ["coordinator", "migrate", "--state-dir", str(state)])
+
+    assert migrated.exit_code == 0, migrated.output
+    assert migrated.output == f"store sqlite:///{db}: migrated from schema version 1 to 2\n"
+    assert "schema_version" in layout(db)[0]
+    again = runner.invoke(cli, ["coordinator", "migrate", "--state-dir", str(state)])
+    assert "has schema version 2, this fedtier's: nothing to migrate" in again.output
+    quiet = runner.invoke(cli, ["rollout", "status", "r", "--state-dir", str(state)])
+    assert quiet.exit_code == 0 and quiet.stderr == ""

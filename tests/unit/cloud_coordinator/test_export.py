@@ -4,6 +4,7 @@ that was changed since the rollout ran."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import textwrap
 from pathlib import Path
@@ -26,6 +27,10 @@ MODEL_PY = textwrap.dedent("""
 
     def make():
         return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3)), torch.zeros(2, 6)
+
+    def make_cnn():
+        net = nn.Sequential(nn.Conv1d(1, 4, kernel_size=3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4, 3))
+        return net, torch.zeros(2, 1, 6)
 """)
 
 
@@ -96,3 +101,62 @@ def test_export_refuses_a_model_changed_since_the_rollout_when_its_artifacts_are
     assert result.exit_code == 2
     assert "[model]" in result.output and "was the model changed since the rollout ran?" in result.output
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_an_exported_cnn_takes_the_datas_rows_and_states_its_interface(tmp_path: Path) -> None:
+    # Prepare: a 1-D CNN whose example is (1, 6), trained on rows of 6 features.
+    config, test = rollout_on_files(tmp_path, {"kind": "torch", "factory": "model.py:make_cnn"})
+    cfg = load(RolloutConfig, config)
+    simulate(cfg, workdir=cfg.state_dir)
+    # Execute
+    result = CliRunner().invoke(cli, ["coordinator", "export", "--config", str(config), "--out",
+                                      str(tmp_path / "cnn.onnx")])
+    # Assert: rows in, as the devices trained on them; the same logits as the network on (batch, 1, 6).
+    assert result.exit_code == 0, result.output
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(tmp_path / "cnn.onnx"), providers=["CPUExecutionProvider"])
+    (given,) = session.get_inputs()
+    assert (given.name, given.shape, given.type) == ("input", ["batch", 6], "tensor(float)")
+    logits = predictions(tmp_path / "cnn.onnx", test)
+    assert logits.shape == (len(test), 3)
+    from cloud_coordinator.export import shipped_bundle
+    from cloud_coordinator.store import CoordinatorStore
+    from device_agent.trainers.ort import OrtTrainer
+    from fedtier.security.signing import open_manifest
+
+    store = CoordinatorStore(cfg.store_location)
+    model, raw = store.latest_model("own"), store.manifest("own")
+    store.close()
+    assert model is not None and raw is not None
+    trainer = OrtTrainer(shipped_bundle(cfg, open_manifest(raw, {})))
+    trainer.set_parameters(model.params)
+    unreshaped = trainer.export_inference(tmp_path / "as-trained.onnx", ["logits"])
+    np.testing.assert_allclose(predictions(unreshaped, test.reshape(-1, 1, 6)), logits, rtol=0, atol=1e-6)
+    # ... and it says so, printed and beside the file.
+    doc = json.loads((tmp_path / "cnn.onnx.json").read_text())
+    assert doc["inputs"] == [{"name": "input", "shape": ["batch", 6], "dtype": "float32"}]
+    assert doc["outputs"] == [{"name": "logits", "shape": ["batch", 3], "dtype": "float32"}]
+    assert doc["example_shape"] == [1, 6] and doc["loss"] == "cross_entropy" and "largest" in doc["reading"]
+    assert (doc["rollout"], doc["version"], doc["round"]) == ("own", model.version, model.round)
+    assert "  input  'input': float32 (batch, 6); rows of 6 features are reshaped to (1, 6) inside the model" \
+        in result.output
+    assert "  output 'logits': float32 (batch, 3): one score (logit) per class" in result.output
+    assert f"described in {tmp_path / 'cnn.onnx.json'}" in result.output
+
+
+def test_a_row_model_is_exported_as_it_is_and_described(tmp_path: Path) -> None:
+    config, test = rollout_on_files(tmp_path, {"kind": "mlp", "hidden": [8]})
+    cfg = load(RolloutConfig, config)
+    simulate(cfg, workdir=cfg.state_dir)
+    result = CliRunner().invoke(cli, ["coordinator", "export", "--config", str(config), "--out",
+                                      str(tmp_path / "mlp.onnx"), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["interface"]["inputs"] == [{"name": "input", "shape": ["batch", 6], "dtype": "float32"}]
+    assert "example_shape" not in doc["interface"] and doc["description"] == str(tmp_path / "mlp.onnx.json")
+    assert json.loads((tmp_path / "mlp.onnx.json").read_text()) == doc["interface"]
+    import onnx
+
+    assert [n.op_type for n in onnx.load(str(tmp_path / "mlp.onnx")).graph.node][0] != "Reshape"
+    assert predictions(tmp_path / "mlp.onnx", test).shape == (len(test), 3)

@@ -119,6 +119,26 @@ def test_rebase_paths_follows_nested_sections_and_lists() -> None:
                    "rounds": 3}
 
 
+def test_a_factory_file_and_a_sqlite_store_relative_to_the_rollout_file_keep_meaning_them(tmp_path: Path) -> None:
+    # Issue 34: `factory = "mymodel.py:make_mlp"` was left relative, then resolved against site/coordinator/.
+    source = rollout_file(tmp_path / "cfg")
+    (tmp_path / "cfg" / "mymodel.py").write_text("def make_mlp():\n    raise NotImplementedError\n")
+    text = source.read_text().replace('kind = "mlp"\nhidden = [8]', 'kind = "torch"\nfactory = "mymodel.py:make_mlp"')
+    source.write_text('store = "sqlite:///db/coordinator.db"\n' + text)
+
+    result = provision_fleet(source, tmp_path / "site")
+
+    cfg = load(RolloutConfig, result.rollout_config)
+    assert cfg.model.factory == f"{tmp_path / 'cfg' / 'mymodel.py'}:make_mlp"
+    assert cfg.store == f"sqlite:///{tmp_path / 'cfg' / 'db' / 'coordinator.db'}"
+    assert load(RolloutConfig, source).model.factory == cfg.model.factory  # as the original file means it
+    raw = {"model": {"factory": "m.py:f"}, "store": "sqlite:///s.db"}
+    assert rebase_paths(RolloutConfig, raw, Path("/base")) == {"model": {"factory": "/base/m.py:f"},
+                                                               "store": "sqlite:////base/s.db"}
+    kept = {"model": {"factory": "package.module:f"}, "store": "postgresql://u@h:5432/db"}
+    assert rebase_paths(RolloutConfig, kept, Path("/base")) == kept
+
+
 def test_running_it_again_keeps_every_identity_and_issues_only_what_is_new(tmp_path: Path) -> None:
     first = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")
     assert len(first.issued) == 1 + 2 + 3 + 1  # coordinator, gateways, devices, broker
@@ -133,6 +153,33 @@ def test_running_it_again_keeps_every_identity_and_issues_only_what_is_new(tmp_p
     fourth = provision_fleet(rollout_file(tmp_path / "cfg", 'cell-a = ["d0"]\ncell-b = ["d2"]'), tmp_path / "site")
     assert fourth.departed == ["d1", "d3"]  # listed, not revoked
     assert not any(r.revoked for r in Fleet(fourth.fleet).records())
+
+
+def test_every_node_issued_or_reissued_is_named_with_its_reason(tmp_path: Path) -> None:
+    source = rollout_file(tmp_path / "cfg")
+    first = provision_fleet(source, tmp_path / "site")
+    assert first.reasons["device d0"] == "new: the fleet has issued it nothing yet"
+    assert first.reasons["broker shared"].startswith("new: no broker.pem and broker.key in ")
+    (first.devices["d1"] / "cert.pem").unlink()
+    runner = CliRunner()
+
+    out = runner.invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "site"),
+                                    "--cell-broker", "cell-b=10.0.0.7:8883"])
+
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert "issued 5, kept 3" in lines[0]  # kept: the coordinator, gateway cell-a, device d0
+    reissued = "  reissued (a new key and certificate; install this bundle)"
+    brokers = tmp_path / "site" / "brokers"
+    assert lines[1:6] == [
+        f"{reissued} device d1: its bundle in {tmp_path / 'site' / 'devices' / 'd1'} lacks cert.pem",
+        f"{reissued} gateway cell-b: its broker changed (cloud.example:8883 -> 10.0.0.7:8883)",
+        f"{reissued} device d2: its broker changed (cloud.example:8883 -> 10.0.0.7:8883)",
+        f"  issued broker cloud: new: no broker.pem and broker.key in {brokers / 'cloud'} yet",
+        f"  issued broker cell-b: new: no broker.pem and broker.key in {brokers / 'cell-b'} yet",
+    ]
+    doc = json.loads((tmp_path / "site" / "fleet.json").read_text())
+    assert doc["reasons"]["device d2"] == "its broker changed (cloud.example:8883 -> 10.0.0.7:8883)"
 
 
 def test_moving_an_active_device_to_another_cell_is_refused(tmp_path: Path) -> None:
@@ -161,6 +208,71 @@ def test_sample_data_is_each_devices_share_of_the_coordinators_split(tmp_path: P
         with np.load(directory / "data" / "train.npz") as got:
             np.testing.assert_array_equal(got["y"], expected.train[device][1])
     assert sum(result.data.values()) == sum(len(y) for _, y in expected.train.values())
+
+
+def split_csv(directory: Path, devices: int) -> Path:
+    """A small CSV split by `fedtier data split` into ``devices`` shards (dev-00, ...); returns the split's folder."""
+    from fleet_data.split import SplitOptions, split_table
+    from fleet_data.tables import read_table
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((60, 4))
+    rows = [",".join(f"{v:.4f}" for v in r) + f",{int(r[0] > 0)}" for r in x]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "table.csv").write_text("a,b,c,d,label\n" + "\n".join(rows) + "\n")
+    split_table(read_table(directory / "table.csv", "label"), SplitOptions(devices=devices, holdout=0.25),
+                directory / "shards")
+    return directory / "shards"
+
+
+def test_shards_go_each_to_the_bundle_of_its_device_and_names_must_match(tmp_path: Path) -> None:
+    shards = split_csv(tmp_path / "data", 3)
+    source = rollout_file(tmp_path / "cfg", 'cell-a = ["dev-00", "dev-01"]\ncell-b = ["dev-02"]')
+
+    result = provision_fleet(source, tmp_path / "site", shards=shards)
+
+    for device in ("dev-00", "dev-01", "dev-02"):
+        data = result.devices[device] / "data"
+        assert (data / "train.npz").read_bytes() == (shards / device / "train.npz").read_bytes()
+        assert (data / "eval" / "eval.npz").read_bytes() == (shards / device / "eval" / "eval.npz").read_bytes()
+        with np.load(shards / device / "train.npz") as z:
+            assert result.data[device] == len(z["y"])
+        assert result.held_out[device] > 0
+    assert result.to_json()["shards"] == str(shards)
+    # Again, over a stale file: data/ becomes the shard, nothing else.
+    (result.devices["dev-00"] / "data" / "old.csv").write_text("1,2,3,4,0\n")
+    provision_fleet(source, tmp_path / "site", shards=shards)
+    assert not (result.devices["dev-00"] / "data" / "old.csv").exists()
+
+
+def test_shards_that_do_not_match_the_topologys_names_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    shards = split_csv(tmp_path / "data", 3)
+    padded = rollout_file(tmp_path / "cfg", 'cell-a = ["dev-0", "dev-1"]\ncell-b = ["dev-2"]')
+    with pytest.raises(ConfigError, match=r"no shard for dev-0, dev-1, dev-2; no device in the topology for shards "
+                                          r"dev-00, dev-01, dev-02\..*differ only in their zero padding") as padding:
+        provision_fleet(padded, tmp_path / "site", shards=shards)
+    assert padding.value.key == "--shards" and not (tmp_path / "site").exists()
+    fewer = rollout_file(tmp_path / "cfg", 'cell-a = ["dev-00", "dev-01"]', name="two.toml")
+    with pytest.raises(ConfigError, match=r"no device in the topology for shard dev-02\..*--devices 2"):
+        provision_fleet(fewer, tmp_path / "site", shards=shards)
+    with pytest.raises(ConfigError, match="give one"):
+        provision_fleet(fewer, tmp_path / "site", shards=shards, sample_data=True)
+    with pytest.raises(ConfigError, match="holds no shard"):
+        provision_fleet(fewer, tmp_path / "site", shards=tmp_path / "cfg")
+    assert not (tmp_path / "site").exists()
+
+
+def test_the_command_prints_where_each_shard_went(tmp_path: Path) -> None:
+    shards = split_csv(tmp_path / "data", 3)
+    source = rollout_file(tmp_path / "cfg", 'cell-a = ["dev-00", "dev-01"]\ncell-b = ["dev-02"]')
+    out = CliRunner().invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "site"),
+                                         "--shards", str(shards)])
+    assert out.exit_code == 0, out.output
+    assert f"shards of {shards}, each in the bundle of its device" in out.output
+    assert f"-> {tmp_path / 'site' / 'devices' / 'dev-02' / 'data'}" in out.output
+    bad = CliRunner().invoke(provision, ["fleet", "--rollout", str(source), "--out", str(tmp_path / "x"),
+                                         "--shards", str(tmp_path / "nowhere")])
+    assert bad.exit_code == 2 and "--shards" in bad.output and "directory not found" in bad.output
 
 
 def test_the_command_prints_what_runs_where_and_json_for_machines(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ CASES = [
     (ConnectionRefusedError(111, "Connection refused"), "refused", False, "start the broker"),
     (socket.gaierror(-2, "Name or service not known"), "dns", False, "DNS"),
     (TimeoutError("timed out"), "timeout", False, "firewall"),
-    (None, "lost", False, "another client uses this identity"),
+    (None, "lost", False, "the broker restarted or stopped, or the network dropped"),
     (alert("SSLV3_ALERT_CERTIFICATE_EXPIRED"), "tls_expired", True, "fedtier provision rotate"),
     (alert("SSLV3_ALERT_CERTIFICATE_REVOKED"), "tls_revoked", True, "revoked"),
     (alert("TLSV1_ALERT_UNKNOWN_CA"), "tls_unknown_ca", True, "bundle of the broker's fleet"),
@@ -47,6 +47,15 @@ def test_each_failure_is_named_with_its_fix(exc: BaseException | None, cause: st
     d = connect_failure(exc, host="10.0.0.9", port=8883, tls=True, ca_file="/ca.pem")
     assert (d.cause, d.credential) == (cause, credential)
     assert fix in d.text() and "10.0.0.9" in d.text()
+
+
+def test_a_lost_connection_names_the_likely_causes_and_suspects_no_second_client() -> None:
+    # After a broker restart every node logs this: another client with its identity is only named when the
+    # identity-conflict detection finds one (``diagnosis.identity_conflict``).
+    lost = connect_failure(None, host="h", port=1, tls=True)
+    assert lost.text().index("broker restarted") < lost.text().index("network")
+    assert "another client" not in lost.text() and "identity" not in lost.text()
+    assert "another client connected as 'd0'" in diagnosis.identity_conflict("d0", "x1").text()
 
 
 def test_plain_tcp_to_a_tls_broker_suggests_tls() -> None:
