@@ -36,6 +36,16 @@ def require(condition: bool, what: str) -> None:
     pytest.skip(f"{what} not available")
 
 
+def system_user(name: str) -> Any:
+    """The system account ``name`` (its ``pwd`` entry), or None where there is none."""
+    import pwd
+
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        return None
+
+
 def mosquitto_binary() -> str | None:
     return shutil.which("mosquitto") or next(
         (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
