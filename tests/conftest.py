@@ -7,6 +7,8 @@ fail: a test that silently skips there hides a missing component.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import socket
@@ -32,6 +34,16 @@ def require(condition: bool, what: str) -> None:
     if IN_CI:
         pytest.fail(f"{what} is required in CI (CI=true) but missing", pytrace=False)
     pytest.skip(f"{what} not available")
+
+
+def system_user(name: str) -> Any:
+    """The system account ``name`` (its ``pwd`` entry), or None where there is none."""
+    import pwd
+
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        return None
 
 
 def mosquitto_binary() -> str | None:
@@ -177,16 +189,115 @@ def small_rollout(tmp_path: Path, artifact_store: Path) -> Callable[..., object]
     return make
 
 
+# --- one fleet at a time ------------------------------------------------------------------------------
+#
+# A test marked ``fleet`` starts a whole fleet of processes (a demo, the fleet emulator): every test in tests/e2e
+# is marked here; tests elsewhere mark themselves. Two fleets at once on a 2-core machine each run slower than
+# their deadlines assume, so such tests run one at a time, twice over:
+#
+# * one xdist group, so that ``--dist loadgroup`` sends them all to one worker. xdist reads the group from a
+#   suffix it appends to the node id, which pytest 9.2 no longer takes (pytest-xdist#1386): the tests then
+#   spread over both workers, silently;
+# * so each also holds a file lock shared by the workers of the run, from before its first fixture (the
+#   session-scoped demo of tests/e2e/test_demo.py included) until after its last teardown; a worker whose
+#   fleet test finds the lock taken waits for it, outside the test's timeout.
+#
+# Each run of a marked test is logged (worker, test, start, end) next to the lock, and each checks at its
+# teardown that no other fleet test ran while it did: without the lock and the group the runs overlap and
+# that check fails.
+
+FLEET_GROUP = "fleet"
+_FLEET_LOG = "fleet-runs.jsonl"
+_fleet_run = pytest.StashKey[dict]()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[Any]) -> None:
-    """The end-to-end runs (each a fleet of processes: demos, operations, the deployment page) share one xdist
-    worker: two of them at once on a 2-core machine would each run slower than its deadlines assume.
-
-    ``tryfirst``: xdist's worker reads the ``xdist_group`` marks in its own hook of this name, which pluggy
+    """``tryfirst``: xdist's worker reads the ``xdist_group`` marks in its own hook of this name, which pluggy
     otherwise calls before this one; the marks then came too late and the runs went to both workers."""
     for item in items:
         if "e2e" in Path(str(item.fspath)).parts:
-            item.add_marker(pytest.mark.xdist_group("e2e"))
+            item.add_marker(pytest.mark.fleet)
+        if item.get_closest_marker("fleet") is not None:
+            item.add_marker(pytest.mark.xdist_group(FLEET_GROUP))
+
+
+def _fleet_dir(config: Any) -> Path:
+    """A directory of this run shared by its xdist workers: the run's basetemp (``pytest-N``), the parent of
+    each worker's (``pytest-N/popen-gw0``); in a run without workers, that run's basetemp."""
+    base: Path = config._tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(config, "workerinput") else base
+
+
+def _log_fleet_run(directory: Path, record: dict) -> None:
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(directory / _FLEET_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line)  # one write of one line with O_APPEND: lines of two workers never interleave
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def fleet_runs(directory: Path) -> list[dict]:
+    """The logged runs of fleet tests in ``directory``: worker, test, start and (once it ended) end, in
+    ``time.monotonic()`` seconds (one clock for every process of the machine). A run whose worker died
+    before it ended (xdist replaces a crashed worker) has no known end and is left out."""
+    path = directory / _FLEET_LOG
+    runs: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        record = json.loads(line)
+        key = (record["worker"], record["test"], record["start"])
+        runs.setdefault(key, {"worker": record["worker"], "pid": record["pid"], "test": record["test"],
+                              "start": record["start"], "end": None})
+        if record["event"] == "end":
+            runs[key]["end"] = record["end"]
+    return [r for r in runs.values() if r["end"] is not None or _alive(r["pid"])]
+
+
+def overlapping(run: dict, runs: list[dict], now: float) -> list[dict]:
+    """The runs of ``runs`` other than ``run`` that ran while ``run`` did (from its start until ``now``)."""
+    def same(other: dict) -> bool:
+        return (other["worker"], other["test"], other["start"]) == (run["worker"], run["test"], run["start"])
+
+    return [o for o in runs if not same(o) and o["start"] < now and (o["end"] is None or o["end"] > run["start"])]
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: Any, nextitem: Any) -> Any:
+    """A fleet test's whole run (setup, call, teardown) under the run's fleet lock, logged.
+
+    ``tryfirst``: the outermost wrapper, so the wait for the lock is not counted in pytest-timeout's limit."""
+    if item.get_closest_marker("fleet") is None:
+        return (yield)
+    directory = _fleet_dir(item.config)
+    with open(directory / "fleet.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or when the worker dies
+        run = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "pid": os.getpid(), "test": item.nodeid,
+               "start": time.monotonic()}
+        item.stash[_fleet_run] = run
+        _log_fleet_run(directory, {**run, "event": "start"})
+        try:
+            return (yield)
+        finally:
+            _log_fleet_run(directory, {**run, "event": "end", "end": time.monotonic()})
+
+
+@pytest.fixture(autouse=True)
+def _one_fleet_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """At the teardown of a fleet test: no other fleet test ran while it did, on any worker."""
+    yield
+    run = request.node.stash.get(_fleet_run, None)
+    if run is not None:
+        others = overlapping(run, fleet_runs(_fleet_dir(request.config)), time.monotonic())
+        assert others == [], f"fleet tests ran at the same time as {run['test']} ({run['worker']}): {others}"
 
 
 def _broker_harness() -> Any:
@@ -225,9 +336,17 @@ def pytest_sessionfinish(session: Any) -> None:
         output["broker_harness"] = harness.export()
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """After a run of tests/integration/broker_behaviour: its count of shared assertions."""
+def pytest_terminal_summary(terminalreporter: Any, config: Any) -> None:
+    """After a run of tests/integration/broker_behaviour: its count of shared assertions. After a run with
+    fleet tests: how many ran, on which workers, and whether any two overlapped."""
     harness = sys.modules.get("broker_harness")
     if harness is not None:
         for line in harness.summary_lines():
             terminalreporter.write_line(line)
+    if not hasattr(config, "workerinput"):
+        runs = sorted(fleet_runs(_fleet_dir(config)), key=lambda r: r["start"])
+        if runs:
+            pairs = sum(len(overlapping(r, runs[i + 1:], r["end"] or time.monotonic())) for i, r in enumerate(runs))
+            workers = ", ".join(sorted({r["worker"] for r in runs}))
+            terminalreporter.write_line(f"fleet tests: {len(runs)} run{'s' * (len(runs) != 1)} on {workers}, "
+                                        + ("one at a time" if pairs == 0 else f"{pairs} pairs ran at the same time"))

@@ -20,15 +20,22 @@ class RawClient:
 
     def __init__(self, host: str, port: int, client_id: str) -> None:
         self.messages: "queue.Queue[tuple[str, bytes]]" = queue.Queue()
+        self._subacks: "queue.Queue[int]" = queue.Queue()
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
         self.client.on_message = lambda c, u, m: self.messages.put((m.topic, bytes(m.payload)))
+        self.client.on_subscribe = lambda c, u, mid, codes, p: self._subacks.put(mid)
         self.client.connect(host, port)
         self.client.loop_start()
 
-    def subscribe(self, topic_filter: str) -> None:
-        info = self.client.subscribe(topic_filter, qos=1)
-        assert info[0] == mqtt.MQTT_ERR_SUCCESS
-        time.sleep(0.1)
+    def subscribe(self, topic_filter: str, timeout: float = 10.0) -> None:
+        """Subscribe, and return once the broker's SUBACK says the subscription is in place."""
+        result, mid = self.client.subscribe(topic_filter, qos=1)
+        assert result == mqtt.MQTT_ERR_SUCCESS
+        try:
+            while self._subacks.get(timeout=timeout) != mid:
+                pass
+        except queue.Empty:
+            raise AssertionError(f"no SUBACK for {topic_filter} within {timeout}s") from None
 
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(5)

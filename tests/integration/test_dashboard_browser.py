@@ -27,7 +27,7 @@ from conftest import mosquitto_binary, require
 from cloud_coordinator.observe.status import StoreStatus
 from cloud_coordinator.store import CoordinatorStore
 
-pytestmark = pytest.mark.broker
+pytestmark = [pytest.mark.broker, pytest.mark.fleet]  # a demo's whole fleet: one at a time
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

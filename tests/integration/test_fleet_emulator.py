@@ -16,7 +16,7 @@ import pytest
 from local_fleet.emulator import EmulatorOptions, FleetEmulator
 from process_helpers import alive, descendants
 
-pytestmark = pytest.mark.broker
+pytestmark = [pytest.mark.broker, pytest.mark.fleet]  # fleets of worker processes: one at a time
 
 
 @pytest.mark.parametrize("loop", ["mux", "threads"])

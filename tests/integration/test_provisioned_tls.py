@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import paho.mqtt.client as mqtt
 import pytest
-from conftest import free_port, mosquitto_binary, require, wait_port
+from conftest import free_port, mosquitto_binary, require, system_user, wait_port
 from cryptography.hazmat.primitives import serialization
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
@@ -509,12 +509,8 @@ def test_a_last_will_on_another_nodes_status_is_not_delivered(world: World, clie
 def test_cell_broker_runs_as_a_dedicated_user_with_its_0600_key(world: World) -> None:
     binary = mosquitto_binary()
     assert binary is not None
-    if os.geteuid() != 0:
-        pytest.skip("privilege dropping happens only when Mosquitto starts as root")
-    try:
-        pwd.getpwnam("mosquitto")
-    except KeyError:
-        pytest.skip("no `mosquitto` user")
+    require(os.geteuid() == 0, "root (Mosquitto drops its privileges only when it starts as root)")
+    require(system_user("mosquitto") is not None, "the `mosquitto` user (Debian's mosquitto package makes it)")
     # pytest's tmp dirs are 0700 root: Mosquitto, once it is `mosquitto`, could not reach them.
     work = Path(tempfile.mkdtemp(prefix="fedtier-broker-"))
     try:

@@ -93,7 +93,8 @@ def test_rollout_lifecycle_pause_restart_inventory_export_and_canary(mosquitto, 
         for cell in paths.edges:
             fleet.start_edge(cell)
         serve = procs.start("coordinator-0", [*FEDTIER, "coordinator", "serve", "--state-dir", state])
-        time.sleep(3.0)
+        wait_until(lambda: "is created, not started: waiting for" in serve.text(), 60, "the coordinator to host the "
+                   "created rollout", procs)
         assert status()["rounds_closed"] == 0 and status()["open_round"] is None  # created: waits for start
 
         # Execute: start; pause as soon as a round is open: the open round finishes and no new one

@@ -102,6 +102,7 @@ def test_backends_benchmark_runs_each_backend_in_its_own_process(tmp_path: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.fleet  # two demos, one after the other
 def test_demo_benchmark_runs_the_demo_on_both_brokers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if shutil.which("mosquitto") is None:
         pytest.fail("mosquitto is not on PATH: ./install.sh installs it")

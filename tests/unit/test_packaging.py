@@ -22,6 +22,7 @@ bookworm has glibc 2.36), so ``manylinux_2_28`` is offered next to ``manylinux20
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -140,11 +141,37 @@ def test_the_agent_and_edge_extras_hold_no_dashboard_plotting_or_browser() -> No
 # --- against the package index -------------------------------------------------------------------------
 
 
+def source_copy(destination: Path) -> Path:
+    """The checkout's files as git sees them (tracked, and new ones not ignored), copied to ``destination``;
+    outside a git checkout, the tree without what .gitignore leaves out of it.
+
+    pip builds a local project in place (setuptools writes ``build/`` and ``*.egg-info`` into it): two xdist
+    workers building the checkout itself at once raced there. Each builds its own copy instead."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:  # no git
+        listed = None
+    if listed is None or listed.returncode != 0:
+        ignored = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", ".venv*", "__pycache__", "*.pyc",
+                                         ".*_cache", ".hypothesis", "runs", ".fedtier")
+        shutil.copytree(ROOT, destination, ignore=ignored, dirs_exist_ok=True)
+        return destination
+    for name in listed.stdout.split("\0"):
+        source = ROOT / name
+        if name and source.is_file():  # a tracked file deleted in the work tree is not part of the build
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return destination
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    source = source_copy(tmp_path_factory.mktemp("source"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(out),
-                           str(ROOT)], capture_output=True, text=True, timeout=600)
+                           str(source)], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and index_unreachable(proc.stderr):
         require(False, "the package index (PyPI), to build the wheel")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import stat
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from conftest import require, system_user
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
@@ -404,12 +404,10 @@ def test_members_only_binds_devices_to_the_cell(tmp_path: Path, fleet_dir: Path,
     assert "user d1" not in acl and "user e0" not in acl and "%u/#" not in acl
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="handing the key to another user needs root")
 def test_run_as_hands_a_0600_key_copy_to_that_user(tmp_path: Path, fleet_dir: Path, cli: Cli) -> None:
-    try:
-        user = pwd.getpwnam("mosquitto")
-    except KeyError:
-        pytest.skip("no mosquitto user")
+    require(os.geteuid() == 0, "root (handing the key to another user needs it)")
+    user = system_user("mosquitto")
+    require(user is not None, "the `mosquitto` user (Debian's mosquitto package makes it)")
     src, out = tmp_path / "src", tmp_path / "gw0"
     cli("broker", "gw0", "--fleet", fleet_dir, "--host", "127.0.0.1", "--out", src)
     cli("broker-config", "--cell", "c0", "--fleet", fleet_dir, "--out", out, "--cert", src / "broker.pem", "--key",

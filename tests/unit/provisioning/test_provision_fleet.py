@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import require, system_user
 from test_fleet_cli import allowed
 
 from fedtier.rollout.config import RolloutConfig
@@ -292,11 +293,7 @@ def test_the_command_prints_what_runs_where_and_json_for_machines(tmp_path: Path
     assert bad.exit_code == 2 and "CELL=HOST:PORT" in bad.output
 
 
-def test_a_broker_user_gets_its_0600_key_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
-    import os
-    import pwd
-    import stat
-
+def test_an_unknown_broker_user_is_refused_and_by_default_the_config_names_the_current_one(tmp_path: Path) -> None:
     from provisioning.errors import ProvisioningError
 
     with pytest.raises(ProvisioningError, match="no such user"):
@@ -304,12 +301,17 @@ def test_a_broker_user_gets_its_0600_key_and_an_unknown_one_is_refused(tmp_path:
     result = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")
     conf = Path(result.brokers["shared"]["conf"]).read_text()
     assert f"user {broker_config.current_user()}\n" in conf  # works as written where it was generated
-    if os.geteuid() != 0:
-        return  # handing a key to another user needs root; the command says how instead
-    try:
-        mosquitto = pwd.getpwnam("mosquitto")
-    except KeyError:
-        return
+
+
+def test_a_broker_user_gets_its_0600_key(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    # handing a key to another user needs root (elsewhere the command says how instead)
+    require(os.geteuid() == 0, "root (handing the broker's key to another user needs it)")
+    mosquitto = system_user("mosquitto")
+    require(mosquitto is not None, "the `mosquitto` user (Debian's mosquitto package makes it)")
+    provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site")  # a site, provisioned again with a user
     result = provision_fleet(rollout_file(tmp_path / "cfg"), tmp_path / "site", run_as="mosquitto")
     directory = Path(result.brokers["shared"]["dir"])
     assert "user mosquitto\n" in (directory / "mosquitto.conf").read_text()

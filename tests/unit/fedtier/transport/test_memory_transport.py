@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedtier.errors import LocalProtocolError, TransportError
+from fedtier.errors import TransportError
 from fedtier.transport import chunking, topics
 from fedtier.transport.base import Inbound
 from fedtier.transport.memory import MemoryBroker
@@ -262,20 +262,27 @@ def test_a_contradicting_chunk_is_reported_as_an_error_inbound() -> None:
     assert got[0].error is not None and got[0].error.reason == "chunk"
 
 
-def test_retained_large_envelope_reaches_a_late_subscriber_whole() -> None:
+def test_a_retained_envelope_reaches_a_late_subscriber_whole_and_one_needing_chunks_is_refused() -> None:
     """A retained message that needs chunking: the broker retains one payload per topic, so
-    each chunk overwrites the previous one and a late subscriber gets only the last chunk,
-    never the message. ``publish`` must either deliver it whole or refuse it."""
+    each chunk would overwrite the previous one and a late subscriber would get only the last
+    chunk, never the message. ``publish`` refuses it before any chunk goes out (as the MQTT
+    transport does): the envelope retained before stays, and a late subscriber gets that one whole."""
+    # Prepare: a retained envelope that fits under the limit, then one that needs chunks.
     broker = MemoryBroker(max_payload=1024)
+    edge = broker.connect("edge")
+    fits = big_update(10).encode()
     payload = big_update().encode()
-    try:
-        broker.connect("edge").publish(MANIFEST, payload, retain=True)
-    except (ValueError, LocalProtocolError, TransportError):  # refusing is an acceptable answer
-        return
+    assert len(fits) <= 1024 < len(payload)
+    edge.publish(MANIFEST, fits, retain=True)
+
+    # Execute
+    with pytest.raises(TransportError, match="retained messages are not chunked"):
+        edge.publish(MANIFEST, payload, retain=True)
     broker.run_until_idle()
     got, handler = recorder()
-
     broker.connect("d1", handler).subscribe(topics.cell_down_filter("c1"))  # type: ignore[arg-type]
     broker.run_until_idle()
 
-    assert [g.payload for g in got] == [payload]
+    # Assert: the late subscriber got the retained envelope whole, no chunk of the refused one.
+    assert [g.payload for g in got] == [fits]
+    assert got[0].error is None
