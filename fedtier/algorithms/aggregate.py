@@ -77,11 +77,6 @@ def global_norm(tensors: Tensors) -> float:
     return float(np.sqrt(sum(float(np.sum(np.square(t, dtype=np.float64))) for t in tensors.values())))
 
 
-def sorted_items(contributions: Mapping[str, tuple[Tensors, float]]) -> list[tuple[Tensors, float]]:
-    """Contributions keyed by sender, in sender order (the canonical summation order)."""
-    return [contributions[k] for k in sorted(contributions)]
-
-
 def copy_tensors(tensors: Tensors) -> dict[str, np.ndarray]:
     return {n: np.array(t, dtype=np.float32, copy=True) for n, t in tensors.items()}
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fedtier.algorithms import aggregate
-from fedtier.algorithms.aggregate import add, global_norm, sorted_items, subtract, weighted_mean
+from fedtier.algorithms.aggregate import add, global_norm, subtract, weighted_mean
 from fedtier.errors import LocalProtocolError
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
@@ -128,7 +128,8 @@ def test_matches_a_slow_reference(items: list[tuple[dict[str, np.ndarray], float
 @given(contributions(min_size=2), st.randoms(use_true_random=False))
 def test_order_changes_at_most_rounding(items: list[tuple[dict[str, np.ndarray], float]], rnd) -> None:  # noqa: ANN001
     """The sum runs in the order given: another order may differ in the last bits, which is
-    why callers sort contributions by sender (``sorted_items``) for bit-identical results."""
+    why the roles sum contributions in sender order for bit-identical results (``test_fedavg.py``
+    checks that the aggregate does not depend on the arrival order)."""
     shuffled = list(items)
     rnd.shuffle(shuffled)
 
@@ -136,23 +137,6 @@ def test_order_changes_at_most_rounding(items: list[tuple[dict[str, np.ndarray],
 
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-4)
-
-
-def test_sorted_items_makes_the_result_independent_of_arrival_order() -> None:
-    # Prepare: the same contributions arriving in two orders.
-    rng = np.random.default_rng(0)
-    data = {f"d{i}": ({"w": rng.standard_normal(50).astype(np.float32)}, float(rng.integers(1, 100)))
-            for i in range(8)}
-    arrival_a = dict(data)
-    arrival_b = {k: data[k] for k in reversed(list(data))}
-
-    # Execute
-    a = weighted_mean(sorted_items(arrival_a))
-    b = weighted_mean(sorted_items(arrival_b))
-
-    # Assert: bit-identical.
-    assert a["w"].tobytes() == b["w"].tobytes()
-    assert [w for _, w in sorted_items(arrival_b)] == [data[k][1] for k in sorted(data)]
 
 
 @SETTINGS
