@@ -31,7 +31,8 @@ def fedtier_env() -> dict[str, str]:
     binary = mosquitto_binary()
     if binary:
         dirs.append(str(Path(binary).parent))
-    return {**os.environ, "PATH": os.pathsep.join([*dirs, os.environ.get("PATH", "")]), "PYTHONUNBUFFERED": "1"}
+    inherited = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # pytest may set 80: keep the piped width
+    return {**inherited, "PATH": os.pathsep.join([*dirs, os.environ.get("PATH", "")]), "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass

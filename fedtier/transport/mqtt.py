@@ -202,6 +202,8 @@ class MqttTransport(ChunkingMixin):
         self._inflight: dict[int, _Part] = {}
         self._early_acks: dict[int, tuple[int, str]] = {}
         self._sub_mids: dict[int, str] = {}
+        self._acknowledged: set[str] = set()
+        """Filters the broker acknowledged on this connection (``subscribed``)."""
         self._sub_tries: dict[str, int] = {}
         self._throttle = diagnosis.Throttle()
 
@@ -250,6 +252,12 @@ class MqttTransport(ChunkingMixin):
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    def subscribed(self) -> bool:
+        """Connected, and the broker acknowledged every subscription of this connection: from now on a
+        message published on one of them reaches this node (what a test or a supervisor waits for)."""
+        with self._lock:
+            return self._connected.is_set() and set(self._filters) <= self._acknowledged
 
     def stop(self, timeout: float = 2.0) -> None:
         """Publish ``offline`` (the will is only for unclean ends), disconnect, stop the loop."""
@@ -409,6 +417,7 @@ class MqttTransport(ChunkingMixin):
             self.broker_max_packet = int(props.MaximumPacketSize)
         with self._lock:
             filters = list(self._filters)
+            self._acknowledged.clear()  # a new connection: acknowledged again (or the session remembers them)
         if self._own_status is not None and not any(topic_matches(f, self._own_status) for f in filters):
             filters.append(self._own_status)  # to notice a second client with our id (not passed to the node)
         for f in filters:
@@ -457,6 +466,8 @@ class MqttTransport(ChunkingMixin):
         for rc in reasons:
             if not getattr(rc, "is_failure", False):
                 self._sub_tries.pop(topic_filter, None)
+                with self._lock:
+                    self._acknowledged.add(topic_filter)
                 continue
             code = int(rc.value)
             self.denials.append(("subscribe", code))

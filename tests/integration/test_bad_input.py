@@ -62,7 +62,7 @@ def test_bad_uplink_messages_are_rejected_and_the_round_completes(mosquitto, tmp
     try:
         cloud.subscribe(topics.edge_up(ROLLOUT, CELL, "#"))
         edge = fleet.start_edge(CELL).node
-        wait_until(lambda: fleet.nodes[CELL].node.cell_tx.connected and fleet.nodes[CELL].node.cloud_tx.connected)
+        wait_until(lambda: fleet.nodes[CELL].node.cell_tx.subscribed() and fleet.nodes[CELL].node.cloud_tx.subscribed())
         task = CellTask(rollout=ROLLOUT, round=0, sender="cloud", params=PARAMS, members=MEMBERS,
                         config=FedAvgConfig(deadline_s=600).to_dict())
         cloud.publish(topics.cloud_down(ROLLOUT, CELL, CellTask.KIND), task.encode())

@@ -68,8 +68,7 @@ def test_fifty_devices_on_one_thread_receive_answer_and_survive_a_broker_restart
         probe.connect(broker.host, broker.port)
         probe.subscribe("echo/#", qos=1)
         probe.loop_start()
-        _wait(lambda: all(n.tx.connected for n in nodes))
-        time.sleep(0.3)  # the subscriptions are in place once connected; give the broker a moment
+        _wait(lambda: all(n.tx.subscribed() for n in nodes))
         for n in nodes:
             for k in range(3):
                 probe.publish(f"to/{n.name}", f"m{k}".encode(), qos=1)
@@ -84,11 +83,10 @@ def test_fifty_devices_on_one_thread_receive_answer_and_survive_a_broker_restart
         broker.proc.wait(10)
         _wait(lambda: not any(n.tx.connected for n in nodes))
         broker = start_mosquitto(tmp_path / "b2", port=broker.port)
-        _wait(lambda: all(n.tx.connected for n in nodes), timeout=60)
+        _wait(lambda: all(n.tx.subscribed() for n in nodes), timeout=60)
         probe = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="probe2", protocol=paho.MQTTv5)
         probe.connect(broker.host, broker.port)
         probe.loop_start()
-        time.sleep(0.3)
         for n in nodes:
             probe.publish(f"to/{n.name}", b"after", qos=1)
         _wait(lambda: all(n.got[-1:] == [b"after"] for n in nodes))

@@ -44,6 +44,14 @@ def receive(inbox: queue.Queue, timeout: float = 10.0) -> Inbound:
     return item
 
 
+
+def wait_for(predicate, timeout: float = 10.0) -> None:  # noqa: ANN001
+    """Until ``predicate()`` holds (the harness's sentinel, instead of a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
 def test_payload_over_the_broker_limit_is_chunked_and_arrives_intact(mosquitto_factory) -> None:
     # Prepare: a broker that refuses packets over 16 KiB, and a ~400 KB message.
     broker = mosquitto_factory(max_packet_size=16384)
@@ -52,7 +60,7 @@ def test_payload_over_the_broker_limit_is_chunked_and_arrives_intact(mosquitto_f
     rx = transport(broker, "rx", inbox)
     rx.subscribe(TOPIC)
     tx = transport(broker, "tx")
-    time.sleep(0.2)
+    wait_for(rx.subscribed)
     try:
         # Execute
         tx.publish(TOPIC, payload)
@@ -141,7 +149,7 @@ def test_a_message_not_confirmed_before_a_crash_is_delivered_again(mosquitto) ->
     inbox: queue.Queue = queue.Queue()
     rx = transport(mosquitto, "durable-rx", inbox, session_expiry_s=600)
     rx.subscribe(TOPIC)
-    time.sleep(0.2)
+    wait_for(rx.subscribed)
     sender = RawClient(mosquitto.host, mosquitto.port, "sender")
     sender.publish(TOPIC, b"important")
     first = inbox.get(timeout=10)
