@@ -391,37 +391,67 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
     cloud = (cfg.broker.host, cfg.broker.port)
     cell_brokers = dict(cell_brokers or {})
     plans = plan_brokers(list(cells), cloud, cell_brokers, bridge=bridge)
-    split_dir = Path(shards).expanduser().resolve() if shards is not None else None
-    if split_dir is not None:
-        from fleet_data.shards import match_shards, shards_in
-
-        if sample_data:
-            raise ConfigError("--shards puts your shards in the bundles, --sample-data a built-in dataset: give one",
-                              key="--shards")
-        match_shards(shards_in(split_dir), [d for ds in cells.values() for d in ds], split_dir)  # before any write
+    split_dir = _check_shards(shards, sample_data, cells)  # before anything is written
     run_as = run_as or current_user()
     _user(run_as)
-    fleet_root = Path(fleet_dir).expanduser().resolve() if fleet_dir else out / "ca"
-    try:
-        fleet = Fleet(fleet_root)
-    except FleetNotFoundError:
-        if (fleet_root / "ca.key").exists() or (fleet_root / "inventory.json").exists():
-            raise  # a damaged fleet: never replace its CA
-        fleet = Fleet.init(fleet_root)
-        log.info("created the fleet's CA and signing key in %s", fleet_root)
+    fleet = _open_fleet(Path(fleet_dir).expanduser().resolve() if fleet_dir else out / "ca")
     result = FleetResult(out=out, fleet=fleet.root, rollout=cfg.rollout, rollout_config=Path(),
                          coordinator=out / "coordinator", gateways={}, devices={}, brokers={}, run_as=run_as)
+    _issue_nodes(fleet, cfg, cells, cloud, cell_brokers, bridge=bridge, days=days, result=result)
+    membership = {d: c for c, ds in cells.items() for d in ds}
+    result.departed = sorted(d for d in fleet.active_devices() if d not in membership)
+    for plan in plans:
+        result.brokers[plan.name] = _broker_dir(fleet, plan, out / "brokers" / plan.name, cloud_id=cfg.cloud_id,
+                                                devices=membership, run_as=run_as, days=None, result=result,
+                                                gateway_bundle=result.gateways.get(plan.name))
+    result.rollout_config = _write_rollout_file(source, cfg, result.coordinator, fleet, cloud)
+    _write_device_data(cfg, result, sample_data=sample_data, split_dir=split_dir)
+    pki.write_atomic(out / "fleet.json", (json.dumps(result.to_json(), indent=1) + "\n").encode(), 0o644,
+                     overwrite=True)
+    log.info("provisioned rollout %s in %s: %d issued, %d kept", cfg.rollout, out, len(result.issued),
+             len(result.kept))
+    return result
+
+
+def _check_shards(shards: str | Path | None, sample_data: bool, cells: Mapping[str, Sequence[str]]) -> Path | None:
+    """The split's directory, its shards matched to the topology's devices (refused before anything is written)."""
+    if shards is None:
+        return None
+    from fleet_data.shards import match_shards, shards_in
+
+    if sample_data:
+        raise ConfigError("--shards puts your shards in the bundles, --sample-data a built-in dataset: give one",
+                          key="--shards")
+    split_dir = Path(shards).expanduser().resolve()
+    match_shards(shards_in(split_dir), [d for ds in cells.values() for d in ds], split_dir)
+    return split_dir
+
+
+def _open_fleet(fleet_root: Path) -> Fleet:
+    """The fleet to issue from; created where there is none (never over a damaged one: its CA stays)."""
+    try:
+        return Fleet(fleet_root)
+    except FleetNotFoundError:
+        if (fleet_root / "ca.key").exists() or (fleet_root / "inventory.json").exists():
+            raise
+        fleet = Fleet.init(fleet_root)
+        log.info("created the fleet's CA and signing key in %s", fleet_root)
+        return fleet
+
+
+def _issue_nodes(fleet: Fleet, cfg: Any, cells: Mapping[str, Sequence[str]], cloud: Endpoint,
+                 cell_brokers: Mapping[str, Endpoint], *, bridge: bool, days: float | None,
+                 result: FleetResult) -> None:
+    """A bundle for the coordinator, each gateway and each device, (re)issued only where ``_why_issue`` says why."""
     cell_endpoint = {cell: cell_brokers.get(cell, cloud) for cell in cells}
     # Where each edge finds the coordinator: its own broker when that one is bridged.
     edge_cloud = {cell: cell_endpoint[cell] if bridge else cloud for cell in cells}
-
-    coordinator_dir = out / "coordinator"
-    reason = _why_issue(fleet, "coordinator", cfg.cloud_id, coordinator_dir, cell=None, broker=cloud)
+    reason = _why_issue(fleet, "coordinator", cfg.cloud_id, result.coordinator, cell=None, broker=cloud)
     if reason:
-        issue_coordinator(fleet, cloud, coordinator_dir, cloud_id=cfg.cloud_id, days=days, force=True)
+        issue_coordinator(fleet, cloud, result.coordinator, cloud_id=cfg.cloud_id, days=days, force=True)
     _record(result, f"coordinator {cfg.cloud_id}", reason)
     for cell, members in cells.items():
-        directory = out / "gateways" / cell
+        directory = result.out / "gateways" / cell
         reason = _why_issue(fleet, "gateway", cell, directory, cell=cell, broker=cell_endpoint[cell],
                             cloud_broker=edge_cloud[cell], parent=cfg.cloud_id)
         if reason:
@@ -430,20 +460,18 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
         _record(result, f"gateway {cell}", reason)
         result.gateways[cell] = directory
         for device in members:
-            directory = out / "devices" / device
+            directory = result.out / "devices" / device
             reason = _why_issue(fleet, "device", device, directory, cell=cell, broker=cell_endpoint[cell])
             if reason:
                 issue_device(fleet, device, cell, cell_endpoint[cell], directory, data_dir="data", days=days,
                              force=True)
             _record(result, f"device {device}", reason)
             result.devices[device] = directory
-    membership = {d: c for c, ds in cells.items() for d in ds}
-    result.departed = sorted(d for d in fleet.active_devices() if d not in membership)
 
-    for plan in plans:
-        result.brokers[plan.name] = _broker_dir(fleet, plan, out / "brokers" / plan.name, cloud_id=cfg.cloud_id,
-                                                devices=membership, run_as=run_as, days=None, result=result,
-                                                gateway_bundle=result.gateways.get(plan.name))
+
+def _write_rollout_file(source: Path, cfg: Any, coordinator_dir: Path, fleet: Fleet, cloud: Endpoint) -> Path:
+    """The coordinator's copy of the rollout file, merged with its bundle; checked to load."""
+    from fedtier.rollout.config import RolloutConfig
 
     merged = merged_rollout(source, coordinator_dir, signing_key=fleet.signing_key_path, cloud=cloud,
                             cloud_id=cfg.cloud_id)
@@ -452,8 +480,11 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
               "# Run: fedtier coordinator run --config THIS_FILE\n")
     pki.write_atomic(target, (header + dumps_toml(merged)).encode(), 0o644, overwrite=True)
     load(RolloutConfig, target)  # a file that is written is a file that loads
-    result.rollout_config = target
+    return target
 
+
+def _write_device_data(cfg: Any, result: FleetResult, *, sample_data: bool, split_dir: Path | None) -> None:
+    """Each device's ``data/``: a share of the built-in dataset (``--sample-data``) or its own shard (``--shards``)."""
     if sample_data:
         from fleet_data.shards import write_device_data
 
@@ -465,8 +496,3 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
         result.shards = split_dir
         result.data = {d: rows for d, (rows, _) in placed.items()}
         result.held_out = {d: held for d, (_, held) in placed.items()}
-    pki.write_atomic(out / "fleet.json", (json.dumps(result.to_json(), indent=1) + "\n").encode(), 0o644,
-                     overwrite=True)
-    log.info("provisioned rollout %s in %s: %d issued, %d kept", cfg.rollout, out, len(result.issued),
-             len(result.kept))
-    return result

@@ -455,9 +455,11 @@ class MqttTransport(ChunkingMixin):
         self._connection_failed(self._diagnose_connection(exc))
 
     def _subscribe_now(self, topic_filter: str) -> None:
-        result, mid = self.client.subscribe(topic_filter, qos=1)
-        if mid is not None:
-            with self._lock:
+        # Under the lock: the SUBACK may be read on the network thread before ``subscribe`` returns, and its
+        # callback must find the mid (``_on_subscribe`` takes the lock first, so it waits for this).
+        with self._lock:
+            result, mid = self.client.subscribe(topic_filter, qos=1)
+            if mid is not None:
                 self._sub_mids[mid] = topic_filter
 
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any) -> None:
