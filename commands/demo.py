@@ -89,7 +89,8 @@ from commands.strategy_options import overrides, pop_values, strategy_options
                    "with the fleet).")
 @click.option("--keep-running", is_flag=True,
               help="Run the coordinator as `coordinator serve` and leave the whole fleet up after the last round "
-                   "(restarting nodes that die) for `fedtier rollout ...` / `fedtier devices list`; Ctrl-C stops it.")
+                   "(restarting nodes or the broker when they die) for `fedtier rollout ...` / `fedtier devices "
+                   "list`; Ctrl-C stops it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 @strategy_options
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
@@ -104,7 +105,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     scikit-learn's digits split non-iid across the devices with onnxruntime-training, shows
     each round's accuracy (a live bar on a terminal), and ends with a summary: accuracy per
     round, bytes per tier, wall time. Ctrl-C or SIGTERM stops every process it started. A node
-    that dies is restarted (as a service manager would), and the demo says so.
+    or the broker that dies is restarted (as a service manager would), and the demo says so.
 
     With --keep-running the fleet stays up after the last round: operate it with `fedtier
     rollout ...` and `fedtier devices list` (FEDTIER_STATE_DIR=<workdir>/coordinator).

@@ -4,11 +4,16 @@
 only ``edge_broker``; the coordinator's commands import torch when they run. Library
 errors are turned into exit codes in one place, ``FedtierGroup.invoke``:
 ``ConfigError`` -> 2 (usage), any other ``FedtierError`` -> 1.
+
+Every ``fedtier`` process answers SIGINT (Ctrl-C), even when it inherited SIGINT ignored
+(``interruptible``).
 """
 
 from __future__ import annotations
 
 import importlib
+import signal
+import threading
 from typing import Any
 
 import click
@@ -96,7 +101,21 @@ def cli() -> None:
     """
 
 
+def interruptible() -> None:
+    """Undo an inherited "ignore SIGINT", so that Ctrl-C and ``kill -INT`` stop this process.
+
+    A non-interactive shell starts its ``&`` jobs with SIGINT ignored, and Python keeps an
+    inherited ignore (it installs its ``KeyboardInterrupt`` handler only over the default). A
+    ``fedtier demo`` started that way then ignored SIGINT, and whoever stopped it with SIGINT
+    waited for ever. A handler set explicitly (a node's ``mqtt_service``, the embedded broker's)
+    is left alone; so is SIGINT outside the main thread, where Python cannot set it.
+    """
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
+    interruptible()
     try:
         cli.main(args=argv, prog_name="fedtier", standalone_mode=True)
     except SystemExit as exc:

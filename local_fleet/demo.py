@@ -13,7 +13,9 @@
 Every child runs in its own session: a Ctrl-C in the terminal reaches only the demo, which
 stops them in order (agents, edges, coordinator, broker); SIGTERM and SIGHUP do the same. If
 the demo itself is killed with SIGKILL, its reaper (``local_fleet.reaper``, a small
-process watching a pipe only the demo holds) stops every child that is still running.
+process watching a pipe only the demo holds) stops every child that is still running. A child
+that dies while the demo runs (the broker included) is restarted, and the demo says so
+(``Demo.restart_dead``).
 
 With ``--privacy`` (``PrivacyDemo``) the rollout gets a ``[privacy]`` section and trust labels:
 by default the first half of the cells is trusted. Before the rounds the demo shows the noise
@@ -93,10 +95,13 @@ class Terminated(BaseException):
 @contextlib.contextmanager
 def raise_on_termination() -> Iterator[None]:
     """Inside the block, SIGTERM and SIGHUP raise ``Terminated`` (main thread only), so ``kill
-    <demo>`` stops every process the demo started, as Ctrl-C does. A second signal during the
-    teardown is ignored. The previous handlers are back after the block."""
+    <demo>`` stops every process the demo started, as Ctrl-C does; SIGINT raises ``KeyboardInterrupt``
+    even if the demo inherited it ignored (a background job of a script: ``fedtier.cli.interruptible``).
+    A second signal during the teardown is ignored. The previous handlers are back after the block."""
     watched = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
     previous = {sig: signal.getsignal(sig) for sig in watched}
+    if previous[signal.SIGINT] is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def handler(signum: int, frame: Any) -> None:
         for sig in watched:
@@ -281,6 +286,7 @@ class Demo:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.logs = self.workdir / "logs"
         self.broker_kind = ""
+        self.broker_port = 0
         self._reaper: subprocess.Popen | None = None
 
     # --- plan ----------------------------------------------------------------------------------------
@@ -463,6 +469,7 @@ class Demo:
 
     def start_broker(self, port: int, command: list[str] | None = None) -> None:
         """Start the broker: ``command`` (a provisioned Mosquitto), or per ``--broker``."""
+        self.broker_port = port
         kind = self.opts.broker
         mosq = mosquitto_path()
         if command is not None:
@@ -499,22 +506,38 @@ class Demo:
             raise DemoError(f"the {self.broker_kind} broker did not open port {port}:\n{_tail(self.procs[-1].log)}")
 
     def restart_dead(self) -> None:
-        """Restart every node (not the broker) that exited with a failure, as systemd's Restart=on-failure
-        would, and say so. Exit code 77 (credentials refused) is not retried; nor is a node that died
-        ``MAX_RESTARTS`` times. A coordinator that ended with 0 finished its rollout."""
+        """Restart every process that exited with a failure, as systemd's Restart=on-failure would, and say
+        so. Exit code 77 (credentials refused) is not retried; nor is a process that died ``MAX_RESTARTS``
+        times. A coordinator that ended with 0 finished its rollout; the broker never ends by itself, so
+        any exit of it is a death.
+
+        The broker comes back first (it is the first child), with the same command on the same port;
+        the nodes' MQTT clients reconnect by themselves. Mosquitto runs without persistence, so the
+        retained manifests and the messages it had queued are gone: the nodes recover those as after
+        any broker restart (docs/operations.md, Failures)."""
         for i, p in enumerate(self.procs):
             code = p.popen.poll()
-            if code is None or p.role == "broker" or (p.role == "coordinator" and code == 0):
+            if code is None or (p.role == "coordinator" and code == 0):
                 continue
             if code == 77 or p.restarts >= MAX_RESTARTS:
                 raise DemoError(f"{p.name} exited with code {code}; last lines of {p.log}:\n{_tail(p.log)}")
             self._tell_reaper(f"-{p.popen.pid}")
-            self.say(f"{p.name} died (exit code {code}); restarted it, as a service manager would "
+            where = f" on 127.0.0.1:{self.broker_port}" if p.role == "broker" else ""
+            self.say(f"{p.name} died (exit code {code}); restarted it{where}, as a service manager would "
                      f"(restart {p.restarts + 1}; log {p.log})")
             new = self._spawn(p.name, p.role, p.argv)
             new.restarts = p.restarts + 1
             self.procs[i] = new
             self.procs.pop()
+            if p.role == "broker":
+                self._await_broker(new)
+
+    def _await_broker(self, broker: _Proc) -> None:
+        """Wait until a restarted broker listens again. One that exits meanwhile is restarted by the next
+        ``restart_dead`` (within ``MAX_RESTARTS``); one that runs but does not listen is an error."""
+        if not wait_listening(self.broker_port, broker.popen, READY_TIMEOUT_S) and broker.popen.poll() is None:
+            raise DemoError(f"the restarted {self.broker_kind} broker did not open port {self.broker_port}:\n"
+                            f"{_tail(broker.log)}")
 
     def register_rollout(self, paths: FleetPaths) -> Path:
         """--keep-running: register and start the rollout in the coordinator's store, as
@@ -671,7 +694,7 @@ class Demo:
         return out
 
     def keep_running(self, paths: FleetPaths) -> None:
-        """--keep-running: the rollout ended; leave the fleet up (restarting nodes that die) for the
+        """--keep-running: the rollout ended; leave the fleet up (restarting any child that dies) for the
         operator's commands until Ctrl-C or SIGTERM."""
         state = self.workdir / KEEP_RUNNING_STATE
         self.say(f"rollout finished; the fleet keeps running (broker, coordinator serve, {len(paths.edges)} edges, "

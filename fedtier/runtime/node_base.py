@@ -4,6 +4,12 @@ A shell's ``handle(inbound, now)`` calls ``decode_inbound`` which returns a type
 or ``None`` after logging and counting a rejection. Rejections are never fatal: one bad
 peer must not stop a round (STYLE: "On RemoteProtocolError the shell drops the message,
 logs it and counts it. Any other exception is a bug and crashes loudly.").
+
+Every rejection is counted (``fedtier_rejected_total{reason}``); the log is thinned so that a
+peer sending garbage cannot flood it (``NodeBase.reject``): one WARNING line per reason and
+sender a minute, with how many were left out since, at most ``REJECT_LOG_BUDGET`` such lines a
+minute in all; a message the node had already received (a redelivery after a reconnect or a
+restart) is logged at DEBUG.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import math
 import queue
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Protocol, Sequence
 
 from fedtier.algorithms.base import Action, Dropped, Note
@@ -36,6 +43,13 @@ by that id (``identity``); the ``node`` label stays the exporting node's. Bounde
 that had a conflict get a series."""
 EXPECTED_DROPS = ("duplicate",)
 """Drop reasons that a healthy fleet produces (QoS 1 redeliveries, resends after a restart): DEBUG, not INFO."""
+REJECT_LOG_INTERVAL_S = 60.0
+"""A rejection's reason and sender are logged at WARNING at most once per this many seconds (``NodeBase.reject``)."""
+REJECT_LOG_BUDGET = 20
+"""WARNING lines about rejected messages a node writes per ``REJECT_LOG_INTERVAL_S`` at most, over every reason
+and sender: many senders at once (a spray of invented ids) cannot flood the log either."""
+SEEN_KEYS = 4096
+"""Idempotency keys of received messages a node remembers (the newest) to tell a redelivery from a new message."""
 
 
 class Node(Protocol):
@@ -56,6 +70,11 @@ class NodeBase:
         self._presence: dict[str, float] = {}
         self._instances: dict[str, list[str]] = {}
         self._conflict_log = Throttle()
+        self._reject_log = Throttle(REJECT_LOG_INTERVAL_S, budget=REJECT_LOG_BUDGET)
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        """Keys of the messages that passed ``decode_inbound`` (an LRU of ``SEEN_KEYS``)."""
+        self._decoded: tuple[Inbound | None, bool] = (None, False)
+        """The inbound ``decode_inbound`` passed last, and whether its key was seen before it."""
         self.overdue_interval_s = 60.0
         """How often a round past its deadline is reported again while it waits."""
         self._overdue: dict[tuple[object, ...], float] = {}
@@ -67,11 +86,30 @@ class NodeBase:
         ``trainer`` are there for logs and operators; the protocol needs only ``state``/``since``)."""
 
     def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
-        """Log and count a rejected message, by its typed reason."""
+        """Count a rejected message by its typed reason, and log it, thinned (module docstring).
+
+        A message whose idempotency key this node had already received on its sender's own topic
+        is a redelivery (QoS 1 after a reconnect, a resend from a restarted node's store, a broker
+        restart's recovery): the first copy was handled or reported, so this one is logged at
+        DEBUG. Otherwise each (reason, sender) is logged at WARNING at most once a minute, with
+        the number left out since; the rest at DEBUG.
+        """
         self.metrics.inc(REJECTED, reason=exc.reason)
         if exc.reason == "late":
             self.metrics.inc(STRAGGLERS)
-        self.log.warning("rejected message on %s: %s: %s", inbound.topic, exc.reason, exc)
+        if self._decoded[0] is inbound and self._decoded[1]:
+            self.log.debug("rejected message on %s again (a redelivery): %s: %s", inbound.topic, exc.reason, exc)
+            return
+        skipped = self._reject_log((exc.reason, sender_of(inbound.topic)))
+        if skipped is None:
+            if self._reject_log.exhausted:
+                self.log.warning("rejected messages of more than %d reasons and senders this minute: the rest of "
+                                 "this minute's are counted (%s) and logged at DEBUG only", REJECT_LOG_BUDGET,
+                                 REJECTED)
+            self.log.debug("rejected message on %s: %s: %s", inbound.topic, exc.reason, exc)
+            return
+        more = f" ({skipped} more since)" if skipped else ""
+        self.log.warning("rejected message on %s: %s: %s%s", inbound.topic, exc.reason, exc, more)
 
     def parse_topic(self, inbound: Inbound) -> topics.Topic | None:
         """The parsed topic, or ``None`` after rejecting a topic outside the fedtier tree."""
@@ -174,7 +212,18 @@ class NodeBase:
         except RemoteProtocolError as exc:
             self.reject(inbound, exc)
             return None
+        self._remember(inbound, msg.key)
         return msg
+
+    def _remember(self, inbound: Inbound, key: str) -> None:
+        """Note that ``inbound`` (its checks passed) carries ``key``, and whether that key came before."""
+        seen = key in self._seen
+        self._decoded = (inbound, seen)
+        self._seen[key] = None
+        if seen:
+            self._seen.move_to_end(key)
+        elif len(self._seen) > SEEN_KEYS:
+            self._seen.popitem(last=False)
 
     def diagnostics(self, actions: Sequence[Action]) -> None:
         """Log ``Dropped`` and ``Note`` actions (the role's diagnostics) and count drops."""
@@ -232,6 +281,15 @@ def run_loop(node: Node, inbox: "queue.Queue[Inbound]", stop: threading.Event, *
             next_tick = now + tick_s
             if busy is not None:
                 busy["tick"] += clock() - started
+
+
+def sender_of(topic: str) -> str:
+    """Who a topic attributes a message to, for ``NodeBase.reject``'s log: the node id of an uplink (what
+    the broker's ACL vouches for), else the topic's channel (``cloud_down``, ``status``...), else ``other``."""
+    parsed = topics.parse(topic)
+    if parsed is None:
+        return "other"
+    return parsed.origin or parsed.channel
 
 
 def listed(names: Sequence[str], limit: int = 20) -> str:

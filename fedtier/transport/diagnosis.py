@@ -17,18 +17,21 @@ after ``[broker] max_auth_failures`` in a row (exit code 77, ``EXIT_UNAUTHORIZED
 connection may heal (a broker restarting, a network coming back): the node retries forever.
 
 ``Throttle`` rate-limits the log lines: the first occurrence of a cause is logged at once,
-repeats at most once per interval, with how many were left out in between.
+repeats at most once per interval, with how many were left out in between (in bounded memory,
+optionally within a budget of lines per interval; ``NodeBase.reject`` uses both).
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import re
 import socket
 import ssl
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 AUTH_CONNACK_CODES = {134: "bad user name or password", 135: "not authorized", 138: "banned",
                       140: "bad authentication method", 4: "bad user name or password", 5: "not authorized"}
@@ -218,25 +221,58 @@ def identity_conflict(node: str, other: str) -> Diagnosis:
 
 
 class Throttle:
-    """First occurrence of each key at once, repeats at most once per ``interval_s``."""
+    """First occurrence of each key at once, repeats at most once per ``interval_s``.
 
-    def __init__(self, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    Memory is bounded: it remembers the ``max_keys`` keys used last (an LRU), so a peer that
+    invents a new key with every message (a new sender id, a new topic) cannot grow it; a key
+    forgotten that way is reported again at once, as new. With a ``budget``, at most that many
+    lines are let through per interval over all keys, so that many keys at once cannot flood
+    the log either; what the budget holds back is counted for its key (reported with its next
+    line) and in ``over_budget`` for the current interval.
+    """
+
+    def __init__(self, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic, *,
+                 max_keys: int = 1024, budget: int | None = None) -> None:
         self.interval_s = interval_s
         self.clock = clock
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
+        self.max_keys = max_keys
+        self.budget = budget
+        self._keys: OrderedDict[Hashable, list[float]] = OrderedDict()
+        """key -> [when its last line was let through (-inf: never), repeats left out since]."""
+        self._window = -math.inf
+        self._lines = 0
+        self.over_budget = 0
+        """Occurrences the budget held back in the current interval."""
+        self.exhausted = False
+        """Whether the last call was the first one in its interval that the budget held back: a caller's cue to
+        say that the log is being thinned."""
 
-    def __call__(self, key: str) -> int | None:
+    def __call__(self, key: Hashable) -> int | None:
         """``None`` to stay quiet; else how many repeats were left out since the last line."""
         now = self.clock()
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval_s:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+        self.exhausted = False
+        if now - self._window >= self.interval_s:
+            self._window, self._lines, self.over_budget = now, 0, 0
+        entry = self._keys.get(key)
+        if entry is None:
+            entry = self._keys[key] = [-math.inf, 0]
+            while len(self._keys) > self.max_keys:
+                self._keys.popitem(last=False)
+        else:
+            self._keys.move_to_end(key)
+        if now - entry[0] < self.interval_s:
+            entry[1] += 1
             return None
-        self._last[key] = now
-        return self._suppressed.pop(key, 0)
+        if self.budget is not None and self._lines >= self.budget:
+            entry[1] += 1
+            self.over_budget += 1
+            self.exhausted = self.over_budget == 1
+            return None
+        self._lines += 1
+        skipped = int(entry[1])
+        entry[0], entry[1] = now, 0
+        return skipped
 
-    def reset(self, key: str) -> None:
+    def reset(self, key: Hashable) -> None:
         """Forget ``key`` (it healed): its next occurrence is logged at once."""
-        self._last.pop(key, None)
-        self._suppressed.pop(key, None)
+        self._keys.pop(key, None)

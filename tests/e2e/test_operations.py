@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import mosquitto_binary, require
+from process_helpers import stop_tree
 
 from fedtier.runtime.config import dumps_toml, read_toml
 
@@ -116,7 +117,6 @@ def test_every_operator_command_against_a_demo_left_running(tmp_path: Path) -> N
         wait_until(lambda: next(d for d in as_json("devices", "list", env=env) if d["node"] == "cell-a")["state"]
                    == "online", 30, "the edge back online", demo, log)
     finally:
-        if demo.poll() is None:
-            os.killpg(demo.pid, signal.SIGINT)
-            demo.wait(60)
-    assert "stopped" in log.read_text()
+        stopped = stop_tree(demo, signal.SIGTERM, grace_s=60, marker=str(work))
+    assert stopped.code == 128 + signal.SIGTERM and "terminated (SIGTERM): stopped" in log.read_text()
+    assert stopped.leftover == set()

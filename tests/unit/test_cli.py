@@ -68,3 +68,18 @@ def test_coordinator_run_refuses_a_bad_http_address(tmp_path: Path, bind: str) -
     result = CliRunner().invoke(cli, ["coordinator", "run", "--config", str(config), "--http", bind])
     assert result.exit_code == 2
     assert "--http" in result.output and "HOST:PORT" in result.output
+
+
+def test_fedtier_answers_sigint_even_when_started_with_it_ignored() -> None:
+    """A script's background job (``fedtier demo &``) inherits SIGINT ignored, and Python keeps that; ``fedtier``
+    undoes it, so SIGINT (Ctrl-C, ``kill -INT``) stops it as in a terminal. A handler it sets itself stays."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import signal; from fedtier.cli import main; before = signal.getsignal(signal.SIGINT); "
+            "main(['--version']); print(before is signal.SIG_IGN, signal.getsignal(signal.SIGINT) is "
+            "signal.default_int_handler)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert out.stdout.split()[-2:] == ["True", "True"], out.stdout + out.stderr

@@ -93,3 +93,27 @@ def test_an_identity_conflict_is_labelled_by_the_exporting_node_and_the_shared_i
     exported = [line for line in base.metrics.render().splitlines() if line.startswith(IDENTITY_CONFLICTS)]
 
     assert exported == [f'{IDENTITY_CONFLICTS}{{identity="dev-0",node="cell-a",role="edge"}} 1.0']
+
+
+def test_a_seen_message_on_another_senders_topic_is_no_redelivery(caplog: pytest.LogCaptureFixture) -> None:
+    """The same bytes on another device's topic are a spoofing attempt, not a redelivery: a WARNING."""
+    import numpy as np
+
+    from fedtier.runtime.node_base import REJECTED, sender_of
+    from fedtier.wire.messages import DeviceUpdate
+
+    base = NodeBase("cell-a", Metrics(node="cell-a", role="edge"), log, 1 << 20)
+    payload = DeviceUpdate(rollout="r", round=0, sender="dev-1", delta={"w": np.zeros(2, np.float32)},
+                           num_samples=1, train_loss=0.0, steps=1).encode()
+    own = Inbound("cell", topics.cell_up("r", "cell-a", "dev-1", "device_update"), payload)
+    other = Inbound("cell", topics.cell_up("r", "cell-a", "dev-2", "device_update"), payload)
+    with caplog.at_level(logging.DEBUG, logger="test.node"):
+        for inbound in (own, other):
+            parsed = topics.parse(inbound.topic)
+            assert parsed is not None
+            assert (base.decode_inbound(inbound, parsed) is None) == (inbound is other)
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "sender_mismatch" in caplog.text
+    assert base.metrics.get(REJECTED, reason="sender_mismatch") == 1
+    assert [sender_of(t) for t in (own.topic, topics.edge_up("r", "cell-b", "cell_update"),
+                                   topics.cloud_down("r", "cell-a", "cell_task"), "x/y")] == \
+        ["dev-1", "cell-b", "cloud_down", "other"]

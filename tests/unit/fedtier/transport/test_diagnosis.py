@@ -86,6 +86,31 @@ def test_the_throttle_reports_first_then_once_per_interval_with_what_it_left_out
     assert throttle("refused") == 0
 
 
+def test_the_throttle_remembers_a_bounded_number_of_keys() -> None:
+    now = [0.0]
+    throttle = Throttle(60.0, clock=lambda: now[0], max_keys=3)
+    for key in ("a", "b", "c"):
+        assert throttle(key) == 0
+    assert throttle("a") is None  # "a" is the newest now; "b" the oldest
+    for i in range(10_000):
+        throttle(f"spray-{i}")
+    assert len(throttle._keys) == 3  # a key per message did not grow it
+    assert throttle("a") == 0  # forgotten: reported again, as new
+
+
+def test_the_throttle_lets_through_at_most_its_budget_per_interval_and_counts_the_rest() -> None:
+    now = [0.0]
+    throttle = Throttle(60.0, clock=lambda: now[0], budget=2)
+    assert [(throttle(k), throttle.exhausted) for k in ("a", "b", "c", "d")] == [(0, False), (0, False), (None, True),
+                                                                                (None, False)]
+    assert throttle.over_budget == 2
+    assert throttle("a") is None and throttle.over_budget == 2  # within its own interval: not the budget's doing
+    assert not throttle.exhausted
+    now[0] = 60.0
+    assert throttle("c") == 1 and throttle.over_budget == 0  # the held-back one comes with its count
+    assert throttle("a") == 1
+
+
 def test_diagnosis_is_sans_io(tmp_path: Path) -> None:
     source = Path(diagnosis.__file__).read_text()
     assert "import paho" not in source and "open(" not in source
