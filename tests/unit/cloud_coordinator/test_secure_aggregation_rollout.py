@@ -36,6 +36,12 @@ def test_config_names_bad_keys(small_rollout) -> None:
         small_rollout(fedavg={"secure_aggregation": True, "secagg_min_survivors": 3})  # cells of 2
     with pytest.raises(ConfigError, match="secagg_threshold"):
         small_rollout(fedavg={"secure_aggregation": True, "secagg_threshold": 0.5})
+    with pytest.raises(ConfigError, match="secagg_phases"):  # no time left to carry the update to the cloud
+        small_rollout(fedavg={"secure_aggregation": True, "secagg_phases": [0.7, 0.1, 0.1, 0.1]})
+    with pytest.raises(ConfigError, match="secagg_phases"):
+        small_rollout(fedavg={"secure_aggregation": True, "secagg_phases": [0.6, 0.1, 0.1]})
+    assert small_rollout(fedavg={"secure_aggregation": True, "secagg_phases": [0.5, 0.2, 0.1, 0.1]}) \
+        .algorithm_config().secagg_phases == (0.5, 0.2, 0.1, 0.1)
     with pytest.raises(ConfigError, match="aggregation.edge"):
         small_rollout(fedavg={"secure_aggregation": True}, aggregation={"edge": "median"})
     with pytest.raises(ConfigError, match="privacy.device_sampling"):  # distributed DP: devices sample themselves
