@@ -54,11 +54,14 @@ from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport
 from fedtier.wire import messages
 from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellUpdate
+from fedtier.secagg.messages import TO_CLOUD as SECAGG_TO_CLOUD
 
 log = logging.getLogger("fedtier.coordinator")
 
 CLEAR_TIMEOUT_S = 10.0
 """How long a finished coordinator waits for the broker to acknowledge that it cleared the manifest."""
+CELL_REPORTS = (CellUpdate, *SECAGG_TO_CLOUD)
+"""What a cell sends for a round, handed to the rollout's role: its update, or its secure aggregation's abort."""
 
 
 class Evaluator(Protocol):
@@ -276,7 +279,7 @@ class CloudNode(NodeBase):
         else:
             params, start_round, version = latest.params, latest.round + 1, latest.version
             log.info("resuming rollout %s at round %d from model version %d", self.rollout, start_round, version)
-        module = algorithms.load(self.cfg.algorithm)
+        module = algorithms.load(self.prepared.algorithm_config().ALGORITHM)  # a variant's own roles (secure_fedavg)
         replan = self.cfg.round_planner()
         plan = self.prepared.noise_plan
         if plan is not None:
@@ -410,11 +413,11 @@ class CloudNode(NodeBase):
         if msg is None:
             return
         try:
-            if isinstance(msg, CellUpdate) and (self.role is None or self.finished):
+            if isinstance(msg, CELL_REPORTS) and (self.role is None or self.finished):
                 # paused between rounds, not started, or over: an edge re-sending a closed round's update
                 raise LateMessageError(f"update for round {msg.round} of {self.rollout}, which has no round open "
                                        f"({self.store.status(self.rollout)})")
-            if isinstance(msg, CellUpdate):
+            if isinstance(msg, CELL_REPORTS):
                 self._on_update(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             elif isinstance(msg, ArtifactRequest):
                 self._serve_artifacts(msg)
@@ -571,8 +574,10 @@ class CloudNode(NodeBase):
         return row
 
     def _cell_rows(self, closed: RoundClosed, cells: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-        """Each cell of the rollout in a round's row: who reported, who not, what it rejected, its bytes."""
+        """Each cell of the rollout in a round's row: who reported, who not, what it rejected, its bytes; under
+        secure aggregation which phase closed without whom (``secagg.waited``) or why the cell aborted."""
         out: dict[str, dict[str, Any]] = {}
+        aborts = closed.metrics.get("secagg_aborts", {})
         for c in sorted(self.prepared.cells):
             reported = closed.reported.get(c, ())
             stats = cells.get(c, {})
@@ -581,6 +586,11 @@ class CloudNode(NodeBase):
                       "rejected": _rejected_counts(stats.get("rejected")),
                       "device_up_bytes": int(stats.get("device_up_bytes", 0)),
                       "device_down_bytes": int(stats.get("device_down_bytes", 0))}
+            abort = aborts.get(c)
+            waited = stats.get("secagg_waited") or (abort or {}).get("waited") or {}
+            if waited or abort:
+                out[c]["secagg"] = {"waited": waited, **({"aborted": {k: v for k, v in abort.items() if k != "waited"}}
+                                                         if abort else {})}
         return out
 
     def _charge_privacy(self, closed: RoundClosed,

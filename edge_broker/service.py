@@ -69,6 +69,9 @@ log = logging.getLogger("fedtier.edge")
 
 SECAGG_ABORTS = "fedtier_secagg_aborts_total"
 """Cell rounds a secure aggregation aborted, by typed reason (``fedtier.secagg.protocol.Abort``)."""
+SECAGG_WAITED = "fedtier_secagg_waited_total"
+"""Devices a secure-aggregation phase closed without at its own deadline, by phase (no device labels: which
+devices is in the edge's ``secagg_waited`` log line and the cell update's ``stats``)."""
 AGGREGATION_SECONDS = "fedtier_edge_aggregation_seconds"
 """Histogram: from a round's cell task arriving to the cell's update leaving for the cloud."""
 
@@ -328,6 +331,9 @@ class EdgeNode(NodeBase):
         for action in actions:
             if isinstance(action, Note) and action.event == "secagg_abort":
                 self.metrics.inc(SECAGG_ABORTS, reason=action.fields.get("reason", "unknown"))
+            elif isinstance(action, Note) and action.event == "secagg_waited":
+                for phase, missing in dict(action.fields.get("waited", {})).items():
+                    self.metrics.inc(SECAGG_WAITED, len(missing), phase=phase)
             elif isinstance(action, Broadcast):
                 payload = action.message.encode(action.encodings)
                 sent = self.cell_tx.publish(topics.cell_down(rollout, self.cell, action.message.KIND), payload)
@@ -367,6 +373,10 @@ class EdgeNode(NodeBase):
                 # else: a replay closed the cell again; the same bytes go out, never a second noisy release
                 self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), stored)
                 arrived = self._task_arrived.pop((rollout, msg.round), None)
+                if isinstance(msg, secagg_messages.SecAggAborted):
+                    log.info("cell %s aborted round %s of %s in secure aggregation phase %s (%s): no update, the "
+                             "abort -> cloud", self.cell, msg.round, rollout, msg.phase, msg.reason)
+                    continue
                 if arrived is not None:
                     self.metrics.observe(AGGREGATION_SECONDS, time.monotonic() - arrived)
                 log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,

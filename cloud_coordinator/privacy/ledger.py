@@ -18,6 +18,14 @@ that missed the deadline may still send its noised aggregate. So at every close 
 charges each planned release of the round that has no record, at its planned multiplier,
 with ``observed = 0``. A device's epsilon therefore never depends on which messages arrived.
 
+One report takes a release off instead: a distributed-DP cell whose secure aggregation aborted
+before any device revealed a share (``fedtier.secagg.protocol.UNREVEALED``: too few keys,
+shares or masked inputs) says so to the cloud in time (``secure_fedavg.Cloud`` puts it in the
+round's privacy reports), and nothing is charged for it: no sum of that round exists or can
+ever be unmasked, since no device revealed and none reveals for a closed round. An abort while
+revealing is charged as planned (the shares that did arrive may unmask the sum), and so is an
+abort whose report came too late: the conservative side, as for any cell that did not report.
+
 Every release is charged against its sound sensitivity, whatever the calibration mode: a trusted
 cell's ``2C (1/n + tau - 1)`` also in paper mode, whose noise is calibrated against Lemma 1's
 ``2C/n`` (``fedtier.privacy.plan``); the audited record carries that multiplier, and ``planned``
@@ -41,6 +49,7 @@ from cloud_coordinator.privacy.accountant import Accountant
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.privacy import audit
 from fedtier.privacy.plan import NoisePlan
+from fedtier.secagg.protocol import UNREVEALED
 
 log = logging.getLogger("fedtier.coordinator.privacy")
 
@@ -124,6 +133,8 @@ class PrivacyLedger:
             seen = {(r["node"], int(r["step"])): r for r in report.get("releases", ())}
             if p.cell_releases:  # a trusted edge's release, or under distributed DP its devices' summed shares
                 record = seen.get((cell, 0))
+                if record is None and p.distributed and _released_nothing(report):
+                    continue  # its secure aggregation aborted before any device revealed: nothing to charge
                 if record is not None:
                     # Charged to every member, reported or not, like the planned release below: who is on the
                     # ledger (and a device's epsilon) never depends on which messages arrived.
@@ -177,6 +188,12 @@ class PrivacyLedger:
         values = list(eps.values()) or [0.0]
         return {"epsilon_max": max(values), "epsilon_min": min(values), "delta": self.plan.delta,
                 "budget_epsilon": self.plan.budget_epsilon, "mode": self.plan.mode, "epsilon": eps}
+
+
+def _released_nothing(report: Mapping[str, Any]) -> bool:
+    """Whether a cell's report says its secure aggregation aborted before any share was revealed."""
+    abort = report.get("secagg_abort")
+    return isinstance(abort, Mapping) and abort.get("phase") in UNREVEALED
 
 
 def recompute(store: CoordinatorStore, rollout: str, delta: float, accounting: str = "rdp") -> dict[str, float]:

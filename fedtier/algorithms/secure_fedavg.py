@@ -12,10 +12,20 @@ the device upload replaced by SecAgg+ (``fedtier.secagg.protocol``):
     device -> edge    SecAggReveal     edge: sum of U3's x_i, decoded; mean = sum / |U3|
     edge   -> cloud   CellUpdate(mean, weight |U3|, reported U3)  (as FedAvg)
 
-Each phase closes when everyone it waits for answered, or at its deadline (``deadline_s``)
-with whoever did; a phase that closes with fewer than ``secagg_min_survivors`` aborts the
-cell's round (a ``Note("secagg_abort")`` with the typed reason); the cloud's quorum over cells
-then closes the round without that cell and the next round starts as usual.
+Each phase closes when everyone it waits for answered, or at its own deadline with whoever did.
+The deadlines split the round's (``deadline_s``, which the cloud also waits): ``secagg_phases``
+gives each phase a share of it, counted from the cell task's arrival and cumulated — keys
+(training included) by ``f_1 deadline_s``, shares by ``(f_1 + f_2) deadline_s``, and so on — so a
+phase that closes early leaves its time to the next ones, and the last closes by ``sum(f)
+deadline_s``: what is left (at least 5 %) carries the cell's update to the cloud in time. A
+cell with at least ``secagg_min_survivors`` answering devices thus always delivers within the
+round. A phase that closes with fewer aborts the cell's round: a ``Note("secagg_abort")`` with
+the typed reason, and a ``SecAggAborted`` report to the cloud instead of a cell update. The
+cloud role here counts the cell as answered (the round closes as soon as every cell updated
+or aborted and a quorum of cells updated) and hands the abort to the privacy ledger, which
+charges nobody for a cell that aborted before any device revealed a share (nothing can ever be
+unmasked: ``protocol.UNREVEALED``). Per round the edge says which phase closed without whom:
+one ``Note("secagg_waited")`` and the cell update's ``stats["secagg_waited"]`` (phase -> devices).
 
 Restrictions (validated): one edge round, uniform weighting (the edge sees only a sum, so it
 cannot weight), no quantization (the ring encoding is the quantizer), no federated evaluation
@@ -35,16 +45,18 @@ does, so the release never reveals who or how many were sampled.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from fedtier.algorithms.base import Action, Dropped, LocalResult, LocalTrain, Note, RoleState, \
+from fedtier.algorithms.base import Action, Dropped, LocalResult, LocalTrain, Note, RoleState, RoundClosed, \
     SendToChild, SendToParent
 from fedtier.algorithms import strategies
-from fedtier.algorithms.cloud import Cloud
-from fedtier.algorithms.common import check_int, check_like
+from fedtier.algorithms.cloud import Cloud as _Cloud
+from fedtier.algorithms.common import check_int, check_like, quorum_count
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.algorithms.hier_qsgd import _DeviceBase, _EdgeBase
 from fedtier.privacy import audit
@@ -61,6 +73,7 @@ from fedtier.errors import (
 from fedtier.rng import stream
 from fedtier.secagg import ring
 from fedtier.secagg.messages import (
+    SecAggAborted,
     SecAggBundle,
     SecAggKeys,
     SecAggMasked,
@@ -69,10 +82,30 @@ from fedtier.secagg.messages import (
     SecAggShares,
     SecAggUnmask,
 )
-from fedtier.secagg.protocol import Abort, DeviceSession, EdgeSession, Phase, SecAggParams, Unmasked
-from fedtier.wire.messages import CellTask, DeviceTask, Message
+from fedtier.secagg.protocol import PHASES, Abort, DeviceSession, EdgeSession, Phase, SecAggParams, Unmasked
+from fedtier.wire.messages import CellTask, CellUpdate, DeviceTask, Message
 
 NAME = "secure_fedavg"
+
+PHASE_SHARES = (0.6, 0.1, 0.1, 0.1)
+"""Default shares of the round's deadline for the keys (training included), shares, masked and reveal
+phases: together 0.9, so the cell's update leaves by 90 % of the deadline."""
+MAX_PHASES_SHARE = 0.95
+"""The phases may take at most this share of the round's deadline: the rest is the hops' (the cloud's task
+to the edge, the cell's update to the cloud)."""
+
+
+def check_phase_shares(shares: Any) -> tuple[float, ...]:
+    """``secagg_phases`` as a tuple of four floats, or ``LocalProtocolError`` saying what is wrong."""
+    if (not isinstance(shares, (list, tuple)) or len(shares) != len(PHASES)
+            or not all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in shares)):
+        raise LocalProtocolError(f"secagg_phases must be {len(PHASES)} shares of deadline_s (keys, shares, masked, "
+                                 f"reveal), got {shares!r}")
+    out = tuple(float(f) for f in shares)
+    if not all(math.isfinite(f) and f > 0 for f in out) or sum(out) > MAX_PHASES_SHARE + 1e-9:
+        raise LocalProtocolError(f"secagg_phases must each be > 0 and sum to at most {MAX_PHASES_SHARE} of "
+                                 f"deadline_s (the rest carries the update to the cloud), got {shares!r}")
+    return out
 
 __all__ = ["SecureFedAvgConfig", "Device", "Edge", "Cloud", "NAME", "edge_sees_individual_updates"]
 
@@ -91,6 +124,9 @@ class SecureFedAvgConfig(FedAvgConfig):
             ``(1 - secagg_threshold)`` of them between the shares and reveal phases.
         secagg_bits: the ring Z_{2^bits} updates are encoded in (16..62).
         secagg_clip: L2 bound each device's update is clipped to before encoding.
+        secagg_phases: each phase's share of ``deadline_s`` — keys (training included), shares,
+            masked, reveal —, each > 0, at most ``MAX_PHASES_SHARE`` together (the rest carries the
+            cell's update to the cloud within the round's deadline).
     """
 
     ALGORITHM: ClassVar[str] = NAME
@@ -100,6 +136,7 @@ class SecureFedAvgConfig(FedAvgConfig):
     secagg_threshold: float = 0.6
     secagg_bits: int = 48
     secagg_clip: float = 10.0
+    secagg_phases: tuple[float, ...] = PHASE_SHARES
 
     def __post_init__(self) -> None:
         FedAvgConfig.__post_init__(self)
@@ -109,7 +146,16 @@ class SecureFedAvgConfig(FedAvgConfig):
             raise LocalProtocolError("secure aggregation needs weighting = 'uniform' (the edge sees only a sum)")
         check_int(self.secagg_min_survivors, "secagg_min_survivors", 1)
         check_int(self.secagg_degree, "secagg_degree", 2)
+        object.__setattr__(self, "secagg_phases", check_phase_shares(self.secagg_phases))  # a task's list: a tuple
         self.params(1)  # validates threshold, bits and clip
+
+    def phase_deadlines(self, start: float) -> tuple[float, ...]:
+        """When each phase of a round whose cell task arrived at ``start`` closes at the latest (cumulated)."""
+        ends, elapsed = [], 0.0
+        for share in self.secagg_phases:
+            elapsed += share
+            ends.append(start + elapsed * self.deadline_s)
+        return tuple(ends)
 
     def params(self, members: int, ring_clip: float | None = None) -> SecAggParams:
         """The protocol's parameters for a cell of ``members`` devices; ``ring_clip`` replaces
@@ -284,6 +330,15 @@ class Edge(_EdgeBase):
         self.session: EdgeSession | None = None
         self.aborts: list[Abort] = []
         self._survivors: list[str] = []
+        self._opened = 0.0
+        self._phase_ends: tuple[float, ...] = ()
+        """When each phase of the open round closes at the latest (``SecureFedAvgConfig.phase_deadlines``)."""
+        self._waited: dict[str, tuple[str, ...]] = {}
+        """Phase -> the members it closed without at its deadline, in the open round."""
+
+    def _begin_step(self, now: float, event: str) -> None:
+        self._opened = now  # the phases' deadlines count from the task's arrival (``_start``)
+        super()._begin_step(now, event)
 
     def _start(self, config: Any) -> None:
         assert self._task is not None
@@ -292,6 +347,9 @@ class Edge(_EdgeBase):
         ring_clip = plan.ring_clip(self.cell, length) if plan is not None else None
         self.session = EdgeSession(self._task.members, config.params(len(self._task.members), ring_clip), config.seed,
                                    self.rollout, self._task.round, length)
+        self._phase_ends = config.phase_deadlines(self._opened)
+        self._deadline = self._phase_ends[0]
+        self._waited = {}
 
     @property
     def reported(self) -> tuple[str, ...]:
@@ -359,7 +417,10 @@ class Edge(_EdgeBase):
         s = self.session
         assert s is not None and self._task is not None
         r = self._task.round
-        self._deadline = now + self._config.deadline_s
+        missing = tuple(sorted(set(s.expected()) - set(s.answered())))
+        if missing:  # closed at its deadline: say who it waited for
+            self._waited[s.phase.value] = missing
+        self._deadline = self._phase_ends[min(PHASES.index(s.phase) + 1, len(self._phase_ends) - 1)]
         if s.phase is Phase.KEYS:
             roster = s.close_keys()
             if isinstance(roster, Abort):
@@ -400,8 +461,19 @@ class Edge(_EdgeBase):
         mean = ring.unflatten(codec.decode_sum(result.total) / denominator, self._params)
         self._updates = {d: None for d in ids}  # the base's bookkeeping: no per-device values are kept
         self._survivors = ids
-        return [Note("secagg_unmasked", {"round": self.round, "survivors": n}),
-                *self._forward(mean, ids, [1.0] * n, 0.0, 0.0)]
+        waited = self._waited_lists()
+        forwarded = [dataclasses.replace(a, message=dataclasses.replace(
+                         a.message, stats={**a.message.stats, "secagg_waited": waited}))
+                     if waited and isinstance(a, SendToParent) and isinstance(a.message, CellUpdate) else a
+                     for a in self._forward(mean, ids, [1.0] * n, 0.0, 0.0)]
+        return [Note("secagg_unmasked", {"round": self.round, "survivors": n}), *self._waited_note(), *forwarded]
+
+    def _waited_lists(self) -> dict[str, list[str]]:
+        return {phase: list(ids) for phase, ids in self._waited.items()}
+
+    def _waited_note(self) -> list[Action]:
+        """The round's one line: which phase closed at its deadline without whom (none if nobody was waited for)."""
+        return [Note("secagg_waited", {"round": self.round, "waited": self._waited_lists()})] if self._waited else []
 
     def _privatize(self, delta: Any) -> tuple[Any, dict[str, Any] | None]:
         """Distributed DP: the sum already carries the devices' noise; the edge adds none and reports the
@@ -421,11 +493,98 @@ class Edge(_EdgeBase):
         return delta, report
 
     def _abort(self, abort: Abort) -> list[Action]:
+        """No cell update for this round: the cloud is told why instead (and, through it, the privacy ledger)."""
         self.aborts.append(abort)
-        self._transition("abort")  # nothing goes up for this round; the next task starts afresh
+        self._transition("abort")  # the next task starts afresh
+        report = SecAggAborted(rollout=self.rollout, round=self.round, sender=self.cell, phase=abort.phase,
+                               reason=abort.reason, have=abort.have, need=abort.need,
+                               waited={p: tuple(ids) for p, ids in self._waited.items()})
         return [Note("secagg_abort", {"round": self.round, "phase": abort.phase, "reason": abort.reason,
-                                      "have": abort.have, "need": abort.need})]
+                                      "have": abort.have, "need": abort.need}),
+                *self._waited_note(), SendToParent(report)]
 
     def _close(self, now: float) -> list[Action]:  # the base's deadline path is replaced by tick()
         return self._advance(now)
 
+
+class Cloud(_Cloud):
+    """The rounds of a secure-aggregation rollout: ``fedtier.algorithms.cloud.Cloud`` plus the cells' abort reports.
+
+    A cell that reports ``SecAggAborted`` for the open round has answered: it sends no update for it, so the round
+    closes as soon as every cell updated or aborted and a quorum of cells updated (else at the deadline, as
+    before; with no update at all the round waits, as for offline cells). The closed round carries the aborts
+    in ``metrics["secagg_aborts"]`` and, under a noise plan, in ``metrics["privacy"][cell]["secagg_abort"]`` for
+    the ledger (``PrivacyLedger.rows_for_round``). A report that arrives after the round closed is refused as
+    late: the ledger has charged the cell's planned release, as for any cell that did not report in time.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._aborted: dict[str, SecAggAborted] = {}
+
+    def receive(self, message: Message, now: float) -> list[Action]:
+        if isinstance(message, SecAggAborted):
+            return self._on_abort(message, now)
+        if isinstance(message, CellUpdate) and message.sender in self._aborted and message.round == self.round:
+            raise UnexpectedMessageError(f"cell update from {message.sender!r}, whose secure aggregation of round "
+                                         f"{message.round} aborted")
+        opened = self.round
+        actions = super().receive(message, now)
+        return actions if self.round != opened else [*actions, *self._close_if_answered(now)]
+
+    def _on_abort(self, message: SecAggAborted, now: float) -> list[Action]:
+        if message.sender not in self.cells:
+            raise UnknownSenderError(f"abort report from unknown cell {message.sender!r}")
+        if message.round < self.round or self._state is RoleState.FINISHED:
+            raise LateMessageError(f"abort report for round {message.round}; cloud is at round {self.round}")
+        if message.round > self.round or self._state is not RoleState.COLLECTING:
+            raise WrongRoundError(f"abort report for round {message.round}; cloud is at round {self.round}")
+        if message.sender in self._aborted:
+            return [Dropped("duplicate", message.key)]
+        if message.sender not in self._round_cells:
+            raise UnknownSenderError(f"cell {message.sender!r} has no member in round {message.round}")
+        if message.sender in self._updates:
+            raise UnexpectedMessageError(f"abort report from {message.sender!r}, whose update of round "
+                                         f"{message.round} arrived")
+        self._aborted[message.sender] = message
+        note = Note("cell_aborted", {"round": message.round, "cell": message.sender, "phase": message.phase,
+                                     "reason": message.reason})
+        return [note, *self._close_if_answered(now)]
+
+    def _close_if_answered(self, now: float) -> list[Action]:
+        """Close the round early when every cell updated or aborted and a quorum of them updated."""
+        if (self._state is not RoleState.COLLECTING or not self._aborted
+                or set(self._updates) | set(self._aborted) != set(self._round_cells)
+                or not self._updates
+                or len(self._updates) < quorum_count(self.config.quorum, len(self._round_cells))):
+            return []
+        return self._close(now)
+
+    def _open(self, now: float) -> list[Action]:
+        self._aborted = {}
+        return super()._open(now)
+
+    def _close(self, now: float) -> list[Action]:
+        aborts = {c: {"phase": m.phase, "reason": m.reason, "have": m.have, "need": m.need,
+                      "waited": {p: list(ids) for p, ids in m.waited.items()}}
+                  for c, m in sorted(self._aborted.items())}
+        private = self._noise_plan() is not None
+        actions = super()._close(now)
+        if not aborts:
+            return actions
+        return [self._with_aborts(a, aborts, private) if isinstance(a, RoundClosed) else a for a in actions]
+
+    @staticmethod
+    def _with_aborts(closed: RoundClosed, aborts: dict[str, dict[str, Any]], private: bool) -> RoundClosed:
+        metrics = {**closed.metrics, "secagg_aborts": aborts}
+        if private:
+            metrics["privacy"] = {**closed.metrics.get("privacy", {}),
+                                  **{c: {"secagg_abort": {"phase": a["phase"], "reason": a["reason"]}}
+                                     for c, a in aborts.items()}}
+        return dataclasses.replace(closed, metrics=metrics)
+
+    def resend(self, child: str, now: float) -> list[Action]:
+        return [] if child in self._aborted else super().resend(child, now)
+
+    def overdue(self, now: float) -> tuple[str, ...]:
+        return tuple(c for c in super().overdue(now) if c not in self._aborted)

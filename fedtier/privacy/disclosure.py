@@ -152,6 +152,8 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
         "m.stats.device_down_bytes": Field(PUBLIC, _BYTES),
         "m.stats.rejected": Field(PUBLIC, "how many messages the edge refused since its last update, by typed "
                                           "reason (protocol faults: late, duplicate key, bad signature...), not data"),
+        "m.stats.secagg_waited.*": Field(PUBLIC, "secure aggregation: per phase, the members it closed without at "
+                                                 "its deadline (participation)"),
         "m.privacy.trusted": Field(PUBLIC, "the cell's trust label, from the plan"),
         "m.privacy.distributed": Field(PUBLIC, "distributed DP (secure aggregation): the cell's release is its "
                                                "devices' noised sum, from the plan"),
@@ -185,6 +187,15 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
         **HEADER,
         "m.shares.*": Field(DERIVED, "per neighbour, one Shamir share of a self-mask seed (survivor) or of a "
                                      "key (dropped): protocol randomness, not data"),
+    },
+    # edge -> cloud under secure aggregation, instead of a cell update: the round aborted.
+    "secagg_aborted": {
+        **HEADER,
+        "m.phase": Field(PUBLIC, "the protocol phase that closed with too few devices (the schedule)"),
+        "m.reason": Field(PUBLIC, "the abort's typed reason (too few keys, shares, inputs or reveals): participation"),
+        "m.have": Field(PUBLIC, "how many devices (or revealed shares) the phase had (participation)"),
+        "m.need": Field(PUBLIC, "how many it needed: s_min or a threshold t, from the config"),
+        "m.waited.*": Field(PUBLIC, "per phase, the members it closed without at its deadline (participation)"),
     },
     # device -> edge, edge -> cloud: artifact files by digest.
     "artifact_request": {
@@ -261,6 +272,8 @@ SAMPLED: Mapping[str, Mapping[str, Field]] = {
         "m.privacy.releases[].inputs.survivors": Field(PUBLIC, "distributed DP: every member takes part in the "
                                                                "protocol, sampled or not, so this is how many "
                                                                "answered, never how many were sampled"),
+        "m.stats.secagg_waited.*": Field(PUBLIC, "distributed DP: every member takes part in the protocol, sampled "
+                                                 "or not, so these are who did not answer, never who was sampled"),
         "m.privacy.releases[].sigma": Field(DERIVED, _HIDDEN + "z C / (q n): fixed by the plan, whoever reported"
                                                        + _CLIP_WHY),
         "m.privacy.releases[].sensitivity": Field(DERIVED, _HIDDEN + "C / (q n) (2C / round(q n) fixed-size): "

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 from fedtier import algorithms
 from fedtier.algorithms import strategies
 from fedtier.algorithms.fedavg import FedAvgConfig
-from fedtier.algorithms.secure_fedavg import SecureFedAvgConfig
+from fedtier.algorithms.secure_fedavg import MAX_PHASES_SHARE, PHASE_SHARES, SecureFedAvgConfig, check_phase_shares
 from fedtier.algorithms.fedxl import FedXLConfig
 from fedtier.algorithms.hier_qsgd import HierConfig
 from fedtier.algorithms.hist import HistConfig
@@ -314,6 +314,10 @@ class FedAvgSection(RoundSection):
                                                     "integers modulo 2^bits.")
     secagg_clip: float = opt(10.0, gt=0, help="Secure aggregation: L2 bound each device's update is clipped to "
                                               "before encoding.")
+    secagg_phases: tuple[float, ...] = opt(PHASE_SHARES, help="Secure aggregation: each phase's share of "
+                                           "deadline_s (keys, training included; shares; masked; reveal), counted "
+                                           f"from the cell's task and cumulated; > 0 each, <= {MAX_PHASES_SHARE} "
+                                           "together (the rest carries the cell's update to the cloud in time).")
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         if self.secure_aggregation and self.edge_rounds != 1:
@@ -322,6 +326,10 @@ class FedAvgSection(RoundSection):
         if self.secure_aggregation and self.weighting != "uniform":
             raise self.error("secure aggregation needs uniform weights: the edge sees only the cell's sum",
                              "weighting", prefix=prefix, source=source)
+        try:
+            check_phase_shares(self.secagg_phases)
+        except LocalProtocolError as exc:
+            raise self.error(str(exc), "secagg_phases", prefix=prefix, source=source) from None
 
     def algorithm_config(self, seed: int) -> FedAvgConfig:
         if self.secure_aggregation:
@@ -329,6 +337,7 @@ class FedAvgSection(RoundSection):
                                       partial_work=self.partial_work, secagg_min_survivors=self.secagg_min_survivors,
                                       secagg_degree=self.secagg_degree, secagg_threshold=self.secagg_threshold,
                                       secagg_bits=self.secagg_bits, secagg_clip=self.secagg_clip,
+                                      secagg_phases=self.secagg_phases,
                                       **self.common(seed))
         return FedAvgConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, partial_work=self.partial_work,
                             **self.common(seed))

@@ -213,6 +213,8 @@ DOCS = {
     "fedtier_edge_aggregation_seconds": "Seconds from a round's cell task arriving at the edge to the cell's "
                                         "update leaving for the cloud.",
     "fedtier_secagg_aborts_total": "Secure-aggregation rounds of the cell the edge aborted, by reason.",
+    "fedtier_secagg_waited_total": "Devices a secure-aggregation phase of the cell closed without at its own "
+                                   "deadline, by phase.",
 }
 """Help text of every series a fedtier node exports (docs/operations.md lists them with their labels)."""
 

@@ -1,4 +1,5 @@
-"""Secure aggregation's wire messages: four up (device -> edge), three down (edge -> one device).
+"""Secure aggregation's wire messages: four up (device -> edge), three down (edge -> one device), and
+the edge's report of an aborted round to the cloud (``SecAggAborted``).
 
 They travel on the cell's existing topics (the kind is the last topic level) and use the
 ordinary envelope: keys, ciphertexts and shares are msgpack ``bin`` fields of the header
@@ -12,13 +13,14 @@ cell), so their idempotency keys name the receiver too.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
 from fedtier.errors import MalformedHeaderError
-from fedtier.secagg.protocol import AdvertisedKeys
+from fedtier.secagg.protocol import PHASES, AdvertisedKeys
 from fedtier.wire import Envelope, TensorEncoding
 from fedtier.wire.messages import Message, Tensors, make_key, register_message
 
@@ -249,7 +251,50 @@ class SecAggReveal(Message):
         return cls(rollout=env.rollout, round=env.round, sender=env.sender, shares=_blob_map(env.meta, "shares"))
 
 
+_REASON = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_PHASE_NAMES = tuple(p.value for p in PHASES)
+
+
+def _waited(meta: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    raw = meta.get("waited")
+    if not isinstance(raw, Mapping) or not all(k in _PHASE_NAMES for k in raw):
+        raise MalformedHeaderError(f"field 'waited' must map phases ({', '.join(_PHASE_NAMES)}) to node ids")
+    return {phase: _ids(raw, phase) for phase in raw}
+
+
+@register_message
+@dataclass(frozen=True, slots=True, eq=False)
+class SecAggAborted(Message):
+    """Edge -> cloud: the cell's secure aggregation of ``round`` aborted in ``phase`` (typed ``reason``, ``have``
+    of ``need``); no cell update comes for the round. ``waited``: per phase, the members it closed without at
+    its deadline. An abort in a phase of ``protocol.UNREVEALED`` released nothing (the ledger charges nobody)."""
+
+    KIND: ClassVar[str] = "secagg_aborted"
+
+    phase: str = ""
+    reason: str = ""
+    have: int = 0
+    need: int = 0
+    waited: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"phase": self.phase, "reason": self.reason, "have": self.have, "need": self.need,
+                "waited": {phase: list(ids) for phase, ids in self.waited.items()}}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "SecAggAborted":
+        phase, reason = env.meta.get("phase"), env.meta.get("reason")
+        if phase not in _PHASE_NAMES:
+            raise MalformedHeaderError(f"field 'phase' must be one of {', '.join(_PHASE_NAMES)}")
+        if not isinstance(reason, str) or _REASON.fullmatch(reason) is None:
+            raise MalformedHeaderError("field 'reason' must be a short lowercase identifier")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, phase=str(phase), reason=reason,
+                   have=_size(env.meta, "have"), need=_size(env.meta, "need"), waited=_waited(env.meta))
+
+
 UPWARD = (SecAggKeys, SecAggShares, SecAggMasked, SecAggReveal)
 """Device -> edge kinds (the edge shell routes them to the cell's role)."""
 DOWNWARD = (SecAggRoster, SecAggBundle, SecAggUnmask)
 """Edge -> device kinds (the device shell routes them to the rollout's role)."""
+TO_CLOUD = (SecAggAborted,)
+"""Edge -> cloud kinds (the coordinator routes them to the rollout's role, as cell updates)."""

@@ -27,6 +27,11 @@ from honest neighbours. ``s_min`` is
 the fewest devices a sum may contain: a phase that closes with fewer aborts the cell's step
 (``Abort``, a typed reason) and every honest device refuses to reveal for fewer.
 
+Time is the shell's: the edge closes a phase when everyone it waits for answered or when the
+phase's own deadline passes (``fedtier.algorithms.secure_fedavg``). A message of a phase that
+has closed is refused as late (``LateMessageError``), one of a phase not open yet as
+``WrongPhaseError``; either leaves the session as it was.
+
 Everything here is deterministic given its inputs except the fresh keys, seeds and share
 coefficients, which come from the OS CSPRNG (a device session's ``entropy``) and the encryption
 nonces (always the OS CSPRNG).
@@ -45,6 +50,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from fedtier.errors import (
+    LateMessageError,
     LocalProtocolError,
     MalformedShareError,
     UnknownSenderError,
@@ -63,6 +69,15 @@ class Phase(enum.Enum):
     REVEAL = "reveal"
     DONE = "done"
     ABORTED = "aborted"
+
+
+PHASES = (Phase.KEYS, Phase.SHARES, Phase.MASKED, Phase.REVEAL)
+"""The phases that collect, in order (each closes at its own deadline: ``secure_fedavg``)."""
+UNREVEALED = frozenset(p.value for p in PHASES[:3])
+"""Phases whose abort leaves no sum to unmask, ever: no device has revealed a share (devices reveal
+only after the masked phase closed with at least ``s_min`` inputs), and a device reveals once. A
+cell that aborted in one of them released nothing; one that aborted while revealing may have (the
+shares that arrived after the abort would unmask the sum for whoever holds them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,8 +361,16 @@ class EdgeSession(_Session):
     # --- inputs ----------------------------------------------------------------------------------
 
     def _check(self, phase: Phase, sender: str) -> bool:
-        """True if ``sender`` already answered this phase (a duplicate)."""
+        """True if ``sender`` already answered this phase (a duplicate).
+
+        Raises:
+            LateMessageError: the phase has closed (at its deadline, or the round finished or aborted).
+            WrongPhaseError: the phase has not opened yet.
+        """
         if self.phase is not phase:
+            if self.phase not in PHASES or PHASES.index(self.phase) > PHASES.index(phase):
+                raise LateMessageError(f"{phase.value} message after that phase closed (the cell is in phase "
+                                       f"{self.phase.value})")
             raise WrongPhaseError(f"{phase.value} message while the cell is in phase {self.phase.value}")
         if sender not in self.expected():
             raise UnknownSenderError(f"{sender!r} is not expected in phase {phase.value}")

@@ -123,3 +123,77 @@ def test_distributed_dp_over_mosquitto_puts_each_cells_release_on_the_ledger(mos
     assert all(r["event"] == "edge" and r["observed"] and r["inputs"]["distributed"] for r in rows)
     assert all(r["inputs"]["survivors"] == 3 and len(r["protected"]) == 3 for r in rows)
     assert max(cloud.history[-1]["privacy"]["epsilon"].values()) <= 8.0 + 1e-6
+
+
+def _run_without(cfg: Any, offline: set[str], mosquitto: Any, tmp_path: Path) -> tuple[Any, ThreadFleet, Any]:
+    """``cfg``'s fleet through the test's Mosquitto with the ``offline`` devices never started, run to the end:
+    (the fleet's paths, the fleet, the coordinator node)."""
+    from local_fleet.configs import write_fleet
+
+    plain = cfg.to_dict()
+    plain.pop("broker", None)
+    plain["state_dir"] = str(tmp_path / "fleet" / "coordinator")
+    paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
+    fleet = ThreadFleet(paths)
+    try:
+        for device in paths.devices:
+            if device not in offline:
+                fleet.start_device(device)
+        for cell in paths.edges:
+            fleet.start_edge(cell)
+        fleet.start_coordinator()
+        cloud = fleet.wait_finished(timeout=240)
+    finally:
+        fleet.stop()
+    return paths, fleet, cloud
+
+
+def test_a_cell_of_six_with_one_silent_device_delivers_every_round(mosquitto, small_rollout, tmp_path: Path) -> None:
+    """Issue 31: 2 cells of 6, s_min 4, cell quorum 0.5, and one device of cell-a never comes online. Each
+    SecAgg+ phase has its own deadline inside the round's (keys: 0.6 deadline_s), so cell-a's update reaches
+    the coordinator before the round's deadline: 11 devices in every round. (With the keys phase waiting out
+    deadline_s, cell-a's update always came late and the cell missed 4 rounds of 4.)"""
+    from edge_broker.service import SECAGG_ABORTS, SECAGG_WAITED
+
+    cfg = small_rollout(rounds=4, topology={"cells": 2, "devices_per_cell": 6},
+                        fedavg={**SECURE["fedavg"], "secagg_min_survivors": 4, "quorum": 0.5, "deadline_s": 8.0})
+    silent = cfg.topology.layout()["cell-a"][0]
+    paths, fleet, cloud = _run_without(cfg, {silent}, mosquitto, tmp_path)
+    history = cloud.history
+    assert [r["round"] for r in history] == [0, 1, 2, 3]
+    assert [r["devices_reported"] for r in history] == [11, 11, 11, 11], history
+    assert all(r["missing"] == [silent] for r in history)
+    assert all(r["cells"]["cell-a"]["secagg"] == {"waited": {"keys": [silent]}} for r in history)
+    assert all(r["round_s"] < 8.0 for r in history[1:])  # the first round also waits for the fleet to start
+    edge = fleet.nodes["cell-a"].node
+    assert edge.metrics.get(SECAGG_WAITED, phase="keys") == 4 and edge.metrics.total(SECAGG_ABORTS) == 0
+    for name, running in fleet.nodes.items():
+        assert running.node.metrics.total(REJECTED) == 0, (name, running.node.metrics.snapshot())
+
+
+def test_a_cell_below_s_min_aborts_every_round_and_charges_no_device(mosquitto, small_rollout, tmp_path: Path) -> None:
+    """Distributed DP, cells of 3 with s_min 3, and one device of cell-b never comes online: cell-b's keys
+    phase closes with 2 < 3 at its own deadline and the cell aborts each round, reporting it to the coordinator,
+    which closes the round with cell-a at once (its cells all answered, a quorum updated) and charges cell-b's
+    devices nothing: no sum of theirs ever existed."""
+    from fedtier.rollout.config import RolloutConfig
+
+    cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3}, privacy={"epsilon": 8.0, "clip": 1.0},
+                        fedavg={**SECURE["fedavg"], "secagg_min_survivors": 3, "quorum": 0.5, "deadline_s": 6.0})
+    silent = cfg.topology.layout()["cell-b"][0]
+    paths, fleet, cloud = _run_without(cfg, {silent}, mosquitto, tmp_path)
+    history = cloud.history
+    assert [r["round"] for r in history] == [0, 1]
+    assert all(r["cells"]["cell-b"]["reported"] == [] and r["devices_reported"] == 3 for r in history)
+    assert all(r["cells"]["cell-b"]["secagg"]["aborted"]["reason"] == "too_few_keys" for r in history)
+    assert all(r["round_s"] < 6.0 for r in history[1:])
+    epsilon = history[-1]["privacy"]["epsilon"]
+    assert all(epsilon[d] == 0.0 for d in cfg.topology.layout()["cell-b"])
+    assert all(epsilon[d] > 0.0 for d in cfg.topology.layout()["cell-a"])
+    cfg = load(RolloutConfig, paths.coordinator)
+    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    try:
+        rows = store.privacy_releases(cfg.rollout)
+    finally:
+        store.close()
+    assert sorted((r["round"], r["node"]) for r in rows) == [(0, "cell-a"), (1, "cell-a")]

@@ -393,6 +393,47 @@ def test_a_trusted_cell_device_that_never_reported_is_listed_alike_by_ledger_and
     assert code == 0 and "MISMATCH" not in out
 
 
+def test_a_secure_cell_that_aborts_below_s_min_charges_no_device_and_the_report_agrees(
+        tmp_path: Path, artifact_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 31: distributed DP under secure aggregation, cells of 3 with s_min 3. dev-00 sits out round 1, so
+    # cell-a's keys phase closes with 2 < 3 and the cell aborts: no sum exists, and its abort report reaches the
+    # cloud within the round. The ledger charges nobody for cell-a's round 1 — its devices' epsilon stays where
+    # round 0 left it, cell-b's grows — and the report, recomputed from the rows, agrees with the live ledger.
+    from local_fleet.simulate import simulate
+    from device_agent.node import DeviceNode
+
+    run_task = DeviceNode._run_task
+    monkeypatch.setattr(DeviceNode, "_run_task", lambda self, task, now: None if (
+        self.device_id == "dev-00" and task.round == 1) else run_task(self, task, now))
+    text = rollout_toml(artifact_store, topology="").replace(
+        "edge_rounds = 2", "edge_rounds = 1\nquorum = 0.5\ndeadline_s = 5\nsecure_aggregation = true\n"
+        "secagg_min_survivors = 3\nsecagg_clip = 100.0")
+    config = write(tmp_path / "r.toml", text)
+    cfg = load(RolloutConfig, config)
+    result = simulate(cfg, workdir=cfg.state_dir)
+    assert [sorted(r["cells"]["cell-a"]["reported"]) for r in result.rounds] == [
+        ["dev-00", "dev-01", "dev-02"], [], ["dev-00", "dev-01", "dev-02"]]
+    assert result.rounds[1]["cells"]["cell-a"]["secagg"] == {
+        "waited": {"keys": ["dev-00"]}, "aborted": {"phase": "keys", "reason": "too_few_keys", "have": 2, "need": 3}}
+    eps = [r["privacy"]["epsilon"] for r in result.rounds]
+    cell_a, cell_b = ["dev-00", "dev-01", "dev-02"], ["dev-03", "dev-04", "dev-05"]
+    assert all(eps[1][d] == eps[0][d] > 0 for d in cell_a)  # round 1 released nothing of cell-a: unchanged
+    assert all(eps[1][d] > eps[0][d] for d in cell_b)
+    assert all(eps[2][d] > eps[1][d] for d in cell_a + cell_b)
+    assert all(eps[2][a] < eps[2][b] for a in cell_a for b in cell_b)
+    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    try:
+        rows = store.privacy_releases("dp")
+    finally:
+        store.close()
+    assert sorted((r["round"], r["node"]) for r in rows) == [(0, "cell-a"), (0, "cell-b"), (1, "cell-b"),
+                                                             (2, "cell-a"), (2, "cell-b")]
+    doc = run_json("report", "--config", config, "--out", tmp_path / "eps.png")
+    assert {d["device"]: d["epsilon"] for d in doc["devices"]} == pytest.approx(eps[-1], rel=1e-9)
+    assert all(d["agrees"] for d in doc["devices"]) and all(p["agrees"] for p in doc["rounds"])
+    assert doc["warnings"] == []
+
+
 def test_plan_warns_when_the_noise_will_destroy_the_rollout(tmp_path: Path, artifact_store: Path) -> None:
     # Issue 17 A6, tried as a new user would: 2 devices under an untrusted cell, epsilon 8, clip 1, 15 rounds. The
     # plan's sigma is 4.94; on the digits MLP (M = 64*64+64 + 64*10+10 = 4810 parameters) the cell's mean carries

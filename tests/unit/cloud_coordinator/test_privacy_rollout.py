@@ -253,3 +253,42 @@ def test_signal_to_noise_of_a_mixed_plan() -> None:
     # HIST: cells update disjoint submodels, so the global update is as noisy as the worst cell's.
     hist = utility.estimate(plan, {"cell-a": 100, "cell-b": 100}, cells_averaged=False)
     assert hist.cloud.snr == pytest.approx(min(est.edge.snr, est.device.snr))
+
+
+@pytest.mark.parametrize("phase,charged", [("keys", False), ("shares", False), ("masked", False), ("reveal", True)])
+def test_a_secure_cell_abort_charges_nobody_only_if_no_share_was_revealed(small_rollout, tmp_path: Path,
+                                                                        phase: str, charged: bool) -> None:
+    # Distributed DP: a cell whose secure aggregation aborted before the reveal phase has no sum, ever; one that
+    # aborted while revealing may have handed out enough shares for it, so it is charged as planned.
+    from cloud_coordinator.privacy.ledger import PrivacyLedger
+    from cloud_coordinator.rollout import prepare
+
+    cfg = small_rollout(rounds=2, topology={"cells": 2, "devices_per_cell": 3},
+                        fedavg={"secure_aggregation": True, "secagg_min_survivors": 3},
+                        privacy={"epsilon": 6.0, "clip": 1.0, "require_tls": False})
+    prepared = prepare(cfg)
+    assert prepared.noise_plan is not None and prepared.noise_plan.cells["cell-a"].distributed
+    store = CoordinatorStore(tmp_path / "c.db")
+    try:
+        ledger = PrivacyLedger(store=store, rollout="t", plan=prepared.noise_plan, cells=prepared.cells,
+                               cloud_id="cloud")
+        releases, _ = ledger.rows_for_round(0, {"cell-a": {"secagg_abort": {"phase": phase, "reason": "x"}}})
+    finally:
+        store.close()
+    assert sorted(r["node"] for r in releases) == (["cell-a", "cell-b"] if charged else ["cell-b"])
+    assert not any(r["observed"] for r in releases)
+
+
+def test_an_abort_report_of_a_cell_without_secure_aggregation_changes_nothing(small_rollout, tmp_path: Path) -> None:
+    from cloud_coordinator.privacy.ledger import PrivacyLedger
+    from cloud_coordinator.rollout import prepare
+
+    prepared = prepare(private(small_rollout, tmp_path))
+    store = CoordinatorStore(tmp_path / "c.db")
+    try:
+        ledger = PrivacyLedger(store=store, rollout="t", plan=prepared.noise_plan, cells=prepared.cells,
+                               cloud_id="cloud")
+        releases, _ = ledger.rows_for_round(0, {"cell-a": {"secagg_abort": {"phase": "keys", "reason": "x"}}})
+    finally:
+        store.close()
+    assert "cell-a" in {r["node"] for r in releases}  # a trusted edge's release: charged as planned

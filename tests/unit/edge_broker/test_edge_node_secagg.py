@@ -112,16 +112,40 @@ def test_a_restart_mid_round_does_not_crash_and_the_next_round_runs(tmp_path: Pa
     assert update.round == 1 and update.reported == MEMBERS
 
 
-def test_an_abort_is_counted_by_reason_and_nothing_goes_up(tmp_path: Path) -> None:
-    from edge_broker.service import SECAGG_ABORTS
+def test_an_abort_is_counted_by_reason_and_only_the_abort_goes_up(tmp_path: Path) -> None:
+    from edge_broker.service import SECAGG_ABORTS, SECAGG_WAITED
+    from fedtier.secagg.messages import SecAggAborted
 
     rig = Rig(tmp_path, tmp_path / "edge.db", SecureFedAvgConfig(secagg_min_survivors=3, deadline_s=5.0,
                                                                 local_steps=1))
     rig.silent = {"dev-2"}
     rig.task(0)
-    rig.tick(6.0)
+    rig.tick(2.9)
+    assert rig.at_cloud == []  # the keys phase has 0.6 x 5 s
+    rig.tick(0.1)
     assert rig.updates() == []
+    [report] = [messages.decode_message(i.payload) for i in rig.at_cloud]
+    assert isinstance(report, SecAggAborted) and (report.phase, report.reason) == ("keys", "too_few_keys")
+    assert report.waited == {"keys": ("dev-2",)}
     assert rig.edge.metrics.get(SECAGG_ABORTS, reason="too_few_keys") == 1
+    assert rig.edge.metrics.get(SECAGG_WAITED, phase="keys") == 1
+    rig.at_cloud.clear()
+    rig.task(0)  # the cloud asks again (its copy was lost): the stored report, the same bytes
+    assert [messages.decode_message(i.payload).key for i in rig.at_cloud] == [report.key]
+
+
+def test_a_phase_closes_at_its_own_deadline_and_the_update_says_whom_it_waited_for(tmp_path: Path) -> None:
+    from edge_broker.service import SECAGG_WAITED
+
+    rig = Rig(tmp_path, tmp_path / "edge.db")
+    rig.silent = {"dev-2"}
+    rig.task(0)
+    rig.tick(2.9)
+    assert rig.updates() == []
+    rig.tick(0.1)  # 3 s = 0.6 x deadline_s: the keys phase closes with dev-0 and dev-1 (s_min 2)
+    [update] = rig.updates()
+    assert update.reported == ("dev-0", "dev-1") and update.stats["secagg_waited"] == {"keys": ["dev-2"]}
+    assert rig.edge.metrics.get(SECAGG_WAITED, phase="keys") == 1
 
 
 def test_bad_secagg_messages_are_rejected_and_counted_by_reason(tmp_path: Path) -> None:

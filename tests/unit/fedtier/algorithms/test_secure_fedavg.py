@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any
 
@@ -9,9 +10,9 @@ import numpy as np
 import pytest
 
 from fedtier.algorithms import load
-from fedtier.algorithms.base import Broadcast, LocalResult, LocalTrain, Note, SendToChild, SendToParent
+from fedtier.algorithms.base import Broadcast, LocalResult, LocalTrain, Note, RoleState, SendToChild, SendToParent
 from fedtier.algorithms.fedavg import FedAvgConfig
-from fedtier.algorithms.secure_fedavg import Device, Edge, SecureFedAvgConfig, edge_sees_individual_updates
+from fedtier.algorithms.secure_fedavg import Cloud, Device, Edge, SecureFedAvgConfig, edge_sees_individual_updates
 from fedtier.errors import (
     LateMessageError,
     LocalProtocolError,
@@ -22,7 +23,7 @@ from fedtier.errors import (
     WrongRoundError,
 )
 from fedtier.wire import encode as wire_encode
-from fedtier.secagg.messages import SecAggKeys, SecAggMasked, SecAggUnmask
+from fedtier.secagg.messages import SecAggAborted, SecAggKeys, SecAggMasked, SecAggUnmask
 from fedtier.secagg.ring import flatten
 from fedtier.wire.messages import CellTask, CellUpdate, decode_message
 
@@ -46,10 +47,14 @@ class Cell:
         self.deltas = {d: {k: rng.normal(scale=0.1, size=v.shape).astype(np.float32) for k, v in PARAMS.items()}
                        for d in self.ids}
         self.up: list[Any] = []
+        self.sent_at: list[float] = []  # when each of ``up`` left the edge
         self.notes: list[Note] = []
         self.edge_inbox: list[Any] = []
 
-    def run_round(self, r: int, silent: dict[str, set[str]] | None = None, now: float = 0.0) -> None:
+    def run_round(self, r: int, silent: dict[str, set[str]] | None = None, now: float = 0.0,
+                  step: float | None = None) -> None:
+        """``step``: let time pass in steps of this many seconds while the edge waits (else jump past any
+        deadline at once)."""
         silent = silent or {}
         gone: set[str] = set()
         task = CellTask(rollout=ROLLOUT, round=r, sender="cloud", params=PARAMS, members=tuple(self.ids),
@@ -61,6 +66,7 @@ class Cell:
                 self.notes.append(action)
             elif origin == "edge" and isinstance(action, SendToParent):
                 self.up.append(wire(action.message))
+                self.sent_at.append(now)
             elif origin == "edge" and isinstance(action, (Broadcast, SendToChild)):
                 kind = action.message.KIND
                 gone |= silent.get(kind, set())
@@ -77,7 +83,10 @@ class Cell:
                 msg = wire(action.message)
                 self.edge_inbox.append(msg)
                 queue.extend(("edge", a) for a in self.edge.receive(msg, now))
-            if not queue and self.edge.overdue(now + 1e6):
+            while not queue and step is not None and self.edge.state is RoleState.COLLECTING and now < 1e3:
+                now += step
+                queue.extend(("edge", a) for a in self.edge.tick(now))
+            if not queue and step is None and self.edge.overdue(now + 1e6):
                 now += 1e6  # a phase's deadline passes with silent devices: close it with who answered
                 queue.extend(("edge", a) for a in self.edge.tick(now))
 
@@ -121,12 +130,57 @@ def test_dropouts_at_each_phase_and_the_survivors_mean(kind: str) -> None:
 def test_below_min_survivors_aborts_and_the_next_round_runs() -> None:
     cell = Cell(5, config(secagg_min_survivors=4))
     cell.run_round(0, {"secagg_bundle": {"d00", "d01"}})
-    assert cell.up == []
+    [report] = cell.up  # no cell update: the abort, for the cloud and its privacy ledger
+    assert isinstance(report, SecAggAborted)
+    assert (report.round, report.phase, report.reason, report.have, report.need) == (0, "masked", "too_few_inputs",
+                                                                                    3, 4)
+    assert report.waited == {"masked": ("d00", "d01")}
     [abort] = [n for n in cell.notes if n.event == "secagg_abort"]
     assert abort.fields == {"round": 0, "phase": "masked", "reason": "too_few_inputs", "have": 3, "need": 4}
+    [waited] = [n for n in cell.notes if n.event == "secagg_waited"]
+    assert waited.fields == {"round": 0, "waited": {"masked": ["d00", "d01"]}}
     cell.run_round(1)
+    [update] = [u for u in cell.up if isinstance(u, CellUpdate)]
+    assert update.round == 1 and len(update.reported) == 5 and "secagg_waited" not in update.stats
+
+
+@pytest.mark.parametrize("kind,phase,closes", [("train", "keys", 6.0), ("secagg_roster", "shares", 7.0),
+                                               ("secagg_bundle", "masked", 8.0), ("secagg_unmask", "reveal", 9.0)])
+def test_each_phase_waits_until_its_own_deadline_inside_the_rounds(kind: str, phase: str, closes: float) -> None:
+    """deadline_s 10, phases (0.6, 0.1, 0.1, 0.1) cumulated: a device silent from ``phase`` on holds the cell
+    until that phase's end (6, 7, 8 or 9 s), never until the round's deadline; the update says whom it waited for."""
+    cell = Cell(6, config(secagg_min_survivors=4, deadline_s=10.0))
+    cell.run_round(0, {kind: {"d03"}}, step=0.25)
     [update] = cell.up
-    assert update.round == 1 and len(update.reported) == 5
+    assert isinstance(update, CellUpdate) and cell.sent_at == [closes]
+    assert update.stats["secagg_waited"] == {phase: ["d03"]}
+    assert [n.fields for n in cell.notes if n.event == "secagg_waited"] == [{"round": 0, "waited": {phase: ["d03"]}}]
+    assert ("d03" in update.reported) == (phase == "reveal")  # an input already masked is in the sum
+
+
+def test_a_cell_of_six_with_one_silent_device_delivers_every_round_in_time() -> None:
+    """Issue 31: 2 cells of 6, s_min 4, cell quorum 0.5, dev-0 never answers. Its cell's keys phase ends at
+    0.6 deadline_s, so its update reaches the cloud before the round's deadline: every round holds 11 devices
+    and closes at 6 s (the cloud no longer waits out its 10 s deadline, and no update arrives late)."""
+    from hierarchy import Hierarchy
+
+    from fedtier.algorithms import secure_fedavg
+
+    cells = {"cell-a": tuple(f"dev-{i}" for i in range(6)), "cell-b": tuple(f"dev-{i}" for i in range(6, 12))}
+    h = Hierarchy(algo=secure_fedavg, cells=cells, params=PARAMS, rounds=4,
+                  config=config(secagg_min_survivors=4, quorum=0.5, deadline_s=10.0))
+    h.offline = {"dev-0"}
+    h.start()
+    opened = [0.0]
+    while not h.finished and h.now < 100:
+        h.tick(h.now + 0.5)
+        if len(h.closed) == len(opened):
+            opened.append(h.now)
+    assert [len(c.reported.get("cell-a", ())) for c in h.closed] == [5, 5, 5, 5]
+    assert all(sum(map(len, c.reported.values())) == 11 and c.missing == ("dev-0",) for c in h.closed)
+    assert [b - a for a, b in zip(opened, opened[1:], strict=False)] == [6.0] * 4
+    assert [n.fields["waited"] for n in h.notes if n.event == "secagg_waited"] == [{"keys": ["dev-0"]}] * 4
+    assert not any(n.event == "secagg_abort" for n in h.notes)
 
 
 def test_the_edge_only_ever_receives_masked_inputs() -> None:
@@ -175,6 +229,13 @@ def test_config_validation_and_the_individual_updates_predicate() -> None:
         config(secagg_threshold=0.5)
     with pytest.raises(LocalProtocolError, match="bits"):
         config(secagg_bits=70)
+    for phases in ((0.5, 0.2, 0.2, 0.1), (0.6, 0.1, 0.1), (0.6, 0.0, 0.1, 0.1), (0.6, 0.1, 0.1, "x")):
+        with pytest.raises(LocalProtocolError, match="secagg_phases"):
+            config(secagg_phases=phases)
+    assert config().secagg_phases == (0.6, 0.1, 0.1, 0.1)
+    assert SecureFedAvgConfig.from_dict(config(secagg_phases=[0.5, 0.15, 0.15, 0.1]).to_dict()).secagg_phases == (
+        0.5, 0.15, 0.15, 0.1)  # a task's list, a tuple again
+    assert config(deadline_s=10.0).phase_deadlines(100.0) == pytest.approx((106.0, 107.0, 108.0, 109.0))
     assert not edge_sees_individual_updates(config())
     assert not edge_sees_individual_updates(config().to_dict())
     assert edge_sees_individual_updates(FedAvgConfig())
@@ -186,7 +247,6 @@ def test_an_aborted_cell_leaves_the_round_to_the_cloud_quorum_and_the_next_round
     at its deadline the cloud closes round 0 with e0 alone, and round 1 runs with both cells."""
     from fedtier.algorithms.base import RoundClosed
     from fedtier.algorithms.base import SendToChild as ToChild
-    from fedtier.algorithms.cloud import Cloud
 
     cfg = config(secagg_min_survivors=3, quorum=0.5)
     cells = {"e0": ("a0", "a1", "a2"), "e1": ("b0", "b1", "b2")}
@@ -225,15 +285,19 @@ def test_an_aborted_cell_leaves_the_round_to_the_cloud_quorum_and_the_next_round
 
     drain()  # round 0: e0 completes; e1 gets keys from 2 < s_min = 3 devices and waits
     assert closed == []
-    now += 10.0  # deadlines pass: e1 aborts, the cloud closes round 0 with its quorum of cells
-    for c, e in edges.items():
+    now += 3.0  # e1's keys phase ends (0.6 of deadline_s 5): it aborts and says so; the cloud, whose cells have
+    for c, e in edges.items():  # all answered with a quorum of updates, closes round 0 before its own deadline
         queue.extend((c, a) for a in e.tick(now))
-    queue.extend(("cloud", a) for a in cloud.tick(now))
     drain()  # ... and round 1 runs with everyone
     aborts = [(n.fields["round"], n.fields["reason"]) for n in notes if n.event == "secagg_abort"]
     assert aborts == [(0, "too_few_keys")]
+    assert [n.fields for n in notes if n.event == "cell_aborted"] == [
+        {"round": 0, "cell": "e1", "phase": "keys", "reason": "too_few_keys"}]
     assert [dict(c.reported) for c in closed] == [{"e0": ("a0", "a1", "a2")},
                                                   {"e0": ("a0", "a1", "a2"), "e1": ("b0", "b1", "b2")}]
+    assert closed[0].metrics["secagg_aborts"] == {"e1": {"phase": "keys", "reason": "too_few_keys", "have": 2,
+                                                         "need": 3, "waited": {"keys": ["b0"]}}}
+    assert "secagg_aborts" not in closed[1].metrics
 
 
 def test_an_edge_rule_that_needs_individual_updates_is_refused() -> None:
@@ -244,3 +308,45 @@ def test_an_edge_rule_that_needs_individual_updates_is_refused() -> None:
     with pytest.raises(UnexpectedMessageError, match="median"):
         edge.receive(task, 0.0)
     assert edge.round == -1  # nothing changed
+
+
+def test_the_cloud_takes_an_abort_report_as_the_cells_answer_for_the_round() -> None:
+    from fedtier.algorithms.base import Dropped, RoundClosed
+
+    cells = {"e0": ("a0", "a1", "a2"), "e1": ("b0", "b1", "b2")}
+    cloud = Cloud(rollout=ROLLOUT, cells=cells, initial_params=PARAMS, config=config(quorum=0.5), rounds=2)
+    cloud.start(0.0)
+
+    def update(cell: str, r: int) -> CellUpdate:
+        return CellUpdate(rollout=ROLLOUT, round=r, sender=cell, delta={k: np.zeros_like(v) for k, v in PARAMS.items()},
+                          weight=3.0, reported=cells[cell])
+
+    abort = SecAggAborted(rollout=ROLLOUT, round=0, sender="e1", phase="keys", reason="too_few_keys", have=2, need=3,
+                          waited={"keys": ("b0",)})
+    [note] = cloud.receive(wire(abort), 1.0)
+    assert note.event == "cell_aborted" and note.fields["cell"] == "e1"
+    assert [type(a) for a in cloud.receive(wire(abort), 1.0)] == [Dropped]  # redelivered: a duplicate
+    assert cloud.resend("e1", 1.0) == [] and len(cloud.resend("e0", 1.0)) == 1  # e1 owes nothing more
+    assert cloud.overdue(100.0) == ("e0",)
+    closed = [a for a in cloud.receive(wire(update("e0", 0)), 2.0) if isinstance(a, RoundClosed)]
+    assert len(closed) == 1 and cloud.round == 1  # every cell answered and a quorum updated: closed before 5 s
+    assert closed[0].metrics["secagg_aborts"]["e1"]["reason"] == "too_few_keys"
+    assert "privacy" not in closed[0].metrics or "e1" not in closed[0].metrics["privacy"]  # no noise plan
+    with pytest.raises(LateMessageError):
+        cloud.receive(wire(abort), 3.0)  # round 0 has closed
+    with pytest.raises(UnknownSenderError):
+        cloud.receive(wire(SecAggAborted(rollout=ROLLOUT, round=1, sender="e9", phase="keys", reason="x")), 3.0)
+    cloud.receive(wire(update("e1", 1)), 3.0)
+    with pytest.raises(UnexpectedMessageError):  # a cell that updated cannot abort the same round
+        cloud.receive(wire(dataclasses.replace(abort, round=1)), 3.0)
+    with pytest.raises(WrongRoundError):
+        cloud.receive(wire(dataclasses.replace(abort, round=2, sender="e0")), 3.0)
+    assert any(isinstance(a, RoundClosed) for a in cloud.receive(wire(update("e0", 1)), 4.0))
+
+
+def test_a_round_where_every_cell_aborted_waits_as_for_offline_cells() -> None:
+    cells = {"e0": ("a0", "a1", "a2")}
+    cloud = Cloud(rollout=ROLLOUT, cells=cells, initial_params=PARAMS, config=config(quorum=0.5), rounds=2)
+    cloud.start(0.0)
+    cloud.receive(SecAggAborted(rollout=ROLLOUT, round=0, sender="e0", phase="masked", reason="too_few_inputs"), 1.0)
+    assert cloud.tick(100.0) == [] and cloud.round == 0 and cloud.overdue(100.0) == ()

@@ -11,6 +11,7 @@ import pytest
 from fedtier import wire
 from fedtier.errors import DecodeError, MalformedHeaderError
 from fedtier.secagg.messages import (
+    SecAggAborted,
     SecAggBundle,
     SecAggKeys,
     SecAggMasked,
@@ -32,6 +33,8 @@ EXAMPLES: list[Message] = [
     SecAggMasked(rollout="r", round=1, sender="d1", masked=np.array([2**64 - 1, 7], dtype=np.uint64)),
     SecAggUnmask(rollout="r", round=1, sender="e", receiver="d1", survivors=("d1", "d2"), dropped=("d3",), count=4),
     SecAggReveal(rollout="r", round=1, sender="d1", shares={"d2": b"y" * 68}),
+    SecAggAborted(rollout="r", round=1, sender="e", phase="masked", reason="too_few_inputs", have=3, need=4,
+                  waited={"keys": ("d1",), "masked": ("d2", "d3")}),
 ]
 
 
@@ -72,6 +75,11 @@ def reencode(msg: Message, **meta: Any) -> bytes:
     (EXAMPLES[1], {"size": True}),
     (EXAMPLES[1], {"receiver": 3}),
     (EXAMPLES[7], {"shares": {"d2": b"y" * 5000}}),
+    (EXAMPLES[8], {"phase": "training"}),
+    (EXAMPLES[8], {"reason": "Too few!"}),
+    (EXAMPLES[8], {"have": -1}),
+    (EXAMPLES[8], {"waited": {"later": ["d1"]}}),
+    (EXAMPLES[8], {"waited": {"keys": "d1"}}),
 ], ids=lambda v: v.KIND if isinstance(v, Message) else "")
 def test_malformed_fields_are_typed_rejects(msg: Message, meta: dict[str, Any]) -> None:
     with pytest.raises(DecodeError) as info:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from fedtier.errors import MalformedShareError, UnknownSenderError, WrongPhaseError
+from fedtier.errors import LateMessageError, MalformedShareError, UnknownSenderError, WrongPhaseError
 from fedtier.secagg import crypto, graph
 from fedtier.secagg.protocol import Abort, DeviceSession, EdgeSession, Phase, SecAggParams, Unmasked
 from fedtier.secagg.ring import RingCodec, flatten, unflatten
@@ -117,7 +117,7 @@ def test_below_min_survivors_aborts_with_a_typed_reason(phase: str, reason: str)
     assert isinstance(result, Abort)
     assert (result.phase, result.reason, result.have, result.need) == (phase, reason, 6, 7)
     assert edge.phase is Phase.ABORTED
-    with pytest.raises(WrongPhaseError):
+    with pytest.raises(LateMessageError):  # every phase of an aborted round is closed
         edge.receive_keys("d001", DeviceSession("d001", [f"d{i:03d}" for i in range(n)], p, SEED, ROLLOUT,
                                                 ROUND).advertise())
 
@@ -164,6 +164,50 @@ def test_edge_rejects_typed_bad_inputs() -> None:
     with pytest.raises(WrongPhaseError):
         edge.receive_masked("d001", np.zeros(4, dtype=np.uint64))
     assert edge.receive_keys("d001", keys) and not edge.receive_keys("d001", keys)  # duplicate is not an error
+
+
+def test_a_late_message_of_a_closed_phase_is_refused_as_late_and_the_round_completes() -> None:
+    """Each phase closes at its deadline with whoever answered; a straggler's message for a phase that closed
+    is refused by reason (``late``), leaves the session as it was, and the survivors' sum comes out exact."""
+    n = 6
+    p = params(n, s_min=4)
+    members = [f"d{i:03d}" for i in range(n)]
+    rng = np.random.default_rng(1)
+    x = {m: rng.integers(0, p.codec.modulus, 8, dtype=np.uint64) for m in members}
+    devs = {m: DeviceSession(m, members, p, SEED, ROLLOUT, ROUND) for m in members}
+    edge = EdgeSession(members, p, SEED, ROLLOUT, ROUND, 8)
+    keys = {m: devs[m].advertise() for m in members}
+    for m in members[1:]:
+        edge.receive_keys(m, keys[m])
+    roster = edge.close_keys()  # d000 is late: the keys phase closed without it
+    assert not isinstance(roster, Abort) and "d000" not in roster
+    with pytest.raises(LateMessageError):
+        edge.receive_keys("d000", keys["d000"])
+    shares = {m: devs[m].share_keys(edge.roster_for(m, roster), len(roster)) for m in roster}
+    for m in members[2:]:
+        edge.receive_shares(m, shares[m])
+    bundles = edge.close_shares()  # d001 is late with its shares
+    assert not isinstance(bundles, Abort)
+    with pytest.raises(LateMessageError):
+        edge.receive_shares("d001", shares["d001"])
+    with pytest.raises(WrongPhaseError):  # a phase that has not opened is another reason
+        edge.receive_reveal("d002", {})
+    for m in bundles:
+        edge.receive_masked(m, devs[m].masked_input(x[m], bundles[m]))
+    closed = edge.close_masked()
+    assert not isinstance(closed, Abort)
+    survivors, dropped = closed
+    assert dropped == () and survivors == tuple(members[2:])
+    with pytest.raises(LateMessageError):
+        edge.receive_masked("d001", np.zeros(8, dtype=np.uint64))
+    for m in survivors:
+        alive, gone = edge.survivors_for(m, survivors, dropped)
+        edge.receive_reveal(m, devs[m].unmask(alive, gone, len(survivors)))
+    result = edge.close_reveal()
+    assert isinstance(result, Unmasked) and result.survivors == survivors
+    np.testing.assert_array_equal(result.total, ring_sum(x, survivors, p.codec))
+    with pytest.raises(LateMessageError):  # the round is done: every phase is closed
+        edge.receive_reveal("d002", {})
 
 
 def test_tampered_ciphertext_is_refused_by_its_receiver() -> None:
