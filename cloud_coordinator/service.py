@@ -9,7 +9,10 @@ CLI needs no port, no credentials beyond file access, and works while the coordi
 the store is the one source of truth, which is also what makes a restart resume everything.
 
 One MQTT connection serves every rollout: messages on a rollout's topics go to its
-``CloudNode``; presence goes to all of them (and into the store's device inventory). The
+``CloudNode`` (an edge's presence summary, ``cell_presence``, too: its node writes the devices'
+states into the service's inventory); presence goes to all of them (and into the store's device
+inventory). Each node watches the connection: when it comes back, each asks its cells again for
+the open round (``CloudNode._ask_again``). The
 connection uses the ``[broker]`` and ``cloud_id`` of the rollouts, which ``rollout create``
 keeps identical across one store.
 """
@@ -69,6 +72,7 @@ class CoordinatorService(NodeBase):
     def start(self, now: float) -> None:
         self.tx.subscribe(topics.edge_up_filter())
         self.tx.subscribe(topics.ALL_STATUS)
+        self.tx.subscribe(topics.ALL_CELL_STATUS)
         self._scan(now)
 
     def _scan(self, now: float) -> None:
@@ -86,6 +90,7 @@ class CoordinatorService(NodeBase):
                 continue
             self.held_elsewhere.discard(rollout)
             node.presence = None  # this service records every node's presence once, for all its rollouts
+            node.inventory = self.presence  # and the devices' states from the edges' summaries
             log.info("hosting rollout %s (%s)", rollout, row["status"])
             self.nodes[rollout] = node
             self.metrics.include(node.metrics)  # one scrape: the service's series and each rollout's
@@ -107,6 +112,8 @@ class CoordinatorService(NodeBase):
         if parsed is None:
             return
         if parsed.channel == "status":
+            if self.stale_presence(parsed):
+                return
             self._record_presence(inbound, parsed)
             for hosted in list(self.nodes.values()):
                 hosted.handle(inbound, now)

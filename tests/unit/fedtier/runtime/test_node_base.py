@@ -93,3 +93,14 @@ def test_an_identity_conflict_is_labelled_by_the_exporting_node_and_the_shared_i
     exported = [line for line in base.metrics.render().splitlines() if line.startswith(IDENTITY_CONFLICTS)]
 
     assert exported == [f'{IDENTITY_CONFLICTS}{{identity="dev-0",node="cell-a",role="edge"}} 1.0']
+
+
+def test_an_upgraded_devices_old_presence_topic_is_stale_once_its_cell_topic_was_seen() -> None:
+    base = NodeBase("cloud", Metrics(node="cloud", role="cloud"), log, 1 << 20)
+    old, new = topics.parse(topics.status("dev-0")), topics.parse(topics.cell_status("cell-a", "dev-0"))
+    edge = topics.parse(topics.status("cell-a"))
+    assert old is not None and new is not None and edge is not None
+    assert not base.stale_presence(old)  # an older agent: its only presence
+    assert not base.stale_presence(new)
+    assert base.stale_presence(old)  # now superseded by the cell's topic
+    assert not base.stale_presence(new) and not base.stale_presence(edge)
