@@ -9,6 +9,19 @@ Start (or restart):
 4. open the round (tasks to every cell). A cell whose edge comes online while it still
    owes the round gets its task again.
 
+Asking again: what an edge sent while the coordinator's session was gone is lost (a broker
+restarted without persistence, or another client that connected with the coordinator's id and
+took its session). So when the coordinator's own connection comes back, every cell that owes the
+open round gets its task again, and so does every cell still silent once the round is past its
+deadline (then again every deadline); an edge that has answered publishes its stored update again
+(``EdgeNode._publish_outputs_again``), never a second one. A takeover costs at most a deadline.
+
+Presence: devices announce themselves in their cell (``topics.cell_status``), which reaches the
+coordinator on a shared broker but not across a gateway's bridge; each edge also sends a summary
+(``cell_presence``) on its uplink, which does. ``fedtier_devices_online`` and the device inventory
+(``rollout status``, ``devices list``) take a device's own presence where it arrives and the summary
+for the others.
+
 Each closed round is evaluated on the central test set (if the rollout has one) with the ORT
 eval model — and, on a binary task, ranked (AUROC, pAUC at FPR <= 0.3 and 0.5:
 ``cloud_coordinator.metrics_eval``) — committed to SQLite together with its model version and the devices' federated
@@ -26,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -43,9 +57,9 @@ from cloud_coordinator.presence import PresenceBuffer
 from cloud_coordinator.store import CoordinatorStore
 from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, CloudRole, Dropped, Finished, RoundClosed, SendToChild
-from fedtier.errors import LateMessageError, RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import LateMessageError, RemoteProtocolError, UnexpectedMessageError, UnknownSenderError
 from fedtier.runtime.metrics import Metrics
-from fedtier.runtime.node_base import ACCEPTED, NodeBase
+from fedtier.runtime.node_base import ACCEPTED, NodeBase, listed
 from fedtier.security.manifest import Manifest
 from fedtier.security.pki import key_id
 from fedtier.security.signing import load_signing_key, open_manifest, sign
@@ -53,7 +67,7 @@ from fedtier.training.trainer import EvalResult
 from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport
 from fedtier.wire import messages
-from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellUpdate
+from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellPresence, CellUpdate
 from fedtier.secagg.messages import TO_CLOUD as SECAGG_TO_CLOUD
 
 log = logging.getLogger("fedtier.coordinator")
@@ -173,6 +187,12 @@ def _rejected_counts(value: Any) -> dict[str, int]:
             if isinstance(p, list) and len(p) == 2 and isinstance(p[1], (int, float))}
 
 
+def _connects(tx: Transport) -> int:
+    """How many times ``tx`` has connected (``MqttTransport.connects``); 0 for a transport that never reconnects."""
+    connects = getattr(tx, "connects", 0)
+    return connects if isinstance(connects, int) else 0
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -197,7 +217,18 @@ class CloudNode(NodeBase):
         self.tx = transport
         self.store = store
         self.presence: PresenceBuffer | None = PresenceBuffer(store)
-        """The device inventory's writer; ``None`` when a ``CoordinatorService`` records presence for all."""
+        """The device inventory's writer of presence documents; ``None`` when a ``CoordinatorService`` records
+        them for all."""
+        self.inventory: PresenceBuffer | None = self.presence
+        """Where the devices' states from the edges' summaries (``cell_presence``) go: this node's buffer, or
+        the service's."""
+        self._direct: set[str] = set()
+        """Devices whose own presence reaches this node (a shared broker): their summaries are not needed."""
+        self._summarised: dict[str, bool] = {}
+        """The other devices' states as the last summary of their cell said (online or not)."""
+        self._connects_seen = 0
+        self._asked: dict[tuple[int, str], float] = {}
+        """When each cell was last asked again for the open round (``_ask_again``)."""
         self.evaluator = evaluator
         self.on_round = on_round
         self.extra_metrics = extra_metrics
@@ -231,6 +262,8 @@ class CloudNode(NodeBase):
     def start(self, now: float) -> None:
         self.tx.subscribe(topics.edge_up_filter())
         self.tx.subscribe(topics.ALL_STATUS)
+        self.tx.subscribe(topics.ALL_CELL_STATUS)
+        self._connects_seen = _connects(self.tx)  # a service's connection may be up already: not a reconnection
         status = self.store.status(self.rollout)
         if status in ("finished", "stopped"):
             self.history = self.store.rounds(self.rollout)
@@ -387,6 +420,7 @@ class CloudNode(NodeBase):
         if self.presence is not None:
             self.presence.flush_due(now)
         self._poll_control(now)
+        reconnected = self._reconnected()
         if self.role is not None and not self.finished:
             self._execute(self.role.tick(now), now)
             if not self.finished:
@@ -394,6 +428,42 @@ class CloudNode(NodeBase):
                 if waiting:
                     self.report_overdue(f"round {self.role.round} of rollout {self.rollout}", (self.role.round,),
                                         [f"cell {c}" for c in waiting], now)
+                self._ask_again(now, reconnected, waiting)
+
+    def _reconnected(self) -> bool:
+        """Whether the coordinator's connection came back since the last tick (not its first connect)."""
+        connects = _connects(self.tx)
+        again = connects > max(self._connects_seen, 1)
+        self._connects_seen = max(self._connects_seen, connects)
+        return again
+
+    def _ask_again(self, now: float, reconnected: bool, waiting: Sequence[str]) -> None:
+        """Send the open round's task again to the cells that owe it (the module docstring): all of them after a
+        reconnection, and those ``waiting`` past the deadline once per ``deadline_s``."""
+        assert self.role is not None
+        round_ = self.role.round
+        if reconnected:
+            cells = sorted(self.prepared.cells)
+            present = getattr(self.tx, "session_present", None)
+            why = "the coordinator's session was lost" if present is False else "the coordinator reconnected"
+        else:
+            interval = max(float(self.cfg.deadline_s), 1.0)
+            cells = [c for c in waiting if now - self._asked.get((round_, c), -math.inf) >= interval]
+            why = "the round is past its deadline"
+        actions: list[Action] = []
+        asked = []
+        for cell in cells:
+            resent = self.role.resend(cell, now)
+            if resent:
+                asked.append(cell)
+                actions += resent
+        if not asked:
+            return
+        self._asked = {k: v for k, v in self._asked.items() if k[0] == round_}
+        self._asked.update({(round_, c): now for c in asked})
+        log.info("round %d of rollout %s: %s; asked %s again for their update (an edge that sent it publishes "
+                 "its stored copy again)", round_, self.rollout, why, listed([f"cell {c}" for c in asked]))
+        self._execute(actions, now)
 
     # --- inbound --------------------------------------------------------------------------------
 
@@ -421,6 +491,8 @@ class CloudNode(NodeBase):
                 self._on_update(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             elif isinstance(msg, ArtifactRequest):
                 self._serve_artifacts(msg)
+            elif isinstance(msg, CellPresence):
+                self._on_cell_presence(msg)
             else:
                 raise UnexpectedMessageError(f"coordinator does not accept {msg.KIND}")
         except RemoteProtocolError as exc:
@@ -441,17 +513,39 @@ class CloudNode(NodeBase):
         self._execute(actions, now)
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
+        if self.stale_presence(parsed):
+            return
+        if parsed.device in self.observed.cell_of:
+            self._direct.add(parsed.device)
         self.observed.presence(parsed.device, inbound.payload)
         self._record_presence(inbound, parsed)
         node = self.came_online(inbound, parsed)
-        if node is None or node not in self.prepared.cells:
-            return
+        if node is None or node not in self.prepared.cells or parsed.cell is not None:
+            return  # only an edge's own presence (ft/v1/status/<cell>) is an edge coming online
         if self.active and not self.finished:
             # An edge (re)connected: the retained manifest again, in case the broker lost it (restarted
             # without persistence); the same bytes, so an edge that has it changes nothing.
             self.tx.publish(topics.manifest(self.rollout), self.manifest_bytes, retain=True)
         if self.role is not None and not self.finished:
             self._execute(self.role.resend(node, now), now)
+
+    def _on_cell_presence(self, msg: CellPresence) -> None:
+        """An edge's summary of its devices' presence: the state of each member of the cell whose own presence
+        does not reach this node, for ``fedtier_devices_online`` and the device inventory."""
+        members = self.prepared.cells.get(msg.sender)
+        if members is None:
+            raise UnknownSenderError(f"presence summary from {msg.sender!r}, not a cell of rollout {self.rollout}")
+        online = set(msg.online)
+        wall = self.wall_clock()
+        for device in members:
+            up = device in online
+            if device in self._direct or self._summarised.get(device) == up:
+                continue
+            self._summarised[device] = up
+            self.observed.set_online(device, up)
+            if self.inventory is not None:  # "via": the edge that vouches for it (devices list shows no trainer)
+                self.inventory.add(device, {"node": device, "cell": msg.sender, "state": "online" if up else "offline",
+                                            "via": msg.sender}, wall)
 
     def _record_presence(self, inbound: Inbound, parsed: topics.Topic) -> None:
         """Keep every node's presence document in the store: the device inventory (``fedtier devices list``)."""
@@ -514,6 +608,8 @@ class CloudNode(NodeBase):
                 else:
                     self.store.set_status(self.rollout, "finished")
                     log.info("rollout %s finished after %d rounds", self.rollout, action.rounds)
+                if self.presence is not None:
+                    self.presence.flush()  # the process may end now: the inventory as it was at the end
                 self.write_metrics()
                 self._clear_retained()
         for round_, cells in opened.items():

@@ -13,7 +13,10 @@ A rollout whose model fails admission (``cloud_coordinator.admission``: a stored
 log and its metrics file, never started: its manifest is not published.
 
 One MQTT connection serves every rollout: messages on a rollout's topics go to its
-``CloudNode``; presence goes to all of them (and into the store's device inventory). The
+``CloudNode`` (an edge's presence summary, ``cell_presence``, too: its node writes the devices'
+states into the service's inventory); presence goes to all of them (and into the store's device
+inventory). Each node watches the connection: when it comes back, each asks its cells again for
+the open round (``CloudNode._ask_again``). The
 connection uses the ``[broker]`` and ``cloud_id`` of the rollouts, which ``rollout create``
 keeps identical across one store.
 """
@@ -74,6 +77,7 @@ class CoordinatorService(NodeBase):
     def start(self, now: float) -> None:
         self.tx.subscribe(topics.edge_up_filter())
         self.tx.subscribe(topics.ALL_STATUS)
+        self.tx.subscribe(topics.ALL_CELL_STATUS)
         self._scan(now)
 
     def _scan(self, now: float) -> None:
@@ -94,6 +98,7 @@ class CoordinatorService(NodeBase):
                 continue
             self.held_elsewhere.discard(rollout)
             node.presence = None  # this service records every node's presence once, for all its rollouts
+            node.inventory = self.presence  # and the devices' states from the edges' summaries
             log.info("hosting rollout %s (%s)", rollout, row["status"])
             self.nodes[rollout] = node
             self.metrics.include(node.metrics)  # one scrape: the service's series and each rollout's
@@ -130,6 +135,8 @@ class CoordinatorService(NodeBase):
         if parsed is None:
             return
         if parsed.channel == "status":
+            if self.stale_presence(parsed):
+                return
             self._record_presence(inbound, parsed)
             for hosted in list(self.nodes.values()):
                 hosted.handle(inbound, now)

@@ -20,7 +20,7 @@ from fedtier.artifacts.cache import ArtifactCache
 from fedtier.runtime import identity, mqtt_service
 from fedtier.security.signing import load_trusted_keys
 from fedtier.training.trainer import Trainer
-from fedtier.transport import mqtt
+from fedtier.transport import mqtt, topics
 
 log = logging.getLogger("fedtier.agent")
 
@@ -59,6 +59,7 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
     tx = mqtt.from_config(cfg.broker, name="cell", client_id=cfg.device_id, inbox=inbox,
                           status={"node": cfg.device_id, "role": cfg.role, "cell": cfg.cell, "trainer": backend,
                                   "version": __version__},
+                          status_topic=topics.cell_status(cfg.cell, cfg.device_id),  # only its edge follows it
                           max_message_bytes=max_bytes)
 
     def provider(bundle: ArtifactBundle) -> Trainer:

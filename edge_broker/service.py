@@ -14,8 +14,18 @@ Per inbound message (on the node's single thread, see ``fedtier.runtime.node_bas
 * device/host ``hsgd_embeddings`` -> role (HSGD: a device's zeta2, the host's Z1 rows and head), recorded
                              like an update; the role's relays go to the host or device on its own topic;
 * device ``artifact_request`` -> serve from the cache, or ask the cloud;
-* ``status`` (presence)   -> a member that comes online and still owes an update gets the
-                             open round's task on its own topic.
+* device ``status`` (presence, ``ft/v1/status/<cell>/<device>``: this cell's devices only)
+                          -> a member that comes online and still owes an update gets the
+                             open round's task on its own topic; a change of who is online is
+                             summarised for the coordinator (``cell_presence``, at most every
+                             ``PRESENCE_SUMMARY_S``, on every running rollout's uplink: the
+                             summary crosses a gateway's bridge, devices' presence does not);
+* the coordinator's ``status`` -> it (re)connected: the summaries again.
+
+The cell's retained manifests are published again when the edge's connection to the cell broker
+comes back (a broker restarted without persistence has lost them), and after a restart of the
+edge when the coordinator's manifest shows the rollout still runs — once per connection, not per
+device that comes online.
 
 Every rejection is logged with its typed reason and counted (``fedtier_rejected_total``).
 
@@ -29,6 +39,7 @@ coordinator that has moved on.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -56,6 +67,7 @@ from fedtier.wire import messages
 from fedtier.wire.messages import (
     ArtifactBlob,
     ArtifactRequest,
+    CellPresence,
     CellTask,
     CellUpdate,
     DeviceGradient,
@@ -74,6 +86,10 @@ SECAGG_WAITED = "fedtier_secagg_waited_total"
 devices is in the edge's ``secagg_waited`` log line and the cell update's ``stats``)."""
 AGGREGATION_SECONDS = "fedtier_edge_aggregation_seconds"
 """Histogram: from a round's cell task arriving to the cell's update leaving for the cloud."""
+
+PRESENCE_SUMMARY_S = 2.0
+"""At most one ``cell_presence`` summary per this many seconds: a cell of thousands of devices that all
+connect within a minute sends a few dozen summaries, not one per device."""
 
 ARTIFACT_REREQUEST_S = 5.0
 ARTIFACT_RESERVE_S = 0.5
@@ -111,6 +127,16 @@ class EdgeNode(NodeBase):
         self._task_arrived: dict[tuple[str, int], float] = {}
         """When each open round's cell task arrived (monotonic), for ``AGGREGATION_SECONDS``."""
         self._online: set[str] = set()  # nodes seen coming online since this edge started
+        self._devices_online: dict[str, bool] = {}
+        """The cell's devices whose presence this edge has seen, and whether each is online now."""
+        self._live: set[str] = set()
+        """Rollouts whose manifest came from the coordinator since this edge started: running now."""
+        self._summary_due: set[str] = set()
+        """Running rollouts whose coordinator is owed a ``cell_presence`` summary."""
+        self._next_summary = -math.inf
+        self._presence_seen = False
+        self._connects = {"cell": 0, "cloud": 0}
+        """Connections of each side seen so far (``MqttTransport.connects``): a new one is a reconnection."""
         self._rejected: dict[str, int] = defaultdict(int)
         """Messages refused (by typed reason) and updates dropped (by reason, duplicates aside) since the
         last cell update: sent up in its ``stats["rejected"]`` for ``fedtier rollout status``."""
@@ -131,8 +157,9 @@ class EdgeNode(NodeBase):
         """Subscribe, then rebuild the open round from the store (after a restart)."""
         self.cloud_tx.subscribe(topics.ALL_MANIFESTS)
         self.cloud_tx.subscribe(topics.cloud_down_filter(self.cell))
+        self.cloud_tx.subscribe(topics.status(self.parent))  # the coordinator (re)connected: summaries again
         self.cell_tx.subscribe(topics.cell_up_filter(self.cell))
-        self.cell_tx.subscribe(topics.ALL_STATUS)
+        self.cell_tx.subscribe(topics.cell_status_filter(self.cell))  # this cell's devices, no other cell's
         for rollout, (_, payload) in self.store.manifests().items():
             try:
                 self.manifests[rollout] = open_manifest(payload, {})  # verified when it was stored
@@ -189,6 +216,8 @@ class EdgeNode(NodeBase):
         """
         known = rollout in self.manifests or rollout in self.roles or rollout in self._dormant
         self.manifests.pop(rollout, None)
+        self._live.discard(rollout)
+        self._summary_due.discard(rollout)
         self.roles.pop(rollout, None)
         self._dormant.pop(rollout, None)
         for key in [k for k in self._round_bytes if k[0] == rollout]:
@@ -205,6 +234,8 @@ class EdgeNode(NodeBase):
         return self.store.batch()
 
     def tick(self, now: float) -> None:
+        self._watch_connections()
+        self._send_presence(now)
         self._serve_deferred(now)
         for rollout, role in list(self.roles.items()):
             self._execute(rollout, role.tick(now))
@@ -385,17 +416,73 @@ class EdgeNode(NodeBase):
     # --- presence ---------------------------------------------------------------------------------
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
+        if parsed.cell is None:  # a node-level presence topic: the edge follows its parent's only
+            if parsed.device == self.parent and self.came_online(inbound, parsed) is not None:
+                self._summary_due.update(self._live)  # a coordinator that (re)connected learns who is online
+            return
+        if parsed.cell != self.cell or parsed.device is None:
+            return
+        self._note_presence(parsed.device, inbound.payload)
         node = self.came_online(inbound, parsed)
         if node is None:
             return
         self._online.add(node)
-        if node != self.parent:
-            self._republish_manifests()
         trainer = self.presence_docs.get(node, {}).get("trainer")
         if trainer is not None:  # optional: devices announce their training backend (older ones do not)
             log.info("%s came online (trainer: %s)", node, trainer)
         for rollout, role in list(self.roles.items()):
             self._execute(rollout, role.resend(node, now))
+
+    def _note_presence(self, device: str, payload: bytes) -> None:
+        """Keep whether ``device`` is online; a change is owed to the coordinators (``_send_presence``)."""
+        if not payload:  # its retained presence was deleted: a device that is gone
+            changed = self._devices_online.pop(device, None) is not None
+        else:
+            try:
+                doc = json.loads(payload.decode())
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                return  # came_online rejects and counts it
+            online = isinstance(doc, dict) and doc.get("state") == "online"
+            changed = self._devices_online.get(device) != online
+            self._devices_online[device] = online
+        self._presence_seen = True
+        if changed:
+            self._summary_due.update(self._live)
+
+    def _send_presence(self, now: float) -> None:
+        """Tell each running rollout's coordinator which devices of the cell are online (``CellPresence``), at
+        most every ``PRESENCE_SUMMARY_S``: the coordinator's ``fedtier_devices_online`` and ``rollout status``
+        come from it where devices' own presence does not reach it (a gateway's bridge does not carry it)."""
+        due = sorted(self._summary_due & self._live)
+        if not due or now < self._next_summary or not self._presence_seen:
+            return  # (no device has announced itself here: nothing to tell, e.g. in a simulation)
+        self._next_summary = now + PRESENCE_SUMMARY_S
+        self._summary_due.clear()
+        online = tuple(sorted(d for d, up in self._devices_online.items() if up))
+        for rollout in due:
+            msg = CellPresence(rollout=rollout, round=0, sender=self.cell, online=online,
+                               known=len(self._devices_online))
+            self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), msg.encode())
+        log.debug("cell %s: %d of %d devices online -> %s", self.cell, len(online), len(self._devices_online),
+                  ", ".join(due))
+
+    def _watch_connections(self) -> None:
+        """Act on a reconnection of either side (``MqttTransport.connects``; other transports never reconnect).
+
+        Cell side: the broker may have restarted without persistence and lost the retained manifests, so they
+        are published again (the same bytes: a device that has one changes nothing). Cloud side: the summaries
+        again, in case the broker lost what it had queued for the coordinator.
+        """
+        for side, tx in (("cell", self.cell_tx), ("cloud", self.cloud_tx)):
+            connects = getattr(tx, "connects", 0)
+            if not isinstance(connects, int) or connects <= self._connects[side]:
+                continue
+            again = self._connects[side] > 0
+            self._connects[side] = connects
+            if again and side == "cell":
+                self._republish_manifests()
+            elif again:
+                self._summary_due.update(self._live)
 
     # --- manifests and artifacts ------------------------------------------------------------------
 
@@ -411,6 +498,7 @@ class EdgeNode(NodeBase):
             manifest = self.gate.check(inbound.payload)
             if manifest is None:
                 self._wake(parsed.rollout, now)  # the relayed manifest again: the rollout still runs
+                self._seen_running(parsed.rollout)
                 return
             if manifest.rollout != parsed.rollout:
                 raise UnexpectedMessageError("manifest rollout differs from its topic")
@@ -428,18 +516,36 @@ class EdgeNode(NodeBase):
         self.store.save_manifest(manifest.rollout, manifest.version, inbound.payload)
         self.cell_tx.publish(topics.cell_manifest(manifest.rollout, self.cell), inbound.payload, retain=True)
         log.info("manifest v%d of rollout %s relayed to cell %s", manifest.version, manifest.rollout, self.cell)
+        self._live.add(manifest.rollout)
+        self._summary_due.add(manifest.rollout)
         self._wake(manifest.rollout, now)
         missing = [d for d in manifest.digests_for(self.cell).values() if not self.cache.has(d)]
         if missing:
             self._request_from_cloud(manifest.rollout, missing, now=None)
 
+    def _seen_running(self, rollout: str) -> None:
+        """The coordinator's manifest of an installed rollout, the first time since this edge started: the
+        rollout still runs. Its cell copy is published again, once (a gateway that restarted with its broker
+        has lost it, and the same bytes change nothing for a device that has them)."""
+        if rollout in self._live or rollout not in self.manifests:
+            return
+        self._live.add(rollout)
+        self._summary_due.add(rollout)
+        stored = self.store.manifests().get(rollout)
+        if stored is not None:
+            self.cell_tx.publish(topics.cell_manifest(rollout, self.cell), stored[1], retain=True)
+
     def _republish_manifests(self) -> None:
-        """Publish the cell's retained manifests again (the same bytes) when a device comes online. A broker
-        restarted without persistence has lost them, and a device that (re)starts then would wait for a
-        manifest forever; devices take the same manifest again as a no-op."""
-        for rollout, (_, payload) in self.store.manifests().items():
-            if rollout in self.manifests:
-                self.cell_tx.publish(topics.cell_manifest(rollout, self.cell), payload, retain=True)
+        """Publish the cell's retained manifests of running rollouts again (the same bytes) after the edge
+        reconnected to its cell broker: a broker restarted without persistence has lost them, and a device that
+        (re)starts then would wait for a manifest for ever; devices take the same manifest again as a no-op."""
+        again = [(rollout, payload) for rollout, (_, payload) in sorted(self.store.manifests().items())
+                 if rollout in self._live]
+        for rollout, payload in again:
+            self.cell_tx.publish(topics.cell_manifest(rollout, self.cell), payload, retain=True)
+        if again:
+            log.info("reconnected to the broker of cell %s: published its %d manifest(s) again", self.cell,
+                     len(again))
 
     def _allowed_digests(self, rollout: str) -> set[str]:
         manifest = self.manifests.get(rollout)

@@ -15,11 +15,13 @@ dir   topic                                  why
 in    ``ft/v1/+/manifest``                   signed manifests the edge relays to its devices
 in    ``ft/v1/+/cloud/down/<cell>/#``        the coordinator's tasks for this cell
 in    ``ft/v1/status/<cloud id>``            the coordinator's presence
-out   ``ft/v1/+/edge/<cell>/up/#``           the cell's aggregates for the coordinator
+out   ``ft/v1/+/edge/<cell>/up/#``           the cell's aggregates and presence summaries (``cell_presence``)
 out   ``ft/v1/status/<cell>``                the edge's presence (its last will included)
 ====  =====================================  =======================================================
 
-Devices' uplink, downlink and presence never leave the gateway. On the cloud broker the bridge
+Devices' uplink, downlink and presence (``ft/v1/status/<cell>/<device>``) never leave the gateway; the
+edge's summary of who is online does, so the coordinator's ``fedtier_devices_online`` and ``rollout status``
+count a bridged cell's devices. On the cloud broker the bridge
 authenticates with the gateway's own certificate (CN = cell), so the cloud's ACL gives it
 exactly the rights of that edge's cloud side (``broker_config.gateway_cloud_rules``); on the
 local broker the gateway account gets both sides (``broker_acl(cell_side=[c], cloud_side=[c])``).

@@ -31,11 +31,13 @@ who            may
 =============  ========================================================================
 every client   write and read ``ft/v1/status/<own id>`` (presence and last will; reading
                its own presence tells a node that another client uses its identity)
-device         write ``ft/v1/+/cell/<cell>/up/<own id>/#``; read ``ft/v1/+/cell/<cell>/down/#``
-gateway        cell side: read ``ft/v1/+/cell/<cell>/up/#`` and ``ft/v1/status/#``;
-(user <cell>)  write ``ft/v1/+/cell/<cell>/down/#``. Cloud side: read
-               ``ft/v1/+/manifest``, ``ft/v1/+/cloud/down/<cell>/#``, ``ft/v1/status/#``;
-               write ``ft/v1/+/edge/<cell>/up/#``, ``ft/v1/status/<cell>``
+device         write ``ft/v1/+/cell/<cell>/up/<own id>/#``; read ``ft/v1/+/cell/<cell>/down/#``;
+               write and read ``ft/v1/status/<cell>/<own id>`` (its presence, in its cell)
+gateway        cell side: read ``ft/v1/+/cell/<cell>/up/#`` and ``ft/v1/status/<cell>/+`` (its
+(user <cell>)  devices' presence, no other cell's); write ``ft/v1/+/cell/<cell>/down/#``. Cloud
+               side: read ``ft/v1/+/manifest``, ``ft/v1/+/cloud/down/<cell>/#``, ``ft/v1/status/+``
+               (edges' and the coordinator's presence); write ``ft/v1/+/edge/<cell>/up/#``
+               (its cell updates and its presence summary, ``cell_presence``), ``ft/v1/status/<cell>``
 coordinator    write ``ft/v1/+/manifest``, ``ft/v1/+/cloud/down/#``, ``ft/v1/status/<id>``;
 (user <id>)    read ``ft/v1/+/edge/+/up/#``, ``ft/v1/status/#``
 =============  ========================================================================
@@ -115,28 +117,31 @@ def every_client_patterns() -> list[Rule]:
 def device_patterns(cell: str) -> list[Rule]:
     """``pattern`` rules letting any client act as a device of ``cell`` under its own id."""
     ca.check_node_name(cell, "cell")
-    return [("write", f"{P}/+/cell/{cell}/up/%u/#"), ("read", f"{P}/+/cell/{cell}/down/#")]
+    return [("write", f"{P}/+/cell/{cell}/up/%u/#"), ("read", f"{P}/+/cell/{cell}/down/#"),
+            ("write", f"{P}/status/{cell}/%u"), ("read", f"{P}/status/{cell}/%u")]
 
 
 def device_rules(device: str, cell: str) -> list[Rule]:
     """``topic`` rules for one device bound to its cell (under ``user <device>``)."""
     ca.check_node_name(device, "device")
     ca.check_node_name(cell, "cell")
-    return [("write", f"{P}/+/cell/{cell}/up/{device}/#"), ("read", f"{P}/+/cell/{cell}/down/#")]
+    return [("write", f"{P}/+/cell/{cell}/up/{device}/#"), ("read", f"{P}/+/cell/{cell}/down/#"),
+            ("write", f"{P}/status/{cell}/{device}"), ("read", f"{P}/status/{cell}/{device}")]
 
 
 def gateway_cell_rules(cell: str) -> list[Rule]:
-    """The edge of ``cell`` on its cell broker: devices' uplink in, downlink out, presence in."""
+    """The edge of ``cell`` on its cell broker: devices' uplink in, downlink out, its devices' presence in."""
     ca.check_node_name(cell, "cell")
     return [("read", f"{P}/+/cell/{cell}/up/#"), ("write", f"{P}/+/cell/{cell}/down/#"),
-            ("read", f"{P}/status/#")]
+            ("read", f"{P}/status/{cell}/+")]
 
 
 def gateway_cloud_rules(cell: str) -> list[Rule]:
-    """The edge of ``cell`` on the cloud broker: manifests and its tasks in, its uplink out."""
+    """The edge of ``cell`` on the cloud broker: manifests and its tasks in, its uplink out; the presence
+    of edges and of the coordinator (one level: no device's)."""
     ca.check_node_name(cell, "cell")
     return [("read", f"{P}/+/manifest"), ("read", f"{P}/+/cloud/down/{cell}/#"),
-            ("write", f"{P}/+/edge/{cell}/up/#"), ("write", f"{P}/status/{cell}"), ("read", f"{P}/status/#")]
+            ("write", f"{P}/+/edge/{cell}/up/#"), ("write", f"{P}/status/{cell}"), ("read", f"{P}/status/+")]
 
 
 def coordinator_rules(cloud_id: str) -> list[Rule]:

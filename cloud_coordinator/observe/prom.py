@@ -1,8 +1,9 @@
 """The coordinator's per-round and per-cell Prometheus series (names: docs/operations.md).
 
 The node calls ``round_closed`` with the row it commits to the store (so a scrape and the store
-agree) and ``presence`` with every status message; this module turns them into gauges, counters
-and the round-latency histogram on the node's ``Metrics``.
+agree), ``presence`` with every status message and ``set_online`` with what the edges' presence
+summaries say; this module turns them into gauges, counters and the round-latency histogram on
+the node's ``Metrics``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ class CoordinatorMetrics:
             state = json.loads(payload.decode()).get("state") if payload else "offline"
         except (UnicodeDecodeError, ValueError, AttributeError, RecursionError):
             return  # the node base rejects and counts it
-        if state == "online":
+        self.set_online(device, state == "online")
+
+    def set_online(self, device: str, online: bool) -> None:
+        """``device`` is online or not: from its own presence (``presence``), or from its edge's summary of its
+        cell (``cell_presence``, where the device's own presence does not reach the coordinator)."""
+        if device not in self.cell_of:
+            return
+        if online:
             self.online.add(device)
         else:
             self.online.discard(device)

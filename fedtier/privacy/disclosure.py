@@ -202,6 +202,14 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
         **HEADER,
         "m.digests": Field(PUBLIC, "sha256 of artifact files listed in the signed manifest"),
     },
+    # edge -> cloud: which of the cell's devices are connected (fedtier.wire.messages.CellPresence).
+    "cell_presence": {
+        **HEADER,
+        "m.online": Field(PUBLIC, "the devices of the cell connected to its broker now: presence, as each device's "
+                                  "retained status document says (which the cloud reads itself on a shared broker); "
+                                  "nothing about data, nor who a round sampled"),
+        "m.known": Field(PUBLIC, "how many devices of the cell have announced their presence, online or not"),
+    },
     # Any message above the broker's size limit travels as chunks (fedtier.transport.chunking).
     "chunk": {
         **HEADER,
@@ -224,7 +232,8 @@ STATUS: Mapping[str, Field] = {
     "trainer": Field(PUBLIC, "the device's training backend (ort, portable or torch): software, not data"),
     "version": Field(PUBLIC, "the fedtier version the node runs (the device inventory): software, not data"),
 }
-"""The retained presence document (JSON) every MQTT node publishes on ``ft/v1/status/<node>``."""
+"""The retained presence document (JSON) every MQTT node publishes on ``ft/v1/status/<node>`` (a device on
+``ft/v1/status/<cell>/<device>``, which only its edge reads behind a bridge)."""
 
 _XRISK = ("FeDXL's score lists (every positive's and negative's score, and u values) are data-dependent "
           "releases the mechanism does not cover: a config with [privacy] and algorithm = fedxl is refused, and so "

@@ -196,7 +196,8 @@ DOCS = {
     "fedtier_round_seconds": "Round latency in seconds: from the previous round's close (or the start) to this "
                              "round's close.",
     "fedtier_devices_known": "Devices of the cell in the rollout's topology.",
-    "fedtier_devices_online": "Devices of the cell whose presence is online.",
+    "fedtier_devices_online": "Devices of the cell whose presence is online (their own, or their edge's summary "
+                              "where it does not reach the coordinator).",
     "fedtier_devices_reporting": "Devices of the cell whose updates made it into the last closed round.",
     "fedtier_dropouts_total": "Devices of the cell missing from a closed round, summed over rounds.",
     "fedtier_quorum_misses_total": "Rounds that closed without the cell (its deadline passed and a quorum of "

@@ -84,6 +84,8 @@ class NodeBase:
         self.presence_docs: dict[str, dict[str, Any]] = {}
         """The last online presence document of each node (optional fields such as a device's
         ``trainer`` are there for logs and operators; the protocol needs only ``state``/``since``)."""
+        self._cell_scoped: set[str] = set()
+        """Nodes whose presence has come on a cell's presence topic (``stale_presence``)."""
 
     def reject(self, inbound: Inbound, exc: RemoteProtocolError) -> None:
         """Count a rejected message by its typed reason, and log it, thinned (module docstring).
@@ -143,6 +145,21 @@ class NodeBase:
             self._track_instance(node, instance)
         self.presence_docs[node] = doc
         return node
+
+    def stale_presence(self, parsed: topics.Topic) -> bool:
+        """Whether a presence message is an upgraded device's old document, to be ignored.
+
+        Agents before cell-scoped presence announced themselves on ``ft/v1/status/<device>``; once one of them
+        runs a newer version, that topic keeps its last (retained) document while the device announces itself
+        on ``ft/v1/status/<cell>/<device>``. A reader of both (the coordinator on a shared broker) takes the
+        cell's topic as the truth once it has seen the device there.
+        """
+        if parsed.device is None:
+            return False
+        if parsed.cell is not None:
+            self._cell_scoped.add(parsed.device)
+            return False
+        return parsed.device in self._cell_scoped
 
     def _track_instance(self, node: str, instance: str) -> None:
         """Two clients under one id take turns (A, B, A...): each connect takes the other's session.

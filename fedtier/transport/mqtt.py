@@ -143,7 +143,8 @@ class MqttTransport(ChunkingMixin):
                  max_packet_size: int | None = None, status: dict[str, Any] | None = None,
                  chunk_store: chunking.ChunkStore | None = None,
                  max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, reconnect_max_s: int = 30,
-                 tls: TlsSettings | None = None, max_auth_failures: int = 5) -> None:
+                 tls: TlsSettings | None = None, max_auth_failures: int = 5,
+                 status_topic: str | None = None) -> None:
         """
         Args:
             name: label of this connection in traffic stats and logs ("cell", "cloud", ...).
@@ -156,7 +157,7 @@ class MqttTransport(ChunkingMixin):
                 queued messages this long after a disconnect).
             max_packet_size: configured packet limit; the smaller of it and the broker's wins.
             status: if given, a retained presence document (must contain ``node``) published
-                on ``ft/v1/status/<node>`` with ``state = online`` after every connect, and
+                on ``status_topic`` with ``state = online`` after every connect, and
                 ``offline`` as last will and on a clean stop.
             chunk_store: where partial chunked messages wait (default: memory).
             max_message_bytes: refuse reassembled messages larger than this.
@@ -164,6 +165,8 @@ class MqttTransport(ChunkingMixin):
             tls: mutual-TLS settings, or None for plain TCP.
             max_auth_failures: set ``fatal`` after this many authorization failures in a row
                 (see the module docstring); 0 = keep retrying forever.
+            status_topic: where the presence goes: ``ft/v1/status/<node>`` by default (edges, the
+                coordinator); a device's is under its cell, ``topics.cell_status``.
         """
         if protocol not in (4, 5):
             raise ValueError(f"protocol must be 4 (MQTT 3.1.1) or 5, got {protocol}")
@@ -195,9 +198,12 @@ class MqttTransport(ChunkingMixin):
         """Set when authorization failed ``max_auth_failures`` times in a row: the process should end."""
         self.instance = secrets.token_hex(4)
         """This process's mark in its presence document (tells a second client with our id apart)."""
-        self._own_status = topics.status(status["node"]) if status is not None else None
+        self._own_status = (status_topic or topics.status(status["node"])) if status is not None else None
         self._auth_failures = 0
         self._connects = 0
+        self.session_present: bool | None = None
+        """What the last CONNACK said: whether the broker still had this client's session (``None``
+        before the first connect). See ``connects``."""
         self._own_echo = False
         self._inflight: dict[int, _Part] = {}
         self._early_acks: dict[int, tuple[int, str]] = {}
@@ -216,10 +222,10 @@ class MqttTransport(ChunkingMixin):
         if tls is not None:
             self.client.tls_set_context(tls.context())
         self.client.reconnect_delay_set(min_delay=1, max_delay=reconnect_max_s)
-        if status is not None:
+        if status is not None and self._own_status is not None:
             self.status = status = {**status, "instance": self.instance}
             offline = json.dumps({**status, "state": "offline"}).encode()
-            self.client.will_set(topics.status(status["node"]), offline, qos=1, retain=True)
+            self.client.will_set(self._own_status, offline, qos=1, retain=True)
         self.client.on_connect = self._on_connect
         self.client.on_connect_fail = self._on_connect_fail
         self.client.on_disconnect = self._on_disconnect
@@ -259,12 +265,23 @@ class MqttTransport(ChunkingMixin):
         with self._lock:
             return self._connected.is_set() and set(self._filters) <= self._acknowledged
 
+    @property
+    def connects(self) -> int:
+        """Connections the broker accepted so far. A node that sees it grow past 1 knows it reconnected, and
+        that whatever was sent to it meanwhile may be lost: the broker may have dropped its session
+        (``session_present`` false), or another client with its id took the session and its queued
+        messages. It then asks again for what it is owed (the coordinator, ``CloudNode``) and
+        republishes what it keeps retained in its cell (the edge). Read from the node's thread; counted
+        before the connection's subscriptions are sent, so what the node publishes on seeing it goes
+        out after them."""
+        return self._connects
+
     def stop(self, timeout: float = 2.0) -> None:
         """Publish ``offline`` (the will is only for unclean ends), disconnect, stop the loop."""
         self._closing = True
-        if self.status is not None and self._connected.is_set():
+        if self.status is not None and self._own_status is not None and self._connected.is_set():
             done = threading.Event()
-            self._publish_raw(topics.status(self.status["node"]),
+            self._publish_raw(self._own_status,
                               json.dumps({**self.status, "state": "offline"}).encode(), True,
                               lambda ok: done.set())
             if not self._external_loop:  # else nobody reads the acknowledgement: the publish is written, not awaited
@@ -411,6 +428,7 @@ class MqttTransport(ChunkingMixin):
             return
         self._auth_failures = 0
         self.client.last_error = None
+        self.session_present = bool(getattr(flags, "session_present", False))
         self._connects += 1
         self._own_echo = False
         if props is not None and hasattr(props, "MaximumPacketSize"):
@@ -424,11 +442,11 @@ class MqttTransport(ChunkingMixin):
             self._subscribe_now(f)
         log.info("%s: connected to %s:%s as %s (session present: %s, max packet: %s)", self.name, self.host,
                  self.port, self.client_id, getattr(flags, "session_present", None), self.broker_max_packet)
-        if self.status is not None:
+        if self.status is not None and self._own_status is not None:
             # Published after the SUBSCRIBEs on the same connection, so whoever reacts to our
             # presence (a parent resending the open task) finds us subscribed.
             doc = {**self.status, "state": "online", "since": time.time()}
-            client.publish(topics.status(self.status["node"]), json.dumps(doc).encode(), qos=1, retain=True)
+            client.publish(self._own_status, json.dumps(doc).encode(), qos=1, retain=True)
         with self._lock:
             self._connected.set()
             pending, self._pending = self._pending, []
@@ -540,7 +558,8 @@ class MqttTransport(ChunkingMixin):
 
 def from_config(cfg: Any, *, name: str, client_id: str, inbox: "queue.Queue[Inbound]",
                 status: dict[str, Any] | None = None, chunk_store: chunking.ChunkStore | None = None,
-                max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES) -> MqttTransport:
+                max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+                status_topic: str | None = None) -> MqttTransport:
     """An ``MqttTransport`` from a ``fedtier.runtime.config.BrokerConfig`` section."""
     tls = None
     if cfg.tls_ca is not None:
@@ -550,4 +569,4 @@ def from_config(cfg: Any, *, name: str, client_id: str, inbox: "queue.Queue[Inbo
                          protocol=cfg.protocol, keepalive=cfg.keepalive_s, session_expiry_s=cfg.session_expiry_s,
                          max_packet_size=cfg.max_packet_size or None, status=status, chunk_store=chunk_store,
                          max_message_bytes=max_message_bytes, tls=tls,
-                         max_auth_failures=getattr(cfg, "max_auth_failures", 5))
+                         max_auth_failures=getattr(cfg, "max_auth_failures", 5), status_topic=status_topic)

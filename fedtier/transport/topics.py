@@ -8,7 +8,13 @@
     ft/v1/{rollout}/cell/{cell}/down/manifest             edge -> devices (retained)
     ft/v1/{rollout}/cell/{cell}/down/{kind}[/{device}]    edge -> devices (or one device)
     ft/v1/{rollout}/cell/{cell}/up/{device}/{kind}        device -> edge
-    ft/v1/status/{node}                                   presence, retained + last will
+    ft/v1/status/{node}                                   presence of an edge or the cloud, retained + last will
+    ft/v1/status/{cell}/{device}                          presence of a device in its cell, retained + last will
+
+A device's presence is under its cell so that only its own edge follows it (a shared broker does
+not hand every device's connects to every edge); an edge summarises it for the coordinator
+(``cell_presence`` on its uplink), which is what crosses a gateway's bridge. Agents before that
+announced themselves on ``ft/v1/status/{device}``; edges no longer follow that topic.
 
 The id segments ({rollout}, {cell}, {device}) are restricted to ``[A-Za-z0-9_.-]`` so that
 no id can smuggle a wildcard or a level separator into a topic, and so that an ACL
@@ -75,13 +81,27 @@ def cell_up(rollout: str, cell: str, device: str, kind: str) -> str:
 
 
 def status(node: str) -> str:
+    """The presence topic of an edge or the coordinator (and of agents older than cell-scoped presence)."""
     return f"{PREFIX}/status/{check_id(node, 'node')}"
+
+
+def cell_status(cell: str, device: str) -> str:
+    """The presence topic of a device (or host) of ``cell``: followed by that cell's edge alone."""
+    return f"{PREFIX}/status/{check_id(cell, 'cell')}/{check_id(device, 'device')}"
 
 
 # Subscription filters -------------------------------------------------------------------
 
 ALL_MANIFESTS = f"{PREFIX}/+/manifest"
 ALL_STATUS = f"{PREFIX}/status/+"
+"""Presence of every edge and of the coordinator (one level: devices' presence is under their cell)."""
+ALL_CELL_STATUS = f"{PREFIX}/status/+/+"
+"""Presence of every device of every cell: the coordinator's view on a shared broker (never an edge's)."""
+
+
+def cell_status_filter(cell: str) -> str:
+    """What an edge subscribes to on its cell broker for presence: its own cell's devices."""
+    return f"{PREFIX}/status/{check_id(cell, 'cell')}/+"
 
 
 def cloud_down_filter(cell: str) -> str:
@@ -109,6 +129,7 @@ class Topic:
     """A parsed fedtier topic. ``origin`` is the node the topic attributes the message to."""
 
     channel: str  # manifest | cloud_down | edge_up | cell_manifest | cell_down | cell_up | status
+    # (status: ``device`` is the node; ``cell`` is set on a device's cell-scoped presence topic)
     rollout: str | None
     cell: str | None
     kind: str | None
@@ -129,8 +150,8 @@ def parse(topic: str) -> Topic | None:
     if len(parts) < 3 or parts[0] != "ft" or parts[1] != "v1":
         return None
     rest = parts[2:]
-    if rest[0] == "status" and len(rest) == 2 and is_id(rest[1]):
-        return Topic("status", None, None, None, device=rest[1])
+    if rest[0] == "status" and len(rest) in (2, 3):  # (no rollout topic has one or two levels after its id)
+        return _parse_status(rest[1:])
     if not is_id(rest[0]):
         return None
     rollout = rest[0]
@@ -142,14 +163,28 @@ def parse(topic: str) -> Topic | None:
     if len(tail) == 4 and tail[0] == "edge" and tail[2] == "up" and is_id(tail[1]):
         return Topic("edge_up", rollout, tail[1], tail[3])
     if len(tail) >= 4 and tail[0] == "cell" and is_id(tail[1]):
-        cell = tail[1]
-        if tail[2] == "down":
-            if tail[3:] == ["manifest"]:
-                return Topic("cell_manifest", rollout, cell, "manifest")
-            if len(tail) == 4:
-                return Topic("cell_down", rollout, cell, tail[3])
-            if len(tail) == 5 and is_id(tail[4]):
-                return Topic("cell_down", rollout, cell, tail[3], device=tail[4])
-        if tail[2] == "up" and len(tail) == 5 and is_id(tail[3]):
-            return Topic("cell_up", rollout, cell, tail[4], device=tail[3])
+        return _parse_cell(rollout, tail[1], tail[2:])
+    return None
+
+
+def _parse_status(ids: list[str]) -> Topic | None:
+    """``status/{node}`` or ``status/{cell}/{device}`` (a device's presence in its cell)."""
+    if not all(is_id(i) for i in ids):
+        return None
+    if len(ids) == 1:
+        return Topic("status", None, None, None, device=ids[0])
+    return Topic("status", None, ids[0], None, device=ids[1])
+
+
+def _parse_cell(rollout: str, cell: str, tail: list[str]) -> Topic | None:
+    """The levels after ``{rollout}/cell/{cell}/``."""
+    if tail[0] == "down":
+        if tail[1:] == ["manifest"]:
+            return Topic("cell_manifest", rollout, cell, "manifest")
+        if len(tail) == 2:
+            return Topic("cell_down", rollout, cell, tail[1])
+        if len(tail) == 3 and is_id(tail[2]):
+            return Topic("cell_down", rollout, cell, tail[1], device=tail[2])
+    if tail[0] == "up" and len(tail) == 3 and is_id(tail[1]):
+        return Topic("cell_up", rollout, cell, tail[2], device=tail[1])
     return None

@@ -427,6 +427,35 @@ class ArtifactBlob(Message):
                    data=data.tobytes())
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class CellPresence(Message):
+    """Edge -> cloud: which of the cell's devices are online now, by the devices' own presence in the cell.
+
+    Devices announce themselves under their cell (``topics.cell_status``), which only their edge follows
+    and which does not cross a gateway's bridge; this summary does (it is on the edge's uplink). Sent when
+    the set changes (at most every few seconds), when a rollout's manifest reaches the edge, and when the
+    coordinator comes online. ``online`` lists device ids (never in a metric label); ``known`` is how many
+    devices of the cell the edge has seen announce themselves, online or not. Not a round message: no
+    round, step 0, and the newest one wins.
+    """
+
+    KIND: ClassVar[str] = "cell_presence"
+
+    online: tuple[str, ...] = ()
+    known: int = 0
+
+    def _meta(self) -> dict[str, Any]:
+        return {"online": list(self.online), "known": self.known}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "CellPresence":
+        online = _str_list(env.meta, "online")
+        known = _count(env.meta, "known")
+        if len(set(online)) != len(online) or known < len(online):
+            raise MalformedHeaderError("cell_presence lists a device twice, or more online than known")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, online=online, known=known)
+
+
 # --- FeDXL: X-risk scores travel with the model ---------------------------------------------------------
 #
 # "FeDXL: Provable Federated Learning for Deep X-Risk Optimization" (Guo, Jin, Luo, Yang, ICML 2023):
@@ -692,7 +721,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (CellTask, DeviceTask, DeviceUpdate, CellUpdate, DeviceGradient, CellStep, ArtifactRequest,
                 ArtifactBlob, XRiskCellTask, XRiskDeviceTask, XRiskDeviceUpdate, XRiskCellUpdate, Embeddings,
-                PartnerEmbeddings)
+                PartnerEmbeddings, CellPresence)
 }
 
 M = TypeVar("M", bound=Message)

@@ -144,6 +144,37 @@ def test_presence_online_then_offline_on_clean_stop_and_via_will_on_crash(mosqui
         watcher.close()
 
 
+def test_a_devices_presence_on_its_cell_topic_and_a_takeover_of_its_id_is_seen_as_a_lost_session(mosquitto) -> None:
+    """A device announces itself under its cell (will included); a client that takes its id for a moment makes
+    the transport reconnect without its session (``connects``, ``session_present``: what a node reads to ask
+    again for what it is owed)."""
+    watcher = RawClient(mosquitto.host, mosquitto.port, "watcher")
+    watcher.subscribe(topics.ALL_CELL_STATUS)
+    own = topics.cell_status("cell-a", "dev-c")
+    tx = transport(mosquitto, "dev-c", status={"node": "dev-c", "role": "device", "cell": "cell-a"}, status_topic=own)
+    try:
+        topic, payload = watcher.wait_for(own)
+        assert json.loads(payload)["state"] == "online" and tx.connects == 1 and tx.session_present is False
+        intruder = RawClient(mosquitto.host, mosquitto.port, "dev-c")  # a clean session under the device's id
+        time.sleep(0.3)
+        intruder.close()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not (tx.connects == 2 and tx.connected):
+            time.sleep(0.05)
+        assert tx.connects == 2 and tx.session_present is False
+        # A crash: the will goes to the cell's topic too.
+        tx.client.loop_stop()
+        tx.client.socket().close()
+        states = []
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and states[-1:] != ["offline"]:
+            topic, payload = watcher.wait_for(own)
+            states.append(json.loads(payload)["state"])
+        assert states[-1:] == ["offline"]
+    finally:
+        watcher.close()
+
+
 def test_a_message_not_confirmed_before_a_crash_is_delivered_again(mosquitto) -> None:
     # Prepare: a persistent-session receiver that takes a message but crashes before confirming it.
     inbox: queue.Queue = queue.Queue()

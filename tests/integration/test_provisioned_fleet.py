@@ -8,14 +8,19 @@ The nodes run as threads, built by each role's ``build()`` from the bundles' own
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
 from conftest import free_port, mosquitto_binary, require
 from fleet_helpers import Procs, retained, start_brokers, write_rollout
 from fleet_threads import ThreadFleet
 
+from fedtier.cli import cli
 from local_fleet.configs import FleetPaths
 from provisioning.rollout import provision_fleet
 
@@ -71,7 +76,10 @@ def test_a_provisioned_fleet_completes_a_rollout_and_leaves_nothing_retained(
 
 def test_edges_behind_bridged_gateway_brokers_talk_to_their_local_broker_alone(
         tmp_path: Path, artifact_store: Path) -> None:
-    """``--cell-broker ... --bridge``: each gateway's Mosquitto bridges its cell to the cloud's over TLS."""
+    """``--cell-broker ... --bridge``: each gateway's Mosquitto bridges its cell to the cloud's over TLS.
+
+    Devices' presence stays behind the bridge; each edge's summary crosses it, so ``rollout status`` and the
+    coordinator's ``/metrics`` show the devices online."""
     require(mosquitto_binary() is not None, "Mosquitto (apt-get install mosquitto)")
     # Prepare: two gateway brokers bridged to a cloud broker, all three with mutual TLS.
     cloud_port = free_port()
@@ -89,15 +97,37 @@ def test_edges_behind_bridged_gateway_brokers_talk_to_their_local_broker_alone(
     fleet = ThreadFleet(paths_of(result))
     try:
         start_brokers(procs, result.brokers)
-        # Execute: every node from its bundle.
-        fleet.start_all()
+        # Execute: every node from its bundle; the devices are online before the coordinator starts.
+        for device in result.devices:
+            fleet.start_device(device)
+        for cell in CELLS:
+            fleet.start_edge(cell)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                sum(fleet.nodes[c].node._devices_online.values()) == 2 for c in CELLS):
+            fleet.check()
+            time.sleep(0.05)
+        coordinator = fleet.start_coordinator().node
+        scrape = coordinator.metrics.serve(0)
         coordinator = fleet.wait_finished(timeout=90)
+        exported = urllib.request.urlopen(f"http://127.0.0.1:{scrape.server_address[1]}/metrics", timeout=10).read()
+        scrape.shutdown()
+        status = CliRunner().invoke(cli, ["rollout", "status", "r1", "--store", coordinator.cfg.store_location,
+                                          "--json"])
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and not (
                 coordinator.cleared and all("r1" not in fleet.nodes[c].node.manifests for c in CELLS)):
             time.sleep(0.05)
-        # Assert: every device in every round reached the coordinator across the bridges.
+        # Assert: every device in every round reached the coordinator across the bridges, and so did the
+        # edges' summaries of who is online: rollout status and /metrics show both devices of each cell.
         assert [row["devices_reported"] for row in coordinator.history] == [4, 4, 4]
+        assert status.exit_code == 0, status.output
+        cells = json.loads(status.output)["cells"]
+        assert {c: (cells[c]["devices_online"], cells[c]["devices_known"]) for c in CELLS} == \
+            {c: (2, 2) for c in CELLS}
+        online = {sample.labels["cell"]: sample.value for family in text_string_to_metric_families(exported.decode())
+                  for sample in family.samples if sample.name == "fedtier_devices_online"}
+        assert online == {c: 2.0 for c in CELLS}
         fleet.stop()
         # The bridges carried the coordinator's clean-up to the gateways: nothing of the rollout is
         # left retained on a gateway's broker, nor on the cloud's (read with stopped nodes' identities).

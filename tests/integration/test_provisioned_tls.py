@@ -394,13 +394,15 @@ def test_device_topics_are_exactly_its_own(world: World, clients: dict[str, Clie
     # Everything a device publishes: its uplink (every kind) and its presence.
     for kind in KINDS:
         assert d0.publish(topics.cell_up(ROLLOUT, "c0", "d0", kind)) < 128, kind
-    assert d0.publish(topics.status("d0"), retain=True) < 128
+    assert d0.publish(topics.cell_status("c0", "d0"), retain=True) < 128
+    assert d0.publish(topics.status("d0"), retain=True) < 128  # an older agent's presence topic
     assert gw.received() >= {topics.cell_up(ROLLOUT, "c0", "d0", k) for k in KINDS}
     # Nothing else: another device's id, another cell, the downlink, the cloud's topics.
     denied = [topics.cell_up(ROLLOUT, "c0", "d1", "device_update"),
               topics.cell_up(ROLLOUT, "c1", "d0", "device_update"),
               topics.cell_down(ROLLOUT, "c0", "device_task"), topics.cell_manifest(ROLLOUT, "c0"),
               topics.status("d1"), topics.status("c0"), topics.manifest(ROLLOUT),
+              topics.cell_status("c0", "d1"), topics.cell_status("c1", "d0"),
               topics.edge_up(ROLLOUT, "c0", "cell_update"), topics.cloud_down(ROLLOUT, "c0", "cell_task")]
     for topic in denied:
         assert d0.publish(topic) == NOT_AUTHORIZED, topic
@@ -438,11 +440,12 @@ def test_devices_read_their_cell_downlink_and_not_another_cells(world: World, cl
 
 
 def test_gateway_and_coordinator_have_what_their_roles_need(world: World, clients: dict[str, Client]) -> None:
-    gw, cloud, d0 = clients["c0"], clients["cloud"], clients["d0"]
+    gw, cloud, d0, e0 = clients["c0"], clients["cloud"], clients["d0"], clients["e0"]
     # Subscriptions exactly as edge_broker/service.py and cloud_coordinator/node.py make them.
-    for f in (topics.ALL_MANIFESTS, topics.cloud_down_filter("c0"), topics.cell_up_filter("c0"), topics.ALL_STATUS):
+    for f in (topics.ALL_MANIFESTS, topics.cloud_down_filter("c0"), topics.status("cloud"), topics.cell_up_filter("c0"),
+              topics.cell_status_filter("c0")):
         assert gw.subscribe(f) < 128
-    for f in (topics.edge_up_filter(), topics.ALL_STATUS):
+    for f in (topics.edge_up_filter(), topics.ALL_STATUS, topics.ALL_CELL_STATUS):
         assert cloud.subscribe(f) < 128
     d0.subscribe(topics.cell_down_filter("c0"))
     gw.received(0.1), cloud.received(0.1), d0.received(0.1)  # drop retained leftovers of other tests
@@ -467,9 +470,14 @@ def test_gateway_and_coordinator_have_what_their_roles_need(world: World, client
     assert d0.received() >= {topics.cell_down(ROLLOUT, "c0", k) for k in KINDS}
     assert cloud.received() >= {topics.edge_up(ROLLOUT, "c0", k) for k in KINDS} | {topics.status("c0")}
 
-    # Device presence reaches both the edge and the coordinator.
-    assert d0.publish(topics.status("d0"), retain=True) < 128
-    assert topics.status("d0") in gw.received()
+    # A device's presence reaches its edge and the coordinator (on a shared broker), never another cell's edge,
+    # even one that asks for every cell's (Mosquitto's acl_file grants the SUBSCRIBE and filters delivery).
+    assert gw.subscribe(topics.ALL_CELL_STATUS) < 128
+    assert d0.publish(topics.cell_status("c0", "d0"), retain=True) < 128
+    assert e0.publish(topics.cell_status("c1", "e0"), retain=True) < 128
+    seen = gw.received()
+    assert topics.cell_status("c0", "d0") in seen and topics.cell_status("c1", "e0") not in seen
+    assert cloud.received() >= {topics.cell_status("c0", "d0"), topics.cell_status("c1", "e0")}
 
     # And not more: an edge cannot speak for another cell or for the coordinator; the
     # coordinator cannot talk to devices directly or pose as an edge.

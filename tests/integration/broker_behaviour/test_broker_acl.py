@@ -161,6 +161,7 @@ def test_fedtiers_cell_acl(start: Any, check: Check) -> None:
     up, down = "ft/v1/r1/cell/cell-a/up", "ft/v1/r1/cell/cell-a/down"
     gateway = Peer(broker.port, "cell-a", username="cell-a").connect()
     assert gateway.subscribe(f"{up}/#", 1) == [1]
+    assert gateway.subscribe("ft/v1/status/cell-a/+", 1) == [1]
     device = Peer(broker.port, "dev-0", username="dev-0").connect()
     assert device.subscribe(f"{down}/#", 1) == [1]
     end = sentinel(gateway, device)
@@ -170,9 +171,13 @@ def test_fedtiers_cell_acl(start: Any, check: Check) -> None:
     check.same("the gateway writes the downlink", gateway.publish(f"{down}/task", b"t", qos=1), 0)
     check.same("a device writes its presence", device.publish("ft/v1/status/dev-0", b"{}", qos=1), 0x10)
     check.same("... not another node's", device.publish("ft/v1/status/cell-a", b"{}", qos=1), 0x87)
+    check.same("a device writes its presence in its cell", device.publish("ft/v1/status/cell-a/dev-0", b"on", qos=1), 0)
+    check.same("... not another device's", device.publish("ft/v1/status/cell-a/dev-1", b"{}", qos=1), 0x87)
+    check.same("... nor in another cell", device.publish("ft/v1/status/cell-b/dev-0", b"{}", qos=1), 0x87)
     gateway.publish(end, b"", qos=1)
-    check.same("the gateway reads the device's uplink",
-               [(m.topic, bytes(m.payload)) for m in gateway.collect_until(end)], [(f"{up}/dev-0/update", b"u0")])
+    check.same("the gateway reads the device's uplink and its presence",
+               [(m.topic, bytes(m.payload)) for m in gateway.collect_until(end)],
+               [(f"{up}/dev-0/update", b"u0"), ("ft/v1/status/cell-a/dev-0", b"on")])
     check.same("the device reads the downlink", [bytes(m.payload) for m in device.collect_until(end)], [b"t"])
     gateway.close()
     device.close()

@@ -19,7 +19,8 @@ from fedtier.security.manifest import Manifest
 from fedtier.transport import topics
 from fedtier.transport.memory import MemoryBroker
 from fedtier.wire import messages
-from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellTask, CellUpdate, DeviceTask, DeviceUpdate
+from fedtier.wire.messages import (ArtifactBlob, ArtifactRequest, CellPresence, CellTask, CellUpdate, DeviceTask,
+                                   DeviceUpdate)
 
 CELL, ROLLOUT = "cell-a", "r"
 MEMBERS = ("dev-0", "dev-1", "dev-2")
@@ -136,16 +137,21 @@ def test_a_request_just_after_a_broadcast_is_answered_by_one_more_when_the_windo
     assert broadcasts() == 2
 
 
+def online(device: str, since: float, cell: str = CELL, state: str = "online") -> tuple[str, bytes]:
+    """A device's retained presence on its cell's topic."""
+    return topics.cell_status(cell, device), json.dumps({"state": state, "since": since, "node": device}).encode()
+
+
 def test_a_member_coming_online_gets_the_open_task_on_its_own_topic(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.task()
     rig.at_cell.clear()
-    rig.devices.publish(topics.status("dev-2"), json.dumps({"state": "online", "since": 5.0}).encode(), retain=True)
+    rig.devices.publish(*online("dev-2", 5.0), retain=True)
     rig.broker.run_until_idle()
     [(topic, task)] = decoded(rig.at_cell)
     assert topic == topics.cell_down(ROLLOUT, CELL, DeviceTask.KIND, "dev-2") and task.round == 0
     # The same online event seen again (a retained redelivery) does not resend.
-    rig.devices.publish(topics.status("dev-2"), json.dumps({"state": "online", "since": 5.0}).encode(), retain=True)
+    rig.devices.publish(*online("dev-2", 5.0), retain=True)
     rig.broker.run_until_idle()
     assert len(decoded(rig.at_cell)) == 1
 
@@ -370,3 +376,107 @@ def test_an_edge_optimizer_keeps_its_momentum_across_an_edge_restart(tmp_path: P
         np.testing.assert_allclose(got[r], expected[r], rtol=0, atol=1e-6)
     assert not np.allclose(expected[2], np.mean(list(rounds[2].values())))
     assert rig.edge.roles[ROLLOUT]._edge_optimizer.steps == 3
+
+
+# --- presence stays in its cell, and reaches the cloud as a summary -------------------------------------
+
+
+def summaries(received: list) -> list[CellPresence]:
+    return [m for t, m in decoded(received) if t == topics.edge_up(ROLLOUT, CELL, CellPresence.KIND)]
+
+
+def test_the_edge_follows_its_own_cells_presence_only_and_never_republishes_per_device(tmp_path: Path) -> None:
+    # Prepare: a running rollout (its manifest relayed once), a round open.
+    rig = Rig(tmp_path)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.task()
+    rig.at_cell.clear()
+    # Execute: devices of another cell and an older agent's cell-less presence come and go; then this cell's.
+    for i in range(5):
+        rig.devices.publish(*online(f"other-{i}", float(i), cell="cell-b"), retain=True)
+    rig.devices.publish(topics.status("dev-1"), json.dumps({"state": "online", "since": 1.0}).encode(), retain=True)
+    rig.broker.run_until_idle()
+    assert rig.at_cell == [] and rig.edge._devices_online == {}
+    for device in MEMBERS:
+        rig.devices.publish(*online(device, 7.0), retain=True)
+    rig.broker.run_until_idle()
+    # Assert: each member that owes the round got its task on its own topic; no manifest was published again.
+    assert sorted(t for t, m in decoded(rig.at_cell) if isinstance(m, DeviceTask)) == \
+        [topics.cell_down(ROLLOUT, CELL, DeviceTask.KIND, d) for d in MEMBERS]
+    assert not any(i.topic == topics.cell_manifest(ROLLOUT, CELL) for i in rig.at_cell)
+
+
+def test_who_is_online_is_summarised_for_the_coordinator_on_change_at_most_every_few_seconds(tmp_path: Path) -> None:
+    from edge_broker.service import PRESENCE_SUMMARY_S
+
+    rig = Rig(tmp_path)
+    rig.devices.publish(*online("dev-0", 1.0), retain=True)
+    rig.broker.run_until_idle()
+    rig.edge.tick(0.0)
+    rig.broker.run_until_idle()
+    assert summaries(rig.at_cloud) == []  # no rollout runs: nobody to tell
+    # The manifest arrives: the rollout's coordinator is told at once.
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.broker.run_until_idle()
+    rig.edge.tick(1.0)
+    rig.broker.run_until_idle()
+    [first] = summaries(rig.at_cloud)
+    assert first.online == ("dev-0",) and first.known == 1 and first.sender == CELL
+    # Two devices connect and one leaves within the interval: one more summary, when the interval is over.
+    rig.devices.publish(*online("dev-1", 2.0), retain=True)
+    rig.devices.publish(*online("dev-2", 2.0), retain=True)
+    rig.devices.publish(*online("dev-0", 1.0, state="offline"), retain=True)
+    rig.broker.run_until_idle()
+    rig.edge.tick(1.0 + PRESENCE_SUMMARY_S / 2)
+    rig.broker.run_until_idle()
+    assert len(summaries(rig.at_cloud)) == 1
+    rig.edge.tick(1.0 + PRESENCE_SUMMARY_S)
+    rig.broker.run_until_idle()
+    second = summaries(rig.at_cloud)[-1]
+    assert second.online == ("dev-1", "dev-2") and second.known == 3
+    # Nothing changed: nothing sent. The coordinator (re)connects: it is told again.
+    rig.edge.tick(10 * PRESENCE_SUMMARY_S)
+    rig.broker.run_until_idle()
+    assert len(summaries(rig.at_cloud)) == 2
+    rig.cloud.publish(topics.status("cloud"), json.dumps({"state": "online", "since": 9.0}).encode(), retain=True)
+    rig.broker.run_until_idle()
+    rig.edge.tick(20 * PRESENCE_SUMMARY_S)
+    rig.broker.run_until_idle()
+    assert [s.online for s in summaries(rig.at_cloud)] == [("dev-0",), ("dev-1", "dev-2"), ("dev-1", "dev-2")]
+
+
+def test_manifests_are_published_again_once_per_reconnection_to_the_cell_broker(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.broker.run_until_idle()
+
+    def relayed() -> int:
+        return sum(1 for i in rig.at_cell if i.topic == topics.cell_manifest(ROLLOUT, CELL))
+
+    assert relayed() == 1
+    rig.edge.cell_tx.connects = 1  # type: ignore[attr-defined]  (as MqttTransport counts its connections)
+    rig.edge.tick(1.0)
+    rig.broker.run_until_idle()
+    assert relayed() == 1  # the first connection: nothing lost yet
+    rig.edge.cell_tx.connects = 2  # type: ignore[attr-defined]  (the broker restarted; the edge reconnected)
+    for _ in range(3):
+        rig.edge.tick(2.0)
+    rig.broker.run_until_idle()
+    assert relayed() == 2
+
+
+def test_a_restarted_edge_relays_its_installed_manifest_once_when_the_coordinator_shows_it_still_runs(
+        tmp_path: Path) -> None:
+    db = tmp_path / "edge.db"
+    rig = Rig(tmp_path, db)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.broker.run_until_idle()
+    rig.edge.store.close()
+    rig.edge.cell_tx.close()
+    rig.edge.cloud_tx.close()
+    rig.at_cell.clear()
+    rig.edge = rig.new_edge(tmp_path, db)  # the retained manifest arrives again: the same bytes
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)  # and again (a redelivery)
+    rig.broker.run_until_idle()
+    assert [Manifest.decode(i.payload).version for i in rig.at_cell
+            if i.topic == topics.cell_manifest(ROLLOUT, CELL)] == [1]

@@ -479,12 +479,16 @@ def test_the_acl_grants_each_role_exactly_its_topics(mode_: str) -> None:
         assert allowed(acl, "d0", "read", topics.cell_down(r, "c0", k))
         assert allowed(acl, "d0", "read", topics.cell_down(r, "c0", k, "d0"))
     assert allowed(acl, "d0", "read", topics.cell_manifest(r, "c0"))
-    assert allowed(acl, "d0", "write", topics.status("d0"))
+    assert allowed(acl, "d0", "write", topics.status("d0"))  # an older agent's presence topic
+    assert allowed(acl, "d0", "write", topics.cell_status("c0", "d0"))  # its presence, in its cell
+    assert allowed(acl, "d0", "read", topics.cell_status("c0", "d0"))  # (it reads its own: a copied bundle?)
     for t in (topics.cell_up(r, "c0", "d1", "device_update"), topics.cell_up(r, "c1", "d0", "device_update"),
-              topics.cell_down(r, "c0", "device_task"), topics.status("d1"), topics.manifest(r)):
+              topics.cell_down(r, "c0", "device_task"), topics.status("d1"), topics.manifest(r),
+              topics.cell_status("c0", "d1"), topics.cell_status("c1", "d0"), topics.status("c0")):
         assert not allowed(acl, "d0", "write", t), t
     for t in (topics.cell_down(r, "c1", "device_task"), topics.cell_up(r, "c0", "d1", "device_update"),
-              topics.status("d1"), topics.manifest(r), topics.cloud_down(r, "c0", "cell_task")):
+              topics.status("d1"), topics.manifest(r), topics.cloud_down(r, "c0", "cell_task"),
+              topics.cell_status("c0", "d1")):
         assert not allowed(acl, "d0", "read", t), t
     # gateway c0 on the cell side
     for k in kinds:
@@ -492,7 +496,9 @@ def test_the_acl_grants_each_role_exactly_its_topics(mode_: str) -> None:
         assert allowed(acl, "c0", "write", topics.cell_down(r, "c0", k))
         assert allowed(acl, "c0", "write", topics.cell_down(r, "c0", k, "d1"))
     assert allowed(acl, "c0", "write", topics.cell_manifest(r, "c0"))
-    assert allowed(acl, "c0", "read", topics.status("d0"))
+    assert allowed(acl, "c0", "read", topics.cell_status("c0", "d0"))
+    assert not allowed(acl, "c0", "read", topics.cell_status("c1", "e0"))  # presence stays in its cell
+    assert not allowed(acl, "c0", "write", topics.cell_status("c0", "d0"))
     assert not allowed(acl, "c0", "write", topics.cell_down(r, "c1", "device_task"))
     assert not allowed(acl, "c0", "read", topics.cell_up(r, "c1", "e0", "device_update"))
     if mode_ != "combined":
@@ -505,6 +511,8 @@ def test_the_acl_grants_each_role_exactly_its_topics(mode_: str) -> None:
         assert allowed(acl, "cloud", "read", topics.edge_up(r, "c1", k))
     assert allowed(acl, "c0", "read", topics.manifest(r)) and allowed(acl, "c0", "write", topics.status("c0"))
     assert allowed(acl, "cloud", "write", topics.manifest(r)) and allowed(acl, "cloud", "read", topics.status("c0"))
+    assert allowed(acl, "c0", "read", topics.status("cloud"))
+    assert allowed(acl, "cloud", "read", topics.cell_status("c0", "d0"))  # a shared broker's device inventory
     assert not allowed(acl, "c0", "read", topics.cloud_down(r, "c1", "cell_task"))
     assert not allowed(acl, "c0", "write", topics.edge_up(r, "c1", "cell_update"))
     assert not allowed(acl, "c0", "write", topics.manifest(r))

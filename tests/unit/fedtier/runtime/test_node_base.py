@@ -117,3 +117,14 @@ def test_a_seen_message_on_another_senders_topic_is_no_redelivery(caplog: pytest
     assert [sender_of(t) for t in (own.topic, topics.edge_up("r", "cell-b", "cell_update"),
                                    topics.cloud_down("r", "cell-a", "cell_task"), "x/y")] == \
         ["dev-1", "cell-b", "cloud_down", "other"]
+
+
+def test_an_upgraded_devices_old_presence_topic_is_stale_once_its_cell_topic_was_seen() -> None:
+    base = NodeBase("cloud", Metrics(node="cloud", role="cloud"), log, 1 << 20)
+    old, new = topics.parse(topics.status("dev-0")), topics.parse(topics.cell_status("cell-a", "dev-0"))
+    edge = topics.parse(topics.status("cell-a"))
+    assert old is not None and new is not None and edge is not None
+    assert not base.stale_presence(old)  # an older agent: its only presence
+    assert not base.stale_presence(new)
+    assert base.stale_presence(old)  # now superseded by the cell's topic
+    assert not base.stale_presence(new) and not base.stale_presence(edge)

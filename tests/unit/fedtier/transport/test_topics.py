@@ -39,6 +39,8 @@ def rebuild(t: Topic) -> str:
         return topics.cell_down(t.rollout, t.cell, t.kind, t.device)  # type: ignore[arg-type]
     if t.channel == "cell_up":
         return topics.cell_up(t.rollout, t.cell, t.device, t.kind)  # type: ignore[arg-type]
+    if t.channel == "status" and t.cell is not None:
+        return topics.cell_status(t.cell, t.device)  # type: ignore[arg-type]
     if t.channel == "status":
         return topics.status(t.device)  # type: ignore[arg-type]
     raise AssertionError(t.channel)
@@ -56,6 +58,7 @@ def test_builders_produce_the_documented_tree() -> None:
     assert topics.cell_down("r1", "c1", "device_task", "d7") == "ft/v1/r1/cell/c1/down/device_task/d7"
     assert topics.cell_up("r1", "c1", "d7", "device_update") == "ft/v1/r1/cell/c1/up/d7/device_update"
     assert topics.status("edge-1") == "ft/v1/status/edge-1"
+    assert topics.cell_status("c1", "d7") == "ft/v1/status/c1/d7"
 
 
 @pytest.mark.parametrize(("topic", "expected"), [
@@ -67,6 +70,7 @@ def test_builders_produce_the_documented_tree() -> None:
     ("ft/v1/r1/cell/c1/down/device_task/d7", Topic("cell_down", "r1", "c1", "device_task", device="d7")),
     ("ft/v1/r1/cell/c1/up/d7/device_update", Topic("cell_up", "r1", "c1", "device_update", device="d7")),
     ("ft/v1/status/edge-1", Topic("status", None, None, None, device="edge-1")),
+    ("ft/v1/status/c1/d7", Topic("status", None, "c1", None, device="d7")),
 ])
 def test_parse_each_channel(topic: str, expected: Topic) -> None:
     parsed = topics.parse(topic)
@@ -94,6 +98,7 @@ def test_builders_and_parse_round_trip(rollout: str, cell: str, device: str, kin
         topics.cell_down(rollout, cell, kind, device): Topic("cell_down", rollout, cell, kind, device),
         topics.cell_up(rollout, cell, device, kind): Topic("cell_up", rollout, cell, kind, device),
         topics.status(device): Topic("status", None, None, None, device),
+        topics.cell_status(cell, device): Topic("status", None, cell, None, device),
     }
     for topic, expected in cases.items():
         assert topics.parse(topic) == expected, topic
@@ -125,7 +130,7 @@ def test_parse_accepts_only_what_a_builder_produces(topic: str) -> None:
     "ft/v1/r1/edge/c1/down/k", "ft/v1/r1/edge/c1/up", "ft/v1/r1/cell/c1/sideways/k",
     "ft/v1/r1/cell/c1/up/d1", "ft/v1/r1/cell/c1/up/d1/k/extra", "ft/v1/r1/cell/c1/down/k/d1/extra",
     "ft/v1/a+b/manifest", "ft/v1/#/manifest", "ft/v1/a b/manifest", "ft/v1//manifest",
-    "ft/v1/status", "ft/v1/status/a/b", "ft/v1/status/$SYS", "ft/v1/r1/cell/c+1/up/d1/k",
+    "ft/v1/status", "ft/v1/status/a/b/c", "ft/v1/status/a+/b", "ft/v1/status/$SYS", "ft/v1/r1/cell/c+1/up/d1/k",
     "ft/v1/r1/cell/c1/up/d#1/k", "$SYS/broker/clients", "ft/v1/" + "x" * 65 + "/manifest",
 ])
 def test_parse_returns_none_for_foreign_topics(topic: str) -> None:
@@ -290,6 +295,11 @@ def test_subscription_filters_select_their_channel(rollout: str, cell: str, othe
     assert m(topics.ALL_MANIFESTS, topics.manifest(rollout))
     assert not m(topics.ALL_MANIFESTS, topics.cell_manifest(rollout, cell))
     assert m(topics.ALL_STATUS, topics.status(device))
+    assert not m(topics.ALL_STATUS, topics.cell_status(cell, device))  # a device's presence is under its cell
+    assert m(topics.cell_status_filter(cell), topics.cell_status(cell, device))
+    assert not m(topics.cell_status_filter(cell), topics.status(device))
+    assert m(topics.ALL_CELL_STATUS, topics.cell_status(cell, device))
+    assert not m(topics.ALL_CELL_STATUS, topics.status(device))
     assert m(topics.cloud_down_filter(cell), topics.cloud_down(rollout, cell, kind))
     assert m(topics.edge_up_filter(), topics.edge_up(rollout, cell, kind))
     assert not m(topics.edge_up_filter(), topics.cloud_down(rollout, cell, kind))
@@ -303,3 +313,4 @@ def test_subscription_filters_select_their_channel(rollout: str, cell: str, othe
         assert not m(topics.cloud_down_filter(cell), topics.cloud_down(rollout, other, kind))
         assert not m(topics.cell_down_filter(cell), topics.cell_down(rollout, other, kind))
         assert not m(topics.cell_up_filter(cell), topics.cell_up(rollout, other, device, kind))
+        assert not m(topics.cell_status_filter(cell), topics.cell_status(other, device))

@@ -17,6 +17,7 @@ from fedtier.wire import Envelope, TensorEncoding, messages
 from fedtier.wire.messages import (
     ArtifactBlob,
     ArtifactRequest,
+    CellPresence,
     CellStep,
     CellTask,
     CellUpdate,
@@ -77,6 +78,7 @@ def examples() -> list[Message]:
                    rows=("d1", "d3"), params={"theta0/w": PARAMS["w"]}),
         PartnerEmbeddings(rollout="r1", round=2, sender="edge-1", step=1, zeta=np.array([[0.5, 1.0]], np.float32),
                           rows=("d1",)),
+        CellPresence(rollout="r1", round=0, sender="edge-1", online=("d1", "d3"), known=4),
     ]
 
 
@@ -100,7 +102,7 @@ def test_every_message_type_is_registered_under_its_kind() -> None:
                                            "xrisk_cell_task", "xrisk_device_task", "xrisk_device_update",
                                            "xrisk_cell_update", "hsgd_embeddings", "hsgd_partner", "secagg_keys",
                                            "secagg_roster", "secagg_shares", "secagg_bundle", "secagg_masked",
-                                           "secagg_unmask", "secagg_reveal"}
+                                           "secagg_unmask", "secagg_reveal", "cell_presence"}
     for kind, cls in messages.MESSAGE_TYPES.items():
         assert cls.KIND == kind
 
@@ -247,6 +249,7 @@ REQUIRED = {
     "XRiskCellUpdate": ["weight", "reported", "mean_loss", "stats", "pool"],
     "Embeddings": ["rows"],
     "PartnerEmbeddings": ["rows"],
+    "CellPresence": ["online", "known"],
 }
 
 
@@ -275,6 +278,13 @@ def test_mistyped_field(index: int, field: str, value: Any) -> None:
 
     with pytest.raises(MalformedHeaderError):
         decode_message(data)
+
+
+@pytest.mark.parametrize("meta", [{"online": ["d1", "d1"]}, {"known": 1}, {"known": -1}, {"online": "d1"}])
+def test_a_presence_summary_that_contradicts_itself_is_refused(meta: dict[str, Any]) -> None:
+    with pytest.raises(MalformedHeaderError):
+        decode_message(reencode(CellPresence(rollout="r1", round=0, sender="c1", online=("d1", "d2"), known=3),
+                                **meta))
 
 
 def test_int_fields_accept_ints_for_floats() -> None:
