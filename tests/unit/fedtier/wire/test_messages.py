@@ -27,6 +27,7 @@ from fedtier.wire.messages import (
     Message,
     PartnerEmbeddings,
     ScorePool,
+    TrainingFailed,
     XRiskCellTask,
     XRiskCellUpdate,
     XRiskDeviceTask,
@@ -77,6 +78,7 @@ def examples() -> list[Message]:
                    rows=("d1", "d3"), params={"theta0/w": PARAMS["w"]}),
         PartnerEmbeddings(rollout="r1", round=2, sender="edge-1", step=1, zeta=np.array([[0.5, 1.0]], np.float32),
                           rows=("d1",)),
+        TrainingFailed(rollout="r1", round=2, sender="d1", step=1, reason="crash"),
     ]
 
 
@@ -100,7 +102,7 @@ def test_every_message_type_is_registered_under_its_kind() -> None:
                                            "xrisk_cell_task", "xrisk_device_task", "xrisk_device_update",
                                            "xrisk_cell_update", "hsgd_embeddings", "hsgd_partner", "secagg_keys",
                                            "secagg_roster", "secagg_shares", "secagg_bundle", "secagg_masked",
-                                           "secagg_unmask", "secagg_reveal"}
+                                           "secagg_unmask", "secagg_reveal", "training_failed"}
     for kind, cls in messages.MESSAGE_TYPES.items():
         assert cls.KIND == kind
 
@@ -186,6 +188,18 @@ def test_keys_ignore_payload_but_not_identity() -> None:
     assert CellUpdate(rollout="r1", round=2, sender="d1", weight=1.0).key != upd.key
 
 
+def test_a_training_failure_names_one_of_the_bounded_reasons() -> None:
+    """The reason is a metric label at the edge: a sender cannot make up one (a label per device, say)."""
+    failed = TrainingFailed(rollout="r1", round=2, sender="d1", step=1, reason="non_finite")
+    assert failed.key == "training_failed/r1/2/1/d1"
+    with pytest.raises(LocalProtocolError):
+        TrainingFailed(rollout="r1", round=2, sender="d1", reason="d1 exploded")
+    with pytest.raises(MalformedHeaderError):
+        decode_message(reencode(failed, reason="d1 exploded"))
+    with pytest.raises(MalformedHeaderError):
+        decode_message(reencode(failed, reason=7))
+
+
 def test_artifact_keys_follow_content() -> None:
     req = examples()[4]
     blob = examples()[5]
@@ -247,6 +261,7 @@ REQUIRED = {
     "XRiskCellUpdate": ["weight", "reported", "mean_loss", "stats", "pool"],
     "Embeddings": ["rows"],
     "PartnerEmbeddings": ["rows"],
+    "TrainingFailed": ["reason"],
 }
 
 
