@@ -170,6 +170,13 @@ def _rejected_counts(value: Any) -> dict[str, int]:
             if isinstance(p, list) and len(p) == 2 and isinstance(p[1], (int, float))}
 
 
+def _failed_devices(value: Any) -> dict[str, str]:
+    """A cell's ``stats["failed"]`` (``[[device, reason], ...]``, see the edge) as a dict; anything else is empty."""
+    if not isinstance(value, list):
+        return {}
+    return {str(p[0]): str(p[1]) for p in value if isinstance(p, list) and len(p) == 2}
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -571,7 +578,8 @@ class CloudNode(NodeBase):
         return row
 
     def _cell_rows(self, closed: RoundClosed, cells: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-        """Each cell of the rollout in a round's row: who reported, who not, what it rejected, its bytes."""
+        """Each cell of the rollout in a round's row: who reported, who not (and who of them failed to train, and
+        why), what it rejected, its bytes."""
         out: dict[str, dict[str, Any]] = {}
         for c in sorted(self.prepared.cells):
             reported = closed.reported.get(c, ())
@@ -579,6 +587,7 @@ class CloudNode(NodeBase):
             out[c] = {"reported": list(reported),
                       "missing": sorted(set(self.prepared.cells.get(c, ())) - set(reported)),
                       "rejected": _rejected_counts(stats.get("rejected")),
+                      "failed": _failed_devices(stats.get("failed")),
                       "device_up_bytes": int(stats.get("device_up_bytes", 0)),
                       "device_down_bytes": int(stats.get("device_down_bytes", 0))}
         return out

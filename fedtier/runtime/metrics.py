@@ -213,6 +213,9 @@ DOCS = {
     "fedtier_edge_aggregation_seconds": "Seconds from a round's cell task arriving at the edge to the cell's "
                                         "update leaving for the cloud.",
     "fedtier_secagg_aborts_total": "Secure-aggregation rounds of the cell the edge aborted, by reason.",
+    # an edge (its devices' reports) and a device (its own: device_agent.node)
+    "fedtier_training_failed_total": "Local work devices could not compute and reported as training_failed "
+                                     "(crash, error, non_finite), by reason.",
 }
 """Help text of every series a fedtier node exports (docs/operations.md lists them with their labels)."""
 
