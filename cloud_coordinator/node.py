@@ -193,6 +193,13 @@ def _connects(tx: Transport) -> int:
     return connects if isinstance(connects, int) else 0
 
 
+def _failed_devices(value: Any) -> dict[str, str]:
+    """A cell's ``stats["failed"]`` (``[[device, reason], ...]``, see the edge) as a dict; anything else is empty."""
+    if not isinstance(value, list):
+        return {}
+    return {str(p[0]): str(p[1]) for p in value if isinstance(p, list) and len(p) == 2}
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -670,8 +677,9 @@ class CloudNode(NodeBase):
         return row
 
     def _cell_rows(self, closed: RoundClosed, cells: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-        """Each cell of the rollout in a round's row: who reported, who not, what it rejected, its bytes; under
-        secure aggregation which phase closed without whom (``secagg.waited``) or why the cell aborted."""
+        """Each cell of the rollout in a round's row: who reported, who not (and who of them failed to train, and
+        why), what it rejected, its bytes; under secure aggregation which phase closed without whom
+        (``secagg.waited``) or why the cell aborted."""
         out: dict[str, dict[str, Any]] = {}
         aborts = closed.metrics.get("secagg_aborts", {})
         for c in sorted(self.prepared.cells):
@@ -680,6 +688,7 @@ class CloudNode(NodeBase):
             out[c] = {"reported": list(reported),
                       "missing": sorted(set(self.prepared.cells.get(c, ())) - set(reported)),
                       "rejected": _rejected_counts(stats.get("rejected")),
+                      "failed": _failed_devices(stats.get("failed")),
                       "device_up_bytes": int(stats.get("device_up_bytes", 0)),
                       "device_down_bytes": int(stats.get("device_down_bytes", 0))}
             abort = aborts.get(c)

@@ -77,7 +77,8 @@ def _desired(row: dict[str, Any]) -> str:
 
 def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
     """The whole status of ``rollout``: lifecycle, open round, accuracy, epsilon, bytes, and per cell
-    devices online/known, updates accepted and rejected by reason, stragglers, deployed version.
+    devices online/known, updates accepted and rejected by reason, devices that failed to train by reason
+    (over all rounds) and those of the last round, stragglers, deployed version.
 
     Only state the coordinator stored (no clock is read), so it is stable across restarts.
     """
@@ -100,6 +101,7 @@ def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
         online = sorted(d for d in members if presence.get(d, {}).get("state") == "online")
         accepted = 0
         rejected: dict[str, int] = {}
+        failures: dict[str, int] = {}
         for r in rounds:
             info = (r.get("cells") or {}).get(cell)
             if info is None:  # a round closed before per-cell rows existed
@@ -107,6 +109,8 @@ def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
             accepted += len(info.get("reported", []))
             for reason, n in (info.get("rejected") or {}).items():
                 rejected[reason] = rejected.get(reason, 0) + int(n)
+            for reason in (info.get("failed") or {}).values():
+                failures[reason] = failures.get(reason, 0) + 1
         last_cell = (last.get("cells") or {}).get(cell, {})
         per_cell[cell] = {
             "devices_known": len(members),
@@ -116,6 +120,8 @@ def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
             "round_open": open_round is not None and cell in open_round["cells"],
             "updates_accepted": accepted,
             "updates_rejected": dict(sorted(rejected.items())),
+            "training_failed": dict(sorted(failures.items())),
+            "failed_last_round": dict(sorted((last_cell.get("failed") or {}).items())),
             "stragglers": list(last_cell.get("missing", [])),
             "deployed_version": deployed.get(cell),
         }

@@ -309,12 +309,14 @@ def status_table(doc: dict[str, Any]) -> Any:
         budget = doc["epsilon_budget"]
         head += f"; epsilon {doc['epsilon_spent']:.3g} of {'inf' if budget is None else format(budget, 'g')}"
     table = Table(title=head, title_justify="left")
-    for col in ("cell", "edge", "online/known", "round open", "accepted", "rejected", "stragglers", "serving"):
+    for col in ("cell", "edge", "online/known", "round open", "accepted", "rejected", "failed", "stragglers",
+                "serving"):
         table.add_column(col)
     for cell, c in doc["cells"].items():
         rejected = ", ".join(f"{k} {v}" for k, v in c["updates_rejected"].items()) or "-"
+        failed = ", ".join(f"{k} {v}" for k, v in c.get("training_failed", {}).items()) or "-"
         table.add_row(cell, c["edge"], f"{c['devices_online']}/{c['devices_known']}", "yes" if c["round_open"] else "-",
-                      str(c["updates_accepted"]), rejected, ", ".join(c["stragglers"]) or "-",
+                      str(c["updates_accepted"]), rejected, failed, ", ".join(c["stragglers"]) or "-",
                       "-" if c["deployed_version"] is None else f"v{c['deployed_version']}")
     tiers = ", ".join(f"{k} {v:,}" for k, v in doc["bytes"].items() if not k.endswith("_f32")) or "-"
     return Group(table, f"bytes per tier: {tiers}")
@@ -328,7 +330,8 @@ def status_table(doc: dict[str, Any]) -> Any:
 @click.option("--interval", type=click.FloatRange(0.1), default=1.0, show_default=True, help="--watch refresh (s).")
 def rollout_status_cmd(rollout_id: str, state_dir: StoreRef, as_json: bool, watch: bool, interval: float) -> None:
     """A rollout's status: per cell devices online/known, round open, updates accepted and rejected by
-    reason, stragglers of the last round, served version; last accuracy, epsilon spent, bytes per tier.
+    reason, devices that failed to train by reason, stragglers of the last round, served version; last
+    accuracy, epsilon spent, bytes per tier.
 
     \b
         fedtier rollout status hand1 --state-dir fleet/coordinator

@@ -45,6 +45,11 @@ class DeviceConfig(Section):
                             "Python 3.13+); 'torch' = torch eager; 'auto' = 'ort' where onnxruntime-training is "
                             "installed, else 'portable'. All give the same weights.")
     threads: int = opt(1, min=1, max=64, help="Threads for local training.")
+    max_task_crashes: int = opt(2, min=1, max=100,
+                                help="An agent that died this many times while it trained the same step (a native "
+                                     "crash of the training runtime: it is restarted by its service manager) does "
+                                     "not train it again: it reports training_failed to its edge, which closes the "
+                                     "round without it, and takes the next task.")
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="The cell broker (on the gateway).")
     trusted_keys: tuple[Path, ...] = opt((), help="Ed25519 public keys (PEM) whose signatures on rollout manifests "
                                                   "this device accepts; empty = manifests are not verified.")

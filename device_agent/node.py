@@ -14,6 +14,20 @@ Flow for one rollout:
    until a newer step's upload, to be sent again if the edge asks for that step again: a
    broker restarted without persistence loses what it acknowledged but had not delivered).
 
+After a restart, a rollout the device had installed (its manifest is in the state) is installed again
+only once its edge shows that it still runs — the cell's retained manifest arrives again (the same
+bytes, or a newer version) — as the edge does for its own stored rollouts. Until then its tasks wait
+(the newest is kept); a cleared manifest ends the rollout and drops them. So a task of a stopped or
+ended rollout that the broker redelivers from the device's persistent session is never trained.
+
+Local work is guarded (``DESIGN`` §9, containment): the work in progress is recorded in the state
+before the trainer runs and cleared when it is done (``DeviceState.begin_work``). A record still open
+at the next start means the agent died in that work (a native crash of the training runtime leaves no
+exception to catch); after ``max_task_crashes`` such deaths the work is not started again and the role
+reports ``training_failed`` (``crash``) to the edge, which closes the round without this device. An
+exception of the trainer (``error``) or a result with NaN or infinity (``non_finite``) is reported the
+same way at once. The device takes the next round's task as usual.
+
 A device with held-out rows (``eval_data``: its shard's ``eval/`` directory) tells its role so;
 the role then asks for an ``Evaluate`` of each round's incoming global model, which this shell
 runs on those rows before the round's training (federated evaluation).
@@ -37,6 +51,7 @@ import numpy as np
 
 from device_agent import hybrid
 from device_agent.data import LocalData, fit_to_model
+from device_agent.faults import Fault
 from device_agent.hybrid import SplitProvider
 from device_agent.state import DeviceState, MemoryDeviceState
 from fedtier import algorithms, rng
@@ -82,7 +97,15 @@ from fedtier.training.trainer import Trainer
 from fedtier.transport import topics
 from fedtier.transport.base import Inbound, Transport
 from fedtier.wire import envelope
-from fedtier.wire.messages import ArtifactBlob, ArtifactRequest, CellStep, DeviceTask, EvalStats, PartnerEmbeddings
+from fedtier.wire.messages import (
+    ArtifactBlob,
+    ArtifactRequest,
+    CellStep,
+    DeviceTask,
+    EvalStats,
+    PartnerEmbeddings,
+    TrainingFailed,
+)
 
 log = logging.getLogger("fedtier.agent")
 
@@ -90,6 +113,12 @@ ARTIFACT_RETRY_S = 5.0
 PENDING_MESSAGES = 16
 """How many role messages (after its task) a node keeps while its trainer loads."""
 TrainerProvider = Callable[[ArtifactBundle], Trainer]
+TRAINING_FAILED = "fedtier_training_failed_total"
+"""Local work a device could not compute and reported as ``training_failed``, by reason (crash, error,
+non_finite); an edge counts its devices' reports under the same name."""
+LOCAL_WORK = (LocalTrain, ComputeGradient, Evaluate, ScoreRows, ScoreGradient, Embed, SplitTrain)
+"""The actions a device shell computes with its trainer (guarded: ``_local_work``)."""
+DEFAULT_MAX_TASK_CRASHES = 2
 
 
 class DeviceNode(NodeBase):
@@ -100,8 +129,13 @@ class DeviceNode(NodeBase):
                  bundles_dir: Path, metrics: Metrics | None = None, max_message_bytes: int = 64 << 20,
                  trusted_keys: Mapping[str, Any] | None = None, noise: NoiseSource | None = None,
                  eval_data: LocalData | None = None, side: str = "device", row_ids: tuple[str, ...] | None = None,
-                 split_provider: SplitProvider | None = None) -> None:
+                 split_provider: SplitProvider | None = None, max_task_crashes: int = DEFAULT_MAX_TASK_CRASHES,
+                 fault: Fault | None = None) -> None:
         super().__init__(device_id, metrics or Metrics(node=device_id, role=side), log, max_message_bytes)
+        self.max_task_crashes = max_task_crashes
+        """Deaths in the same work after which it is reported failed instead of started again."""
+        self.fault = fault
+        """Tests only (``device_agent.faults``): fail on purpose before the trainer runs."""
         if side not in hybrid.SIDES:
             raise ConfigError(f"role must be one of {', '.join(hybrid.SIDES)}, not {side!r}", key="role")
         self.side = side
@@ -121,6 +155,8 @@ class DeviceNode(NodeBase):
         self.bundles_dir = Path(bundles_dir)
         self.manifests: dict[str, Manifest] = {}  # installed: their trainers are in use
         self.incoming: dict[str, tuple[Manifest, bytes]] = {}  # accepted, artifacts not yet in
+        self.resumable: dict[str, tuple[Manifest, bytes]] = {}
+        """Installed before a restart, waiting for the edge's retained manifest to show the rollout still runs."""
         self.gate = ManifestGate(trusted_keys or {}, installed_version=state.manifest_version())
         self.trainers: dict[str, Any] = {}
         """Rollout -> its trainer: a ``Trainer``, or HSGD's split trainer (``embed``, ``train``)."""
@@ -135,6 +171,7 @@ class DeviceNode(NodeBase):
 
     def start(self, now: float) -> None:
         self.tx.subscribe(topics.cell_down_filter(self.cell))
+        self._report_open_work()
         self._resume_installed(now)
         pending = self.state.pending()
         for key, topic, payload in pending:
@@ -142,8 +179,21 @@ class DeviceNode(NodeBase):
         if pending:
             log.info("resent %d unacknowledged update(s) from the outbox", len(pending))
 
+    def _report_open_work(self) -> None:
+        """Say what the previous run died in: local work recorded as started and never finished."""
+        for rollout, round, step, attempts, failed in self.state.open_work():
+            if failed is not None:
+                continue
+            left = self.max_task_crashes - attempts
+            log.error("the previous run of this agent died while it trained round %d step %d of %s (%d time(s) "
+                      "so far): a crash of the training runtime (its output is in the service's log, e.g. "
+                      "journalctl), or a kill; %s", round, step, rollout, attempts,
+                      f"it is trained again if asked ({left} more death(s) and it is reported as failed)" if left > 0
+                      else "if asked again it is not trained: reported to the edge as training_failed (crash)")
+
     def _resume_installed(self, now: float) -> None:
-        """Install again, from this device's state, the manifests it had installed before a restart.
+        """Install again, from this device's state, the manifests it had installed before a restart, once
+        the edge shows each rollout still runs (``_on_manifest``: its retained copy arrives).
 
         The edge's retained copy of a manifest is the same bytes: the gate takes it for a
         redelivery. Without this, a fleet with signed manifests would refuse it as not newer
@@ -157,17 +207,27 @@ class DeviceNode(NodeBase):
                 self.state.forget_manifest(rollout)
                 continue
             self.gate.installed(manifest, raw)
-            self.incoming[rollout] = (manifest, raw)
-            log.info("resuming rollout %s with its installed manifest v%d", rollout, manifest.version)
+            self.resumable[rollout] = (manifest, raw)
+            log.info("resuming rollout %s with its installed manifest v%d once its edge shows it still runs (its "
+                     "retained manifest); its tasks wait until then", rollout, manifest.version)
+
+    def _confirmed(self, rollout: str, now: float) -> None:
+        """The cell's retained manifest of ``rollout`` is the one installed before a restart: it still runs."""
+        resumed = self.resumable.pop(rollout, None)
+        if resumed is not None:
+            self.incoming[rollout] = resumed
             self._ensure_ready(rollout, now)
 
     def _end_rollout(self, rollout: str) -> None:
         """The edge cleared the rollout's manifest: the rollout ended (or was retired)."""
-        known = rollout in self.manifests or rollout in self.incoming
-        for table in (self.manifests, self.incoming, self.trainers, self.roles, self._pending_task, self._asked,
-                      self._pending_msgs):
+        known = rollout in self.manifests or rollout in self.incoming or rollout in self.resumable
+        dropped = self._pending_task.get(rollout)
+        for table in (self.manifests, self.incoming, self.resumable, self.trainers, self.roles, self._pending_task,
+                      self._asked, self._pending_msgs):
             table.pop(rollout, None)
         self.state.forget_manifest(rollout)
+        if dropped is not None:
+            log.info("dropped the waiting task of round %d of %s, which ended: not trained", dropped.round, rollout)
         if known:
             active = sorted(self.manifests)
             log.info("rollout %s ended; %s", rollout,
@@ -227,8 +287,10 @@ class DeviceNode(NodeBase):
             return
         try:
             manifest = self.gate.check(inbound.payload)
-            if manifest is None:
-                return  # the installed manifest again (retained redelivery)
+            if manifest is None:  # the installed manifest again (retained redelivery): the rollout still runs
+                if parsed.rollout is not None:
+                    self._confirmed(parsed.rollout, now)
+                return
             if manifest.rollout != parsed.rollout:
                 raise UnexpectedMessageError("manifest rollout differs from its topic")
         except RemoteProtocolError as exc:
@@ -237,6 +299,7 @@ class DeviceNode(NodeBase):
         if self.cell not in manifest.cells:
             log.info("manifest of rollout %s does not include cell %s; ignoring", manifest.rollout, self.cell)
             return
+        self.resumable.pop(manifest.rollout, None)  # a newer manifest: the rollout runs, with it
         self.incoming[manifest.rollout] = (manifest, inbound.payload)
         log.info("manifest v%d of rollout %s accepted (%s, bundle %s); fetching artifacts", manifest.version,
                  manifest.rollout, manifest.algorithm,
@@ -462,48 +525,114 @@ class DeviceNode(NodeBase):
 
     def _execute(self, actions: Sequence[Action], now: float, rollout: str) -> None:
         """Run a role's actions in order; the actions local work answers with run before the rest (depth
-        first, as nested calls would), from a queue so that many local steps do not nest Python frames."""
+        first, as nested calls would), from a queue so that many local steps do not nest Python frames.
+
+        The work records begun here are cleared once every action ran: an exception escaping (a bug, which
+        crashes the agent) leaves them open, so the next start counts it as a death in that work."""
         self.diagnostics(actions)
         role = self.roles[rollout]
         queue = deque(actions)
+        begun: set[tuple[int, int]] = set()
         while queue:
             action = queue.popleft()
             follow: Sequence[Action] | None = None
-            if isinstance(action, LocalTrain):
-                result = self.train(self.trainers[rollout], action)
-                follow = role.trained(action.round, result)
-            elif isinstance(action, ComputeGradient):
-                gradient = self.gradient(self.trainers[rollout], action)
-                follow = role.gradient_done(action.round, action.step, gradient)
-            elif isinstance(action, Evaluate):
-                follow = role.evaluated(action.round, self.evaluate(self.trainers[rollout], action))
-            elif isinstance(action, ScoreRows):
-                follow = role.scored(action.round, action.step, self.score_rows(self.trainers[rollout], action))
-            elif isinstance(action, ScoreGradient):
-                gradient = self.score_gradient(self.trainers[rollout], action)
-                follow = role.gradient_done(action.round, action.step, gradient)
-            elif isinstance(action, Embed):
-                zeta = self.trainers[rollout].embed(action.block, action.params, action.rows)
-                follow = role.embedded(action.round, action.step, zeta)
-            elif isinstance(action, SplitTrain):
-                params, loss = self.trainers[rollout].train(action.side, action.params, action.frozen, action.partner,
-                                                            action.rows, action.steps, action.lr)
-                follow = role.split_trained(action.round, action.step, params, loss)
+            if isinstance(action, LOCAL_WORK):
+                follow, failed = self._local_work(role, rollout, action, begun)
+                if failed:  # the role gave the round up: the rest of its work is moot
+                    queue = deque(a for a in queue if not isinstance(a, LOCAL_WORK))
             elif isinstance(action, SendToParent):
-                msg = action.message
-                topic = topics.cell_up(msg.rollout, self.cell, self.device_id, msg.KIND)
-                payload = msg.encode(action.encodings)
-                # Written (with the round progress the role reached) before it is published.
-                self.state.put_update(msg.key, topic, payload, msg.rollout, role.last_round, now,
-                                      sent=(msg.round, msg.step))
-                self._publish_update(msg.key, topic, payload)
-                if role.last_round == msg.round:
-                    self.rounds_done += 1
-                log.info("round %d step %d of %s: %s sent (%d bytes)", msg.round, msg.step, msg.rollout, msg.KIND,
-                         len(payload))
+                self._send(role, action, now)
             if follow is not None:
                 self.diagnostics(follow)
                 queue.extendleft(reversed(follow))
+        for round, step in sorted(begun):
+            self.state.end_work(rollout, round, step)
+
+    def _send(self, role: DeviceRole, action: SendToParent, now: float) -> None:
+        msg = action.message
+        topic = topics.cell_up(msg.rollout, self.cell, self.device_id, msg.KIND)
+        payload = msg.encode(action.encodings)
+        # Written (with the round progress the role reached) before it is published.
+        self.state.put_update(msg.key, topic, payload, msg.rollout, role.last_round, now, sent=(msg.round, msg.step))
+        self._publish_update(msg.key, topic, payload)
+        if role.last_round == msg.round and not isinstance(msg, TrainingFailed):
+            self.rounds_done += 1
+        log.info("round %d step %d of %s: %s sent (%d bytes)", msg.round, msg.step, msg.rollout, msg.KIND,
+                 len(payload))
+
+    def _local_work(self, role: DeviceRole, rollout: str, action: Any,
+                    begun: set[tuple[int, int]]) -> tuple[Sequence[Action], bool]:
+        """Compute one piece of local work and hand the result to the role: ``(its answer, whether it failed)``.
+
+        The work is recorded in the state before the trainer runs (``DeviceState.begin_work``), so a death in
+        it is known at the next start; work that killed the agent ``max_task_crashes`` times, or failed
+        before, is not run: the role is told it failed (``training_failed``), as it is when the trainer raises
+        or its result is not finite."""
+        round, step = int(action.round), int(getattr(action, "step", 0))
+        if (round, step) not in begun:
+            refused = self.state.begin_work(rollout, round, step, self.max_task_crashes)
+            if refused is not None:
+                why = (f"the agent died {self.max_task_crashes} time(s) while it trained it (a crash of the training "
+                       "runtime: see the service's log)" if refused == "crash" else f"it failed before ({refused})")
+                return self._work_failed(role, rollout, round, step, refused, why), True
+            begun.add((round, step))
+        trainer = self.trainers[rollout]
+        try:
+            if self.fault is not None:
+                self.fault.before(round)
+            result = self._compute(trainer, action)
+        except Exception as exc:  # noqa: BLE001 - whatever the training runtime raises fails this work, not the agent
+            log.debug("the trainer raised in round %d step %d of %s", round, step, rollout, exc_info=exc)
+            return self._work_failed(role, rollout, round, step, "error",
+                                     f"the trainer raised {type(exc).__name__}: {exc}"), True
+        if not _finite(result):
+            return self._work_failed(role, rollout, round, step, "non_finite",
+                                     "its result holds NaN or infinity (a diverging model or learning rate)"), True
+        return self._answer(role, action, result), False
+
+    def _compute(self, trainer: Any, action: Any) -> Any:
+        """Run ``action`` on the trainer; the result its answer verb takes (``_answer``)."""
+        if isinstance(action, LocalTrain):
+            return self.train(trainer, action)
+        if isinstance(action, ComputeGradient):
+            return self.gradient(trainer, action)
+        if isinstance(action, Evaluate):
+            return self.evaluate(trainer, action)
+        if isinstance(action, ScoreRows):
+            return self.score_rows(trainer, action)
+        if isinstance(action, ScoreGradient):
+            return self.score_gradient(trainer, action)
+        if isinstance(action, Embed):
+            return trainer.embed(action.block, action.params, action.rows)
+        assert isinstance(action, SplitTrain)
+        return trainer.train(action.side, action.params, action.frozen, action.partner, action.rows, action.steps,
+                             action.lr)
+
+    @staticmethod
+    def _answer(role: DeviceRole, action: Any, result: Any) -> Sequence[Action]:
+        """Hand a computed result to the role's verb for ``action``."""
+        if isinstance(action, LocalTrain):
+            return role.trained(action.round, result)
+        if isinstance(action, (ComputeGradient, ScoreGradient)):
+            return role.gradient_done(action.round, action.step, result)
+        if isinstance(action, Evaluate):
+            return role.evaluated(action.round, result)
+        if isinstance(action, ScoreRows):
+            return role.scored(action.round, action.step, result)
+        if isinstance(action, Embed):
+            return role.embedded(action.round, action.step, result)
+        params, loss = result
+        return role.split_trained(action.round, action.step, params, loss)
+
+    def _work_failed(self, role: DeviceRole, rollout: str, round: int, step: int, reason: str,
+                     why: str) -> Sequence[Action]:
+        """Record the failure (a repeated request gets the same answer), count and log it, and tell the role."""
+        self.state.fail_work(rollout, round, step, reason)
+        self.metrics.inc(TRAINING_FAILED, reason=reason)
+        log.error("round %d step %d of %s not trained: %s; reported training_failed (%s) to the edge, which goes "
+                  "on without this device; the next round's task is trained as usual", round, step, rollout, why,
+                  reason)
+        return role.failed(round, step, reason)
 
     def train(self, trainer: Trainer, request: LocalTrain) -> LocalResult:
         """Execute a ``LocalTrain`` request: set params, run the steps, return the change."""
@@ -561,3 +690,20 @@ class DeviceNode(NodeBase):
 
         self.tx.publish(topic, payload, on_done=done)
 
+
+def _finite(result: Any) -> bool:
+    """Whether a computed result holds only finite numbers (an evaluation, which the role checks, always does)."""
+    if isinstance(result, LocalResult):
+        values: list[Any] = [*result.delta.values(), result.mean_loss]
+    elif isinstance(result, GradientResult):
+        values = [*result.grad.values(), result.loss]
+    elif isinstance(result, RowScores):
+        values = list(result.outputs.values())
+    elif isinstance(result, np.ndarray):
+        values = [result]
+    elif isinstance(result, tuple):
+        params, loss = result
+        values = [*params.values(), loss]
+    else:
+        return True
+    return all(bool(np.isfinite(np.asarray(v)).all()) for v in values)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import queue
 import threading
 
+from device_agent import faults
 from device_agent.attack import AttackingTrainer, AttackSpec, flip_labels
 from device_agent.config import DeviceConfig
 from device_agent.data import LocalData, load_data_dir, load_eval_dir
@@ -54,6 +56,10 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
         if spec.kind == "label_flip":
             assert spec.classes is not None
             data = LocalData(x=data.x, y=flip_labels(data.y, spec.classes))
+    fault = faults.from_env(cfg.device_id)
+    if fault is not None:
+        log.warning("TEST RUN: device %s fails on purpose (%s) before it trains round %d (%s is set; for "
+                    "tests only)", cfg.device_id, fault.how, fault.round, faults.ENV)
     inbox: queue.Queue = queue.Queue()
     max_bytes = int(cfg.max_message_mb * (1 << 20))
     tx = mqtt.from_config(cfg.broker, name="cell", client_id=cfg.device_id, inbox=inbox,
@@ -70,11 +76,20 @@ def build(cfg: DeviceConfig) -> tuple[DeviceNode, mqtt.MqttTransport, "queue.Que
                       state=DeviceState(cfg.state_dir / "agent.db"), cache=ArtifactCache(cfg.state_dir / "artifacts"),
                       bundles_dir=cfg.state_dir / "bundles", max_message_bytes=max_bytes,
                       trusted_keys=load_trusted_keys(cfg.trusted_keys), eval_data=held_out, side=cfg.role,
-                      row_ids=row_ids, split_provider=split_provider(backend))
+                      row_ids=row_ids, split_provider=split_provider(backend), max_task_crashes=cfg.max_task_crashes,
+                      fault=fault)
     return node, tx, inbox
 
 
 def run(cfg: DeviceConfig, stop: threading.Event | None = None) -> int:
+    # A native crash of the training runtime (a segfault in onnxruntime) kills the process with no Python
+    # exception: this prints where each thread was to stderr (the service's log) before it dies. The node's
+    # state says which work it died in at the next start (DeviceNode._report_open_work).
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable()
+        except (AttributeError, ValueError, OSError):  # stderr without a file descriptor (embedded)
+            log.debug("no faulthandler: stderr has no file descriptor")
     if not identity.preflight(cfg.device_id, [cfg.broker]):
         return mqtt_service.EXIT_UNAUTHORIZED
     node, tx, inbox = build(cfg)

@@ -17,6 +17,13 @@ training of the step, which would be a second noisy release.
 The manifest of every rollout the device takes part in is kept as it arrived (signed bytes):
 a restarted agent installs it again from here, with the artifacts in its cache, instead of
 refusing the edge's retained copy as "not newer than the installed version".
+
+The local work in progress is recorded before the trainer runs (``begin_work``: rollout, round,
+step, how many times it was started) and cleared once it finished (``end_work``). A record still
+open when the agent starts is a run that died in that work — a native crash of the training
+runtime leaves nothing else behind. Started again as often as the limit (``max_task_crashes``),
+the work is not started once more: it is marked failed, the agent reports ``training_failed``
+instead, and a repeated request of the same work gets the same answer (``DESIGN`` §9, containment).
 """
 
 from __future__ import annotations
@@ -35,7 +42,13 @@ CREATE TABLE IF NOT EXISTS manifests (rollout TEXT PRIMARY KEY, version INTEGER 
 CREATE TABLE IF NOT EXISTS uploads (
     msg_key TEXT NOT NULL, rollout TEXT NOT NULL, round INTEGER NOT NULL, step INTEGER NOT NULL,
     topic TEXT NOT NULL, payload BLOB NOT NULL, created INTEGER NOT NULL, PRIMARY KEY (rollout, msg_key));
+CREATE TABLE IF NOT EXISTS work (
+    rollout TEXT PRIMARY KEY, round INTEGER NOT NULL, step INTEGER NOT NULL, attempts INTEGER NOT NULL,
+    failed TEXT);
 """
+
+WorkRecord = tuple[str, int, int, int, "str | None"]
+"""``(rollout, round, step, attempts, failed)`` of local work in progress (or failed): see ``begin_work``."""
 
 
 class DeviceState:
@@ -119,9 +132,50 @@ class DeviceState:
 
     def forget_manifest(self, rollout: str) -> None:
         """The rollout ended: do not install it again at the next start (nor send its uploads again)."""
-        with self.db.locked() as db:
+        with self.db.transaction() as db:
             db.execute("DELETE FROM manifests WHERE rollout=?", (rollout,))
             db.execute("DELETE FROM uploads WHERE rollout=?", (rollout,))
+            db.execute("DELETE FROM work WHERE rollout=?", (rollout,))
+
+    def begin_work(self, rollout: str, round: int, step: int, limit: int) -> str | None:
+        """Record, durably, that local work on ``(round, step)`` of ``rollout`` starts; ``None`` means run it.
+
+        The same work still open from an earlier start was never finished: the agent died in it. Once it was
+        started ``limit`` times so, it is marked failed (``"crash"``) instead and not run again; work marked
+        failed answers its reason. Other work replaces the record (one per rollout).
+
+        Written without an fsync (``flushed=False``): it must survive the agent's process dying, which a
+        written commit does; after a power loss a record may be missing (a death not counted) or stale (one
+        counted that was not)."""
+        with self.db.transaction(flushed=False) as db:
+            row = db.execute("SELECT round, step, attempts, failed FROM work WHERE rollout=?", (rollout,)).fetchone()
+            if row is not None and (int(row[0]), int(row[1])) == (round, step):
+                if row[3] is not None:
+                    return str(row[3])
+                if int(row[2]) >= limit:
+                    db.execute("UPDATE work SET failed='crash' WHERE rollout=?", (rollout,))
+                    return "crash"
+                db.execute("UPDATE work SET attempts=attempts+1 WHERE rollout=?", (rollout,))
+                return None
+            db.execute("INSERT OR REPLACE INTO work VALUES (?,?,?,1,NULL)", (rollout, round, step))
+            return None
+
+    def fail_work(self, rollout: str, round: int, step: int, reason: str) -> None:
+        """The work of ``(round, step)`` failed for ``reason``: a repeated request of it gets that answer."""
+        with self.db.transaction(flushed=False) as db:
+            db.execute("INSERT OR REPLACE INTO work VALUES (?,?,?,1,?)", (rollout, round, step, reason))
+
+    def end_work(self, rollout: str, round: int, step: int) -> None:
+        """The work of ``(round, step)`` finished (its result went to the role): forget it, unless it failed."""
+        with self.db.transaction(flushed=False) as db:
+            db.execute("DELETE FROM work WHERE rollout=? AND round=? AND step=? AND failed IS NULL",
+                       (rollout, round, step))
+
+    def open_work(self) -> list[WorkRecord]:
+        """Every work record, for a restart: those not failed are runs that died in them."""
+        with self.db.locked() as db:
+            return [(str(r), int(n), int(s), int(a), None if f is None else str(f)) for r, n, s, a, f in
+                    db.execute("SELECT rollout, round, step, attempts, failed FROM work ORDER BY rollout")]
 
     def close(self) -> None:
         self.db.close()
@@ -146,6 +200,7 @@ class MemoryDeviceState:
         self._sent: dict[str, tuple[int, int]] = {}
         self._manifest_version = 0
         self._manifests: dict[str, tuple[int, bytes]] = {}
+        self._work: dict[str, list] = {}  # rollout -> [round, step, attempts, failed]
         self._order = 0
 
     def put_update(self, key: str, topic: str, payload: bytes, rollout: str, round: int, now: float,
@@ -195,6 +250,31 @@ class MemoryDeviceState:
     def forget_manifest(self, rollout: str) -> None:
         self._manifests.pop(rollout, None)
         self._uploads.pop(rollout, None)
+        self._work.pop(rollout, None)
+
+    def begin_work(self, rollout: str, round: int, step: int, limit: int) -> str | None:
+        record = self._work.get(rollout)
+        if record is not None and (record[0], record[1]) == (round, step):
+            if record[3] is not None:
+                return str(record[3])
+            if record[2] >= limit:
+                record[3] = "crash"
+                return "crash"
+            record[2] += 1
+            return None
+        self._work[rollout] = [int(round), int(step), 1, None]
+        return None
+
+    def fail_work(self, rollout: str, round: int, step: int, reason: str) -> None:
+        self._work[rollout] = [int(round), int(step), 1, reason]
+
+    def end_work(self, rollout: str, round: int, step: int) -> None:
+        record = self._work.get(rollout)
+        if record is not None and (record[0], record[1]) == (round, step) and record[3] is None:
+            del self._work[rollout]
+
+    def open_work(self) -> list[WorkRecord]:
+        return [(r, w[0], w[1], w[2], w[3]) for r, w in sorted(self._work.items())]
 
     def close(self) -> None:
         return None

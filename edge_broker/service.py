@@ -13,6 +13,10 @@ Per inbound message (on the node's single thread, see ``fedtier.runtime.node_bas
                              when the role closes the cell, the cell update goes to the cloud;
 * device/host ``hsgd_embeddings`` -> role (HSGD: a device's zeta2, the host's Z1 rows and head), recorded
                              like an update; the role's relays go to the host or device on its own topic;
+* device ``training_failed`` -> role (the device could not compute its step: the cell goes on without
+                             it), recorded like an update, counted by reason
+                             (``fedtier_training_failed_total``) and listed in the cell update's
+                             ``stats["failed"]``;
 * device ``artifact_request`` -> serve from the cache, or ask the cloud;
 * device ``status`` (presence, ``ft/v1/status/<cell>/<device>``: this cell's devices only)
                           -> a member that comes online and still owes an update gets the
@@ -34,12 +38,19 @@ running — its retained manifest arrives again from the cloud, or a message of 
 and is replayed only then. A rollout that ended while the edge was down (its manifest is no
 longer retained) is never replayed, so its last cell update is not sent again to a
 coordinator that has moved on.
+
+A rollout whose end the edge saw (its manifest cleared) stays ended, across restarts too
+(``EdgeStore.ended``): every later message of it — a replayed ``cell_task`` above all — is
+rejected as ``rollout_ended``, never accepted, stored or relayed to the cell, and the cell's
+retained manifest of it is cleared again. A different manifest under the same rollout id starts
+it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import hashlib
 import logging
 import math
 import time
@@ -51,12 +62,18 @@ from edge_broker.store import EdgeStore
 from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, Broadcast, Dropped, EdgeRole, Note, SendToChild, SendToParent
 from fedtier.artifacts.cache import ArtifactCache
-from fedtier.errors import MissingReleaseError, PrivacyViolationError, RemoteProtocolError, UnexpectedMessageError
+from fedtier.errors import (
+    MissingReleaseError,
+    PrivacyViolationError,
+    RemoteProtocolError,
+    RolloutEndedError,
+    UnexpectedMessageError,
+)
 from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import NoisePlan
 from fedtier.runtime.metrics import Metrics
-from fedtier.runtime.node_base import ACCEPTED, EXPECTED_DROPS, REJECTED, NodeBase
+from fedtier.runtime.node_base import ACCEPTED, EXPECTED_DROPS, REJECTED, NodeBase, listed
 from fedtier.secagg import messages as secagg_messages
 from fedtier.security.manifest import Manifest
 from fedtier.security.signing import ManifestGate, open_manifest
@@ -75,6 +92,7 @@ from fedtier.wire.messages import (
     Embeddings,
     Message,
     PartnerEmbeddings,
+    TrainingFailed,
 )
 
 log = logging.getLogger("fedtier.edge")
@@ -86,6 +104,10 @@ SECAGG_WAITED = "fedtier_secagg_waited_total"
 devices is in the edge's ``secagg_waited`` log line and the cell update's ``stats``)."""
 AGGREGATION_SECONDS = "fedtier_edge_aggregation_seconds"
 """Histogram: from a round's cell task arriving to the cell's update leaving for the cloud."""
+TRAINING_FAILED = "fedtier_training_failed_total"
+"""Devices' ``training_failed`` reports the edge accepted, by reason (crash, error, non_finite)."""
+ROUND_INPUTS = (CellTask, DeviceUpdate, DeviceGradient, TrainingFailed, *secagg_messages.UPWARD)
+"""Messages a role takes as inputs of its round (stored and replayed), besides HSGD's ``Embeddings``."""
 
 PRESENCE_SUMMARY_S = 2.0
 """At most one ``cell_presence`` summary per this many seconds: a cell of thousands of devices that all
@@ -137,6 +159,12 @@ class EdgeNode(NodeBase):
         self._presence_seen = False
         self._connects = {"cell": 0, "cloud": 0}
         """Connections of each side seen so far (``MqttTransport.connects``): a new one is a reconnection."""
+        self._ended: dict[str, str] = store.ended()
+        """Rollouts that ended -> the sha256 of their last manifest: their messages are refused (``rollout_ended``)."""
+        self._recleared: set[str] = set()  # ended rollouts whose cell manifest this process cleared again
+        self._failures: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
+        """(rollout, round) -> device -> reason of the ``training_failed`` reports the role accepted: sent up in
+        the round's cell update (``stats["failed"]``)."""
         self._rejected: dict[str, int] = defaultdict(int)
         """Messages refused (by typed reason) and updates dropped (by reason, duplicates aside) since the
         last cell update: sent up in its ``stats["rejected"]`` for ``fedtier rollout status``."""
@@ -180,7 +208,7 @@ class EdgeNode(NodeBase):
         decoded = [messages.decode_message(p, max_bytes=self.max_message_bytes) for p in payloads]
         self._restore_strategy_state(rollout, decoded[0])
         for payload, msg in zip(payloads, decoded, strict=True):
-            assert isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, Embeddings, *secagg_messages.UPWARD))
+            assert isinstance(msg, (*ROUND_INPUTS, Embeddings))
             try:
                 self._on_round_message(payload, msg, now, replay=True)
             except RemoteProtocolError as exc:
@@ -220,9 +248,14 @@ class EdgeNode(NodeBase):
         self._summary_due.discard(rollout)
         self.roles.pop(rollout, None)
         self._dormant.pop(rollout, None)
-        for key in [k for k in self._round_bytes if k[0] == rollout]:
-            del self._round_bytes[key]
-        self.store.forget(rollout)
+        for table in (self._round_bytes, self._failures):
+            for key in [k for k in table if k[0] == rollout]:
+                del table[key]
+        stored = self.store.manifests().get(rollout)
+        sha = hashlib.sha256(stored[1]).hexdigest() if stored is not None else ""
+        self.store.forget(rollout, sha)
+        self._ended[rollout] = sha or self._ended.get(rollout, "")
+        self._recleared.add(rollout)
         self.cell_tx.publish(topics.cell_manifest(rollout, self.cell), b"", retain=True)
         if known:
             log.info("rollout %s ended: cleared its manifest in cell %s; %s", rollout, self.cell,
@@ -261,14 +294,16 @@ class EdgeNode(NodeBase):
         # Our own downlink echoes and other channels are not for us.
 
     def _on_message(self, inbound: Inbound, msg: Message, now: float) -> None:
+        if msg.rollout in self._ended:
+            self._refuse_ended(inbound, msg)
+            return
         self._wake(msg.rollout, now)
         try:
             if isinstance(msg, ArtifactBlob):
                 self._on_artifact(msg, now)
             elif isinstance(msg, ArtifactRequest):
                 self._on_artifact_request(msg, now)
-            elif (isinstance(msg, (CellTask, DeviceUpdate, DeviceGradient, *secagg_messages.UPWARD))
-                  or type(msg) is Embeddings):
+            elif isinstance(msg, ROUND_INPUTS) or type(msg) is Embeddings:
                 self._on_round_message(inbound.payload, msg, now, wire_bytes=inbound.size_on_wire)
             else:
                 raise UnexpectedMessageError(f"edge does not accept {msg.KIND}")
@@ -277,6 +312,16 @@ class EdgeNode(NodeBase):
         except PrivacyViolationError as exc:
             self.metrics.inc(REJECTED, reason="privacy_violation")
             log.error("refused %s of round %d: %s", msg.KIND, msg.round, exc)
+
+    def _refuse_ended(self, inbound: Inbound, msg: Message) -> None:
+        """A message of a rollout that ended: rejected (``rollout_ended``), nothing of it accepted or stored. A task
+        of it (a replay) also clears the cell's retained manifest of it once more, in case a broker kept or got
+        back a copy: no device installs the rollout again."""
+        self.reject(inbound, RolloutEndedError(f"{msg.KIND} of round {msg.round} of rollout {msg.rollout!r}, which "
+                                               "ended (its manifest was cleared)"))
+        if isinstance(msg, CellTask) and msg.rollout not in self._recleared:
+            self._recleared.add(msg.rollout)
+            self.cell_tx.publish(topics.cell_manifest(msg.rollout, self.cell), b"", retain=True)
 
     def _role_for(self, msg: Message) -> EdgeRole:
         role = self.roles.get(msg.rollout)
@@ -331,6 +376,8 @@ class EdgeNode(NodeBase):
                 if isinstance(msg, CellTask):
                     self.store.prune(msg.rollout, msg.round)
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
+            if isinstance(msg, TrainingFailed):
+                self._training_failed(msg, replay)
             if isinstance(msg, CellTask):
                 self._task_arrived.setdefault((msg.rollout, msg.round), time.monotonic())
             if not isinstance(msg, CellTask):
@@ -341,6 +388,19 @@ class EdgeNode(NodeBase):
                 if msg.KIND == Embeddings.KIND:  # HSGD's vertical path, also counted on its own
                     counts["embedding_up_bytes"] += size
         self._execute(msg.rollout, actions)
+
+    def _training_failed(self, msg: TrainingFailed, replay: bool) -> None:
+        """A device's ``training_failed`` the role accepted: kept for the round's cell update, counted, logged."""
+        self._failures[(msg.rollout, msg.round)][msg.sender] = msg.reason
+        if replay:
+            return
+        self.metrics.inc(TRAINING_FAILED, reason=msg.reason)
+        role = self.roles.get(msg.rollout)
+        waiting = sorted(set(role.members) - set(role.reported) - {msg.sender}) if role is not None else []
+        log.warning("%s could not train round %d step %d of %s (%s): the cell goes on without it this round%s; "
+                    "if it keeps failing, look at its log (a crash of its training runtime, or the model)",
+                    msg.sender, msg.round, msg.step, msg.rollout, msg.reason,
+                    f" (still waiting for {listed(waiting)})" if waiting else "")
 
     def _publish_outputs_again(self, task: CellTask) -> None:
         """The coordinator sent the task of a round this cell has answered: publish the same answer again.
@@ -388,12 +448,15 @@ class EdgeNode(NodeBase):
                     if isinstance(msg, CellUpdate):
                         rejected = [[reason, n] for reason, n in sorted(self._rejected.items())]
                         self._rejected = defaultdict(int)
+                        failed = [[device, reason] for device, reason in
+                                  sorted(self._failures.pop((rollout, msg.round), {}).items())]
                         if role is not None and role.sampling_secretly:
-                            # byte and reject counts count the sampled devices' messages: participation
-                            # stays in the cell
+                            # byte and reject counts count the sampled devices' messages, a failure names one:
+                            # participation stays in the cell
                             stats = dict.fromkeys(("device_up_bytes", "device_up_f32_bytes", "device_down_bytes"), 0)
-                            rejected = []
-                        msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats, "rejected": rejected})
+                            rejected, failed = [], []
+                        msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats, "rejected": rejected,
+                                                              **({"failed": failed} if failed else {})})
                         if self._refuse_clear_aggregate(rollout, msg):
                             continue
                     stored = msg.encode(action.encodings)
@@ -492,6 +555,14 @@ class EdgeNode(NodeBase):
         if not inbound.payload:
             self._end_rollout(parsed.rollout)
             return
+        if parsed.rollout in self._ended:
+            if hashlib.sha256(inbound.payload).hexdigest() == self._ended[parsed.rollout]:
+                log.debug("the manifest of %s again, which ended: ignored", parsed.rollout)
+                return
+            log.info("rollout %s ended before; a new manifest of it starts it again", parsed.rollout)
+            del self._ended[parsed.rollout]
+            self._recleared.discard(parsed.rollout)
+            self.store.restarted(parsed.rollout)
         try:
             # With trusted keys: a valid signature, a newer version, not expired — an edge never
             # relays into its cell what its devices would refuse (or what could roll them back).

@@ -13,6 +13,10 @@ encoding would be a second noisy release of the same aggregate, one the ledger n
 What a role carries from one round to the next beyond its inputs (an edge optimizer's moments) is
 stored with the round's output, in the same commit; a restarted edge hands the state stored for the
 round before the open one back to the role before it replays the open round.
+
+Rollouts that ended (their manifest cleared) are remembered, with the sha256 of their last manifest:
+the edge refuses their messages for good (a replayed task is not a new round), until a different
+manifest of the same rollout id starts it again.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ CREATE TABLE IF NOT EXISTS outputs (
     msg_key TEXT PRIMARY KEY, rollout TEXT NOT NULL, round INTEGER NOT NULL, payload BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS strategy_states (
     rollout TEXT NOT NULL, round INTEGER NOT NULL, state BLOB NOT NULL, PRIMARY KEY (rollout, round));
+CREATE TABLE IF NOT EXISTS ended (rollout TEXT PRIMARY KEY, manifest_sha TEXT NOT NULL);
 """
 
 
@@ -105,11 +110,25 @@ class EdgeStore:
         with self.db.locked() as db:
             return {r: (v, bytes(p)) for r, v, p in db.execute("SELECT rollout, version, payload FROM manifests")}
 
-    def forget(self, rollout: str) -> None:
-        """The rollout ended: drop its inputs, outputs and manifest (a restart replays nothing of it)."""
+    def forget(self, rollout: str, manifest_sha: str | None = None) -> None:
+        """The rollout ended: drop its inputs, outputs and manifest (a restart replays nothing of it), and
+        remember that it ended (``ended``), with the sha256 of its last manifest when given."""
         with self.db.transaction() as db:
             for table in ("inputs", "outputs", "manifests", "strategy_states"):
                 db.execute(f"DELETE FROM {table} WHERE rollout=?", (rollout,))
+            db.execute("INSERT INTO ended VALUES (?,?) ON CONFLICT(rollout) DO UPDATE SET manifest_sha="
+                       "CASE WHEN excluded.manifest_sha = '' THEN ended.manifest_sha ELSE excluded.manifest_sha END",
+                       (rollout, manifest_sha or ""))
+
+    def ended(self) -> dict[str, str]:
+        """Rollouts that ended -> the sha256 of their last manifest ("" if the edge never had it)."""
+        with self.db.locked() as db:
+            return {r: str(s) for r, s in db.execute("SELECT rollout, manifest_sha FROM ended")}
+
+    def restarted(self, rollout: str) -> None:
+        """A new manifest of an ended rollout's id arrived: it runs again."""
+        with self.db.locked() as db:
+            db.execute("DELETE FROM ended WHERE rollout=?", (rollout,))
 
     def close(self) -> None:
         self.db.close()

@@ -157,6 +157,13 @@ class LateMessageError(RemoteProtocolError):
     reason = "late"
 
 
+class RolloutEndedError(RemoteProtocolError):
+    """A message of a rollout the receiver saw end (its manifest cleared): a replay, or a straggler of a
+    stopped rollout. Nothing of it is accepted, stored or trained."""
+
+    reason = "rollout_ended"
+
+
 class SenderMismatchError(RemoteProtocolError):
     """The envelope's sender differs from the node id its topic (and ACL identity) names."""
 

@@ -24,6 +24,11 @@ import pytest
 from fedtier.embedded_broker.limits import BrokerLimits
 from provisioning.broker_limits import limits_for, mosquitto_global_limits, mosquitto_listener_limits
 
+# pytest-xdist's workers inherit COLUMNS=80 and LINES=24 from execnet; a person's piped command has neither. Without
+# them the suite runs the same on two workers as on one (-n 0): rich's tables keep their piped width.
+for _variable in ("COLUMNS", "LINES"):
+    os.environ.pop(_variable, None)
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

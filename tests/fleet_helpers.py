@@ -31,8 +31,7 @@ def fedtier_env() -> dict[str, str]:
     binary = mosquitto_binary()
     if binary:
         dirs.append(str(Path(binary).parent))
-    inherited = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # pytest may set 80: keep the piped width
-    return {**inherited, "PATH": os.pathsep.join([*dirs, os.environ.get("PATH", "")]), "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "PATH": os.pathsep.join([*dirs, os.environ.get("PATH", "")]), "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass

@@ -16,6 +16,13 @@ socket, a clock, a thread or a logger. A shell (``device_agent``, ``edge_broker`
    train one side of a split model against fixed partner inputs (HSGD), ``RoundClosed`` is persisted and evaluated,
    ``Dropped``/``Note`` are logged and counted.
 
+Failed local work: when the shell cannot compute what a device role asked for — the trainer raised, its
+result is not finite, or the agent died in it ``max_task_crashes`` times (a native crash of the training
+runtime, detected when the agent starts again) — it calls ``role.failed(round, step, reason)`` instead of
+the answer. The role gives up the round (as if it had finished it: a repeated task of it is a duplicate) and
+answers ``[SendToParent(TrainingFailed)]``; an edge counts that member out of the round and closes its step
+without it once every other member reported, as for a straggler that will not come.
+
 Federated evaluation: a device role that was told its shell has held-out rows
 (``evaluate=True``) answers a round's first task with ``[Evaluate(...), <its first work>]``
 when the task's config asks for it (``federated_eval``) and no noise plan is in force; the
@@ -341,6 +348,11 @@ class DeviceRole(Role, Protocol):
         """The shell finished a ``SplitTrain`` (HSGD)."""
         ...
 
+    def failed(self, round: int, step: int, reason: str) -> list[Action]:
+        """The shell could not compute the work the role asked for at ``(round, step)``; ``reason`` is one of
+        ``fedtier.wire.messages.TRAINING_FAILURES``. The role gives up the round and reports it upward."""
+        ...
+
 
 @runtime_checkable
 class EdgeRole(Role, Protocol):
@@ -436,7 +448,7 @@ Transitions = Mapping[RoleState, Mapping[str, RoleState]]
 state's row is illegal there. Each algorithm module keeps its families' tables at its top."""
 
 VERBS = frozenset({"receive", "tick", "start", "resend", "trained", "gradient_done", "evaluated", "scored",
-                   "embedded", "split_trained", "load_strategy_state"})
+                   "embedded", "split_trained", "failed", "load_strategy_state"})
 """The protocols' methods that feed a role: refused once it is in ``ERROR`` (``StateGuard``)."""
 QUERIES = frozenset({"overdue", "strategy_state"})
 """The protocols' methods that only read a role: they still answer in ``ERROR``, so a shell can say where a
@@ -532,6 +544,9 @@ class DeviceRoleBase(StateGuard):
 
     def split_trained(self, round: int, step: int, params: Tensors, loss: float) -> list[Action]:
         raise LocalProtocolError(f"{type(self).__name__} never requests SplitTrain")
+
+    def failed(self, round: int, step: int, reason: str) -> list[Action]:
+        raise LocalProtocolError(f"{type(self).__name__} never requests local work")
 
 
 class EdgeRoleBase(StateGuard):

@@ -97,6 +97,7 @@ from fedtier.rng import stream
 from fedtier.wire.messages import (
     Message,
     ScorePool,
+    TrainingFailed,
     XRiskCellTask,
     XRiskCellUpdate,
     XRiskDeviceTask,
@@ -440,6 +441,8 @@ class Edge(_EdgeBase):
                 return dropped
             check_scores(self._config, message, self._params)
             return self._close(now) if self._accept(message, message.delta) else []
+        if isinstance(message, TrainingFailed):
+            return self._on_failed(message, now)
         raise UnexpectedMessageError(f"fedxl edge does not accept {message.KIND}")
 
     def _close(self, now: float) -> list[Action]:

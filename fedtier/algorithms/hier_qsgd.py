@@ -91,7 +91,16 @@ from fedtier.privacy import audit
 from fedtier.privacy.mechanism import NoiseSource, clip
 from fedtier.privacy.plan import DEVICE_COUNT_SENSITIVITY, EDGE_COUNT_SENSITIVITY, NoisePlan, fixed_sample_size
 from fedtier.rng import stream
-from fedtier.wire.messages import CellStep, CellTask, CellUpdate, DeviceTask, DeviceUpdate, EvalStats, Message
+from fedtier.wire.messages import (
+    CellStep,
+    CellTask,
+    CellUpdate,
+    DeviceTask,
+    DeviceUpdate,
+    EvalStats,
+    Message,
+    TrainingFailed,
+)
 
 NAME = "hier_qsgd"
 
@@ -114,6 +123,7 @@ DEVICE_TRANSITIONS: Transitions = {
         "evaluated": RoleState.TRAINING,
         "uploaded": RoleState.WAITING,  # step i < tau-1 uploaded: wait for the cell's average
         "round_done": RoleState.IDLE,  # the round's last upload
+        "failed": RoleState.IDLE,  # the shell could not compute the work: the round is given up (training_failed)
     },
     RoleState.WAITING: {
         "task": RoleState.TRAINING,  # a newer round's task, or a catch-up (the cell closed our step without us)
@@ -294,6 +304,19 @@ class _DeviceBase(DeviceRoleBase):
         """Record an upload of ``step`` of the current round: that step is never released again."""
         self._last_sent = (self._round, step)
 
+    def failed(self, round: int, step: int, reason: str) -> list[Action]:
+        """The shell could not compute the work of ``(round, step)``: give the round up, as if finished (a repeated
+        task of it is a duplicate, after a restart too: the shell stores ``last_round`` with the report), and
+        tell the edge, which closes the round without this device."""
+        if round != self._round and self._state is RoleState.TRAINING:
+            return [Dropped("superseded", f"failed/{round}", f"now at round {self._round}")]
+        self._transition("failed")
+        self.last_round = max(self.last_round, round)
+        self._params = {}
+        self._evaluation = None
+        return [SendToParent(TrainingFailed(rollout=self.rollout, round=round, sender=self.device_id, step=step,
+                                            reason=reason))]
+
     def _check_step(self, msg: CellStep, kind: str) -> None:
         if msg.sender != self.cell:
             raise UnknownSenderError(f"cell step from {msg.sender!r}, expected {self.cell!r}")
@@ -417,6 +440,9 @@ class _EdgeBase(EdgeRoleBase):
     SUPPORTS_PRIVACY: ClassVar[bool] = True
     EDGE_OPTIMIZER_REFUSAL: ClassVar[str | None] = None
     """Why this edge refuses a task's ``strategy["edge_optimizer"]``; ``None``: it runs one (HIST's edge refuses)."""
+    CLOSES_ON_FAILURE: ClassVar[bool] = True
+    """A ``training_failed`` of the last member the step waits for closes it (``False``: the phase deadlines of
+    secure aggregation decide, which count such a member as a dropout)."""
 
     def __init__(self, *, cell: str, rollout: str, parent: str = "cloud", noise: NoiseSource | None = None) -> None:
         self.noise = noise if noise is not None else NoiseSource()
@@ -434,6 +460,9 @@ class _EdgeBase(EdgeRoleBase):
         self._deadline = math.inf
         self._updates: dict[str, Any] = {}
         self._seen: set[str] = set()
+        self._failed: dict[str, str] = {}
+        """Members that reported ``training_failed`` in the open round, and why: out of the round (not waited for,
+        not sent its task again)."""
         self._members: tuple[str, ...] = ()  # the cloud's members of the round (the sample is a subset)
         self._aggregator: strategies.Aggregator = strategies.Mean()
         self._edge_optimizer: ServerOptimizer | None = None
@@ -515,6 +544,7 @@ class _EdgeBase(EdgeRoleBase):
         self._params = aggregate.copy_tensors(task.params)
         self._step = 0
         self._seen = set()
+        self._failed = {}
         self._begin_step(now, "task")
         self._start(config)
         if not task.members:  # nobody sampled: the release is noise alone, so the cloud cannot tell
@@ -582,7 +612,34 @@ class _EdgeBase(EdgeRoleBase):
                 audit.check_device_release(plan, self.cell, msg.sender, msg.round, msg.step, msg.release)
         self._updates[msg.sender] = msg
         self._seen.add(msg.key)
-        return len(self._updates) == len(self._task.members)
+        return self._step_complete()
+
+    def _step_complete(self) -> bool:
+        """Every member of the step reported, or reported that it failed (it will not come)."""
+        assert self._task is not None
+        return all(m in self._updates or m in self._failed for m in self._task.members)
+
+    def _on_failed(self, msg: TrainingFailed, now: float) -> list[Action]:
+        """A member could not compute its work (``TrainingFailed``): it is out of the round; the step closes
+        without it once every other member reported (never with no upload at all: that waits for a quorum)."""
+        if self._task is None:
+            raise WrongRoundError(f"{msg.KIND} for round {msg.round} but no round is open")
+        if msg.key in self._seen:
+            return [Dropped("duplicate", msg.key)]
+        if msg.round < self._task.round:
+            raise LateMessageError(f"{msg.KIND} for round {msg.round}; cell is at round {self._task.round}")
+        if msg.round > self._task.round or msg.step > self._step:
+            raise WrongRoundError(f"{msg.KIND} for round {msg.round} step {msg.step}; cell is at step {self._step} "
+                                  f"of round {self._task.round}")
+        if msg.sender not in self._task.members:
+            raise UnknownSenderError(f"{msg.sender!r} is not a member of round {msg.round}")
+        if self._state is not RoleState.COLLECTING:
+            raise LateMessageError(f"{msg.KIND} after the cell's round closed ({self._state.value})")
+        self._seen.add(msg.key)
+        self._failed[msg.sender] = msg.reason
+        if self.CLOSES_ON_FAILURE and self._updates and self._step_complete():
+            return self._close(now)
+        return []
 
     def _average(self, tensor_field: str) -> tuple[dict[str, np.ndarray], list[str], list[float]]:
         """The step's combined upload: model changes (``delta``) by the task's edge aggregator
@@ -722,12 +779,13 @@ class _EdgeBase(EdgeRoleBase):
         """The members the open step still waits for once its deadline has passed (else empty)."""
         if self._state is not RoleState.COLLECTING or self._task is None or now < self._deadline:
             return ()
-        return tuple(sorted(set(self._task.members) - set(self._updates)))
+        return tuple(sorted(set(self._task.members) - set(self._updates) - set(self._failed)))
 
     def resend(self, child: str, now: float) -> list[Action]:
-        """A member came online owing the current step: give it the set model at this step."""
+        """A member came online owing the current step: give it the set model at this step (not to one that
+        reported it failed: it gave the round up)."""
         if (self._state is RoleState.COLLECTING and self._task is not None and child in self._task.members
-                and child not in self._updates):
+                and child not in self._updates and child not in self._failed):
             return [SendToChild(child, self._device_task())]
         return []
 
@@ -746,6 +804,8 @@ class Edge(_EdgeBase):
             if dropped is not None:
                 return dropped
             return self._close(now) if self._accept(message, message.delta) else []
+        if isinstance(message, TrainingFailed):
+            return self._on_failed(message, now)
         raise UnexpectedMessageError(f"edge does not accept {message.KIND}")
 
     def _close(self, now: float) -> list[Action]:

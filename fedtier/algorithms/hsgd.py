@@ -89,7 +89,16 @@ from fedtier.errors import (
 )
 from fedtier.rng import stream
 from fedtier.wire import TensorEncoding
-from fedtier.wire.messages import CellTask, CellUpdate, DeviceTask, DeviceUpdate, Embeddings, Message, PartnerEmbeddings
+from fedtier.wire.messages import (
+    CellTask,
+    CellUpdate,
+    DeviceTask,
+    DeviceUpdate,
+    Embeddings,
+    Message,
+    PartnerEmbeddings,
+    TrainingFailed,
+)
 
 NAME = "hsgd"
 Tensors = Mapping[str, np.ndarray]
@@ -108,6 +117,7 @@ DEVICE_TRANSITIONS: Transitions = {
         "not_selected": RoleState.IDLE,
         "embedded": RoleState.WAITING,  # zeta2 sent: wait for the partner row
         "split_trained": RoleState.WAITING,  # theta2's change sent: wait for the next task
+        "failed": RoleState.IDLE,  # the shell could not compute the work: training_failed, the interval given up
     },
     RoleState.WAITING: {
         "task": RoleState.TRAINING,
@@ -128,6 +138,7 @@ HOST_TRANSITIONS: Transitions = {
         "task": RoleState.WAITING,
         "embedded": RoleState.TRAINING,  # Z1 and theta0 sent; training follows
         "split_trained": RoleState.WAITING,  # the interval trained: wait for the next Z2
+        "failed": RoleState.IDLE,  # the shell could not compute the work: training_failed, the round given up
     },
 }
 """The host's transitions (``Host``)."""
@@ -316,6 +327,14 @@ class Device(DeviceRoleBase):
                                           delta=delta, num_samples=1, train_loss=float(loss),
                                           steps=self.config.local_interval))]
 
+    def failed(self, round: int, step: int, reason: str) -> list[Action]:
+        """The shell could not compute this interval's embedding or training: the edge goes on without it."""
+        if (round, step) != self.position:
+            raise LocalProtocolError(f"failed({round}, {step}) while {self._state.value} at {self.position}")
+        self._transition("failed")
+        return [SendToParent(TrainingFailed(rollout=self.rollout, round=round, sender=self.device_id, step=step,
+                                            reason=reason))]
+
     def tick(self, now: float) -> list[Action]:
         return []
 
@@ -424,6 +443,17 @@ class Host(DeviceRoleBase):
                                           delta=aggregate.subtract(self.params, self._start), num_samples=0,
                                           train_loss=mean, steps=self.config.global_interval))]
 
+    def failed(self, round: int, step: int, reason: str) -> list[Action]:
+        """The shell could not compute this interval's rows or training: the host gives the round up (the cell's
+        round cannot close without it; the next round's task starts afresh)."""
+        ex = self._exchange
+        if ex is None or (round, step) != (ex.round, ex.step):
+            raise LocalProtocolError(f"failed({round}, {step}) while {self._state.value}")
+        self._transition("failed")
+        self._exchange = None
+        return [SendToParent(TrainingFailed(rollout=self.rollout, round=round, sender=self.host_id, step=step,
+                                            reason=reason))]
+
     def tick(self, now: float) -> list[Action]:
         return []
 
@@ -464,6 +494,8 @@ class Edge(EdgeRoleBase):
         self._host_update: DeviceUpdate | None = None
         self._reported: set[str] = set()
         self._seen: set[str] = set()
+        self._failed: dict[str, str] = {}
+        """Children that reported ``training_failed`` in the open interval, and why: not waited for in it."""
         self.rejected: Counter[str] = Counter()
         """Refused messages by typed reason (``embedding_width``, ``embedding_non_finite``,
         ``unselected_device``, ``stale_interval``, ...)."""
@@ -498,6 +530,8 @@ class Edge(EdgeRoleBase):
                 return self._embeddings(message, now)
             if isinstance(message, DeviceUpdate):
                 return self._update(message, now)
+            if isinstance(message, TrainingFailed):
+                return self._on_failed(message, now)
         except RemoteProtocolError as exc:
             raise _reject(self.rejected, exc) from None
         raise _reject(self.rejected, UnexpectedMessageError(f"hsgd edge does not accept {message.KIND}"))
@@ -537,7 +571,7 @@ class Edge(EdgeRoleBase):
         self.step = step
         self.selected = select(self.devices, self.config.alpha, self.config.seed, self.rollout, self.cell,
                                self.round, step)
-        self._phase, self._zeta, self._rows, self._deltas = "embed", {}, (), {}
+        self._phase, self._zeta, self._rows, self._deltas, self._failed = "embed", {}, (), {}, {}
         self._deadline = now + self.config.deadline_s
         task = DeviceTask(rollout=self.rollout, round=self.round, sender=self.cell, step=step, params=self.theta2,
                           config=self.config.to_dict(), members=self.selected)
@@ -639,6 +673,22 @@ class Edge(EdgeRoleBase):
         self._deltas[msg.sender] = msg.delta
         return self._maybe_close(now, deadline=False)
 
+    def _on_failed(self, msg: TrainingFailed, now: float) -> list[Action]:
+        """A child could not compute its part of the open interval: a selected device is not waited for (the
+        interval goes on with the others, as at its deadline); the host's failure is recorded and the round
+        waits (nothing closes without the host's update)."""
+        if msg.sender != self.host and msg.sender not in self.devices:
+            raise UnknownSenderError(f"{msg.KIND} from {msg.sender!r}, not a member of cell {self.cell!r}")
+        self._check_position(msg, ("embed", "host", "train"))
+        if msg.sender != self.host and msg.sender not in self.selected:
+            raise UnselectedDeviceError(f"{msg.KIND} from {msg.sender!r}, not selected for interval "
+                                        f"({self.round}, {self.step})")
+        self._seen.add(msg.key)
+        self._failed[msg.sender] = msg.reason
+        if self._phase == "embed" and all(d in self._zeta or d in self._failed for d in self.selected):
+            return self._to_host()
+        return self._maybe_close(now, deadline=False)
+
     def _maybe_close(self, now: float, *, deadline: bool) -> list[Action]:
         assert self.config is not None
         if self._phase != "train":
@@ -646,7 +696,7 @@ class Edge(EdgeRoleBase):
         last = self.step == self.config.intervals - 1
         if last and self._host_update is None:
             return []
-        if len(self._deltas) < len(self._rows) and not deadline:
+        if not deadline and any(d not in self._deltas and d not in self._failed for d in self._rows):
             return []
         reporters = [d for d in self._rows if d in self._deltas]
         if reporters:  # eq. (1): unweighted mean of the reporting devices' theta2
@@ -691,10 +741,10 @@ class Edge(EdgeRoleBase):
         if self._state is not RoleState.COLLECTING or now < self._deadline:
             return ()
         if self._phase == "embed":
-            return tuple(d for d in self.selected if d not in self._zeta)
+            return tuple(d for d in self.selected if d not in self._zeta and d not in self._failed)
         if self._phase == "host":
             return (self.host,)
-        owing = [d for d in self._rows if d not in self._deltas]
+        owing = [d for d in self._rows if d not in self._deltas and d not in self._failed]
         last = self.config is not None and self.step == self.config.intervals - 1
         return (*owing, *((self.host,) if last and self._host_update is None else ()))
 
@@ -710,6 +760,8 @@ class Edge(EdgeRoleBase):
             if self._phase == "host" and self._to_host_msg is not None:
                 out.append(SendToChild(child, self._to_host_msg))
             return out
+        if child in self._failed:
+            return []
         if self._phase == "embed" and child in self.selected and child not in self._zeta:
             return [SendToChild(child, self._task)]
         if self._phase == "train" and child in self._partners and child not in self._deltas:

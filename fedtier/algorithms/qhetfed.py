@@ -55,7 +55,7 @@ from fedtier.algorithms.cloud import Cloud
 from fedtier.algorithms.common import RoundSettings, check_int, digest, quantize
 from fedtier.algorithms.hier_qsgd import _DeviceBase, _EdgeBase
 from fedtier.errors import LocalProtocolError, RemoteProtocolError, UnexpectedMessageError, WrongRoundError
-from fedtier.wire.messages import CellStep, CellTask, DeviceGradient, DeviceTask, DeviceUpdate, Message
+from fedtier.wire.messages import CellStep, CellTask, DeviceGradient, DeviceTask, DeviceUpdate, Message, TrainingFailed
 
 NAME = "qhetfed"
 
@@ -201,6 +201,8 @@ class Edge(_EdgeBase):
             if dropped is not None:
                 return dropped
             return self._close(now) if self._accept(message, message.delta) else []
+        if isinstance(message, TrainingFailed):
+            return self._on_failed(message, now)
         raise UnexpectedMessageError(f"edge does not accept {message.KIND}")
 
     def _close(self, now: float) -> list[Action]:

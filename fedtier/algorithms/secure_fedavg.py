@@ -83,7 +83,7 @@ from fedtier.secagg.messages import (
     SecAggUnmask,
 )
 from fedtier.secagg.protocol import PHASES, Abort, DeviceSession, EdgeSession, Phase, SecAggParams, Unmasked
-from fedtier.wire.messages import CellTask, CellUpdate, DeviceTask, Message
+from fedtier.wire.messages import CellTask, CellUpdate, DeviceTask, Message, TrainingFailed
 
 NAME = "secure_fedavg"
 
@@ -324,6 +324,7 @@ class Edge(_EdgeBase):
 
     CONFIG: ClassVar[type[Any]] = SecureFedAvgConfig
     SUPPORTS_PRIVACY: ClassVar[bool] = True
+    CLOSES_ON_FAILURE: ClassVar[bool] = False  # a failed device is a dropout: the phase deadlines close without it
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -359,6 +360,8 @@ class Edge(_EdgeBase):
         if isinstance(message, CellTask):
             self._check_edge_rule(message)
             return self._on_task(message, now)
+        if isinstance(message, TrainingFailed):
+            return self._on_failed(message, now)
         handlers = {SecAggKeys: lambda s, m: s.receive_keys(m.sender, m.advertised()),
                     SecAggShares: lambda s, m: s.receive_shares(m.sender, m.shares),
                     SecAggMasked: lambda s, m: s.receive_masked(m.sender, m.masked),

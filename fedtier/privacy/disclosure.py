@@ -132,6 +132,13 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
         **_prefixed("m.release.", _RELEASE),
         **_prefixed("m.eval.", _EVAL),
     },
+    # device -> edge, in place of an upload the device could not compute (its runtime crashed or failed).
+    "training_failed": {
+        **HEADER,
+        "m.reason": Field(PUBLIC, "why the device sent no update (crash, error, non_finite): a fault of its training "
+                                  "runtime in place of an upload, like not reporting (participation); nothing of the "
+                                  "records is computed into it"),
+    },
     # edge -> cloud, from trusted and untrusted edges alike.
     "cell_update": {
         **HEADER,
@@ -154,6 +161,8 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
                                           "reason (protocol faults: late, duplicate key, bad signature...), not data"),
         "m.stats.secagg_waited.*": Field(PUBLIC, "secure aggregation: per phase, the members it closed without at "
                                                  "its deadline (participation)"),
+        "m.stats.failed": Field(PUBLIC, "the devices that reported training_failed in the round instead of an update, "
+                                        "each with its reason: participation and runtime faults, not data"),
         "m.privacy.trusted": Field(PUBLIC, "the cell's trust label, from the plan"),
         "m.privacy.distributed": Field(PUBLIC, "distributed DP (secure aggregation): the cell's release is its "
                                                "devices' noised sum, from the plan"),
@@ -294,6 +303,7 @@ SAMPLED: Mapping[str, Mapping[str, Field]] = {
         "m.stats.device_up_bytes": Field(WITHHELD, _HIDDEN + "0: it counts the sampled devices' messages"),
         "m.stats.device_up_f32_bytes": Field(WITHHELD, _HIDDEN + "0: it counts the sampled devices' messages"),
         "m.stats.device_down_bytes": Field(WITHHELD, _HIDDEN + "0: it counts the sampled devices' messages"),
+        "m.stats.failed": Field(WITHHELD, _HIDDEN + "not sent: a failure names a sampled device"),
     },
     "device_update": {
         "m.num_samples": Field(WITHHELD, "user-level adjacency (the unit is a device's whole data, as device "

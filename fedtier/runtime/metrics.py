@@ -216,6 +216,9 @@ DOCS = {
     "fedtier_secagg_aborts_total": "Secure-aggregation rounds of the cell the edge aborted, by reason.",
     "fedtier_secagg_waited_total": "Devices a secure-aggregation phase of the cell closed without at its own "
                                    "deadline, by phase.",
+    # an edge (its devices' reports) and a device (its own: device_agent.node)
+    "fedtier_training_failed_total": "Local work devices could not compute and reported as training_failed "
+                                     "(crash, error, non_finite), by reason.",
 }
 """Help text of every series a fedtier node exports (docs/operations.md lists them with their labels)."""
 

@@ -29,6 +29,7 @@ class Database:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute(f"PRAGMA synchronous={synchronous}")
         self.conn.executescript(schema)
+        self.synchronous = synchronous
         self._batching = False
 
     @contextmanager
@@ -59,21 +60,32 @@ class Database:
                 self.conn.execute("BEGIN IMMEDIATE")
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self, *, flushed: bool = True) -> Iterator[sqlite3.Connection]:
         """Hold the lock; commit everything done inside, or nothing if it raises (inside ``batch``: a savepoint,
-        committed with the batch)."""
+        committed with the batch).
+
+        ``flushed=False``: the commit is written to the log but not flushed to the disk (``synchronous=NORMAL``
+        for it): it survives the process dying, not the machine losing power. For records worth less than an
+        fsync each (the device's work in progress: one before and one after every piece of local work)."""
         with self.lock:
             begin, commit, rollback = (("SAVEPOINT tx", "RELEASE tx", "ROLLBACK TO tx") if self._batching
                                        else ("BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"))
-            self.conn.execute(begin)
+            relaxed = not flushed and not self._batching and self.synchronous != "NORMAL"
+            if relaxed:
+                self.conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self.conn
-            except BaseException:
-                self.conn.execute(rollback)
-                if self._batching:
-                    self.conn.execute("RELEASE tx")
-                raise
-            self.conn.execute(commit)
+                self.conn.execute(begin)
+                try:
+                    yield self.conn
+                except BaseException:
+                    self.conn.execute(rollback)
+                    if self._batching:
+                        self.conn.execute("RELEASE tx")
+                    raise
+                self.conn.execute(commit)
+            finally:
+                if relaxed:
+                    self.conn.execute(f"PRAGMA synchronous={self.synchronous}")
 
     @contextmanager
     def locked(self) -> Iterator[sqlite3.Connection]:

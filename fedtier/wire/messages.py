@@ -267,6 +267,39 @@ class DeviceUpdate(Message):
                    unclipped=_get(env.meta, "unclipped", bool, default=None))
 
 
+TRAINING_FAILURES = ("crash", "error", "non_finite")
+"""Why a device reports ``training_failed`` (a bounded set: it is a metric label): ``crash`` — the agent died
+while it computed the step, ``max_task_crashes`` times in a row (a native crash of the training runtime);
+``error`` — the trainer raised; ``non_finite`` — the result held NaN or infinity."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrainingFailed(Message):
+    """Device -> edge, in place of the upload of ``step``: the device could not compute it, and skips the rest of
+    ``round`` (it takes the next round's task). The edge treats it as a member that will not come: it closes the
+    step without it once everyone else reported, and counts it by ``reason`` (``TRAINING_FAILURES``)."""
+
+    KIND: ClassVar[str] = "training_failed"
+
+    reason: str = "error"
+
+    def __post_init__(self) -> None:
+        if self.reason not in TRAINING_FAILURES:
+            raise LocalProtocolError(f"training failure reason must be one of {', '.join(TRAINING_FAILURES)}, "
+                                     f"got {self.reason!r}")
+
+    def _meta(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def from_envelope(cls, env: Envelope) -> "TrainingFailed":
+        reason = _get(env.meta, "reason", str)
+        if reason not in TRAINING_FAILURES:
+            raise MalformedHeaderError(f"training failure reason {reason!r} is not one of "
+                                       f"{', '.join(TRAINING_FAILURES)}")
+        return cls(rollout=env.rollout, round=env.round, sender=env.sender, step=env.step, reason=reason)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class CellUpdate(Message):
     """Edge -> cloud: the cell's aggregate of one round.
@@ -719,9 +752,9 @@ class PartnerEmbeddings(Embeddings):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (CellTask, DeviceTask, DeviceUpdate, CellUpdate, DeviceGradient, CellStep, ArtifactRequest,
-                ArtifactBlob, XRiskCellTask, XRiskDeviceTask, XRiskDeviceUpdate, XRiskCellUpdate, Embeddings,
-                PartnerEmbeddings, CellPresence)
+    for cls in (CellTask, DeviceTask, DeviceUpdate, TrainingFailed, CellUpdate, DeviceGradient, CellStep,
+                ArtifactRequest, ArtifactBlob, XRiskCellTask, XRiskDeviceTask, XRiskDeviceUpdate, XRiskCellUpdate,
+                Embeddings, PartnerEmbeddings, CellPresence)
 }
 
 M = TypeVar("M", bound=Message)

@@ -265,10 +265,9 @@ def test_privacy_demo_with_defaults_reports_the_ledgers_epsilon(tmp_path: Path) 
 
 def test_privacy_demo_prints_the_plan_epsilon_per_round_and_the_comparison(tmp_path: Path) -> None:
     require(mosquitto_binary() is not None, "Mosquitto")
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # pytest sets 80: keep the piped width
     proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--privacy", "--compare", "--devices", "4",
                            "--rounds", "3", "--epsilon", "4", "--delta", "1e-6"],
-                          capture_output=True, text=True, timeout=240, env=env)
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     err, out = proc.stderr, proc.stdout
     assert "\x1b" not in err + out  # piped: no progress bar

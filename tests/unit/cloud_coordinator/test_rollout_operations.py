@@ -119,6 +119,24 @@ def test_status_sums_bytes_per_tier_and_reports_the_ledgers_epsilon(store_url: s
     assert json.loads(json.dumps(status)) == status  # plain JSON types (--json, dashboards)
 
 
+def test_status_counts_the_devices_that_failed_to_train_per_cell_and_names_the_last_rounds(
+        store_url: str, tmp_path: Path) -> None:
+    store = _store(store_url)
+    for round, failed in ((3, {"d1": "crash"}), (4, {"d1": "crash", "d0": "error"})):
+        store.commit_round("r", round, round + 1, PARAMS, 0.9, 0.5, {"cells": {
+            "cell-a": {"reported": sorted({"d0", "d1"} - set(failed)), "missing": sorted(failed), "rejected": {},
+                       "failed": failed},
+            "cell-b": {"reported": ["d2"], "missing": [], "rejected": {}}}})
+    status = rollout_status(store, "r")
+    a, b = status["cells"]["cell-a"], status["cells"]["cell-b"]
+    assert a["training_failed"] == {"crash": 2, "error": 1} and a["failed_last_round"] == {"d0": "error", "d1": "crash"}
+    assert b["training_failed"] == {} and b["failed_last_round"] == {}
+    store.close()
+    if store_url.startswith("sqlite"):
+        result = CliRunner().invoke(cli, ["rollout", "status", "r", "--state-dir", str(tmp_path)])
+        assert result.exit_code == 0 and "crash 2, error 1" in result.output, result.output
+
+
 def test_a_training_device_is_last_seen_when_its_update_made_a_round(store_url: str) -> None:
     """An online device sends no presence while it trains: the rounds its updates made are sightings too."""
     store = _store(store_url)

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from edge_broker.service import EdgeNode
+from edge_broker.service import TRAINING_FAILED, EdgeNode
 from edge_broker.store import EdgeStore
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.artifacts.cache import ArtifactCache, sha256_hex
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import CellPlan, NoisePlan
-from fedtier.runtime.node_base import REJECTED
+from fedtier.runtime.node_base import ACCEPTED, REJECTED
 from fedtier.security.manifest import Manifest
 from fedtier.transport import topics
 from fedtier.transport.memory import MemoryBroker
 from fedtier.wire import messages
 from fedtier.wire.messages import (ArtifactBlob, ArtifactRequest, CellPresence, CellTask, CellUpdate, DeviceTask,
-                                   DeviceUpdate)
+                                   DeviceUpdate, TrainingFailed)
 
 CELL, ROLLOUT = "cell-a", "r"
 MEMBERS = ("dev-0", "dev-1", "dev-2")
@@ -480,3 +481,116 @@ def test_a_restarted_edge_relays_its_installed_manifest_once_when_the_coordinato
     rig.broker.run_until_idle()
     assert [Manifest.decode(i.payload).version for i in rig.at_cell
             if i.topic == topics.cell_manifest(ROLLOUT, CELL)] == [1]
+
+
+# --- devices that cannot train, rollouts that ended ------------------------------------------------------
+
+
+def _failed(rig: Rig, device: str, reason: str = "crash", round: int = 0) -> None:
+    msg = TrainingFailed(rollout=ROLLOUT, round=round, sender=device, reason=reason)
+    rig.devices.publish(topics.cell_up(ROLLOUT, CELL, device, msg.KIND), msg.encode())
+    rig.broker.run_until_idle()
+
+
+def test_a_device_that_fails_to_train_is_counted_and_the_cell_closes_without_it(tmp_path: Path, caplog) -> None:
+    # Prepare: quorum 1.0, two of three devices report.
+    db = tmp_path / "edge.db"
+    rig = Rig(tmp_path, db)
+    rig.task()
+    rig.update("dev-0", 1.0)
+    with caplog.at_level("WARNING", logger="fedtier.edge"):
+        _failed(rig, "dev-1", "crash")
+    assert [m for _, m in decoded(rig.at_cloud) if isinstance(m, CellUpdate)] == []  # dev-2 still owes its update
+    assert "dev-1 could not train round 0 step 0 of r (crash)" in caplog.text and "dev-2" in caplog.text
+    # A repeat (QoS 1, the device's outbox) is a duplicate; the failed device is not sent its task again.
+    _failed(rig, "dev-1", "crash")
+    rig.at_cell.clear()
+    rig.devices.publish(topics.status("dev-1"), json.dumps({"state": "online", "since": 7.0}).encode(), retain=True)
+    rig.broker.run_until_idle()
+    assert decoded(rig.at_cell) == []
+    # Execute: the last member reports: the cell closes without the failed one.
+    rig.update("dev-2", 3.0)
+    # Assert: the failure is counted by reason once, and named in the cell update's stats.
+    [update] = [m for _, m in decoded(rig.at_cloud) if isinstance(m, CellUpdate)]
+    assert update.reported == ("dev-0", "dev-2") and update.stats["failed"] == [["dev-1", "crash"]]
+    np.testing.assert_allclose(update.delta["w"], np.full((2, 2), 2.0), rtol=0, atol=1e-7)
+    assert rig.edge.metrics.get(TRAINING_FAILED, reason="crash") == 1
+    assert rig.edge.metrics.get(ACCEPTED, kind="training_failed") == 1
+
+
+def test_a_failure_of_the_last_member_closes_the_cell_at_once_and_survives_an_edge_restart(tmp_path: Path) -> None:
+    db = tmp_path / "edge.db"
+    rig = Rig(tmp_path, db)
+    rig.task()
+    rig.update("dev-0", 1.0)
+    _failed(rig, "dev-1", "error")
+    # The edge restarts before the last device answers: the replay restores the failure too.
+    rig.edge.store.close()
+    rig.edge.cell_tx.close()
+    rig.edge.cloud_tx.close()
+    rig.edge = rig.new_edge(tmp_path, db)
+    _failed(rig, "dev-2", "non_finite")  # the replay wakes on it; now everyone has answered
+    [update] = [m for _, m in decoded(rig.at_cloud) if isinstance(m, CellUpdate)]
+    assert update.reported == ("dev-0",)
+    assert update.stats["failed"] == [["dev-1", "error"], ["dev-2", "non_finite"]]
+    assert rig.edge.metrics.get(TRAINING_FAILED, reason="error") == 0  # counted by the edge before its restart
+    assert rig.edge.metrics.get(TRAINING_FAILED, reason="non_finite") == 1
+
+
+def test_a_cell_where_every_device_failed_waits_for_its_deadline_and_a_quorum(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.task(FedAvgConfig(deadline_s=5.0, quorum=0.3))
+    for device in MEMBERS:
+        _failed(rig, device)
+    rig.edge.tick(rig.broker.now + 10.0)
+    assert [m for _, m in decoded(rig.at_cloud) if isinstance(m, CellUpdate)] == []  # nothing to aggregate
+
+
+def test_a_replayed_task_of_an_ended_rollout_is_rejected_by_reason_also_after_a_restart(tmp_path: Path) -> None:
+    # Prepare: round 0 done, then the rollout ends.
+    db = tmp_path / "edge.db"
+    rig = Rig(tmp_path, db)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.task()
+    for device in MEMBERS:
+        rig.update(device, 1.0)
+    rig.cloud.publish(topics.manifest(ROLLOUT), b"", retain=True)
+    rig.broker.run_until_idle()
+    accepted = rig.edge.metrics.get(ACCEPTED, kind="cell_task")
+    for restart in (False, True):
+        if restart:
+            rig.edge.store.close()
+            rig.edge.cell_tx.close()
+            rig.edge.cloud_tx.close()
+            rig.edge = rig.new_edge(tmp_path, db)
+            accepted = 0
+        rig.at_cell.clear()
+        # Execute: the task of round 0 (and one of round 1) arrives again, e.g. replayed on the downlink.
+        for round in (0, 1):
+            task = CellTask(rollout=ROLLOUT, round=round, sender="cloud", params=PARAMS, members=MEMBERS,
+                            config=FedAvgConfig().to_dict())
+            rig.cloud.publish(topics.cloud_down(ROLLOUT, CELL, task.KIND), task.encode())
+        rig.broker.run_until_idle()
+        # Assert: rejected as rollout_ended, not accepted, nothing relayed to the devices, nothing stored.
+        assert rig.edge.metrics.get(REJECTED, reason="rollout_ended") == 2
+        assert rig.edge.metrics.get(ACCEPTED, kind="cell_task") == accepted
+        assert decoded(rig.at_cell) == [] and ROLLOUT not in rig.edge.roles
+        assert rig.edge.store.inputs() == []
+    # The cell's retained manifest stays cleared (cleared again once), and the old manifest replayed changes nothing.
+    assert [i.payload for i in rig.at_cell if i.topic == topics.cell_manifest(ROLLOUT, CELL)] == [b""]
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode())
+    rig.broker.run_until_idle()
+    assert rig.edge.manifests == {} and not any(i.payload for i in rig.at_cell
+                                                 if i.topic == topics.cell_manifest(ROLLOUT, CELL))
+
+
+def test_a_new_manifest_under_an_ended_rollouts_id_starts_it_again(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.cloud.publish(topics.manifest(ROLLOUT), MANIFEST.encode(), retain=True)
+    rig.cloud.publish(topics.manifest(ROLLOUT), b"", retain=True)
+    rig.broker.run_until_idle()
+    again = dataclasses.replace(MANIFEST, version=2, created=2.0)
+    rig.cloud.publish(topics.manifest(ROLLOUT), again.encode(), retain=True)
+    rig.task()
+    assert rig.edge.metrics.get(REJECTED, reason="rollout_ended") == 0
+    assert rig.edge.roles[ROLLOUT].round == 0 and rig.edge.manifests[ROLLOUT].version == 2

@@ -89,6 +89,7 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "scored": lambda r: r.scored(0, 0, RowScores(rows={}, outputs={}, num_samples=1)),
     "embedded": lambda r: r.embedded(0, 0, np.zeros((1, 1), np.float32)),
     "split_trained": lambda r: r.split_trained(0, 0, {}, 0.0),
+    "failed": lambda r: r.failed(0, 0, "crash"),
     "load_strategy_state": lambda r: r.load_strategy_state({}),
 }
 """One call of each verb; in ``ERROR`` the arguments never matter."""

@@ -28,6 +28,7 @@ from fedtier.wire.messages import (
     Message,
     PartnerEmbeddings,
     ScorePool,
+    TrainingFailed,
     XRiskCellTask,
     XRiskCellUpdate,
     XRiskDeviceTask,
@@ -79,6 +80,7 @@ def examples() -> list[Message]:
         PartnerEmbeddings(rollout="r1", round=2, sender="edge-1", step=1, zeta=np.array([[0.5, 1.0]], np.float32),
                           rows=("d1",)),
         CellPresence(rollout="r1", round=0, sender="edge-1", online=("d1", "d3"), known=4),
+        TrainingFailed(rollout="r1", round=2, sender="d1", step=1, reason="crash"),
     ]
 
 
@@ -102,7 +104,8 @@ def test_every_message_type_is_registered_under_its_kind() -> None:
                                            "xrisk_cell_task", "xrisk_device_task", "xrisk_device_update",
                                            "xrisk_cell_update", "hsgd_embeddings", "hsgd_partner", "secagg_keys",
                                            "secagg_roster", "secagg_shares", "secagg_bundle", "secagg_masked",
-                                           "secagg_unmask", "secagg_reveal", "cell_presence"}
+                                           "secagg_unmask", "secagg_reveal", "secagg_aborted", "cell_presence",
+                                           "training_failed"}
     for kind, cls in messages.MESSAGE_TYPES.items():
         assert cls.KIND == kind
 
@@ -188,6 +191,18 @@ def test_keys_ignore_payload_but_not_identity() -> None:
     assert CellUpdate(rollout="r1", round=2, sender="d1", weight=1.0).key != upd.key
 
 
+def test_a_training_failure_names_one_of_the_bounded_reasons() -> None:
+    """The reason is a metric label at the edge: a sender cannot make up one (a label per device, say)."""
+    failed = TrainingFailed(rollout="r1", round=2, sender="d1", step=1, reason="non_finite")
+    assert failed.key == "training_failed/r1/2/1/d1"
+    with pytest.raises(LocalProtocolError):
+        TrainingFailed(rollout="r1", round=2, sender="d1", reason="d1 exploded")
+    with pytest.raises(MalformedHeaderError):
+        decode_message(reencode(failed, reason="d1 exploded"))
+    with pytest.raises(MalformedHeaderError):
+        decode_message(reencode(failed, reason=7))
+
+
 def test_artifact_keys_follow_content() -> None:
     req = examples()[4]
     blob = examples()[5]
@@ -250,6 +265,7 @@ REQUIRED = {
     "Embeddings": ["rows"],
     "PartnerEmbeddings": ["rows"],
     "CellPresence": ["online", "known"],
+    "TrainingFailed": ["reason"],
 }
 
 
