@@ -150,6 +150,26 @@ class DemoView(Protocol):
         """No more rounds (finished, failed or interrupted)."""
 
 
+
+class CollectingView:
+    """A ``DemoView`` that keeps the narration and ignores the rounds: for a caller (a script, a test) that reads
+    what the demo said once it is over."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def say(self, line: str) -> None:
+        self.lines.append(line)
+
+    def rounds_started(self, total: int) -> None:
+        pass
+
+    def round_closed(self, row: dict[str, Any], total: int) -> None:
+        pass
+
+    def rounds_ended(self) -> None:
+        pass
+
 def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> bool:
     """Whether something listens on 127.0.0.1:``port`` within ``timeout_s`` (False at once if ``proc`` exits)."""
     deadline = time.monotonic() + timeout_s

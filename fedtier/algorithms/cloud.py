@@ -286,16 +286,9 @@ class Cloud(StateGuard):
     def receive(self, message: Message, now: float) -> list[Action]:
         if not isinstance(message, CellUpdate):
             raise UnexpectedMessageError(f"cloud does not accept {message.KIND}")
-        if message.sender not in self.cells:
-            raise UnknownSenderError(f"cell update from unknown cell {message.sender!r}")
-        if message.round < self.round or self._state is RoleState.FINISHED:
-            raise LateMessageError(f"update for round {message.round}; cloud is at round {self.round}")
-        if message.round > self.round or self._state is not RoleState.COLLECTING:
-            raise WrongRoundError(f"update for round {message.round}; cloud is at round {self.round}")
-        if message.sender in self._updates:
-            return [Dropped("duplicate", message.key)]
-        if message.sender not in self._round_cells:
-            raise UnknownSenderError(f"cell {message.sender!r} has no member in round {message.round}")
+        duplicate = self._check_cell_message(message, "update", self._updates)
+        if duplicate:
+            return duplicate
         unknown = set(message.reported) - set(self._round_cells[message.sender])
         if unknown:
             raise UnknownSenderError(f"cell {message.sender!r} reports non-members {sorted(unknown)}")
@@ -306,6 +299,26 @@ class Cloud(StateGuard):
         self._updates[message.sender] = message
         if len(self._updates) == len(self._round_cells):
             return self._close(now)
+        return []
+
+    def _check_cell_message(self, message: Message, what: str, seen: Mapping[str, Any]) -> list[Action]:
+        """The checks every message of a cell for the open round passes (its update, or a report instead of one):
+        a known cell, this round, a member of it; ``[Dropped]`` when ``seen`` (this kind's messages of the round,
+        by cell) has it already, else ``[]``.
+
+        Raises:
+            UnknownSenderError, LateMessageError, WrongRoundError: the message is not for the open round.
+        """
+        if message.sender not in self.cells:
+            raise UnknownSenderError(f"{what} from unknown cell {message.sender!r}")
+        if message.round < self.round or self._state is RoleState.FINISHED:
+            raise LateMessageError(f"{what} for round {message.round}; cloud is at round {self.round}")
+        if message.round > self.round or self._state is not RoleState.COLLECTING:
+            raise WrongRoundError(f"{what} for round {message.round}; cloud is at round {self.round}")
+        if message.sender in seen:
+            return [Dropped("duplicate", message.key)]
+        if message.sender not in self._round_cells:
+            raise UnknownSenderError(f"cell {message.sender!r} has no member in round {message.round}")
         return []
 
     def tick(self, now: float) -> list[Action]:

@@ -536,16 +536,9 @@ class Cloud(_Cloud):
         return actions if self.round != opened else [*actions, *self._close_if_answered(now)]
 
     def _on_abort(self, message: SecAggAborted, now: float) -> list[Action]:
-        if message.sender not in self.cells:
-            raise UnknownSenderError(f"abort report from unknown cell {message.sender!r}")
-        if message.round < self.round or self._state is RoleState.FINISHED:
-            raise LateMessageError(f"abort report for round {message.round}; cloud is at round {self.round}")
-        if message.round > self.round or self._state is not RoleState.COLLECTING:
-            raise WrongRoundError(f"abort report for round {message.round}; cloud is at round {self.round}")
-        if message.sender in self._aborted:
-            return [Dropped("duplicate", message.key)]
-        if message.sender not in self._round_cells:
-            raise UnknownSenderError(f"cell {message.sender!r} has no member in round {message.round}")
+        duplicate = self._check_cell_message(message, "abort report", self._aborted)
+        if duplicate:
+            return duplicate
         if message.sender in self._updates:
             raise UnexpectedMessageError(f"abort report from {message.sender!r}, whose update of round "
                                          f"{message.round} arrived")

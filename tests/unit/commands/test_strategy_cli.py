@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from fedtier.rollout.config import RolloutConfig
-from local_fleet.demo import Demo, DemoOptions
+from local_fleet.demo import CollectingView, Demo, DemoOptions
 from commands.strategy_options import overrides
 from fedtier.cli import cli
 from fedtier.runtime.config import dumps_toml, read_toml
@@ -28,22 +28,6 @@ def values(**given: Any) -> dict[str, Any]:
     return {**{n: None for n in NAMES}, "partial_work": False, **given}
 
 
-class Quiet:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def say(self, line: str) -> None:
-        self.lines.append(line)
-
-    def rounds_started(self, total: int) -> None:
-        pass
-
-    def round_closed(self, row: dict[str, Any], total: int) -> None:
-        pass
-
-    def rounds_ended(self) -> None:
-        pass
-
 
 def test_every_option_lands_in_its_table() -> None:
     out = overrides(values(edge_aggregator="median", trim=0.2, server_optimizer="adam", server_lr=0.03,
@@ -57,7 +41,7 @@ def test_the_demo_writes_every_option_into_its_fleet(tmp_path: Path) -> None:
     extra = overrides(values(edge_aggregator="multi_krum", byzantine=1, select=3, cloud_aggregator="median",
                              server_optimizer="yogi", attack="label_flip", attack_fraction=0.25, proximal_mu=0.01,
                              partial_work=True), "fedavg")
-    view = Quiet()
+    view = CollectingView()
     demo = Demo(DemoOptions(workdir=tmp_path, devices=10, cells=2, strategy=extra), view)
     config = demo.rollout_config()
     cfg = RolloutConfig.from_mapping({**config, "state_dir": str(tmp_path / "c")})

@@ -15,28 +15,15 @@ import pytest
 from click.testing import CliRunner
 
 from fedtier.rollout.config import RolloutConfig
-from local_fleet.demo import Demo, DemoOptions, PrivacyDemo, plan_lines
+from local_fleet.demo import CollectingView, Demo, DemoOptions, PrivacyDemo, plan_lines
 from cloud_coordinator.privacy.plan_view import plan_document
 from local_fleet.reaper import read_groups
 from fedtier.cli import cli
 
 
-class Quiet:
-    def say(self, line: str) -> None:
-        pass
-
-    def rounds_started(self, total: int) -> None:
-        pass
-
-    def round_closed(self, row: dict[str, Any], total: int) -> None:
-        pass
-
-    def rounds_ended(self) -> None:
-        pass
-
 
 def plan_of(tmp_path: Path, **options: Any) -> tuple[Demo, dict[str, Any]]:
-    demo = Demo(DemoOptions(workdir=tmp_path, **options), Quiet())
+    demo = Demo(DemoOptions(workdir=tmp_path, **options), CollectingView())
     cfg = RolloutConfig.from_mapping({**demo.rollout_config(), "broker": {"host": "127.0.0.1", "port": 1883}})
     return demo, plan_document(cfg, tmp_path / "coordinator.toml")
 
@@ -72,10 +59,10 @@ def test_trusted_cells_can_be_chosen_or_none(tmp_path: Path) -> None:
 def test_a_trusted_cell_turns_tls_on_when_mosquitto_is_there(tmp_path: Path) -> None:
     from local_fleet.demo import mosquitto_path
 
-    demo = Demo(DemoOptions(workdir=tmp_path, privacy=PrivacyDemo()), Quiet())
+    demo = Demo(DemoOptions(workdir=tmp_path, privacy=PrivacyDemo()), CollectingView())
     assert demo.secure == (mosquitto_path() is not None)
     assert demo.rollout_config()["privacy"]["require_tls"] == demo.secure
-    untrusted = Demo(DemoOptions(workdir=tmp_path, privacy=PrivacyDemo(trusted=())), Quiet())
+    untrusted = Demo(DemoOptions(workdir=tmp_path, privacy=PrivacyDemo(trusted=())), CollectingView())
     assert not untrusted.secure  # nothing travels clear: no reason to provision
 
 
@@ -134,7 +121,7 @@ def test_the_reaper_stops_the_groups_left_when_its_pipe_closes() -> None:
 
 
 def test_the_fedxl_demo_trains_a_scorer_on_one_class_devices(tmp_path: Path) -> None:
-    demo = Demo(DemoOptions(workdir=tmp_path, algorithm="fedxl"), Quiet())
+    demo = Demo(DemoOptions(workdir=tmp_path, algorithm="fedxl"), CollectingView())
     config = demo.rollout_config()
     assert config["data"]["dataset"] == "rare_event" and config["data"]["partition"] == "one_class"
     assert config["model"] == {"kind": "mlp", "hidden": []}

@@ -7,32 +7,15 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from local_fleet.demo import MAX_RESTARTS, Demo, DemoError, DemoOptions, free_port, wait_for_port
+from local_fleet.demo import CollectingView, Demo, DemoError, DemoOptions, MAX_RESTARTS, free_port, wait_for_port
 
-
-class Told:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def say(self, line: str) -> None:
-        self.lines.append(line)
-
-    def rounds_started(self, total: int) -> None:
-        pass
-
-    def round_closed(self, row: dict[str, Any], total: int) -> None:
-        pass
-
-    def rounds_ended(self) -> None:
-        pass
 
 
 def test_a_dead_broker_is_restarted_on_its_port_and_the_demo_says_so(tmp_path: Path) -> None:
-    told = Told()
+    told = CollectingView()
     demo = Demo(DemoOptions(workdir=tmp_path, broker="embedded", devices=2, cells=1), told)
     port = free_port()
     try:
