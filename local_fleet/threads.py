@@ -99,16 +99,28 @@ class ThreadFleet:
             if r.errors:
                 raise FleetError(f"node {r.name} crashed: {r.errors[0]!r}") from r.errors[0]
 
-    def wait_finished(self, timeout: float) -> Any:
-        coordinator = self.nodes["coordinator"]
+    def wait_until(self, predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+        """Until ``predicate()`` holds, checking every node meanwhile (a crashed node fails at once).
+
+        Raises:
+            FleetError: a node crashed, or ``predicate`` did not hold within ``timeout`` seconds (naming ``what``).
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check()
-            if coordinator.node.finished:
-                coordinator.thread.join(5)
-                return coordinator.node
-            time.sleep(0.05)
-        raise FleetError(f"rollout did not finish in {timeout}s; history: {coordinator.node.history}")
+            if predicate():
+                return
+            time.sleep(0.02)
+        raise FleetError(f"timed out waiting for {what} ({timeout:g} s)")
+
+    def wait_finished(self, timeout: float) -> Any:
+        coordinator = self.nodes["coordinator"]
+        try:
+            self.wait_until(lambda: bool(coordinator.node.finished), "the rollout to finish", timeout)
+        except FleetError as exc:
+            raise FleetError(f"{exc}; history: {coordinator.node.history}") from None
+        coordinator.thread.join(5)
+        return coordinator.node
 
     def stop(self) -> None:
         for r in self.nodes.values():

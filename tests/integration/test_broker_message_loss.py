@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,15 +29,6 @@ pytestmark = pytest.mark.broker
 
 ROUNDS = 3
 
-
-def _wait(predicate: Callable[[], bool], what: str, fleet: ThreadFleet, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fleet.check()
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Gate:
@@ -99,22 +89,22 @@ def test_messages_a_restarted_broker_lost_are_sent_again_from_storage(
 
         # Execute 1: the edge is away while the second device's round-0 update is acknowledged into the
         # broker's queue for it; the broker restarts and forgets it; the edge comes back.
-        _wait(lambda: gate.entered[0].is_set() and count_rows(
+        fleet.wait_until(lambda: gate.entered[0].is_set() and count_rows(
             edge_db, "SELECT COUNT(*) FROM inputs WHERE kind='device_update' AND round=0") == 1,
-            "the first device's round-0 update at the edge", fleet)
+            "the first device's round-0 update at the edge")
         fleet.stop_node(cell)
         gate.release[0].set()
         device = fleet.nodes[second].node
-        _wait(lambda: device.state.last_sent(rollout) == (0, 0) and device.state.pending() == [],
-              "the broker's acknowledgement of the second device's update", fleet)
+        fleet.wait_until(lambda: device.state.last_sent(rollout) == (0, 0) and device.state.pending() == [],
+                         "the broker's acknowledgement of the second device's update")
         broker = _restart(broker, tmp_path / "broker")
         fleet.start_edge(cell)
 
         # Execute 2: the coordinator is away while the cell's round-1 update is acknowledged; the broker
         # restarts and forgets it; the coordinator comes back.
-        _wait(lambda: gate.entered[1].is_set() and count_rows(
+        fleet.wait_until(lambda: gate.entered[1].is_set() and count_rows(
             edge_db, "SELECT COUNT(*) FROM inputs WHERE kind='device_update' AND round=1") == 1,
-            "the first device's round-1 update at the edge", fleet)
+            "the first device's round-1 update at the edge")
         fleet.stop_node("coordinator")
         acknowledged = threading.Event()
         edge = fleet.nodes[cell].node
@@ -130,7 +120,7 @@ def test_messages_a_restarted_broker_lost_are_sent_again_from_storage(
 
         edge.cloud_tx.publish = watched
         gate.release[1].set()
-        _wait(acknowledged.is_set, "the broker's acknowledgement of the cell's round-1 update", fleet)
+        fleet.wait_until(acknowledged.is_set, "the broker's acknowledgement of the cell's round-1 update")
         broker = _restart(broker, tmp_path / "broker")
         fleet.start_coordinator()
         cloud = fleet.wait_finished(120)

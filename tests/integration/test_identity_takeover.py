@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -33,15 +33,6 @@ ROUNDS = 3
 DEADLINE_S = 20.0
 TAKEOVER_S = 1.0
 
-
-def _wait(predicate: Callable[[], bool], what: str, fleet: ThreadFleet, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fleet.check()
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Intruder:
@@ -132,13 +123,13 @@ def test_a_one_second_takeover_of_the_coordinators_id_costs_at_most_a_deadline(
 
         # Execute: when the edge has the cell's round-1 update, a client takes the coordinator's id for a
         # second; the update goes out while it holds the id.
-        _wait(held.is_set, "the edge's round-1 update", fleet)
+        fleet.wait_until(held.is_set, "the edge's round-1 update")
         started = time.monotonic()
         intruder = Intruder(host, port, cloud_id)
-        _wait(lambda: intruder.connected.is_set() and not coordinator.tx.connected,
-              "the intruder to take the coordinator's session", fleet, timeout=10)
+        fleet.wait_until(lambda: intruder.connected.is_set() and not coordinator.tx.connected,
+                         "the intruder to take the coordinator's session", 10)
         taken.set()
-        _wait(acknowledged.is_set, "the broker's acknowledgement of the update", fleet, timeout=10)
+        fleet.wait_until(acknowledged.is_set, "the broker's acknowledgement of the update", 10)
         time.sleep(max(0.0, TAKEOVER_S - (time.monotonic() - started)))
         intruder.go()
         cloud = fleet.wait_finished(120)
