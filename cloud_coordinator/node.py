@@ -25,8 +25,9 @@ for the others.
 Each closed round is evaluated on the central test set (if the rollout has one) with the ORT
 eval model — and, on a binary task, ranked (AUROC, pAUC at FPR <= 0.3 and 0.5:
 ``cloud_coordinator.metrics_eval``) — committed to SQLite together with its model version and the devices' federated
-evaluation of the model the round started from (``federated``, if devices hold out rows), and
-appended to the metrics file.
+evaluation of the model the round started from (``federated``, if devices hold out rows; with each
+device's own in ``federated.per_device``, and the worst device's accuracy as the gauge
+``fedtier_federated_accuracy_min``, ``observe.prom``: no series per device), and appended to the metrics file.
 
 When the rollout ends (or was already over at start) the retained manifest is cleared: each
 edge then clears its cell's copy, forgets the rollout's state and its devices go idle; no

@@ -46,6 +46,39 @@ def epsilon_spent(row: Mapping[str, Any], spec: str = ".3g") -> str:
     return f"epsilon {privacy['epsilon_max']:{spec}} of {budget_text}"
 
 
+WORST_SHOWN = 3
+"""How many of a round's worst devices ``rollout status`` and the report name (``--json`` has every device)."""
+
+
+def device_spread(per_device: Mapping[str, Mapping[str, Any]], worst: int = WORST_SHOWN) -> dict[str, Any] | None:
+    """How a round's model did across the devices, each on its own held-out rows (``federated.per_device``).
+
+    Ranked by accuracy when every device has one (lowest first; equal accuracies by the higher loss), else by
+    loss (``mse``: highest first); ties by device id.
+
+    Returns:
+        ``{"metric", "devices", "min", "median", "max", "worst": [{"device", "accuracy", "loss", "examples",
+        "auroc"?}, ...]}`` — ``min``/``median``/``max`` of ``metric`` (``accuracy``, or ``loss``) over the
+        devices, ``worst`` the ``worst`` worst devices — or ``None`` without devices.
+    """
+    if not per_device:
+        return None
+    by_accuracy = all(d.get("accuracy") is not None for d in per_device.values())
+    metric = "accuracy" if by_accuracy else "loss"
+
+    def badness(item: tuple[str, Mapping[str, Any]]) -> tuple[float, float, str]:
+        device, d = item
+        loss = float(d.get("loss") or 0.0)
+        return (float(d["accuracy"]), -loss, device) if by_accuracy else (-loss, 0.0, device)
+
+    ranked = sorted(per_device.items(), key=badness)
+    values = sorted(float(d[metric]) for d in per_device.values())
+    middle = len(values) // 2
+    median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+    return {"metric": metric, "devices": len(values), "min": values[0], "median": median, "max": values[-1],
+            "worst": [{"device": device, **dict(d)} for device, d in ranked[:worst]]}
+
+
 def round_line(row: dict[str, Any], total_rounds: int) -> str:
     """One line per closed round: accuracy, loss (central test set, and/or the devices' federated
     evaluation of the model the round started from), epsilon spent so far, devices, uplink bytes,

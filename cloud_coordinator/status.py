@@ -78,7 +78,8 @@ def _desired(row: dict[str, Any]) -> str:
 def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
     """The whole status of ``rollout``: lifecycle, open round, accuracy, epsilon, bytes, and per cell
     devices online/known, updates accepted and rejected by reason, devices that failed to train by reason
-    (over all rounds) and those of the last round, stragglers, deployed version.
+    (over all rounds) and those of the last round, stragglers, deployed version; per round, how the devices
+    did on their own held-out rows (``federated_per_device``).
 
     Only state the coordinator stored (no clock is read), so it is stable across restarts.
     """
@@ -142,7 +143,25 @@ def rollout_status(store: CoordinatorStore, rollout: str) -> dict[str, Any]:
         "epsilon_budget": _finite(privacy.get("budget_epsilon")),
         "bytes": dict(sorted(totals.items())),
         "cells": per_cell,
+        "federated_per_device": federated_per_device(rounds),
     }
+
+
+def federated_per_device(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per round whose devices reported their own federated evaluation (``federated.per_device``): the spread
+    across devices (``cloud_coordinator.report.device_spread``: min, median, max, the worst devices), the model
+    version evaluated, and every device's own figures (``per_device``)."""
+    from cloud_coordinator.report import device_spread
+
+    out = []
+    for r in rounds:
+        federated = r.get("federated") or {}
+        per_device = federated.get("per_device") or {}
+        spread = device_spread(per_device)
+        if spread is not None:
+            out.append({"round": r["round"], "model_version": federated.get("model_version"), **spread,
+                        "per_device": per_device})
+    return out
 
 
 def rollout_list(store: CoordinatorStore) -> list[dict[str, Any]]:

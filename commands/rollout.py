@@ -319,7 +319,39 @@ def status_table(doc: dict[str, Any]) -> Any:
                       str(c["updates_accepted"]), rejected, failed, ", ".join(c["stragglers"]) or "-",
                       "-" if c["deployed_version"] is None else f"v{c['deployed_version']}")
     tiers = ", ".join(f"{k} {v:,}" for k, v in doc["bytes"].items() if not k.endswith("_f32")) or "-"
-    return Group(table, f"bytes per tier: {tiers}")
+    parts: list[Any] = [table, f"bytes per tier: {tiers}"]
+    spread = per_device_table(doc.get("federated_per_device") or [])
+    if spread is not None:
+        parts.append(spread)
+    return Group(*parts)
+
+
+PER_DEVICE_ROUNDS = 10
+"""``rollout status`` shows the spread of the devices' own evaluation for this many newest rounds (``--json``:
+every round, every device)."""
+
+
+def per_device_table(rounds: list[dict[str, Any]]) -> Any:
+    """The devices' own federated evaluation per round (``cloud_coordinator.status.federated_per_device``): min,
+    median and max across devices, and the worst devices; ``None`` when no round carries it."""
+    from rich.table import Table
+
+    if not rounds:
+        return None
+    shown = rounds[-PER_DEVICE_ROUNDS:]
+    metric = shown[-1]["metric"]
+    title = (f"federated evaluation per device: {metric} on each device's own held-out rows of the model the round "
+             "started from" + (f" (last {len(shown)} of {len(rounds)} rounds; --json has all)"
+                               if len(shown) < len(rounds) else ""))
+    table = Table(title=title, title_justify="left")
+    for col in ("round", "model", "devices", f"min {metric}", "median", "max", "worst devices"):
+        table.add_column(col)
+    for r in shown:
+        key = r["metric"]
+        worst = ", ".join(f"{w['device']} {_num(w.get(key))}" for w in r["worst"])
+        table.add_row(str(r["round"]), "-" if r["model_version"] is None else f"v{r['model_version']}",
+                      str(r["devices"]), _num(r["min"]), _num(r["median"]), _num(r["max"]), worst)
+    return table
 
 
 @rollout.command("status")
@@ -331,7 +363,8 @@ def status_table(doc: dict[str, Any]) -> Any:
 def rollout_status_cmd(rollout_id: str, state_dir: StoreRef, as_json: bool, watch: bool, interval: float) -> None:
     """A rollout's status: per cell devices online/known, round open, updates accepted and rejected by
     reason, devices that failed to train by reason, stragglers of the last round, served version; last
-    accuracy, epsilon spent, bytes per tier.
+    accuracy, epsilon spent, bytes per tier; per round, the devices' accuracy on their own held-out rows
+    (min, median, max, the worst 3; --json: every device of every round).
 
     \b
         fedtier rollout status hand1 --state-dir fleet/coordinator

@@ -30,7 +30,8 @@ same way at once. The device takes the next round's task as usual.
 
 A device with held-out rows (``eval_data``: its shard's ``eval/`` directory) tells its role so;
 the role then asks for an ``Evaluate`` of each round's incoming global model, which this shell
-runs on those rows before the round's training (federated evaluation).
+runs on those rows before the round's training (federated evaluation): loss, rows right and, on a
+binary task whose held-out rows hold both classes, the AUROC (numpy, ``fedtier.training.ranking``).
 
 X-risk roles (FeDXL) ask instead for ``ScoreRows`` (score rows drawn by class with the named stream)
 and ``ScoreGradient`` (the gradient of a weighted sum of those scores), one pair per local step;
@@ -91,6 +92,7 @@ from fedtier.secagg import messages as secagg_messages
 from fedtier.runtime.node_base import REJECTED, NodeBase
 from fedtier.security.manifest import Manifest
 from fedtier.security.signing import ManifestGate, open_manifest
+from fedtier.training import ranking
 from fedtier.training.batching import class_rows, minibatch_indices
 from fedtier.training.layout import ArchSpec
 from fedtier.training.trainer import Trainer
@@ -654,7 +656,18 @@ class DeviceNode(NodeBase):
                         request.round, result.loss)
             return None
         correct = None if result.accuracy is None else result.accuracy * result.samples
-        return EvalStats(loss=max(0.0, float(result.loss)), count=int(result.samples), correct=correct)
+        return EvalStats(loss=max(0.0, float(result.loss)), count=int(result.samples), correct=correct,
+                         auroc=None if correct is None else self._held_out_auroc(trainer))
+
+    def _held_out_auroc(self, trainer: Trainer) -> float | None:
+        """AUROC of the model (set) on the held-out rows of a binary task (one output, or two classes) when they
+        hold both classes; ``None`` otherwise. numpy only (``fedtier.training.ranking``): no scikit-learn here."""
+        assert self.eval_data is not None
+        labels = ranking.binary_labels(self.eval_data.y)
+        if labels is None:  # not 0/1, or one class only: nothing to rank (and no forward pass spent on it)
+            return None
+        scores = ranking.binary_scores(trainer.predict(self.eval_data.x))
+        return None if scores is None else ranking.auroc(labels, scores)
 
     def gradient(self, trainer: Trainer, request: ComputeGradient) -> GradientResult:
         """Execute a ``ComputeGradient`` request: one minibatch, parameters left as they were."""

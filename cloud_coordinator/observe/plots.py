@@ -26,6 +26,7 @@ PLOTS = {
     "accuracy_vs_bytes": "Accuracy against bytes sent",
     "epsilon": "Privacy spent per round",
     "devices_reporting": "Devices reporting per round and cell",
+    "device_accuracy": "Accuracy per device and round",
 }
 """File stem -> what the plot shows (the figure's title starts with it)."""
 
@@ -44,7 +45,8 @@ of 40 rounds and more merge into one block)."""
 def figures(status: RolloutStatus, only: str | None = None) -> dict[str, Any]:
     """The report's figures (``matplotlib.figure.Figure``), by file stem (``PLOTS``); ``only``: just that one."""
     builders = {"accuracy_loss": _accuracy_loss, "bytes_per_tier": _bytes_per_tier,
-                "accuracy_vs_bytes": _accuracy_vs_bytes, "epsilon": _epsilon, "devices_reporting": _devices_reporting}
+                "accuracy_vs_bytes": _accuracy_vs_bytes, "epsilon": _epsilon, "devices_reporting": _devices_reporting,
+                "device_accuracy": _device_accuracy}
     out: dict[str, Any] = {}
     for stem, build in builders.items():
         if only is None or stem == only:
@@ -141,6 +143,45 @@ def _devices_reporting(status: RolloutStatus) -> Any:
     return fig
 
 
+def _device_accuracies(status: RolloutStatus) -> list[tuple[int, list[float], float | None]]:
+    """Per round whose devices reported their own evaluation: (round, the devices' accuracies, the combined)."""
+    out = []
+    for r in status.rounds:
+        fed = r.federated or {}
+        values = [float(d["accuracy"]) for d in (fed.get("per_device") or {}).values()
+                  if d.get("accuracy") is not None]
+        if values:
+            out.append((r.round, values, fed.get("accuracy")))
+    return out
+
+
+def _device_accuracy(status: RolloutStatus) -> Any:
+    """A box per round: the spread of the devices' accuracy, each on its own held-out rows, of the model the round
+    started from (``federated.per_device``); the combined federated accuracy beside it."""
+    from matplotlib.lines import Line2D
+
+    fig, ax = _figure()
+    rounds = _device_accuracies(status)
+    if rounds:
+        xs = [r for r, _, _ in rounds]
+        ax.boxplot([v for _, v, _ in rounds], positions=xs, widths=0.6, whis=(0, 100), manage_ticks=False,
+                   medianprops={"color": "tab:blue"})
+        combined = ax.plot(xs, [_nan(c) for _, _, c in rounds], "D", color="tab:orange", markersize=4,
+                           label="all devices' rows together")
+        median = Line2D([], [], color="tab:blue", label="median device (box: quartiles, whiskers: min and max)")
+        ax.set_xlim(min(xs) - 0.6, max(xs) + 0.6)
+        ax.set_ylim(-0.02, 1.16)  # room above 1 for the legend: it never covers a box
+        ax.set_yticks([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+        ax.legend(handles=[median, *combined], loc="upper center", ncols=2, fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no device reported its own evaluation (devices hold out no rows, privacy is on,\n"
+                          "or the model has no accuracy)", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("round (0-based; the model it started from)")
+    ax.set_ylabel("accuracy on the device's held-out rows (fraction correct)")
+    _integer_x(ax)
+    return fig
+
+
 def png(source: StoreStatus, rollout: str, stem: str) -> bytes:
     """One plot of ``rollout`` as PNG bytes, as the report writes it (the dashboard serves it); the last
     rendering is reused while the rollout has not changed (``KeyError``: no such rollout)."""
@@ -190,6 +231,9 @@ def markdown(status: RolloutStatus, plots: dict[str, Path]) -> str:
         if last.epsilon is not None:
             lines.append(f"| epsilon spent (largest over devices) | {last.epsilon:.4g} |")
         lines.append(f"| devices reporting in the last round | {last.devices_reported} |")
+    spread = _last_spread(status)
+    if spread is not None:
+        lines.append(spread)
     for tier, label in TIER_LABELS.items():
         lines.append(f"| bytes {label} | {human_bytes(sum(r.bytes[tier] for r in status.rounds))} |")
     if status.models:
@@ -199,6 +243,22 @@ def markdown(status: RolloutStatus, plots: dict[str, Path]) -> str:
     for stem, path in plots.items():
         lines += [f"## {PLOTS[stem]}", "", f"![{PLOTS[stem]}]({path.name})", ""]
     return "\n".join(lines)
+
+
+def _last_spread(status: RolloutStatus) -> str | None:
+    """The summary's row of the newest round whose devices reported their own evaluation: min, median and max
+    across devices, and the worst devices (``report.device_spread``)."""
+    from cloud_coordinator.report import device_spread
+
+    for r in reversed(status.rounds):
+        spread = device_spread((r.federated or {}).get("per_device") or {})
+        if spread is not None:
+            metric = spread["metric"]
+            worst = ", ".join(f"{w['device']} {w[metric]:.4f}" for w in spread["worst"])
+            return (f"| device {metric} in round {r.round} ({spread['devices']} devices, each on its own held-out "
+                    f"rows) | min {spread['min']:.4f}, median {spread['median']:.4f}, max {spread['max']:.4f}; "
+                    f"worst: {worst} |")
+    return None
 
 
 def _cumulative(values: list[float]) -> list[float]:

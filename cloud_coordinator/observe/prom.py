@@ -28,6 +28,7 @@ MODEL_VERSION = "fedtier_model_version"
 EPSILON_CELL = "fedtier_epsilon_spent"
 EPSILON_MAX = "fedtier_epsilon_spent_max"
 EPSILON_BUDGET = "fedtier_epsilon_budget"
+FEDERATED_ACCURACY_MIN = "fedtier_federated_accuracy_min"
 QUORUM = "fedtier_quorum"
 DEADLINE = "fedtier_round_deadline_timestamp_seconds"
 
@@ -91,6 +92,10 @@ class CoordinatorMetrics:
         if row.get("loss") is not None:
             m.set(LOSS, row["loss"])
         m.observe(ROUND_SECONDS, float(row.get("round_s", 0.0)))
+        per_device = (row.get("federated") or {}).get("per_device") or {}
+        worst = min((float(d["accuracy"]) for d in per_device.values() if d.get("accuracy") is not None), default=None)
+        if worst is not None:  # the worst device's: never a series per device (device ids are no labels)
+            m.set(FEDERATED_ACCURACY_MIN, worst)
         missing = set(row.get("missing", ()))
         epsilon = (row.get("privacy") or {}).get("epsilon") or {}
         for cell, devices in self.cells.items():

@@ -45,7 +45,8 @@ class RoundStatus:
     federated: dict[str, Any] | None = None
     """The devices' evaluation on their held-out rows of the model the round started from (federated
     evaluation): ``loss``, ``accuracy``, ``examples``, ``devices``, ``model_version``; ``per_device``
-    ({device: {"accuracy", "loss", "examples"}}) when the round carries each device's own."""
+    ({device: {"accuracy", "loss", "examples", "auroc" (binary tasks, both classes held out)}}) when the
+    round carries each device's own (its cells' edges forward it: ``CellUpdate.device_evaluations``)."""
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def combine_evaluations(items: Sequence[EvalStats | None]) -> EvalStats | None:
     The loss is the mean of the parts' losses weighted by their held-out row counts (in
     float64, in the order given); counts, correct predictions and devices add up. Missing
     parts (``None``: a device without held-out rows) are skipped; the accuracy is kept only
-    if every part has one.
+    if every part has one; a device's AUROC is not (it is no mean of per-row values: each device's
+    own travels beside the combination, ``CellUpdate.device_evaluations``).
 
     Returns:
         The combined evaluation, or ``None`` when no part has one.

@@ -18,7 +18,10 @@ chooses (tau, gamma) this way.
 
 Federated evaluation: the cells' ``evaluation`` (their devices' held-out statistics for the
 model the round started from) are combined weighted by row count into the round's
-``metrics["federated"]`` (loss, accuracy, examples, devices, and the evaluated model version).
+``metrics["federated"]`` (loss, accuracy, examples, devices, and the evaluated model version);
+each device's own (``CellUpdate.device_evaluations``) is kept beside it, in
+``metrics["federated"]["per_device"]`` (``{device: {accuracy, loss, examples, auroc?}}``), so a
+fleet's worst devices are not hidden by the mean.
 
 Differential privacy: when the config carries a noise plan, every cell update is audited
 (``fedtier.privacy.audit.check_cell_update``) before it is accepted — one whose noise is
@@ -292,6 +295,10 @@ class Cloud(StateGuard):
         unknown = set(message.reported) - set(self._round_cells[message.sender])
         if unknown:
             raise UnknownSenderError(f"cell {message.sender!r} reports non-members {sorted(unknown)}")
+        evaluated = set(message.device_evaluations) - set(message.reported)
+        if evaluated:
+            raise UnknownSenderError(f"cell {message.sender!r} reports evaluations of devices that did not report "
+                                     f"{sorted(evaluated)}")
         check_like(self._cell_params(message.sender), message.delta, f"update from {message.sender}")
         plan = self._noise_plan()
         if plan is not None:
@@ -356,7 +363,8 @@ class Cloud(StateGuard):
         evaluation = aggregate.combine_evaluations([u.evaluation for u in updates])
         federated = None if evaluation is None else {
             "loss": evaluation.loss, "accuracy": evaluation.accuracy, "examples": evaluation.count,
-            "devices": evaluation.devices, "model_version": self.model_version - 1}
+            "devices": evaluation.devices, "model_version": self.model_version - 1,
+            **_per_device(updates)}
         config = self.config.to_dict()
         clip = self._move_clip(updates)
         closed = RoundClosed(round=self.round, params=self.params, reported=reported, missing=missing,
@@ -365,7 +373,8 @@ class Cloud(StateGuard):
                                       "q1": self.q1_estimate, "q2": q2,
                                       "config": config,
                                       **({"adaptive_clip": clip} if clip is not None else {}),
-                                      "cells": {c: dict(self._updates[c].stats) for c in cells},
+                                      "cells": {c: {k: v for k, v in self._updates[c].stats.items()
+                                                    if k != "evaluations"} for c in cells},
                                       "privacy": {c: self._updates[c].privacy for c in cells
                                                   if self._updates[c].privacy is not None}})
         self.round += 1
@@ -373,3 +382,14 @@ class Cloud(StateGuard):
             self._transition("finish")
             return [closed, Finished(self.rounds)]
         return [closed, *self._open(now)]
+
+
+def _per_device(updates: Sequence[Any]) -> dict[str, Any]:
+    """``{"per_device": {device: {accuracy, loss, examples[, auroc]}}}`` of the devices whose own evaluation the
+    cells forwarded (in device order), or ``{}`` when none did (cells of an older edge)."""
+    own = {d: e for u in updates for d, e in u.device_evaluations.items()}
+    if not own:
+        return {}
+    return {"per_device": {d: {"accuracy": e.accuracy, "loss": e.loss, "examples": e.count,
+                               **({"auroc": e.auroc} if e.auroc is not None else {})}
+                           for d, e in sorted(own.items())}}

@@ -454,10 +454,10 @@ class Edge(_EdgeBase):
         delta = _weighted_sum([u.delta for u in updates], weights)
         momentum = _weighted_sum([u.momentum for u in updates], weights) if c.loss.compositional else {}
         pool = merge([u.scores for u in updates], self._task.round)
-        evaluation = aggregate.combine_evaluations([u.evaluation for u in updates])
+        evaluation, evaluations = self._evaluations(ids)
         update = XRiskCellUpdate(rollout=self.rollout, round=self._task.round, sender=self.cell, delta=delta,
                                  weight=float(sum(weights)), reported=tuple(ids),
-                                 mean_loss=sum(u.train_loss for u in updates) / len(ids), stats={}, q=0.0,
+                                 mean_loss=sum(u.train_loss for u in updates) / len(ids), stats=evaluations, q=0.0,
                                  evaluation=evaluation, momentum=momentum, scores=pool)
         self._transition("forward")
         actions: list[Action] = [SendToParent(update)]

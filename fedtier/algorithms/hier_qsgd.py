@@ -36,7 +36,8 @@ on held-out rows under a plan.
 Federated evaluation (``fedtier.algorithms.base``): a device with held-out rows evaluates the
 global model ``w_t`` when it starts round ``t`` (``Evaluate`` before its first local steps) and
 sends the result with its last upload of the round; the edge forwards the count-weighted
-combination of its devices' results in the cell update.
+combination of its devices' results in the cell update, and each device's own in its
+``stats["evaluations"]`` (``_EdgeBase._evaluations``).
 
 Transitions: ``DEVICE_TRANSITIONS`` and ``EDGE_TRANSITIONS`` below, data that
 ``StateGuard._transition`` checks (anything else raises ``LocalProtocolError``). The device and
@@ -677,7 +678,7 @@ class _EdgeBase(EdgeRoleBase):
             start = self._task.params
             delta = aggregate.subtract(self._edge_optimizer.step(start, delta), start)
         delta, privacy = self._privatize(delta)
-        stats = {"device_q": device_q}
+        stats: dict[str, Any] = {"device_q": device_q}
         if privacy is not None:
             # Nothing computed from clear data leaves a trusted cell unless it passed the mechanism
             # (fedtier.privacy.disclosure): the loss is data-dependent and never noised; the devices' q
@@ -687,10 +688,8 @@ class _EdgeBase(EdgeRoleBase):
                 stats = {}
         values, encodings, q2 = quantize(delta, c.bits_edge, c.seed, "q2", self.rollout, self.cell,
                                          self._task.round)
-        # Held-out statistics are data-dependent releases the noise plan does not cover: never
-        # forwarded under one (devices do not send them then either).
-        evaluation = None if self._plan is not None else aggregate.combine_evaluations(
-            [getattr(self._updates[d], "evaluation", None) for d in ids])
+        evaluation, evaluations = self._evaluations(ids)
+        stats.update(evaluations)
         weight, reported = float(sum(weights)), tuple(ids)
         if self.sampling_secretly:  # participation stays inside the cell (disclosure.SAMPLED)
             weight, reported = float(len(self._members)), tuple(sorted(self._members))
@@ -703,6 +702,19 @@ class _EdgeBase(EdgeRoleBase):
         if missing and not self.sampling_secretly:
             actions.insert(0, Note("cell_closed_with_stragglers", {"round": self._task.round, "missing": missing}))
         return actions
+
+    def _evaluations(self, ids: list[str]) -> tuple[EvalStats | None, dict[str, Any]]:
+        """The reporting devices' federated evaluations: combined (weighted by held-out rows), and each device's
+        own as the cell update's ``stats["evaluations"]`` (``{device: [count, loss, correct, auroc]}``,
+        ``EvalStats.to_row``), so the cloud sees how every device does, not just the mean. Neither under a noise
+        plan: held-out statistics are data-dependent releases the plan does not cover (devices do not send them
+        then either; ``fedtier.privacy.disclosure``); nor, a fortiori, under secret device sampling, where a
+        device's own row would name it as sampled (participation stays in the cell)."""
+        if self._plan is not None or self.sampling_secretly:
+            return None, {}
+        own = {d: e for d in ids if (e := getattr(self._updates[d], "evaluation", None)) is not None}
+        combined = aggregate.combine_evaluations(list(own.values()))
+        return combined, ({"evaluations": {d: e.to_row() for d, e in own.items()}} if own else {})
 
     def _record_step(self, ids: list[str]) -> None:
         """Privacy bookkeeping of a closed edge round: who reported, and their release records."""

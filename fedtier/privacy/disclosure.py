@@ -108,6 +108,9 @@ def _prefixed(prefix: str, fields: Mapping[str, Field]) -> dict[str, Field]:
 _EVAL_WHY = ("federated evaluation on held-out rows: data-dependent and not covered by the plan, so never sent "
              "under one (devices do not evaluate, edges forward none)")
 _EVAL: Mapping[str, Field] = {key: Field(WITHHELD, _EVAL_WHY) for key in ("loss", "count", "devices", "correct")}
+_DEVICE_EVAL_WHY = (_EVAL_WHY + ". Federated evaluation is only ever on without a noise plan: then these are clear "
+                    "data to their receiver, so an honest-but-curious coordinator learns each device's own held-out "
+                    "statistics in a rollout without privacy, and only there")
 
 _BYTES = ("byte count of the cell's traffic in the round: a function of message counts (participation), tensor "
           "shapes, encodings and public header fields (floats are always 8 bytes)")
@@ -131,6 +134,8 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
         "m.q": Field(DERIVED, "measured QSGD variance of quantizing the noised delta (0 without quantization)"),
         **_prefixed("m.release.", _RELEASE),
         **_prefixed("m.eval.", _EVAL),
+        "m.eval.auroc": Field(WITHHELD, _EVAL_WHY + "; auroc is the device's own AUROC on its held-out rows of a "
+                                                    "binary task holding both classes"),
     },
     # device -> edge, in place of an upload the device could not compute (its runtime crashed or failed).
     "training_failed": {
@@ -151,6 +156,9 @@ UPWARD: Mapping[str, Mapping[str, Field]] = {
                                        "account for"),
         "m.q": Field(DERIVED, "measured QSGD variance of the edge quantizing its noised upload"),
         **_prefixed("m.eval.", _EVAL),
+        "m.stats.evaluations.*": Field(WITHHELD, "each reporting device's own federated evaluation [count, loss, "
+                                                 "correct, auroc], so the cloud sees the worst devices and not only "
+                                                 "the mean. " + _DEVICE_EVAL_WHY),
         "m.stats.device_q": Field(DERIVED, "untrusted cells only: mean of the devices' q, each measured on a "
                                            "noised upload. A trusted cell does not send it: its devices' q are "
                                            "measured on clear deltas"),
@@ -304,6 +312,8 @@ SAMPLED: Mapping[str, Mapping[str, Field]] = {
         "m.stats.device_up_f32_bytes": Field(WITHHELD, _HIDDEN + "0: it counts the sampled devices' messages"),
         "m.stats.device_down_bytes": Field(WITHHELD, _HIDDEN + "0: it counts the sampled devices' messages"),
         "m.stats.failed": Field(WITHHELD, _HIDDEN + "not sent: a failure names a sampled device"),
+        "m.stats.evaluations.*": Field(WITHHELD, _HIDDEN + "not sent: a device's own evaluation names it (and "
+                                                           "held-out statistics are never sent under a plan)"),
     },
     "device_update": {
         "m.num_samples": Field(WITHHELD, "user-level adjacency (the unit is a device's whole data, as device "

@@ -192,6 +192,8 @@ DOCS = {
     "fedtier_loss": "Central test loss (mean per example) after the last closed round.",
     "fedtier_federated_accuracy": "The devices' accuracy on their held-out rows of the model the last round "
                                   "started from (federated evaluation).",
+    "fedtier_federated_accuracy_min": "The lowest accuracy of one device on its own held-out rows of the model the "
+                                      "last round started from (the worst device of federated evaluation).",
     "fedtier_auroc": "Central test AUROC after the last closed round (binary tasks).",
     "fedtier_round_seconds": "Round latency in seconds: from the previous round's close (or the start) to this "
                              "round's close.",

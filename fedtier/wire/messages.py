@@ -90,12 +90,17 @@ class EvalStats:
     right (``None`` for a loss without accuracy, ``mse``; fractional for multi-output ``bce``);
     ``devices`` how many devices' rows are summed (1 in a device update). Edges and the cloud
     combine them weighted by ``count`` (``fedtier.algorithms.aggregate.combine_evaluations``).
+    ``auroc`` is one device's AUROC on its held-out rows of a binary task holding both classes
+    (``fedtier.training.ranking``); a combination has none (AUROC is not a mean of per-row values).
+    Each device's own stats also travel to the cloud, as rows (``to_row``) in a cell update's
+    ``stats["evaluations"]`` (``CellUpdate.device_evaluations``).
     """
 
     loss: float
     count: int
     correct: float | None = None
     devices: int = 1
+    auroc: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
@@ -107,6 +112,11 @@ class EvalStats:
         if self.correct is not None and not (isinstance(self.correct, (int, float)) and np.isfinite(self.correct)
                                              and 0 <= self.correct <= self.count + 1e-6):
             raise LocalProtocolError(f"evaluation correct must be in [0, count], got {self.correct!r}")
+        if self.auroc is not None and not (isinstance(self.auroc, (int, float)) and not isinstance(self.auroc, bool)
+                                           and 0 <= self.auroc <= 1):
+            raise LocalProtocolError(f"evaluation auroc must be in [0, 1], got {self.auroc!r}")
+        if self.auroc is not None and self.devices != 1:
+            raise LocalProtocolError("evaluation auroc is one device's: a combination of devices has none")
 
     @property
     def accuracy(self) -> float | None:
@@ -116,6 +126,8 @@ class EvalStats:
         meta: dict[str, Any] = {"loss": float(self.loss), "count": int(self.count), "devices": int(self.devices)}
         if self.correct is not None:
             meta["correct"] = float(self.correct)
+        if self.auroc is not None:
+            meta["auroc"] = float(self.auroc)
         return meta
 
     @classmethod
@@ -125,9 +137,32 @@ class EvalStats:
             raise MalformedHeaderError(f"field 'eval' has type {type(meta).__name__}")
         try:
             return cls(loss=_get(meta, "loss", float), count=_get(meta, "count", int),
-                       correct=_get(meta, "correct", float, default=None), devices=_get(meta, "devices", int))
+                       correct=_get(meta, "correct", float, default=None), devices=_get(meta, "devices", int),
+                       auroc=_get(meta, "auroc", float, default=None))
         except LocalProtocolError as exc:
             raise MalformedHeaderError(f"field 'eval': {exc}") from None
+
+    def to_row(self) -> list[Any]:
+        """One device's stats as a cell update carries them: ``[count, loss, correct, auroc]`` (``None`` for
+        what it has not)."""
+        return [int(self.count), float(self.loss), None if self.correct is None else float(self.correct),
+                None if self.auroc is None else float(self.auroc)]
+
+    @classmethod
+    def from_row(cls, row: Any, device: str = "?") -> "EvalStats":
+        """Parse ``to_row``'s list; ``MalformedHeaderError`` if it is not one."""
+        where = f"stats.evaluations.{device}"
+        if not isinstance(row, (list, tuple)) or len(row) != 4:
+            raise MalformedHeaderError(f"field {where!r} must be [count, loss, correct, auroc]")
+        count, loss, correct, auroc = row
+        if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+                   for v in (loss, correct, auroc)) or loss is None:
+            raise MalformedHeaderError(f"field {where!r} holds a value that is not a number")
+        try:
+            return cls(loss=float(loss), count=count, correct=None if correct is None else float(correct),
+                       auroc=None if auroc is None else float(auroc))
+        except LocalProtocolError as exc:
+            raise MalformedHeaderError(f"field {where!r}: {exc}") from None
 
 
 def _evaluation(meta: Mapping[str, Any]) -> EvalStats | None:
@@ -322,7 +357,19 @@ class CellUpdate(Message):
     privacy: Mapping[str, Any] | None = None
     """Under differential privacy: the cell's release records and clear hops (``fedtier.privacy.audit``)."""
     evaluation: EvalStats | None = None
-    """The cell's devices' federated evaluations, combined (weighted by their held-out counts)."""
+    """The cell's devices' federated evaluations, combined (weighted by their held-out counts); each device's
+    own are in ``stats["evaluations"]`` (``device_evaluations``)."""
+
+    @property
+    def device_evaluations(self) -> dict[str, EvalStats]:
+        """Each reporting device's own federated evaluation, from ``stats["evaluations"]`` (``{device:
+        EvalStats.to_row()}``; never under a noise plan); ``MalformedHeaderError`` if it is not such a map."""
+        rows = self.stats.get("evaluations")
+        if rows is None:
+            return {}
+        if not isinstance(rows, Mapping):
+            raise MalformedHeaderError(f"field 'stats.evaluations' has type {type(rows).__name__}")
+        return {str(d): EvalStats.from_row(row, str(d)) for d, row in sorted(rows.items())}
 
     def _meta(self) -> dict[str, Any]:
         meta = {"weight": float(self.weight), "reported": list(self.reported),
@@ -338,11 +385,13 @@ class CellUpdate(Message):
         weight = _get(env.meta, "weight", float)
         if weight <= 0:
             raise MalformedHeaderError("cell weight must be positive")
-        return cls(rollout=env.rollout, round=env.round, sender=env.sender, delta=env.tensors,
-                   weight=weight, reported=_str_list(env.meta, "reported"),
-                   mean_loss=_get(env.meta, "mean_loss", float), stats=_get(env.meta, "stats", dict),
-                   q=_nonneg(env.meta, "q"), privacy=_get(env.meta, "privacy", dict, default=None),
-                   evaluation=_evaluation(env.meta))
+        update = cls(rollout=env.rollout, round=env.round, sender=env.sender, delta=env.tensors,
+                     weight=weight, reported=_str_list(env.meta, "reported"),
+                     mean_loss=_get(env.meta, "mean_loss", float), stats=_get(env.meta, "stats", dict),
+                     q=_nonneg(env.meta, "q"), privacy=_get(env.meta, "privacy", dict, default=None),
+                     evaluation=_evaluation(env.meta))
+        _ = update.device_evaluations  # parsed once here: a malformed map fails the decoding
+        return update
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -84,7 +84,14 @@ def test_a_factory_model_on_split_data_trains_over_mosquitto_with_federated_eval
         assert (federated["devices"], federated["examples"], federated["model_version"]) == (4, held_out,
                                                                                             row["round"])
         assert 0 <= federated["accuracy"] <= 1 and federated["loss"] > 0
+        # each device's own, through the edges' cell updates (stats.evaluations): its rows, its accuracy
+        assert {d: own["examples"] for d, own in federated["per_device"].items()} == {
+            d: entry["eval"] for d, entry in split["devices"].items()}
+        assert federated["accuracy"] == pytest.approx(sum(own["accuracy"] * own["examples"] for own in
+                                                          federated["per_device"].values()) / held_out, abs=1e-9)
     assert history[1]["federated"]["accuracy"] > history[0]["federated"]["accuracy"]
+    assert cloud.metrics.get("fedtier_federated_accuracy_min") == min(
+        own["accuracy"] for own in history[-1]["federated"]["per_device"].values())
 
     # The committed model and every reported number equal the in-memory simulation's.
     cfg = load(RolloutConfig, paths.coordinator)
@@ -98,3 +105,8 @@ def test_a_factory_model_on_split_data_trains_over_mosquitto_with_federated_eval
     for sim_row, row in zip(simulated.rounds, history, strict=True):
         assert sim_row["federated"]["accuracy"] == pytest.approx(row["federated"]["accuracy"], abs=1e-9)
         assert sim_row["federated"]["loss"] == pytest.approx(row["federated"]["loss"], abs=1e-5)
+        for device, own in row["federated"]["per_device"].items():
+            sim_own = sim_row["federated"]["per_device"][device]
+            assert sim_own["examples"] == own["examples"]
+            assert sim_own["accuracy"] == pytest.approx(own["accuracy"], abs=1e-9)
+            assert sim_own["loss"] == pytest.approx(own["loss"], abs=1e-5)

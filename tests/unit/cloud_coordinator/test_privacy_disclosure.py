@@ -143,6 +143,22 @@ def test_message_types_refused_under_privacy_are() -> None:
                                        "hsgd_embeddings"}
 
 
+def test_federated_evaluations_fields_are_classified_withheld(small_rollout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without privacy devices with held-out rows send their evaluation (with an AUROC on a binary task) and edges
+    forward each device's own: every such field is listed, as withheld (a noise plan turns them off)."""
+    cfg = small_rollout(rounds=1, model={"hidden": []}, data={"dataset": "rare_event", "partition": "iid",
+                                                              "samples": 400, "features": 10, "holdout": 0.3})
+    seen = _run(cfg, prepare(cfg), monkeypatch)
+
+    assert [f"{key}: {path}" for (_, key), (header, _) in sorted(seen.items())
+            for path in disclosure.unlisted(str(header["t"]), header)] == []
+    paths = {(str(header["t"]), path) for header, _ in seen.values() for path in header}
+    evaluation = {(kind, path) for kind, path in paths if path.startswith(("m.eval.", "m.stats.evaluations."))}
+    assert ("device_update", "m.eval.auroc") in evaluation
+    assert sum(1 for kind, path in evaluation if path.startswith("m.stats.evaluations.")) == 4  # one per device
+    assert {disclosure.classify(kind, path).disclosure for kind, path in evaluation} == {WITHHELD}  # type: ignore
+
+
 def test_chunk_headers_are_classified() -> None:
     from fedtier.transport import chunking
     from fedtier.wire.messages import DeviceUpdate

@@ -1,5 +1,6 @@
 """What an agent process loads: an agent of an unsigned, untrusted-noise-free fleet without TLS (the demo's)
-imports neither cryptography (about 6 MB) nor torch, and loads cryptography as soon as a feature needs it."""
+imports neither cryptography (about 6 MB) nor torch (nor scikit-learn: a device ranks its held-out rows with numpy),
+and loads cryptography as soon as a feature needs it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from fedtier.runtime.config import BrokerConfig
 from fedtier.security.signing import load_trusted_keys
 training_api()
 assert load_trusted_keys(()) == {{}} and identity.preflight("dev-0", [BrokerConfig(host="127.0.0.1", port=1883)])
-before = {{m: m in sys.modules for m in ("cryptography", "torch")}}
+import device_agent.node  # evaluates held-out rows, AUROC included (numpy only)
+before = {{m: m in sys.modules for m in ("cryptography", "torch", "sklearn")}}
 {use}
 print(json.dumps({{"before": before, "after": "cryptography" in sys.modules}}))
 """
@@ -37,5 +39,5 @@ def test_the_agent_stack_imports_no_cryptography_until_a_feature_needs_it() -> N
                           "NoiseSource().secure_normal((3,), 'label')")
     secure_aggregation = _run("from fedtier.secagg import crypto\ncrypto.public_key(crypto.new_private_key())")
 
-    assert hardened_noise["before"] == {"cryptography": False, "torch": False}
+    assert hardened_noise["before"] == {"cryptography": False, "torch": False, "sklearn": False}
     assert hardened_noise["after"] and secure_aggregation["after"]  # and they still work when needed

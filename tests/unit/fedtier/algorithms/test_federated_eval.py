@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hierarchy import Hierarchy
-from test_privacy_roles import SHAPE
+from numpy_model import NumpyCompute, init_params, make_data
+from test_privacy_roles import SHAPE, sampled_hierarchy
 from test_privacy_roles import hierarchy as private_hierarchy
 
 from fedtier.algorithms import aggregate, fedavg, hier_qsgd, qhetfed
@@ -59,6 +60,89 @@ def test_each_cell_sends_its_devices_combined_evaluation() -> None:
     assert cell_updates["cell-b"].evaluation == EvalStats(loss=0.5, count=20, correct=20, devices=1)
 
 
+@pytest.mark.parametrize("algo", [fedavg, hier_qsgd, qhetfed], ids=lambda a: a.__name__.rsplit(".", 1)[-1])
+def test_each_cell_update_carries_every_devices_own_evaluation_and_the_round_row_has_them(algo) -> None:
+    # Prepare: dev-1 ranks its rows of a binary task (an AUROC), the others report none; dev-2 holds nothing out.
+    own = {**HELD_OUT, "dev-1": EvalStats(loss=2.0, count=30, correct=24, auroc=0.875)}
+    if algo is qhetfed:  # its devices compute gradients: a real (numpy) model
+        h = Hierarchy(algo=qhetfed, cells=dict(CELLS), params=init_params(), rounds=2, evaluations=own,
+                      config=qhetfed.QHetFedConfig(tau=2, gamma=2, batch_size=4, lr=0.1),
+                      compute=NumpyCompute(make_data([d for ds in CELLS.values() for d in ds])))
+    else:
+        h = make(algo=algo, rounds=2, evaluations=own, **({"edge_rounds": 2} if algo is hier_qsgd else {}))
+    # Execute
+    h.run()
+    # Assert: each cell's update names its reporting devices' own stats, as [count, loss, correct, auroc] ...
+    cell_updates = [m for m in h.received["cloud"] if isinstance(m, messages.CellUpdate)]
+    assert len(cell_updates) == 4
+    for update in cell_updates:
+        if update.sender == "cell-a":
+            assert update.stats["evaluations"] == {"dev-0": [10, 1.0, 5.0, None], "dev-1": [30, 2.0, 24.0, 0.875]}
+            assert update.device_evaluations == {"dev-0": own["dev-0"], "dev-1": own["dev-1"]}
+        else:
+            assert update.stats["evaluations"] == {"dev-3": [20, 0.5, 20.0, None]}
+        assert update.evaluation is not None and update.evaluation.auroc is None  # a combination has no AUROC
+    # ... and the round's row has every device's own beside the combination (the cells' stats without them).
+    for r, closed in enumerate(h.closed):
+        federated = closed.metrics["federated"]
+        assert federated["per_device"] == {
+            "dev-0": {"accuracy": 0.5, "loss": 1.0, "examples": 10},
+            "dev-1": {"accuracy": 0.8, "loss": 2.0, "examples": 30, "auroc": 0.875},
+            "dev-3": {"accuracy": 1.0, "loss": 0.5, "examples": 20}}
+        assert federated["accuracy"] == pytest.approx(49 / 60) and federated["model_version"] == r
+        assert all("evaluations" not in stats for stats in closed.metrics["cells"].values())
+
+
+def test_without_devices_own_evaluations_the_row_has_no_per_device_map() -> None:
+    # (a round of an older edge's cells: only the combination; and a rollout without held-out rows: nothing)
+    h = make(rounds=1, evaluations={})
+    h.run()
+    assert h.closed[0].metrics["federated"] is None
+    cloud = fedavg.Cloud(rollout="r", cells={"cell-b": ("dev-3",)}, initial_params=PARAMS,
+                         config=fedavg.FedAvgConfig(local_steps=1), rounds=1)
+    cloud.start(0.0)
+    update = messages.CellUpdate(rollout="r", round=0, sender="cell-b", delta={k: np.zeros_like(v)
+                                                                                for k, v in PARAMS.items()},
+                                 weight=1.0, reported=("dev-3",), evaluation=HELD_OUT["dev-3"])
+    closed = cloud.receive(messages.decode_message(update.encode()), 0.0)[0]
+    assert "per_device" not in closed.metrics["federated"] and closed.metrics["federated"]["examples"] == 20
+
+
+def test_the_cloud_refuses_evaluations_of_devices_a_cell_did_not_report() -> None:
+    from fedtier.errors import UnknownSenderError
+
+    cloud = fedavg.Cloud(rollout="r", cells={"cell-a": ("dev-0", "dev-1")}, initial_params=PARAMS,
+                         config=fedavg.FedAvgConfig(local_steps=1), rounds=1)
+    cloud.start(0.0)
+    update = messages.CellUpdate(rollout="r", round=0, sender="cell-a", delta={k: np.zeros_like(v)
+                                                                                for k, v in PARAMS.items()},
+                                 weight=1.0, reported=("dev-0",), evaluation=HELD_OUT["dev-0"],
+                                 stats={"evaluations": {"dev-0": HELD_OUT["dev-0"].to_row(),
+                                                        "dev-1": HELD_OUT["dev-1"].to_row()}})
+    with pytest.raises(UnknownSenderError, match="dev-1"):
+        cloud.receive(update, 0.0)
+
+
+def test_a_sampling_edge_forwards_no_devices_own_evaluation() -> None:
+    # Prepare: a trusted edge sampling in secret (every member, q = 1); both devices offline, so the only updates
+    # the edge gets are the ones below, which carry held-out statistics the devices should not have sent.
+    h = sampled_hierarchy(2, 1.0, 1)
+    h.offline.update({"a0", "a1"})
+    h.start()
+    # Execute
+    for d in ("a0", "a1"):
+        update = DeviceUpdate(rollout="r", round=0, sender=d, delta={"w": np.zeros(SHAPE, np.float32)},
+                              num_samples=5, evaluation=EvalStats(loss=1.0, count=5, correct=4))
+        h.deliver_to_edge("edge-a", messages.decode_message(update.encode()))
+    # Assert: the round closed with them, and neither a device's own row (it would name it as sampled) nor the
+    # combination left the cell.
+    (cell_update,) = [m for m in h.received["cloud"] if isinstance(m, messages.CellUpdate)]
+    assert h.edges["edge-a"].sampling_secretly
+    assert cell_update.reported == ("a0", "a1")
+    assert "evaluations" not in cell_update.stats and cell_update.evaluation is None
+    assert h.closed[0].metrics["federated"] is None
+
+
 def test_several_edge_rounds_evaluate_once_and_report_in_the_last_upload() -> None:
     h = make(algo=hier_qsgd, rounds=1, edge_rounds=3)
     h.run()
@@ -110,7 +194,8 @@ def test_under_a_noise_plan_devices_do_not_evaluate_and_edges_forward_no_statist
     h.run()
     # Assert: the held-out statistics would be clear, data-dependent releases to the (untrusted) cloud.
     assert h.evaluated == []
-    assert all(m.evaluation is None for m in h.received["cloud"] if isinstance(m, messages.CellUpdate))
+    assert all(m.evaluation is None and m.device_evaluations == {} and "evaluations" not in m.stats
+               for m in h.received["cloud"] if isinstance(m, messages.CellUpdate))
     assert h.closed[0].metrics["federated"] is None
 
 
@@ -126,7 +211,7 @@ def test_a_trusted_edge_drops_statistics_a_device_sent_anyway() -> None:
     # Assert: the round closed with that update, and its statistics stayed at the edge.
     cell_updates = [m for m in h.received["cloud"] if isinstance(m, messages.CellUpdate)]
     assert [m.reported for m in cell_updates] == [("dev-0",)]
-    assert cell_updates[0].evaluation is None
+    assert cell_updates[0].evaluation is None and "evaluations" not in cell_updates[0].stats
 
 
 def test_evaluated_without_a_request_is_a_misuse() -> None:
@@ -171,6 +256,39 @@ def test_malformed_evaluations_are_rejected_at_decode(bad: object) -> None:
                             key=env.key, meta={**env.meta, "eval": bad}, tensors=env.tensors)
     with pytest.raises(MalformedHeaderError):
         messages.decode_message(messages.wire.encode(env))
+
+
+@pytest.mark.parametrize("bad", [
+    "not a map",
+    {"dev-0": "x"},
+    {"dev-0": [10, 1.0, 5.0]},
+    {"dev-0": [0, 1.0, None, None]},
+    {"dev-0": [10.0, 1.0, None, None]},
+    {"dev-0": [10, float("nan"), None, None]},
+    {"dev-0": [10, None, None, None]},
+    {"dev-0": [10, 1.0, 11.0, None]},
+    {"dev-0": [10, 1.0, 5.0, 1.5]},
+    {"dev-0": [10, 1.0, 5.0, True]},
+])
+def test_malformed_devices_evaluations_in_a_cell_update_are_rejected_at_decode(bad: object) -> None:
+    cell = messages.CellUpdate(rollout="r", round=0, sender="cell-a", delta={"w": np.ones(2, np.float32)},
+                               weight=1.0, reported=("dev-0",), stats={"evaluations": bad})
+    with pytest.raises(MalformedHeaderError):
+        messages.decode_message(cell.encode())
+
+
+def test_a_devices_auroc_round_trips_and_a_combination_has_none() -> None:
+    stats = EvalStats(loss=0.25, count=8, correct=6.0, auroc=0.75)
+    update = DeviceUpdate(rollout="r", round=0, sender="dev-0", delta={"w": np.zeros(2, np.float32)}, num_samples=1,
+                          evaluation=stats)
+    decoded = messages.decode_message(update.encode())
+    assert isinstance(decoded, DeviceUpdate) and decoded.evaluation == stats
+    assert EvalStats.from_row(stats.to_row()) == stats
+    assert aggregate.combine_evaluations([stats]) == EvalStats(loss=0.25, count=8, correct=6.0)
+    with pytest.raises(LocalProtocolError, match="one device's"):
+        EvalStats(loss=0.25, count=8, auroc=0.5, devices=2)
+    with pytest.raises(LocalProtocolError, match="auroc"):
+        EvalStats(loss=0.25, count=8, auroc=-0.1)
 
 
 def test_an_evaluation_round_trips_through_the_wire() -> None:
