@@ -124,7 +124,7 @@ _OWN_CERTIFICATE = {
 
 
 def connect_failure(exc: BaseException | None, *, host: str, port: int, tls: bool,
-                    ca_file: str | None = None) -> Diagnosis:
+                    ca_file: str | None = None, was_connected: bool = False) -> Diagnosis:
     """What a failed connection attempt (or a connection dropped while it was set up) means.
 
     Args:
@@ -133,6 +133,8 @@ def connect_failure(exc: BaseException | None, *, host: str, port: int, tls: boo
         host, port: where the node tried to connect.
         tls: whether the node connects with TLS.
         ca_file: the node's ``tls_ca`` (named in the advice).
+        was_connected: the connection had been up (a live connection dropped), so a reset is the broker
+            going away, not a handshake it refused.
     """
     where = _where(host, port)
     if exc is None:
@@ -164,8 +166,12 @@ def connect_failure(exc: BaseException | None, *, host: str, port: int, tls: boo
         return Diagnosis("refused", f"connection to {where} refused: nothing listens there",
                          "start the broker, or correct [broker] host/port (a firewall may also refuse it)")
     if isinstance(exc, ConnectionResetError):
-        advice = ("the broker expects TLS? set tls_ca/tls_cert/tls_key in [broker]" if not tls else
-                  "the broker's log says why it closed the connection")
+        if was_connected:
+            advice = "the broker restarted or stopped, or the network dropped: reconnecting (the broker's log says why)"
+        elif not tls:
+            advice = "the broker expects TLS? set tls_ca/tls_cert/tls_key in [broker]"
+        else:
+            advice = "the broker's log says why it closed the connection"
         return Diagnosis("reset", f"the broker at {where} reset the connection", advice)
     if isinstance(exc, (TimeoutError, socket.timeout)):
         return Diagnosis("timeout", f"no answer from {where}",

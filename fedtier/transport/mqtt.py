@@ -414,9 +414,10 @@ class MqttTransport(ChunkingMixin):
         exc, self.client.last_error = self.client.last_error, None
         return exc
 
-    def _diagnose_connection(self, exc: BaseException | None) -> Diagnosis:
+    def _diagnose_connection(self, exc: BaseException | None, was_connected: bool = False) -> Diagnosis:
         return diagnosis.connect_failure(exc, host=self.host, port=self.port, tls=self.tls is not None,
-                                         ca_file=self.tls.ca_file if self.tls is not None else None)
+                                         ca_file=self.tls.ca_file if self.tls is not None else None,
+                                         was_connected=was_connected)
 
     # --- paho callbacks (network thread; never block here) ------------------------------------
 
@@ -457,6 +458,7 @@ class MqttTransport(ChunkingMixin):
         self._connection_failed(self._diagnose_connection(self._take_error()))
 
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        was_connected = self._connected.is_set()
         self._connected.clear()
         exc = self._take_error()
         if self._closing:
@@ -470,7 +472,7 @@ class MqttTransport(ChunkingMixin):
             self._report(Diagnosis("disconnected", f"the broker at {self.host}:{self.port} disconnected us: {reason} "
                                                    f"(reason code {code})", "reconnecting; the broker's log says why"))
             return
-        self._connection_failed(self._diagnose_connection(exc))
+        self._connection_failed(self._diagnose_connection(exc, was_connected))
 
     def _subscribe_now(self, topic_filter: str) -> None:
         # Under the lock: the SUBACK may be read on the network thread before ``subscribe`` returns, and its

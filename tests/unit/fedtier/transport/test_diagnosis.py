@@ -61,6 +61,9 @@ def test_a_lost_connection_names_the_likely_causes_and_suspects_no_second_client
 def test_plain_tcp_to_a_tls_broker_suggests_tls() -> None:
     d = connect_failure(ConnectionResetError(104, "reset"), host="h", port=1, tls=False)
     assert d.cause == "reset" and "tls_ca" in d.fix
+    # A live connection that drops with a reset: the broker went away (a restart), no handshake to blame.
+    dropped = connect_failure(ConnectionResetError(104, "reset"), host="h", port=1, tls=False, was_connected=True)
+    assert dropped.cause == "reset" and "tls" not in dropped.fix.lower() and "restarted" in dropped.fix
 
 
 def test_authorization_refusals_are_credential_failures() -> None:
