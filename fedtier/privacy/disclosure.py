@@ -61,6 +61,8 @@ HEADER: Mapping[str, Field] = {
     "s": Field(PUBLIC, "sender's node id (topology)"),
     "k": Field(PUBLIC, "idempotency key: type/rollout/round/step/sender"),
     "sha": Field(DERIVED, "sha256 of the body, a function of the released tensors"),
+    "dg": Field(PUBLIC, "which digest of the body the header carries (crc32; absent: sha256)"),
+    "dv": Field(DERIVED, "the body's digest named by dg, a function of the released tensors"),
     "ts[].n": Field(PUBLIC, "tensor name (the model's layout)"),
     "ts[].e": Field(PUBLIC, "tensor encoding (the config: f32, or qsgd with bits_device / bits_edge)"),
     "ts[].sh": Field(PUBLIC, "tensor shape (the model's layout)"),

@@ -17,6 +17,14 @@ Header keys (short, because small devices pay for every byte):
     sha  sha256 of the body (32 B)   m    message fields (map of plain values)
     ts   tensor specs: list of maps {n: name, e: encoding, sh: shape, nb: byte length, ...}
     ci, cn  chunk index / count (only on ``chunk`` envelopes, see ``fedtier.transport.chunking``)
+    dg, dv  the body's digest by another algorithm than sha256: its name (``DIGESTS``) and value,
+            in place of ``sha``. Absent: ``sha`` holds the sha256 (what every sender before them sent).
+
+The digest guards against accidental damage between two nodes (a broker, a store or a reassembly
+that hands on other bytes than were sent), not against an attacker, who could recompute any
+unkeyed digest: TLS and signed manifests do that. ``crc32`` (4 bytes) detects every burst of up to
+32 bits and misses random damage with probability 2^-32, at about three times sha256's speed;
+``docs/protocol.md`` says which messages carry which, and the upgrade order.
 
 Tensor encodings are a registry (``ENCODINGS``): ``f32`` and ``f16`` (little-endian IEEE),
 ``u8`` (opaque bytes, e.g. an artifact file), ``qsgd`` (a float32 norm and ``b``-bit QSGD
@@ -34,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -49,6 +58,7 @@ from fedtier.errors import (
     ShaMismatchError,
     TensorSpecError,
     TruncatedError,
+    UnknownDigestError,
     UnsupportedVersionError,
 )
 from fedtier.wire import quant
@@ -71,6 +81,32 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 MetaValue = Any
 
 
+# --- body digests --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Digest:
+    """An integrity check of the body: its header name, its size in bytes and how it is computed."""
+
+    name: str
+    size: int
+    compute: Callable[[bytes | memoryview], bytes]
+
+
+def _crc32(data: bytes | memoryview) -> bytes:
+    return zlib.crc32(data).to_bytes(4, "big")
+
+
+DIGESTS: dict[str, Digest] = {
+    "sha256": Digest("sha256", 32, lambda data: hashlib.sha256(data).digest()),
+    "crc32": Digest("crc32", 4, _crc32),  # CRC-32 of zlib (ISO 3309), big-endian
+}
+"""Digests a receiver of this version checks; names are never reused with another meaning."""
+
+SHA256 = "sha256"
+"""The digest of a header without ``dg`` (every sender before ``dg`` existed sends it under ``sha``)."""
+
+
 # --- tensor encodings ----------------------------------------------------------------------
 
 
@@ -90,13 +126,15 @@ class Encoding:
     bytes of the message (what it returns may be a view of them only if the message is an immutable
     ``bytes``: ``f32`` does that when they are aligned, and copies otherwise), and returns a float32
     (or uint8 for ``u8``) array; it raises ``TensorSpecError`` /
-    ``NonFiniteTensorError`` on bad input.
+    ``NonFiniteTensorError`` on bad input. ``checks_finite``: its ``decode`` already refuses NaN and
+    infinity (``NonFiniteTensorError``), so ``decode`` of the envelope does not look again.
     """
 
     name: str
     encode: Callable[[np.ndarray, Mapping[str, Any]], EncodedTensor]
     decode: Callable[[tuple[int, ...], Mapping[str, Any], memoryview], np.ndarray]
     expected_nbytes: Callable[[tuple[int, ...], Mapping[str, Any]], int]
+    checks_finite: bool = False
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -107,7 +145,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _check_finite(name: str, arr: np.ndarray) -> None:
-    if arr.size and not np.isfinite(arr).all():
+    if not arr.size:
+        return
+    if arr.dtype == np.float32:
+        # The sum of squares is NaN or infinite if any value is (squares are >= 0: no inf - inf), and it is
+        # one read of the array (BLAS's dot) instead of a boolean array the size of the tensor. Only an
+        # overflow of finite values (|x| > 1.8e19) makes it infinite too: then the exact check decides.
+        flat = arr.reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.dot(flat, flat)):
+                return
+    if not np.isfinite(arr).all():
         raise NonFiniteTensorError(f"tensor {name!r} contains NaN or infinity")
 
 
@@ -190,15 +238,17 @@ def _qsgd() -> Encoding:
         if norm < 0:
             raise TensorSpecError(f"qsgd norm is negative ({norm})")
         try:
-            signed = quant.unpack(data[4:], bits, _numel(shape))
+            values, finite = quant.decode_values(data[4:], np.float32(norm), bits, _numel(shape))
         except ValueError as exc:
             raise TensorSpecError(f"qsgd codes: {exc}") from None
-        return quant.dequantize(np.float32(norm), signed, quant.levels(bits)).reshape(shape)
+        if not finite and values.size and not np.isfinite(values).all():
+            raise NonFiniteTensorError(f"qsgd values overflow float32 (norm {norm})")
+        return values.reshape(shape)
 
     def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
         return quant.encoded_size(_numel(shape), bits_of(spec))
 
-    return Encoding(name="qsgd", encode=encode, decode=decode, expected_nbytes=nbytes)
+    return Encoding(name="qsgd", encode=encode, decode=decode, expected_nbytes=nbytes, checks_finite=True)
 
 
 for _enc in (_raw_float("float32", 4), _raw_float("float16", 2), _u8(), _qsgd()):
@@ -249,10 +299,14 @@ class Envelope:
     tensor_specs: tuple[Mapping[str, Any], ...] = ()
     """The header specs as received (decode only): carries per-tensor side data such as
     a quantizer's measured relative variance. Empty on envelopes built for sending."""
+    digest: str = SHA256
+    """The body's digest (a name in ``DIGESTS``): the one to send with, or the one it arrived with."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.type, str) or not self.type:
             raise LocalProtocolError("envelope type must be a non-empty string")
+        if self.digest not in DIGESTS:
+            raise LocalProtocolError(f"unknown digest {self.digest!r}; known: {sorted(DIGESTS)}")
         if not isinstance(self.round, int) or self.round < 0:
             raise LocalProtocolError(f"round must be an int >= 0, got {self.round!r}")
         if not isinstance(self.step, int) or self.step < 0:
@@ -285,10 +339,14 @@ def encode(env: Envelope) -> bytes:
         "st": env.step,
         "s": env.sender,
         "k": env.key,
-        "sha": hashlib.sha256(body).digest(),
         "m": dict(env.meta),
         "ts": specs,
     }
+    value = DIGESTS[env.digest].compute(body)
+    if env.digest == SHA256:
+        header["sha"] = value  # the header every receiver reads, old ones included
+    else:
+        header.update(dg=env.digest, dv=value)
     if env.chunk_index is not None:
         header["ci"] = env.chunk_index
         header["cn"] = env.chunk_count
@@ -362,9 +420,7 @@ def _check_header(header: Any) -> None:
     for key in ("r", "st"):
         if _require(header, key, int) < 0:
             raise MalformedHeaderError(f"header key {key!r} is negative")
-    sha = _require(header, "sha", bytes)
-    if len(sha) != 32:
-        raise MalformedHeaderError("header sha is not 32 bytes")
+    _digest_of(header)
     _require(header, "m", dict)
     specs = _require(header, "ts", list)
     if len(specs) > MAX_TENSORS:
@@ -378,6 +434,21 @@ def _check_header(header: Any) -> None:
         ci, cn = _require(header, "ci", int), _require(header, "cn", int)
         if not (0 <= ci < cn):
             raise MalformedHeaderError(f"chunk index {ci} outside [0, {cn})")
+
+
+def _digest_of(header: Mapping[str, Any]) -> tuple[Digest, bytes]:
+    """The header's digest and its value: ``dg`` and ``dv`` if present, else the sha256 in ``sha``."""
+    if "dg" not in header:
+        name, key = SHA256, "sha"
+    else:
+        name, key = _require(header, "dg", str), "dv"
+        if name not in DIGESTS:
+            raise UnknownDigestError(f"body digest {name[:32]!r}; this build checks {', '.join(sorted(DIGESTS))}")
+    digest = DIGESTS[name]
+    value = _require(header, key, bytes)
+    if len(value) != digest.size:
+        raise MalformedHeaderError(f"header {key} is {len(value)} bytes; a {name} digest is {digest.size}")
+    return digest, value
 
 
 def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> dict[str, np.ndarray]:
@@ -405,7 +476,7 @@ def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> dict[str, np
         if offset + nb > len(body):
             raise TruncatedError(f"body ends inside tensor {name!r}")
         arr = encoding.decode(shape, spec, body[offset:offset + nb])  # a view: the decoders copy what they keep
-        if arr.dtype.kind == "f":
+        if arr.dtype.kind == "f" and not encoding.checks_finite:
             _check_finite(name, arr)
         arr.setflags(write=False)
         tensors[name] = arr
@@ -427,12 +498,13 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelo
 
     Raises:
         DecodeError: a subclass naming what is wrong (bad magic/version, truncated,
-            malformed header, sha mismatch, tensor spec, NaN/inf, oversize).
+            malformed header, unknown digest, digest mismatch, tensor spec, NaN/inf, oversize).
     """
     header, body = _split(data, max_bytes)
     # Verify the digest before decoding any tensor: a corrupted body must never reach numpy.
-    if hashlib.sha256(body).digest() != header["sha"]:
-        raise ShaMismatchError("body sha256 does not match the header")
+    digest, value = _digest_of(header)
+    if digest.compute(body) != value:
+        raise ShaMismatchError(f"body {digest.name} does not match the header")
     tensors = _decode_specs(header["ts"], body)
     chunk_index = header.get("ci")
     chunk_count = header.get("cn")
@@ -448,6 +520,7 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelo
         chunk_index=chunk_index,
         chunk_count=chunk_count,
         tensor_specs=tuple(header["ts"]),
+        digest=digest.name,
     )
 
 

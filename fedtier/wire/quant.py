@@ -158,6 +158,69 @@ def _byte_levels(bits: int) -> np.ndarray:
     return table
 
 
+_GATHER_CHUNK = 8192
+"""Bytes looked up per ``numpy.take`` in ``decode_values``: its index buffer (intp) and output stay in cache."""
+
+_TABLE_WORD = {1: np.uint32, 2: np.uint64, 4: np.complex128}
+"""A row of ``8 / bits`` float32 values as one item ``numpy.take`` copies whole (4, 8 or 16 bytes)."""
+
+
+def decode_values(data: bytes | memoryview, norm: np.float32, bits: int, numel: int) -> tuple[np.ndarray, bool]:
+    """``dequantize(norm, unpack(data, bits, numel), s)`` in one pass: ``(values, finite)``.
+
+    For ``bits`` dividing 8 the message's values are computed once per byte value (a 256-row table of
+    each byte's ``8 / bits`` float32 values, with ``dequantize``'s own operations, so bit for bit what
+    the sender computed) and every byte of ``data`` is looked up in it, a cache-sized run of bytes at a
+    time through one reused index buffer. Other widths decode through ``unpack``.
+
+    Returns:
+        The float32 values (``numel`` of them, a view of a buffer that may hold the padding codes' values
+        past the end), and whether they are known to be finite (``False``: the caller must check; only a
+        norm so large that ``norm * k`` overflows float32 makes that necessary).
+
+    Raises:
+        ValueError: as ``unpack`` — wrong length, an unused code, non-zero padding.
+    """
+    s = levels(bits)
+    if 8 % bits:
+        signed = unpack(data, bits, numel)
+        with np.errstate(over="ignore"):
+            return dequantize(np.float32(norm), signed, s), False
+    expected = (numel * bits + 7) // 8
+    if len(data) != expected:
+        raise ValueError(f"{len(data)} code bytes for {numel} values at {bits} bits (need {expected})")
+    raw = np.frombuffer(data, dtype=np.uint8)
+    per = 8 // bits
+    if raw.size:
+        _check_codes(raw, bits, numel)
+    with np.errstate(over="ignore"):  # a huge norm: reported as not finite, for the caller to refuse
+        table = dequantize(np.float32(norm), _byte_levels(bits), s)  # (256, per) float32
+    words: np.ndarray = np.ascontiguousarray(table).view(_TABLE_WORD[per]).ravel()
+    out = np.empty(raw.size, dtype=words.dtype)
+    index = np.empty(min(raw.size, _GATHER_CHUNK), dtype=np.intp)
+    for start in range(0, raw.size, _GATHER_CHUNK):
+        part = raw[start:start + _GATHER_CHUNK]
+        n = part.size
+        np.copyto(index[:n], part)
+        np.take(words, index[:n], out=out[start:start + n], mode="clip")  # indices are bytes: never clipped
+    return out.view(np.float32)[:numel], bool(np.isfinite(table).all())
+
+
+def _check_codes(raw: np.ndarray, bits: int, numel: int) -> None:
+    """Refuse the unused code ``2^bits - 1`` anywhere and non-zero padding (``bits`` divides 8)."""
+    per = 8 // bits
+    padding = (per - numel % per) % per  # codes after the last one, in the last byte's low bits
+    if padding and int(raw[-1]) & ((1 << (bits * padding)) - 1):
+        raise ValueError("non-zero padding bits after the last code")
+    # A code is all ones iff its lowest bit survives AND-ing the byte with itself shifted by 1..bits-1.
+    ones = raw.copy()
+    for shift in range(1, bits):
+        np.bitwise_and(ones, raw >> shift, out=ones)
+    lowest = sum(1 << (bits * j) for j in range(per))  # each code's lowest bit: 0x55, 0x11 or 0x01
+    if np.bitwise_and(ones, lowest, out=ones).any():
+        raise ValueError(f"code above {2 * levels(bits)} (the largest level) at {bits} bits")
+
+
 def unpack(data: bytes | memoryview, bits: int, numel: int) -> np.ndarray:
     """Signed levels from packed codes.
 
