@@ -87,15 +87,23 @@ class WeightedSum:
         w = np.float64(weight)  # a float64 scalar, as weighted_mean's: numpy then multiplies in float64
         if not math.isfinite(w) or w < 0:
             raise LocalProtocolError(f"invalid weight {weight!r}")
+        shape_of = getattr(tensors, "shape_of", None)  # wire.DecodedTensors: shapes without making values
+        deferred = getattr(tensors, "deferred", None)
+        shapes = ({n: tuple(shape_of(n)) for n in tensors} if shape_of is not None
+                  else {n: np.shape(t) for n, t in tensors.items()})
         if not self._acc:
-            self._acc = {n: np.zeros(np.shape(t), dtype=np.float64) for n, t in tensors.items()}
+            self._acc = {n: np.zeros(shape, dtype=np.float64) for n, shape in shapes.items()}
             self._scratch = np.empty(max((a.size for a in self._acc.values()), default=0), dtype=np.float64)
-        elif set(tensors) != set(self._acc):
+        elif set(shapes) != set(self._acc):
             raise LocalProtocolError("tensor names differ between contributions")
         for name, acc in self._acc.items():
-            if np.shape(tensors[name]) != acc.shape:
-                raise LocalProtocolError(f"{name}: shape {np.shape(tensors[name])} != {acc.shape}")
+            if tuple(shapes[name]) != acc.shape:
+                raise LocalProtocolError(f"{name}: shape {shapes[name]} != {acc.shape}")
         for name, acc in self._acc.items():
+            codes = deferred(name) if deferred is not None else None
+            if codes is not None:  # QSGD codes as received: added through a table, the values never made
+                codes.add_to(acc, tuple(f for f in (scale, w) if f != 1.0))
+                continue
             arr = tensors[name]
             scaled = self._scratch[:acc.size].reshape(acc.shape)
             if scale != 1.0:

@@ -63,6 +63,7 @@ HEADER: Mapping[str, Field] = {
     "sha": Field(DERIVED, "sha256 of the body, a function of the released tensors"),
     "dg": Field(PUBLIC, "which digest of the body the header carries (crc32; absent: sha256)"),
     "dv": Field(DERIVED, "the body's digest named by dg, a function of the released tensors"),
+    "pd": Field(PUBLIC, "zero bytes that align the body (their number follows from the header's length)"),
     "ts[].n": Field(PUBLIC, "tensor name (the model's layout)"),
     "ts[].e": Field(PUBLIC, "tensor encoding (the config: f32, or qsgd with bits_device / bits_edge)"),
     "ts[].sh": Field(PUBLIC, "tensor shape (the model's layout)"),

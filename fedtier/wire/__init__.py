@@ -21,6 +21,7 @@ from fedtier.wire.envelope import (
     PREFIX_SIZE,
     SCHEMA_VERSION,
     SHA256,
+    DecodedTensors,
     Digest,
     EncodedTensor,
     Encoding,
@@ -36,8 +37,7 @@ from fedtier.wire.envelope import (
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "DIGESTS", "ENCODINGS", "FLOAT_ENCODINGS", "MAGIC", "MAX_DIM", "MAX_HEADER_BYTES",
-    "MAX_NDIM", "MAX_TENSORS", "PREFIX_SIZE", "SCHEMA_VERSION", "SHA256", "Digest", "EncodedTensor", "Encoding",
-    "Envelope",
-    "TensorEncoding", "decode", "encode", "envelopes_equal", "float32_equivalent", "peek_header",
-    "register_encoding",
+    "MAX_NDIM", "MAX_TENSORS", "PREFIX_SIZE", "SCHEMA_VERSION", "SHA256", "DecodedTensors", "Digest",
+    "EncodedTensor", "Encoding", "Envelope", "TensorEncoding", "decode", "encode", "envelopes_equal",
+    "float32_equivalent", "peek_header", "register_encoding",
 ]

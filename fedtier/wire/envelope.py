@@ -19,6 +19,8 @@ Header keys (short, because small devices pay for every byte):
     ci, cn  chunk index / count (only on ``chunk`` envelopes, see ``fedtier.transport.chunking``)
     dg, dv  the body's digest by another algorithm than sha256: its name (``DIGESTS``) and value,
             in place of ``sha``. Absent: ``sha`` holds the sha256 (what every sender before them sent).
+    pd   0-3 zero bytes that make the body start at a multiple of 4 (``BODY_ALIGN``), so that a
+         receiver's f32 tensors are views of the message; receivers ignore it (old ones too).
 
 The digest guards against accidental damage between two nodes (a broker, a store or a reassembly
 that hands on other bytes than were sent), not against an attacker, who could recompute any
@@ -44,7 +46,7 @@ import struct
 import sys
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import msgpack
 import numpy as np
@@ -106,6 +108,9 @@ DIGESTS: dict[str, Digest] = {
 SHA256 = "sha256"
 """The digest of a header without ``dg`` (every sender before ``dg`` existed sends it under ``sha``)."""
 
+BODY_ALIGN = 4
+"""Senders pad the header (``pd``) so that the body starts at a multiple of this: float32 bodies decode as views."""
+
 
 # --- tensor encodings ----------------------------------------------------------------------
 
@@ -127,7 +132,9 @@ class Encoding:
     ``bytes``: ``f32`` does that when they are aligned, and copies otherwise), and returns a float32
     (or uint8 for ``u8``) array; it raises ``TensorSpecError`` /
     ``NonFiniteTensorError`` on bad input. ``checks_finite``: its ``decode`` already refuses NaN and
-    infinity (``NonFiniteTensorError``), so ``decode`` of the envelope does not look again.
+    infinity (``NonFiniteTensorError``), so ``decode`` of the envelope does not look again. ``defer``
+    (optional): validates like ``decode`` and returns an object with ``shape``, ``finite`` and ``values()``
+    that makes the array only when it is read (``DecodedTensors``).
     """
 
     name: str
@@ -135,6 +142,7 @@ class Encoding:
     decode: Callable[[tuple[int, ...], Mapping[str, Any], memoryview], np.ndarray]
     expected_nbytes: Callable[[tuple[int, ...], Mapping[str, Any]], int]
     checks_finite: bool = False
+    defer: Callable[[tuple[int, ...], Mapping[str, Any], memoryview], Any] | None = None
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -230,25 +238,33 @@ def _qsgd() -> Encoding:
         signed = quant.to_levels(arr, norm, bits)
         return EncodedTensor(spec={"b": bits}, data=struct.pack("<f", norm) + quant.pack(signed, bits))
 
-    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> np.ndarray:
+    def check(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> quant.Codes:
         bits = bits_of(spec)
         (norm,) = struct.unpack_from("<f", data, 0)
         if not np.isfinite(norm):
             raise NonFiniteTensorError(f"qsgd norm is {norm}")
         if norm < 0:
             raise TensorSpecError(f"qsgd norm is negative ({norm})")
+        codes: bytes | memoryview = data[4:]
+        if not (isinstance(data, memoryview) and isinstance(data.obj, bytes)):
+            codes = bytes(codes)  # a mutable buffer may change after decoding: keep a copy, not a view of it
         try:
-            values, finite = quant.decode_values(data[4:], np.float32(norm), bits, _numel(shape))
+            return quant.Codes.check(codes, np.float32(norm), bits, shape)
         except ValueError as exc:
             raise TensorSpecError(f"qsgd codes: {exc}") from None
-        if not finite and values.size and not np.isfinite(values).all():
-            raise NonFiniteTensorError(f"qsgd values overflow float32 (norm {norm})")
-        return values.reshape(shape)
+
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> np.ndarray:
+        codes = check(shape, spec, data)
+        values = codes.values()
+        if not codes.finite and values.size and not np.isfinite(values).all():
+            raise NonFiniteTensorError(f"qsgd values overflow float32 (norm {codes.norm})")
+        return values
 
     def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
         return quant.encoded_size(_numel(shape), bits_of(spec))
 
-    return Encoding(name="qsgd", encode=encode, decode=decode, expected_nbytes=nbytes, checks_finite=True)
+    return Encoding(name="qsgd", encode=encode, decode=decode, expected_nbytes=nbytes, checks_finite=True,
+                    defer=check)
 
 
 for _enc in (_raw_float("float32", 4), _raw_float("float16", 2), _u8(), _qsgd()):
@@ -352,6 +368,10 @@ def encode(env: Envelope) -> bytes:
         header["cn"] = env.chunk_count
     try:
         packed = msgpack.packb(header, use_bin_type=True)
+        if (PREFIX_SIZE + len(packed)) % BODY_ALIGN:
+            # "pd" and a bin of n bytes add 5 + n bytes (the map stays below 16 keys, a fixmap)
+            header["pd"] = bytes(-(PREFIX_SIZE + len(packed) + 5) % BODY_ALIGN)
+            packed = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise LocalProtocolError(f"header not serializable: {exc}") from exc
     return _PREFIX.pack(MAGIC, SCHEMA_VERSION, len(packed)) + packed + body
@@ -451,14 +471,59 @@ def _digest_of(header: Mapping[str, Any]) -> tuple[Digest, bytes]:
     return digest, value
 
 
-def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> dict[str, np.ndarray]:
+class DecodedTensors(Mapping[str, np.ndarray]):
+    """A decoded envelope's tensors, in header order, when some are deferred (QSGD's): those were validated
+    with the envelope and become read-only arrays when first read (kept from then on).
+
+    ``deferred(name)`` gives a reader that can use them as they are their ``quant.Codes`` instead (the edge
+    adds them to its running sum without making the values); ``shape_of(name)`` reads no values. Pickled or
+    copied, it is a plain dict of arrays.
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray], deferred: dict[str, Any], order: list[str]) -> None:
+        self._arrays = arrays
+        self._deferred = deferred
+        self._order = order
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        arr = self._arrays.get(name)
+        if arr is None:
+            arr = self._deferred[name].values()
+            arr.setflags(write=False)
+            self._arrays[name] = arr
+        return arr
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def deferred(self, name: str) -> Any | None:
+        """The validated encoded form of tensor ``name`` (``quant.Codes``), or ``None`` if it was decoded whole."""
+        return self._deferred.get(name)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        deferred = self._deferred.get(name)
+        return tuple(deferred.shape) if deferred is not None else tuple(self._arrays[name].shape)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (dict(self.items()),)
+
+    def __repr__(self) -> str:
+        return f"DecodedTensors({', '.join(self._order)}; deferred: {', '.join(self._deferred) or '-'})"
+
+
+def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> Mapping[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
+    deferred: dict[str, Any] = {}
+    order: list[str] = []
     offset = 0
     for spec in specs:
         name, enc_name, shape_list, nb = spec.get("n"), spec.get("e"), spec.get("sh"), spec.get("nb")
         if not isinstance(name, str) or not name:
             raise TensorSpecError("tensor spec has no name")
-        if name in tensors:
+        if name in tensors or name in deferred:
             raise TensorSpecError(f"tensor {name!r} appears twice")
         if not isinstance(enc_name, str) or enc_name not in ENCODINGS:
             raise TensorSpecError(f"tensor {name!r}: unknown encoding {enc_name!r}")
@@ -475,15 +540,22 @@ def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> dict[str, np
             raise TensorSpecError(f"tensor {name!r}: {nb} bytes, but shape {shape} as {enc_name} needs {expected}")
         if offset + nb > len(body):
             raise TruncatedError(f"body ends inside tensor {name!r}")
-        arr = encoding.decode(shape, spec, body[offset:offset + nb])  # a view: the decoders copy what they keep
+        order.append(name)
+        data = body[offset:offset + nb]  # a view: the decoders copy what they keep
+        offset += nb
+        if encoding.defer is not None:
+            later = encoding.defer(shape, spec, data)
+            if later.finite:
+                deferred[name] = later
+                continue
+        arr = encoding.decode(shape, spec, data)
         if arr.dtype.kind == "f" and not encoding.checks_finite:
             _check_finite(name, arr)
         arr.setflags(write=False)
         tensors[name] = arr
-        offset += nb
     if offset != len(body):
         raise TensorSpecError(f"body has {len(body) - offset} bytes beyond its tensors")
-    return tensors
+    return DecodedTensors(tensors, deferred, order) if deferred else tensors
 
 
 def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelope:
@@ -494,7 +566,8 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelo
         max_bytes: refuse anything larger (``OversizeError``).
 
     Returns:
-        The envelope, with read-only float32 (or uint8) tensors.
+        The envelope, with read-only float32 (or uint8) tensors; QSGD tensors are made when first read
+        (``DecodedTensors``), everything about them checked already.
 
     Raises:
         DecodeError: a subclass naming what is wrong (bad magic/version, truncated,

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from fedtier.algorithms import aggregate, hier_qsgd, qhetfed, strategies
 from fedtier.algorithms.hier_qsgd import HierConfig
 from fedtier.algorithms.base import SendToParent
+from fedtier.algorithms.common import quantize
+from fedtier import wire
 from fedtier.errors import LocalProtocolError
 from fedtier.wire import messages
 from fedtier.wire.messages import CellTask, CellUpdate, DeviceUpdate
@@ -195,9 +197,10 @@ def cell_update(edge_cls: type, order: Any, config: HierConfig, seed: int = 11) 
     edge.receive(messages.decode_message(task.encode()), 0.0)
     out: list = []
     for i in order:
-        upd = DeviceUpdate(rollout="r", round=0, sender=MEMBERS[i], delta=ups[i], num_samples=int(samples[i]),
+        delta, encodings, _ = quantize(ups[i], config.bits_device, 0, "q1", MEMBERS[i])
+        upd = DeviceUpdate(rollout="r", round=0, sender=MEMBERS[i], delta=delta, num_samples=int(samples[i]),
                            train_loss=float(i), steps=1)
-        out = edge.receive(messages.decode_message(upd.encode()), 0.0)
+        out = edge.receive(messages.decode_message(upd.encode(encodings)), 0.0)
     [sent] = [a for a in out if isinstance(a, SendToParent)]
     assert isinstance(sent.message, CellUpdate)
     back = messages.decode_message(sent.message.encode(sent.encodings))  # the bytes the cloud gets
@@ -206,8 +209,13 @@ def cell_update(edge_cls: type, order: Any, config: HierConfig, seed: int = 11) 
 
 
 CONFIGS = {"float32 up": HierConfig(), "samples, 5-bit Q2 up": HierConfig(weighting="samples", bits_edge=5),
+           "4-bit QSGD uploads, samples": HierConfig(weighting="samples", bits_device=4),
+           "8-bit QSGD uploads": HierConfig(bits_device=8), "2-bit QSGD uploads, 3-bit Q2": HierConfig(bits_device=2,
+                                                                                                  bits_edge=3),
            "median": HierConfig(strategy={"edge": {"rule": "median"}}),
-           "norm bounded": HierConfig(strategy={"edge": {"rule": "norm_bounded_mean", "max_norm": 5.0}})}
+           "norm bounded": HierConfig(strategy={"edge": {"rule": "norm_bounded_mean", "max_norm": 5.0}}),
+           "norm bounded, 4-bit uploads, samples": HierConfig(bits_device=4, weighting="samples", strategy={
+               "edge": {"rule": "norm_bounded_mean", "max_norm": 5.0}})}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -224,11 +232,11 @@ def test_the_cell_update_is_bit_identical_to_the_stored_edges_in_sender_order(na
 @pytest.mark.parametrize("seed", range(5))
 def test_in_a_shuffled_arrival_order_the_cell_update_stays_within_1e7(seed: int) -> None:
     order = np.random.default_rng(seed).permutation(len(MEMBERS))
-    config = HierConfig(weighting="samples")
-    want, _ = cell_update(StoredEdge, order, config)
-    got, _ = cell_update(hier_qsgd.Edge, order, config)
+    for config in (HierConfig(weighting="samples"), HierConfig(weighting="samples", bits_device=4)):
+        want, _ = cell_update(StoredEdge, order, config)
+        got, _ = cell_update(hier_qsgd.Edge, order, config)
 
-    assert_close_to_1e7(dict(got.delta), dict(want.delta))
+        assert_close_to_1e7(dict(got.delta), dict(want.delta))
     median = HierConfig(strategy={"edge": {"rule": "median"}})
     assert_identical(dict(cell_update(hier_qsgd.Edge, order, median)[0].delta),
                      dict(cell_update(StoredEdge, range(len(MEMBERS)), median)[0].delta))
@@ -255,3 +263,46 @@ def test_which_edges_stream() -> None:
     from fedtier.algorithms import fedxl
 
     assert not fedxl.Edge.STREAMS  # it reads each upload's momentum and scores at the end
+
+
+# --- QSGD uploads are folded from their codes ------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_qsgd_codes_are_folded_without_making_the_values_bit_for_bit(bits: int) -> None:
+    ups, weights = updates_and_weights(21, n=5)
+    payloads = []
+    for i, u in enumerate(ups):
+        delta, encodings, _ = quantize(u, bits, 0, "q1", f"d{i}")
+        update = DeviceUpdate(rollout="r", round=0, sender=f"d{i}", delta=delta, num_samples=1)
+        payloads.append(update.encode(encodings))
+    decoded = [messages.decode_message(p) for p in payloads]
+    folded, stored = aggregate.RunningMean(), []
+    bounded = strategies.NormBoundedMean(2.0)
+
+    for msg, w in zip(decoded, weights, strict=True):
+        assert isinstance(msg, DeviceUpdate) and isinstance(msg.delta, wire.DecodedTensors)
+        folded.fold(msg.delta, w, 0.5)
+        assert msg.delta._arrays == {}  # nothing was made: the codes went into the sum  # type: ignore[attr-defined]
+        stored.append(messages.decode_message(payloads[len(stored)]).delta)  # a fresh decoding, read as arrays
+
+    want = aggregate.weighted_mean([({n: np.asarray(t, np.float64) * 0.5 for n, t in u.items()}, w)
+                                    for u, w in zip(stored, weights, strict=True)])
+    assert_identical(folded.mean(), want)
+    assert_identical(strategies.run(bounded, stored, weights), collect(
+        {"rule": "norm_bounded_mean", "max_norm": 2.0}, [dict(u) for u in stored], weights, range(5))[0])
+
+
+def test_decoded_qsgd_tensors_read_like_arrays_and_pickle_as_a_dict() -> None:
+    import pickle
+
+    values = {"w": np.linspace(-1, 1, 9, dtype=np.float32).reshape(3, 3), "b": np.ones(2, np.float32)}
+    delta, encodings, _ = quantize(values, 4, 0, "q1", "d")
+    msg = messages.decode_message(DeviceUpdate(rollout="r", round=0, sender="d", delta=delta).encode(encodings))
+    tensors = msg.delta  # type: ignore[attr-defined]
+
+    assert isinstance(tensors, wire.DecodedTensors) and list(tensors) == list(delta) and len(tensors) == 2
+    assert tensors.shape_of("w") == (3, 3) and tensors._arrays == {}  # type: ignore[attr-defined]
+    assert all(np.array_equal(tensors[n], delta[n]) and not tensors[n].flags.writeable for n in delta)
+    again = pickle.loads(pickle.dumps(tensors))
+    assert type(again) is dict and all(np.array_equal(again[n], delta[n]) for n in delta)
