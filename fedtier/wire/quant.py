@@ -159,7 +159,10 @@ def _byte_levels(bits: int) -> np.ndarray:
 
 
 _GATHER_CHUNK = 8192
-"""Bytes looked up per ``numpy.take`` in ``decode_values``: its index buffer (intp) and output stay in cache."""
+"""Bytes looked up per ``numpy.take`` in ``Codes.values``: its index buffer (intp) and output stay in cache."""
+_FOLD_CHUNK = 16384
+"""Bytes per run in ``Codes.add_to`` (index buffer, gathered float64 rows and the sum's slice in cache; measured
+faster than 8192 or 32768 at 4 bits)."""
 
 
 
@@ -259,10 +262,10 @@ class Codes:
         words: np.ndarray = np.ascontiguousarray(table).view(_ROW_WORD[8 * per]).ravel()
         raw = np.frombuffer(self.data, dtype=np.uint8)
         flat = acc.reshape(-1)
-        index = np.empty(min(raw.size, _GATHER_CHUNK), dtype=np.intp)
-        rows = np.empty(min(raw.size, _GATHER_CHUNK), dtype=words.dtype)
-        for start in range(0, raw.size, _GATHER_CHUNK):
-            part = raw[start:start + _GATHER_CHUNK]
+        index = np.empty(min(raw.size, _FOLD_CHUNK), dtype=np.intp)
+        rows = np.empty(min(raw.size, _FOLD_CHUNK), dtype=words.dtype)
+        for start in range(0, raw.size, _FOLD_CHUNK):
+            part = raw[start:start + _FOLD_CHUNK]
             n = part.size
             np.copyto(index[:n], part)
             np.take(words, index[:n], out=rows[:n], mode="clip")  # indices are bytes: never clipped
