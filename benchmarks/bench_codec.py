@@ -1,12 +1,13 @@
 """Wire codec and edge aggregation throughput, against plain numpy in the same run.
 
-Two measurements, each the median of ``--reps`` repetitions with the spread:
+Three measurements, each the median of ``--reps`` repetitions with the spread:
 
 * **codec**: a device update of ``--params`` float32 coordinates encoded to bytes
   (``DeviceUpdate.encode``: header, tensor encoding, body digest) and decoded back
   (``decode_message``: parsing, checks, decoding), for f32 (with the CRC-32 devices send now, and
   with sha256), f16 and QSGD at 2, 4 and 8 bits, in MB/s of float32 payload. Baseline:
   ``ndarray.tobytes`` + ``np.frombuffer(...).copy()`` of the same array (a memory copy each way).
+* **digests**: MB/s of each body digest in Python's standard library over 1 kB to 10 MB.
 * **aggregation**: what an edge does with ``n`` updates of ``d`` parameters, decode included, as a
   fraction of a plain numpy sum of the same ``n`` float32 arrays already in memory (``acc += a``:
   the memory-bandwidth bound), for f32 and 4-bit QSGD. Two paths, timed in turn within each
@@ -16,7 +17,8 @@ Two measurements, each the median of ``--reps`` repetitions with the spread:
   them now, decoded by ``decode_message`` and folded one by one into the edge's
   ``strategies.Collector``). A fraction is the median over repetitions of (numpy sum time / path
   time), both taken in the same repetition. Beside them, what bounds the new path: the CRC-32 and
-  the sha256 of the bodies alone, and the float64 fold of the decoded arrays alone. Sizes with
+  the sha256 of the bodies alone, and the float64 fold alone (of the decoded f32 arrays; of the QSGD
+  codes, decoded beforehand). Sizes with
   ``n * d`` above ``--max-elements`` are skipped (memory).
 
     python -m benchmarks codec                        # the tables in docs/benchmarks.md
@@ -113,6 +115,37 @@ def codec(params: int, reps: int) -> dict[str, Any]:
     return out
 
 
+DIGEST_SIZES = (1_000, 100_000, 1_000_000, 10_000_000)
+DIGEST_FUNCTIONS: dict[str, Callable[[bytes], Any]] = {
+    "sha256 (the old one)": lambda b: hashlib.sha256(b).digest(),
+    "crc32 (the new one)": zlib.crc32,
+    "adler32": zlib.adler32,
+    "md5": lambda b: hashlib.md5(b).digest(),
+    "sha1": lambda b: hashlib.sha1(b).digest(),
+    "blake2b, 16 bytes": lambda b: hashlib.blake2b(b, digest_size=16).digest(),
+    "blake2s": lambda b: hashlib.blake2s(b).digest(),
+}
+"""The candidates for the body digest that need nothing beyond Python's standard library."""
+
+
+def digests(reps: int) -> dict[str, Any]:
+    """MB/s of each candidate digest over random bodies of 1 kB to 10 MB (median of ``reps``, each repetition
+    hashing about 20 MB; the candidates take turns within a repetition)."""
+    out: dict[str, Any] = {}
+    for size in DIGEST_SIZES:
+        body = np.random.default_rng(size).bytes(size)
+        loops = max(1, 20_000_000 // size)
+        times: dict[str, list[float]] = {name: [] for name in DIGEST_FUNCTIONS}
+        for _ in range(reps):
+            for name, fn in DIGEST_FUNCTIONS.items():
+                start = time.perf_counter()
+                for _ in range(loops):
+                    fn(body)
+                times[name].append((time.perf_counter() - start) / loops)
+        out[str(size)] = {name: size / 1e6 / statistics.median(t) for name, t in times.items()}
+    return out
+
+
 # --- the edge's aggregation, old and new ------------------------------------------------------------
 
 
@@ -194,6 +227,15 @@ def aggregation(n: int, d: int, reps: int) -> dict[str, Any]:
         bodies = _bodies(new_blobs)
         paths[f"crc32_{encoding}"] = lambda b=bodies: [zlib.crc32(x) for x in b]  # type: ignore[misc]
         paths[f"sha256_{encoding}"] = lambda b=bodies: [hashlib.sha256(x).digest() for x in b]  # type: ignore[misc]
+        if encoding == "qsgd4":  # the fold of the codes alone, decoded before the clock starts
+            codes = [decode_message(b).delta.deferred("w") for b in new_blobs]  # type: ignore[attr-defined]
+
+            def codes_fold_alone(codes: list[Any] = codes) -> None:
+                acc = np.zeros(d, dtype=np.float64)
+                for c in codes:
+                    c.add_to(acc)
+
+            paths["codes_fold_alone"] = codes_fold_alone
         if encoding == "qsgd4":  # the same edge mean, whichever path: checked once here
             for pair in ((f"{encoding}_old", encoding), ("f32_old", "f32")):
                 old, new = paths[pair[0]](), paths[pair[1]]()
@@ -236,11 +278,14 @@ def table(results: dict[str, Any]) -> str:
     def frac(r: dict[str, Any]) -> str:
         return f"{r['fraction_of_numpy']:.3f} ({r['fraction_min']:.3f}–{r['fraction_max']:.3f})"
 
+    folds = {"f32": ("fold_alone", "float64 fold of the arrays alone"),
+             "qsgd4": ("codes_fold_alone", "float64 fold of the codes alone")}
     for encoding, title in (("f32", "f32"), ("qsgd4", "4-bit QSGD")):
+        fold_key, fold_title = folds[encoding]
         lines += ["", f"Edge aggregation, {title}, decode included, as a fraction of a plain numpy sum of the same "
                   "float32 arrays (1.0 = the bound; fraction: median, min–max over repetitions):", "",
                   "| n updates | d parameters | numpy sum, ms | old path, ms | old fraction | new path, ms "
-                  "| new fraction | new ÷ old time | CRC-32 of the bodies alone | sha256 alone | float64 fold alone |",
+                  f"| new fraction | new ÷ old time | CRC-32 of the bodies alone | sha256 alone | {fold_title} |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["aggregation"]:
             if "skipped" in r:
@@ -251,7 +296,13 @@ def table(results: dict[str, Any]) -> str:
                          f"{1e3 * old['median_s']:.1f} | {frac(old)} | {1e3 * new['median_s']:.1f} | {frac(new)} | "
                          f"{new['median_s'] / old['median_s']:.2f} | {r[f'crc32_{encoding}']['fraction_of_numpy']:.3f} "
                          f"| {r[f'sha256_{encoding}']['fraction_of_numpy']:.3f} | "
-                         f"{r['fold_alone']['fraction_of_numpy']:.3f} |")
+                         f"{r[fold_key]['fraction_of_numpy']:.3f} |")
+    d = results["digests"]
+    lines += ["", f"Body digests, MB/s (median of {results['reps']}):", "",
+              "| digest | " + " | ".join(f"{int(size):,} B" for size in d) + " |",
+              "|---|" + "---|" * len(d)]
+    for name in DIGEST_FUNCTIONS:
+        lines.append(f"| {name} | " + " | ".join(f"{d[size][name]:.0f}" for size in d) + " |")
     lines += ["", f"Machine load: {results['load_before']} before, {results['load_after']} after."]
     return "\n".join(lines)
 
@@ -275,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         results["aggregation"].append(aggregation(n, d, args.reps))
         print(f"aggregation {n}x{d} done ({_load()})", flush=True)
+    results["digests"] = digests(args.reps)
     results["load_after"] = _load()
     path = write(args.name, results)
     print(table(results))

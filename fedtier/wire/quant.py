@@ -217,8 +217,8 @@ class Codes:
             raw = np.frombuffer(data, dtype=np.uint8)
             if raw.size:
                 _check_codes(raw, bits, numel)
-        with np.errstate(over="ignore"):
-            finite = bool(np.isfinite(dequantize(np.float32(norm), np.arange(-s, s + 1), s)).all())
+        with np.errstate(over="ignore"):  # |norm * k| <= norm * s, rounded monotonically: the largest product
+            finite = bool(np.isfinite(np.float32(norm) * np.float32(s)))
         return cls(data, np.float32(norm), bits, tuple(shape), finite)
 
     @property
@@ -238,7 +238,7 @@ class Codes:
                 np.multiply(norm, values, out=values)
                 np.divide(values, np.float32(s), out=values)
                 return values.reshape(self.shape)
-            table = dequantize(norm, _byte_levels(bits), s)  # (256, 8 / bits) float32
+            table = dequantize(norm, _byte_levels_f32(bits), s)  # (256, 8 / bits) float32
         words: np.ndarray = np.ascontiguousarray(table).view(_ROW_WORD[table.itemsize * table.shape[1]]).ravel()
         out = _gather(words, raw)
         return out.view(np.float32)[:self.size].reshape(self.shape)
@@ -255,7 +255,7 @@ class Codes:
             np.add(acc, values, out=acc)
             return
         with np.errstate(over="ignore"):
-            table = dequantize(self.norm, _byte_levels(self.bits), levels(self.bits)).astype(np.float64)
+            table = dequantize(self.norm, _byte_levels_f32(self.bits), levels(self.bits)).astype(np.float64)
         for factor in factors:
             np.multiply(table, np.float64(factor), out=table)
         per = table.shape[1]  # (256, 8 / bits) float64
@@ -303,6 +303,14 @@ def _check_codes(raw: np.ndarray, bits: int, numel: int) -> None:
         unused = bool((raw & (raw >> 1) & 0x55).any())
     if unused:
         raise ValueError(f"code above {2 * levels(bits)} (the largest level) at {bits} bits")
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_levels_f32(bits: int) -> np.ndarray:
+    """``_byte_levels(bits)`` as float32 (exact: small integers), what ``dequantize`` converts them to."""
+    table = _byte_levels(bits).astype(np.float32)
+    table.setflags(write=False)
+    return table
 
 
 def unpack(data: bytes | memoryview, bits: int, numel: int) -> np.ndarray:

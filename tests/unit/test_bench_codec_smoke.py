@@ -30,10 +30,12 @@ def test_bench_codec_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.Mon
     assert all(r["qsgd4"]["fraction_of_numpy"] > 0 for r in results["aggregation"][:2])
     # both paths, and what bounds the new one, in every measured size (ratios taken within a repetition)
     for r in results["aggregation"][:2]:
-        for name in ("f32_old", "qsgd4_old", "crc32_f32", "sha256_f32", "fold_alone", "numpy_sum"):
+        for name in ("f32_old", "qsgd4_old", "crc32_f32", "sha256_f32", "fold_alone", "codes_fold_alone", "numpy_sum"):
             assert r[name]["fraction_min"] <= r[name]["fraction_of_numpy"] <= r[name]["fraction_max"], name
     assert results["aggregation"][0]["numpy_sum"]["fraction_of_numpy"] == 1.0
     assert "load average" in written["load_before"] and "Machine load" in bench.table(results)
+    assert set(results["digests"]) == {str(s) for s in bench.DIGEST_SIZES}
+    assert all(v > 0 for speeds in results["digests"].values() for v in speeds.values())
 
 
 def test_python_m_benchmarks_lists_and_refuses_unknown_names() -> None:
