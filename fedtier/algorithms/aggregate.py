@@ -135,7 +135,12 @@ class WeightedSum:
         total = self.total()
         if total <= 0:
             raise LocalProtocolError(f"invalid weights {self.weights}")
-        return {n: (acc / total).astype(np.float32) for n, acc in self._acc.items()}
+        out = {}
+        for name, acc in self._acc.items():
+            quotient = self._scratch[:acc.size].reshape(acc.shape)  # no float64 temporary the model's size
+            np.divide(acc, total, out=quotient)
+            out[name] = quotient.astype(np.float32)
+        return out
 
 
 class RunningMean:

@@ -298,7 +298,7 @@ def _check_codes(raw: np.ndarray, bits: int, numel: int) -> None:
     if bits == 8:
         unused = bool((raw == 0xFF).any())
     elif bits == 4:
-        unused = bool((raw >= 0xF0).any() or ((raw & 0x0F) == 0x0F).any())
+        unused = bool(raw.max() >= 0xF0 or ((raw & 0x0F) == 0x0F).any())
     else:  # 2 bits: a code is 0b11 iff its low bit survives AND-ing the byte with itself shifted by one
         unused = bool((raw & (raw >> 1) & 0x55).any())
     if unused:
