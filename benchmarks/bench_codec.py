@@ -4,8 +4,9 @@ Three measurements, each the median of ``--reps`` repetitions with the spread:
 
 * **codec**: a device update of ``--params`` float32 coordinates encoded to bytes
   (``DeviceUpdate.encode``: header, tensor encoding, body digest) and decoded back
-  (``decode_message``: parsing, checks, decoding), for f32 (with the CRC-32 devices send now, and
-  with sha256), f16 and QSGD at 2, 4 and 8 bits, in MB/s of float32 payload. Baseline:
+  (``decode_message``: parsing, checks, decoding, every tensor read as an array), for f32 (with the CRC-32
+  devices send now, and with sha256), f16 and QSGD at 2, 4 and 8 bits, and for f32 and 4-bit QSGD by the
+  decoder as it was before, in MB/s of float32 payload. Baseline:
   ``ndarray.tobytes`` + ``np.frombuffer(...).copy()`` of the same array (a memory copy each way).
 * **digests**: MB/s of each body digest in Python's standard library over 1 kB to 10 MB.
 * **aggregation**: what an edge does with ``n`` updates of ``d`` parameters, decode included, as a
@@ -52,6 +53,8 @@ from fedtier.wire import quant  # noqa: E402
 from fedtier.wire.messages import DeviceUpdate, decode_message, from_envelope  # noqa: E402
 
 ENCODINGS = ("f32", "f32 sha256", "f16", "qsgd2", "qsgd4", "qsgd8")
+OLD_DECODER = ("f32", "qsgd4")
+"""Encodings also decoded by the decoder as it was before issue 32 (``_legacy_decode``), from the old bytes."""
 
 
 def _message(values: np.ndarray, encoding: str, sender: str = "d0") -> tuple[DeviceUpdate, dict[str, Any]]:
@@ -81,6 +84,11 @@ def _as_before(blob: bytes) -> bytes:
     return blob[:5] + struct.pack(">I", len(packed)) + packed + blob[wire.PREFIX_SIZE + hlen:]
 
 
+def _read(msg: Any) -> list[np.ndarray]:
+    """Every tensor of a decoded update, as arrays (what a reader other than the edge's fold gets)."""
+    return [np.asarray(t) for t in msg.delta.values()]
+
+
 def _timed(fn: Callable[[], Any], reps: int) -> list[float]:
     out = []
     for _ in range(reps):
@@ -107,9 +115,15 @@ def codec(params: int, reps: int) -> dict[str, Any]:
         digest = encoding.split()[1] if " " in encoding else None
         blob = _encode(msg, encodings, digest)
         enc = _timed(lambda m=msg, e=encodings, g=digest: _encode(m, e, g), reps)  # type: ignore[misc]
-        dec = _timed(lambda b=blob: decode_message(b), reps)  # type: ignore[misc]
+        dec = _timed(lambda b=blob: _read(decode_message(b)), reps)  # type: ignore[misc]
         out[encoding] = {"bytes": len(blob), "encode": _stats(enc), "decode": _stats(dec),
                          "encode_mb_s": mb / statistics.median(enc), "decode_mb_s": mb / statistics.median(dec)}
+    for encoding in OLD_DECODER:
+        msg, encodings = _message(values, encoding)
+        blob = _as_before(_encode(msg, encodings, "sha256"))
+        dec = _timed(lambda b=blob: _read(_legacy_decode(b)), reps)  # type: ignore[misc]
+        out[f"{encoding} old decoder"] = {"bytes": len(blob), "decode": _stats(dec),
+                                          "decode_mb_s": mb / statistics.median(dec)}
     out["baseline"]["encode_mb_s"] = mb / statistics.median(base_enc)
     out["baseline"]["decode_mb_s"] = mb / statistics.median(base_dec)
     return out
@@ -271,9 +285,14 @@ def table(results: dict[str, Any]) -> str:
                  "| 1 | 1 |")
     for e in ENCODINGS:
         r = c[e]
-        label = e if " " in e else f"{e} ({'crc32' if e != 'f32 sha256' else 'sha256'})"
+        label = e if " " in e else f"{e} (crc32)"
         lines.append(f"| {label} | {r['bytes']:,} | {r['encode_mb_s']:.0f} | {r['decode_mb_s']:.0f} | "
                      f"{r['encode_mb_s'] / b['encode_mb_s']:.3f} | {r['decode_mb_s'] / b['decode_mb_s']:.3f} |")
+    for e in OLD_DECODER:
+        r = c.get(f"{e} old decoder")
+        if r is not None:
+            lines.append(f"| {e}, the old decoder (sha256) | {r['bytes']:,} | | {r['decode_mb_s']:.0f} | | "
+                         f"{r['decode_mb_s'] / b['decode_mb_s']:.3f} |")
 
     def frac(r: dict[str, Any]) -> str:
         return f"{r['fraction_of_numpy']:.3f} ({r['fraction_min']:.3f}–{r['fraction_max']:.3f})"
