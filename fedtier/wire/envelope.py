@@ -499,6 +499,9 @@ class DecodedTensors(Mapping[str, np.ndarray]):
     def __len__(self) -> int:
         return len(self._order)
 
+    def __contains__(self, name: object) -> bool:  # without making the values (Mapping's would read them)
+        return name in self._arrays or name in self._deferred
+
     def deferred(self, name: str) -> Any | None:
         """The validated encoded form of tensor ``name`` (``quant.Codes``), or ``None`` if it was decoded whole."""
         return self._deferred.get(name)

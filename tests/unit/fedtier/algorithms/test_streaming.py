@@ -302,6 +302,7 @@ def test_decoded_qsgd_tensors_read_like_arrays_and_pickle_as_a_dict() -> None:
     tensors = msg.delta  # type: ignore[attr-defined]
 
     assert isinstance(tensors, wire.DecodedTensors) and list(tensors) == list(delta) and len(tensors) == 2
+    assert "w" in tensors and "x" not in tensors and tensors.get("x") is None
     assert tensors.shape_of("w") == (3, 3) and tensors._arrays == {}  # type: ignore[attr-defined]
     assert all(np.array_equal(tensors[n], delta[n]) and not tensors[n].flags.writeable for n in delta)
     again = pickle.loads(pickle.dumps(tensors))
