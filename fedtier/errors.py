@@ -71,9 +71,15 @@ class MalformedHeaderError(DecodeError):
 
 
 class ShaMismatchError(DecodeError):
-    """The body's sha256 differs from the digest carried in the header."""
+    """The body's digest (sha256, or the one ``dg`` names) differs from the value carried in the header."""
 
     reason = "sha_mismatch"
+
+
+class UnknownDigestError(DecodeError):
+    """The header names a body digest (``dg``) this build does not check."""
+
+    reason = "unknown_digest"
 
 
 class TensorSpecError(DecodeError):

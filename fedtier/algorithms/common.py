@@ -216,9 +216,11 @@ def check_like(reference: Tensors, tensors: Tensors, what: str) -> None:
     """Raise ``LayoutMismatchError`` unless ``tensors`` has ``reference``'s names and shapes."""
     if set(reference) != set(tensors):
         raise LayoutMismatchError(f"{what}: tensor names {sorted(tensors)} differ from the model's")
+    shape_of = getattr(tensors, "shape_of", None)  # wire.DecodedTensors: without making deferred values
     for name, ref in reference.items():
-        if tensors[name].shape != ref.shape:
-            raise LayoutMismatchError(f"{what}: {name} has shape {tensors[name].shape}, model {ref.shape}")
+        shape = shape_of(name) if shape_of is not None else tensors[name].shape
+        if shape != ref.shape:
+            raise LayoutMismatchError(f"{what}: {name} has shape {shape}, model {ref.shape}")
 
 
 def quorum_count(quorum: float, members: int) -> int:

@@ -434,11 +434,21 @@ class Device(_DeviceBase):
 
 
 class _EdgeBase(EdgeRoleBase):
-    """Round, step and membership bookkeeping shared by the edge roles."""
+    """Round, step and membership bookkeeping shared by the edge roles.
+
+    With ``STREAMS``, ``_accept`` hands each upload's tensors to the step's ``strategies.Collector`` as
+    it arrives (folded into a running sum for the mean, the norm-bounded mean and the secret-sampling
+    sum; kept as float32 rows for the rules that need them all) and keeps the message without them;
+    ``_average`` combines what was collected. A restarted edge replays its stored inputs, which
+    folds them again in the order they were accepted.
+    """
 
     TRANSITIONS: ClassVar[Transitions] = EDGE_TRANSITIONS
     CONFIG: ClassVar[type[Any]] = HierConfig
     SUPPORTS_PRIVACY: ClassVar[bool] = True
+    STREAMS: ClassVar[bool] = False
+    """``_accept`` collects uploads' tensors as they arrive (see above); without it every upload is kept
+    whole until the step closes (FeDXL's edge, which reads other fields of them too)."""
     EDGE_OPTIMIZER_REFUSAL: ClassVar[str | None] = None
     """Why this edge refuses a task's ``strategy["edge_optimizer"]``; ``None``: it runs one (HIST's edge refuses)."""
     CLOSES_ON_FAILURE: ClassVar[bool] = True
@@ -460,6 +470,8 @@ class _EdgeBase(EdgeRoleBase):
         self._step = 0
         self._deadline = math.inf
         self._updates: dict[str, Any] = {}
+        self._inputs: strategies.Collector | None = None
+        """The open step's collected tensors (``STREAMS``); created by its first upload."""
         self._seen: set[str] = set()
         self._failed: dict[str, str] = {}
         """Members that reported ``training_failed`` in the open round, and why: out of the round (not waited for,
@@ -578,6 +590,7 @@ class _EdgeBase(EdgeRoleBase):
     def _begin_step(self, now: float, event: str) -> None:
         """Collect a step: the round's first (``event`` "task") or the next one ("next_step")."""
         self._updates = {}
+        self._inputs = None
         self._deadline = now + self._config.deadline_s
         self._transition(event)
 
@@ -611,6 +624,8 @@ class _EdgeBase(EdgeRoleBase):
                 msg = dataclasses.replace(msg, delta=clip(msg.delta, plan.clip)[0])
             else:
                 audit.check_device_release(plan, self.cell, msg.sender, msg.round, msg.step, msg.release)
+        if self.STREAMS:
+            msg = self._collect(msg)
         self._updates[msg.sender] = msg
         self._seen.add(msg.key)
         return self._step_complete()
@@ -642,6 +657,17 @@ class _EdgeBase(EdgeRoleBase):
             return self._close(now)
         return []
 
+    def _collect(self, msg: Any) -> Any:
+        """Hand the upload's tensors to the step's collector; the message without them, to keep."""
+        assert self._task is not None
+        field = msg.TENSOR_FIELD
+        if self._inputs is None:
+            rule = self._aggregator if field == "delta" and not self.sampling_secretly else strategies.Mean()
+            self._inputs = strategies.Collector(rule, self._params, len(self._task.members))
+        uniform = self._config.weighting == "uniform" or self.sampling_secretly
+        self._inputs.add(msg.sender, getattr(msg, field), 1.0 if uniform else float(msg.num_samples))
+        return dataclasses.replace(msg, **{field: {}})
+
     def _average(self, tensor_field: str) -> tuple[dict[str, np.ndarray], list[str], list[float]]:
         """The step's combined upload: model changes (``delta``) by the task's edge aggregator
         (``fedtier.algorithms.strategies``; the weighted mean unless configured), anything else
@@ -652,12 +678,20 @@ class _EdgeBase(EdgeRoleBase):
             # how many were sampled would let the release's scale reveal it (docs/privacy.md).
             assert self._plan is not None
             denominator = self._plan.edge_denominator(self.cell)
+            if self._inputs is not None:  # summed in float64 as the uploads arrived
+                return ({n: (t / denominator).astype(np.float32) for n, t in self._inputs.sums().items()},
+                        ids, [1.0] * len(ids))
             total = {n: np.zeros_like(np.asarray(t, dtype=np.float32)) for n, t in self._params.items()}
             for d in ids:
                 total = aggregate.add(total, getattr(self._updates[d], tensor_field))
             return ({n: (np.asarray(t, dtype=np.float64) / denominator).astype(np.float32)
                      for n, t in total.items()}, ids, [1.0] * len(ids))
         weights = device_weights(self._config.weighting, {d: self._updates[d].num_samples for d in ids}, ids)
+        if self._inputs is not None:
+            try:
+                return self._inputs.combine(ids, weights), ids, weights
+            except strategies.StrategyError as exc:
+                raise LocalProtocolError(f"edge aggregator: {exc}") from None
         tensors = [getattr(self._updates[d], tensor_field) for d in ids]
         if tensor_field == "delta":
             try:
@@ -804,6 +838,8 @@ class _EdgeBase(EdgeRoleBase):
 
 class Edge(_EdgeBase):
     """Averages its cell's local changes tau times per round, then sends the cell's change up."""
+
+    STREAMS: ClassVar[bool] = True
 
     def _start(self, config: Any) -> None:
         self._acc = {n: np.zeros_like(p) for n, p in self._params.items()}

@@ -178,6 +178,7 @@ class Edge(_EdgeBase):
 
     CONFIG: ClassVar[type[Any]] = QHetFedConfig
     SUPPORTS_PRIVACY: ClassVar[bool] = False
+    STREAMS: ClassVar[bool] = True
 
     def _start(self, config: Any) -> None:
         self._w_t = self._params

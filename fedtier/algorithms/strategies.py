@@ -36,6 +36,11 @@ task runs its code: use rules only from packages installed on your edges on purp
 Visibility: every rule but ``mean`` reads the individual updates. A tier that sees only their
 sum (an edge behind secure aggregation) cannot run them; ``check_visibility`` refuses such a
 configuration with a message, for any caller that knows what a tier sees.
+
+Collecting: a node that receives updates one by one gathers them in a ``Collector``. For ``mean``
+and ``norm_bounded_mean``, weighted means of (scaled) updates, it folds each into a float64 running
+sum as it arrives and keeps no copy (``aggregate.RunningMean``); for every other rule it keeps them,
+float32, in one block with a row per child (``aggregate.UpdateBlock``), and runs the rule at the end.
 """
 
 from __future__ import annotations
@@ -333,18 +338,78 @@ class NormBoundedMean:
     def __init__(self, max_norm: float) -> None:
         self.max_norm = max_norm
         self.clipped = 0
-        """How many updates the last call scaled down."""
+        """How many updates the last call (or the last ``Collector``) scaled down."""
+
+    def scale(self, update: Tensors) -> float:
+        """The factor ``aggregate`` multiplies ``update`` by (counted in ``clipped`` when below 1)."""
+        norm = aggregate.global_norm(update)
+        factor = min(1.0, self.max_norm / norm) if norm > 0 else 1.0
+        self.clipped += factor < 1.0
+        return factor
 
     def aggregate(self, updates: Sequence[Tensors], weights: Sequence[float]) -> dict[str, np.ndarray]:
         w = _check(updates, weights)
         bounded = []
         self.clipped = 0
         for u in updates:
-            norm = aggregate.global_norm(u)
-            scale = min(1.0, self.max_norm / norm) if norm > 0 else 1.0
-            self.clipped += scale < 1.0
+            scale = self.scale(u)
             bounded.append({n: np.asarray(t, dtype=np.float64) * scale for n, t in u.items()})
         return aggregate.weighted_mean(list(zip(bounded, w.tolist(), strict=True)))
+
+
+# --- collecting ---------------------------------------------------------------------------------
+
+
+class Collector:
+    """One step's updates for ``aggregator``, gathered as they arrive (the module docstring).
+
+    Folding changes only the order of the float64 additions: in arrival order, not the sender order
+    ``aggregator.aggregate`` is given; the float32 result equals the stored rule's to float64 rounding
+    (identical for the same order). The kept rules see exactly the updates they would have.
+    """
+
+    def __init__(self, aggregator: Aggregator, like: Tensors, rows: int) -> None:
+        """
+        Args:
+            aggregator: the step's rule.
+            like: the updates' layout (names and shapes).
+            rows: the most updates the step can take (its members).
+        """
+        self.aggregator = aggregator
+        self._scale: Any = None
+        if type(aggregator) is Mean:
+            self._scale = lambda update: 1.0
+        elif type(aggregator) is NormBoundedMean:
+            aggregator.clipped = 0
+            self._scale = aggregator.scale
+        self._mean = aggregate.RunningMean() if self._scale is not None else None
+        self._block = aggregate.UpdateBlock(like, rows) if self._mean is None else None
+
+    @property
+    def folds(self) -> bool:
+        """True: updates are folded as they arrive, none is kept."""
+        return self._mean is not None
+
+    def add(self, key: str, update: Tensors, weight: float) -> None:
+        """Take ``update`` of child ``key`` with its ``weight`` (``common.device_weights``' value)."""
+        if self._mean is not None:
+            self._mean.fold(update, weight, self._scale(update))
+        else:
+            assert self._block is not None
+            self._block.add(key, update)
+
+    def sums(self) -> dict[str, np.ndarray]:
+        """The float64 weighted sums folded so far (folding rules only)."""
+        assert self._mean is not None, "only a folding rule has running sums"
+        return self._mean.sums()
+
+    def combine(self, keys: Sequence[str], weights: Sequence[float]) -> dict[str, np.ndarray]:
+        """The step's result: the running mean, or the rule run on the kept updates of ``keys`` (in that
+        order) with ``weights``. Raises ``StrategyError`` for a custom rule's bad result (``run``)."""
+        if self._mean is not None:
+            return self._mean.mean()
+        assert self._block is not None
+        return run(self.aggregator, self._block.updates(keys), weights)
 
 
 # --- building -----------------------------------------------------------------------------------

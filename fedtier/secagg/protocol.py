@@ -311,7 +311,10 @@ class DeviceSession(_Session):
 class _EdgeInputs:
     keys: dict[str, AdvertisedKeys] = field(default_factory=dict)
     shares: dict[str, dict[str, bytes]] = field(default_factory=dict)
-    masked: dict[str, np.ndarray] = field(default_factory=dict)
+    masked: dict[str, None] = field(default_factory=dict)
+    """Who sent a masked input (U3 so far); the inputs themselves are added into ``masked_sum`` as they arrive."""
+    masked_sum: np.ndarray | None = None
+    """The ring sum of the masked inputs received (still masked by every sender's self-mask)."""
     reveals: dict[str, dict[str, bytes]] = field(default_factory=dict)
 
 
@@ -407,7 +410,9 @@ class EdgeSession(_Session):
         y = np.asarray(masked)
         if y.dtype != np.uint64 or y.shape != (self.length,) or (y.size and int(y.max()) > int(self.params.codec.mask)):
             raise MalformedShareError(f"masked input of {sender!r} is not {self.length} ring elements")
-        self.inputs.masked[sender] = y
+        total = self.inputs.masked_sum
+        self.inputs.masked_sum = y.copy() if total is None else self.params.codec.add(total, y)
+        self.inputs.masked[sender] = None
         return True
 
     def receive_reveal(self, sender: str, shares: Mapping[str, bytes]) -> bool:
@@ -479,8 +484,8 @@ class EdgeSession(_Session):
         codec = self.params.codec
         alive, gone = self.u3, tuple(sorted(set(self.u2) - set(self.u3)))
         total = np.zeros(self.length, dtype=np.uint64)
-        for i in alive:
-            total = codec.add(total, self.inputs.masked[i])
+        if self.inputs.masked_sum is not None:  # the survivors' inputs, summed as they arrived (addition mod 2^b)
+            total = codec.add(total, self.inputs.masked_sum)
         for owner in (*alive, *gone):
             shares = [shamir.Share.from_bytes(per[owner]) for per in self.inputs.reveals.values() if owner in per]
             t = self.params.threshold(len(self.graph[owner] & set(self.u1)))  # as the owner split them

@@ -17,6 +17,16 @@ Header keys (short, because small devices pay for every byte):
     sha  sha256 of the body (32 B)   m    message fields (map of plain values)
     ts   tensor specs: list of maps {n: name, e: encoding, sh: shape, nb: byte length, ...}
     ci, cn  chunk index / count (only on ``chunk`` envelopes, see ``fedtier.transport.chunking``)
+    dg, dv  the body's digest by another algorithm than sha256: its name (``DIGESTS``) and value,
+            in place of ``sha``. Absent: ``sha`` holds the sha256 (what every sender before them sent).
+    pd   0-3 zero bytes that make the body start at a multiple of 4 (``BODY_ALIGN``), so that a
+         receiver's f32 tensors are views of the message; receivers ignore it (old ones too).
+
+The digest guards against accidental damage between two nodes (a broker, a store or a reassembly
+that hands on other bytes than were sent), not against an attacker, who could recompute any
+unkeyed digest: TLS and signed manifests do that. ``crc32`` (4 bytes) detects every burst of up to
+32 bits and misses random damage with probability 2^-32, at about three times sha256's speed;
+``docs/protocol.md`` says which messages carry which, and the upgrade order.
 
 Tensor encodings are a registry (``ENCODINGS``): ``f32`` and ``f16`` (little-endian IEEE),
 ``u8`` (opaque bytes, e.g. an artifact file), ``qsgd`` (a float32 norm and ``b``-bit QSGD
@@ -34,8 +44,9 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
+import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import msgpack
 import numpy as np
@@ -49,6 +60,7 @@ from fedtier.errors import (
     ShaMismatchError,
     TensorSpecError,
     TruncatedError,
+    UnknownDigestError,
     UnsupportedVersionError,
 )
 from fedtier.wire import quant
@@ -71,6 +83,35 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 MetaValue = Any
 
 
+# --- body digests --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Digest:
+    """An integrity check of the body: its header name, its size in bytes and how it is computed."""
+
+    name: str
+    size: int
+    compute: Callable[[bytes | memoryview], bytes]
+
+
+def _crc32(data: bytes | memoryview) -> bytes:
+    return zlib.crc32(data).to_bytes(4, "big")
+
+
+DIGESTS: dict[str, Digest] = {
+    "sha256": Digest("sha256", 32, lambda data: hashlib.sha256(data).digest()),
+    "crc32": Digest("crc32", 4, _crc32),  # CRC-32 of zlib (ISO 3309), big-endian
+}
+"""Digests a receiver of this version checks; names are never reused with another meaning."""
+
+SHA256 = "sha256"
+"""The digest of a header without ``dg`` (every sender before ``dg`` existed sends it under ``sha``)."""
+
+BODY_ALIGN = 4
+"""Senders pad the header (``pd``) so that the body starts at a multiple of this: float32 bodies decode as views."""
+
+
 # --- tensor encodings ----------------------------------------------------------------------
 
 
@@ -90,13 +131,18 @@ class Encoding:
     bytes of the message (what it returns may be a view of them only if the message is an immutable
     ``bytes``: ``f32`` does that when they are aligned, and copies otherwise), and returns a float32
     (or uint8 for ``u8``) array; it raises ``TensorSpecError`` /
-    ``NonFiniteTensorError`` on bad input.
+    ``NonFiniteTensorError`` on bad input. ``checks_finite``: its ``decode`` already refuses NaN and
+    infinity (``NonFiniteTensorError``), so ``decode`` of the envelope does not look again. ``defer``
+    (optional): validates like ``decode`` and returns an object with ``shape``, ``finite`` and ``values()``
+    that makes the array only when it is read (``DecodedTensors``).
     """
 
     name: str
     encode: Callable[[np.ndarray, Mapping[str, Any]], EncodedTensor]
     decode: Callable[[tuple[int, ...], Mapping[str, Any], memoryview], np.ndarray]
     expected_nbytes: Callable[[tuple[int, ...], Mapping[str, Any]], int]
+    checks_finite: bool = False
+    defer: Callable[[tuple[int, ...], Mapping[str, Any], memoryview], Any] | None = None
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -107,7 +153,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _check_finite(name: str, arr: np.ndarray) -> None:
-    if arr.size and not np.isfinite(arr).all():
+    if not arr.size:
+        return
+    if arr.dtype == np.float32:
+        # The sum of squares is NaN or infinite if any value is (squares are >= 0: no inf - inf), and it is
+        # one read of the array (BLAS's dot) instead of a boolean array the size of the tensor. Only an
+        # overflow of finite values (|x| > 1.8e19) makes it infinite too: then the exact check decides.
+        flat = arr.reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.dot(flat, flat)):
+                return
+    if not np.isfinite(arr).all():
         raise NonFiniteTensorError(f"tensor {name!r} contains NaN or infinity")
 
 
@@ -182,23 +238,33 @@ def _qsgd() -> Encoding:
         signed = quant.to_levels(arr, norm, bits)
         return EncodedTensor(spec={"b": bits}, data=struct.pack("<f", norm) + quant.pack(signed, bits))
 
-    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> np.ndarray:
+    def check(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> quant.Codes:
         bits = bits_of(spec)
         (norm,) = struct.unpack_from("<f", data, 0)
         if not np.isfinite(norm):
             raise NonFiniteTensorError(f"qsgd norm is {norm}")
         if norm < 0:
             raise TensorSpecError(f"qsgd norm is negative ({norm})")
+        codes: bytes | memoryview = data[4:]
+        if not (isinstance(data, memoryview) and isinstance(data.obj, bytes)):
+            codes = bytes(codes)  # a mutable buffer may change after decoding: keep a copy, not a view of it
         try:
-            signed = quant.unpack(data[4:], bits, _numel(shape))
+            return quant.Codes.check(codes, np.float32(norm), bits, shape)
         except ValueError as exc:
             raise TensorSpecError(f"qsgd codes: {exc}") from None
-        return quant.dequantize(np.float32(norm), signed, quant.levels(bits)).reshape(shape)
+
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> np.ndarray:
+        codes = check(shape, spec, data)
+        values = codes.values()
+        if not codes.finite and values.size and not np.isfinite(values).all():
+            raise NonFiniteTensorError(f"qsgd values overflow float32 (norm {codes.norm})")
+        return values
 
     def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
         return quant.encoded_size(_numel(shape), bits_of(spec))
 
-    return Encoding(name="qsgd", encode=encode, decode=decode, expected_nbytes=nbytes)
+    return Encoding(name="qsgd", encode=encode, decode=decode, expected_nbytes=nbytes, checks_finite=True,
+                    defer=check)
 
 
 for _enc in (_raw_float("float32", 4), _raw_float("float16", 2), _u8(), _qsgd()):
@@ -249,10 +315,14 @@ class Envelope:
     tensor_specs: tuple[Mapping[str, Any], ...] = ()
     """The header specs as received (decode only): carries per-tensor side data such as
     a quantizer's measured relative variance. Empty on envelopes built for sending."""
+    digest: str = SHA256
+    """The body's digest (a name in ``DIGESTS``): the one to send with, or the one it arrived with."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.type, str) or not self.type:
             raise LocalProtocolError("envelope type must be a non-empty string")
+        if self.digest not in DIGESTS:
+            raise LocalProtocolError(f"unknown digest {self.digest!r}; known: {sorted(DIGESTS)}")
         if not isinstance(self.round, int) or self.round < 0:
             raise LocalProtocolError(f"round must be an int >= 0, got {self.round!r}")
         if not isinstance(self.step, int) or self.step < 0:
@@ -285,15 +355,23 @@ def encode(env: Envelope) -> bytes:
         "st": env.step,
         "s": env.sender,
         "k": env.key,
-        "sha": hashlib.sha256(body).digest(),
         "m": dict(env.meta),
         "ts": specs,
     }
+    value = DIGESTS[env.digest].compute(body)
+    if env.digest == SHA256:
+        header["sha"] = value  # the header every receiver reads, old ones included
+    else:
+        header.update(dg=env.digest, dv=value)
     if env.chunk_index is not None:
         header["ci"] = env.chunk_index
         header["cn"] = env.chunk_count
     try:
         packed = msgpack.packb(header, use_bin_type=True)
+        if (PREFIX_SIZE + len(packed)) % BODY_ALIGN:
+            # "pd" and a bin of n bytes add 5 + n bytes (the map stays below 16 keys, a fixmap)
+            header["pd"] = bytes(-(PREFIX_SIZE + len(packed) + 5) % BODY_ALIGN)
+            packed = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise LocalProtocolError(f"header not serializable: {exc}") from exc
     return _PREFIX.pack(MAGIC, SCHEMA_VERSION, len(packed)) + packed + body
@@ -362,9 +440,7 @@ def _check_header(header: Any) -> None:
     for key in ("r", "st"):
         if _require(header, key, int) < 0:
             raise MalformedHeaderError(f"header key {key!r} is negative")
-    sha = _require(header, "sha", bytes)
-    if len(sha) != 32:
-        raise MalformedHeaderError("header sha is not 32 bytes")
+    _digest_of(header)
     _require(header, "m", dict)
     specs = _require(header, "ts", list)
     if len(specs) > MAX_TENSORS:
@@ -380,14 +456,77 @@ def _check_header(header: Any) -> None:
             raise MalformedHeaderError(f"chunk index {ci} outside [0, {cn})")
 
 
-def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> dict[str, np.ndarray]:
+def _digest_of(header: Mapping[str, Any]) -> tuple[Digest, bytes]:
+    """The header's digest and its value: ``dg`` and ``dv`` if present, else the sha256 in ``sha``."""
+    if "dg" not in header:
+        name, key = SHA256, "sha"
+    else:
+        name, key = _require(header, "dg", str), "dv"
+        if name not in DIGESTS:
+            raise UnknownDigestError(f"body digest {name[:32]!r}; this build checks {', '.join(sorted(DIGESTS))}")
+    digest = DIGESTS[name]
+    value = _require(header, key, bytes)
+    if len(value) != digest.size:
+        raise MalformedHeaderError(f"header {key} is {len(value)} bytes; a {name} digest is {digest.size}")
+    return digest, value
+
+
+class DecodedTensors(Mapping[str, np.ndarray]):
+    """A decoded envelope's tensors, in header order, when some are deferred (QSGD's): those were validated
+    with the envelope and become read-only arrays when first read (kept from then on).
+
+    ``deferred(name)`` gives a reader that can use them as they are their ``quant.Codes`` instead (the edge
+    adds them to its running sum without making the values); ``shape_of(name)`` reads no values. Pickled or
+    copied, it is a plain dict of arrays.
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray], deferred: dict[str, Any], order: list[str]) -> None:
+        self._arrays = arrays
+        self._deferred = deferred
+        self._order = order
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        arr = self._arrays.get(name)
+        if arr is None:
+            arr = self._deferred[name].values()
+            arr.setflags(write=False)
+            self._arrays[name] = arr
+        return arr
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, name: object) -> bool:  # without making the values (Mapping's would read them)
+        return name in self._arrays or name in self._deferred
+
+    def deferred(self, name: str) -> Any | None:
+        """The validated encoded form of tensor ``name`` (``quant.Codes``), or ``None`` if it was decoded whole."""
+        return self._deferred.get(name)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        deferred = self._deferred.get(name)
+        return tuple(deferred.shape) if deferred is not None else tuple(self._arrays[name].shape)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (dict(self.items()),)
+
+    def __repr__(self) -> str:
+        return f"DecodedTensors({', '.join(self._order)}; deferred: {', '.join(self._deferred) or '-'})"
+
+
+def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> Mapping[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
+    deferred: dict[str, Any] = {}
+    order: list[str] = []
     offset = 0
     for spec in specs:
         name, enc_name, shape_list, nb = spec.get("n"), spec.get("e"), spec.get("sh"), spec.get("nb")
         if not isinstance(name, str) or not name:
             raise TensorSpecError("tensor spec has no name")
-        if name in tensors:
+        if name in tensors or name in deferred:
             raise TensorSpecError(f"tensor {name!r} appears twice")
         if not isinstance(enc_name, str) or enc_name not in ENCODINGS:
             raise TensorSpecError(f"tensor {name!r}: unknown encoding {enc_name!r}")
@@ -404,15 +543,22 @@ def _decode_specs(specs: list[dict[str, Any]], body: memoryview) -> dict[str, np
             raise TensorSpecError(f"tensor {name!r}: {nb} bytes, but shape {shape} as {enc_name} needs {expected}")
         if offset + nb > len(body):
             raise TruncatedError(f"body ends inside tensor {name!r}")
-        arr = encoding.decode(shape, spec, body[offset:offset + nb])  # a view: the decoders copy what they keep
-        if arr.dtype.kind == "f":
+        order.append(name)
+        data = body[offset:offset + nb]  # a view: the decoders copy what they keep
+        offset += nb
+        if encoding.defer is not None:
+            later = encoding.defer(shape, spec, data)
+            if later.finite:
+                deferred[name] = later
+                continue
+        arr = encoding.decode(shape, spec, data)
+        if arr.dtype.kind == "f" and not encoding.checks_finite:
             _check_finite(name, arr)
         arr.setflags(write=False)
         tensors[name] = arr
-        offset += nb
     if offset != len(body):
         raise TensorSpecError(f"body has {len(body) - offset} bytes beyond its tensors")
-    return tensors
+    return DecodedTensors(tensors, deferred, order) if deferred else tensors
 
 
 def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelope:
@@ -423,16 +569,18 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelo
         max_bytes: refuse anything larger (``OversizeError``).
 
     Returns:
-        The envelope, with read-only float32 (or uint8) tensors.
+        The envelope, with read-only float32 (or uint8) tensors; QSGD tensors are made when first read
+        (``DecodedTensors``), everything about them checked already.
 
     Raises:
         DecodeError: a subclass naming what is wrong (bad magic/version, truncated,
-            malformed header, sha mismatch, tensor spec, NaN/inf, oversize).
+            malformed header, unknown digest, digest mismatch, tensor spec, NaN/inf, oversize).
     """
     header, body = _split(data, max_bytes)
     # Verify the digest before decoding any tensor: a corrupted body must never reach numpy.
-    if hashlib.sha256(body).digest() != header["sha"]:
-        raise ShaMismatchError("body sha256 does not match the header")
+    digest, value = _digest_of(header)
+    if digest.compute(body) != value:
+        raise ShaMismatchError(f"body {digest.name} does not match the header")
     tensors = _decode_specs(header["ts"], body)
     chunk_index = header.get("ci")
     chunk_count = header.get("cn")
@@ -448,6 +596,7 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelo
         chunk_index=chunk_index,
         chunk_count=chunk_count,
         tensor_specs=tuple(header["ts"]),
+        digest=digest.name,
     )
 
 

@@ -11,11 +11,17 @@ a replay of an old round carries an old round number and is rejected as a wrong 
 
 Tensor-carrying messages use ``eq=False`` (an array comparison is not one bool); tests
 compare them with ``messages_equal``.
+
+Body digests (``send_digest``): a message a child sends up (``UPWARD_KINDS``: device to edge, edge to
+cloud) carries a CRC-32, everything else sha256, which nodes of every version read. Every node of this
+version checks both, so the order of an upgrade is: the coordinator, then the edges, then the devices
+(docs/protocol.md); ``FEDTIER_WIRE_DIGEST`` overrides the choice for every message a process sends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping, TypeVar
 
@@ -31,6 +37,30 @@ Tensors = Mapping[str, np.ndarray]
 def make_key(kind: str, rollout: str, round: int, step: int, sender: str) -> str:
     """The idempotency key of a message: stable across resends and redeliveries."""
     return f"{kind}/{rollout}/{round}/{step}/{sender}"
+
+
+UPWARD_KINDS = frozenset({
+    "device_update", "device_gradient", "artifact_request", "hsgd_embeddings", "xrisk_device_update",
+    "secagg_keys", "secagg_shares", "secagg_masked", "secagg_reveal",  # device (or HSGD's host) -> edge
+    "cell_update", "xrisk_cell_update",  # edge -> cloud
+})
+"""Kinds sent up the hierarchy, to a node that is upgraded before its children (edges before their devices,
+the coordinator before its edges): they carry the cheaper CRC-32. Kinds sent down keep sha256 until every
+device reads CRC-32 (this version's do)."""
+
+DIGEST_ENV = "FEDTIER_WIRE_DIGEST"
+"""Environment variable: ``sha256`` makes this process send sha256 on everything (a device upgraded before its
+edge), ``crc32`` CRC-32 on everything (a fleet whose every node runs this version or a later one)."""
+
+
+def send_digest(kind: str) -> str:
+    """The body digest a message of ``kind`` is sent with (module docstring)."""
+    forced = os.environ.get(DIGEST_ENV)
+    if forced:
+        if forced not in wire.DIGESTS:
+            raise LocalProtocolError(f"{DIGEST_ENV}={forced!r}: one of {', '.join(sorted(wire.DIGESTS))}")
+        return forced
+    return "crc32" if kind in UPWARD_KINDS else wire.SHA256
 
 
 def _get(meta: Mapping[str, Any], key: str, typ: type | tuple[type, ...], *, default: Any = ...) -> Any:
@@ -197,7 +227,7 @@ class Message:
         return Envelope(
             type=self.KIND, rollout=self.rollout, round=self.round, step=self.step,
             sender=self.sender, key=self.key, meta=self._meta(), tensors=self.tensors(),
-            encodings=dict(encodings or {}),
+            encodings=dict(encodings or {}), digest=send_digest(self.KIND),
         )
 
     def encode(self, encodings: Mapping[str, TensorEncoding] | None = None) -> bytes:

@@ -158,6 +158,161 @@ def _byte_levels(bits: int) -> np.ndarray:
     return table
 
 
+_GATHER_CHUNK = 8192
+"""Bytes looked up per ``numpy.take`` in ``Codes.values``: its index buffer (intp) and output stay in cache."""
+_FOLD_CHUNK = 16384
+"""Bytes per run in ``Codes.add_to`` (index buffer, gathered float64 rows and the sum's slice in cache; measured
+faster than 8192 or 32768 at 4 bits)."""
+
+
+
+def decode_values(data: bytes | memoryview, norm: np.float32, bits: int, numel: int) -> tuple[np.ndarray, bool]:
+    """``dequantize(norm, unpack(data, bits, numel), s)`` without the int16 levels in between: ``(values, finite)``.
+
+    ``Codes.check`` then ``Codes.values`` (which says how); ``finite`` is ``Codes.finite``.
+
+    Raises:
+        ValueError: as ``unpack`` — wrong length, an unused code, non-zero padding.
+    """
+    codes = Codes.check(data, norm, bits, (numel,))
+    return codes.values(), codes.finite
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Codes:
+    """One tensor's QSGD codes as they arrived, checked, and turned into values only when asked.
+
+    ``values`` computes them with ``dequantize``'s own float32 operations, so bit for bit what the
+    sender computed: at 2 and 4 bits through a 256-row table of each byte value's ``8 / bits`` values,
+    every byte looked up in it a cache-sized run at a time through one reused index buffer; at 8 bits (one
+    code a byte) by that arithmetic on the bytes themselves; other widths through ``unpack``. ``add_to``
+    adds them, times a factor, to a float64 sum without making them first (the edge's fold).
+    """
+
+    data: bytes | memoryview
+    """The code bytes (kept by reference: an immutable message's own bytes)."""
+    norm: np.float32
+    bits: int
+    shape: tuple[int, ...]
+    finite: bool
+    """Every value is finite (``False`` only for a norm so large that ``norm * k`` overflows float32)."""
+
+    @classmethod
+    def check(cls, data: bytes | memoryview, norm: np.float32, bits: int, shape: tuple[int, ...]) -> "Codes":
+        """Validate ``data`` as the codes of a tensor of ``shape``.
+
+        Raises:
+            ValueError: as ``unpack`` — wrong length, an unused code, non-zero padding.
+        """
+        s = levels(bits)
+        numel = 1
+        for extent in shape:
+            numel *= extent
+        if 8 % bits:
+            unpack(data, bits, numel)  # checks length, codes and padding
+        else:
+            expected = (numel * bits + 7) // 8
+            if len(data) != expected:
+                raise ValueError(f"{len(data)} code bytes for {numel} values at {bits} bits (need {expected})")
+            raw = np.frombuffer(data, dtype=np.uint8)
+            if raw.size:
+                _check_codes(raw, bits, numel)
+        with np.errstate(over="ignore"):  # |norm * k| <= norm * s, rounded monotonically: the largest product
+            finite = bool(np.isfinite(np.float32(norm) * np.float32(s)))
+        return cls(data, np.float32(norm), bits, tuple(shape), finite)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def values(self) -> np.ndarray:
+        """The float32 values, of ``shape`` (a new array, or a view of a slightly longer one)."""
+        s, norm, bits = levels(self.bits), self.norm, self.bits
+        with np.errstate(over="ignore"):
+            if 8 % bits:
+                return dequantize(norm, unpack(self.data, bits, self.size), s).reshape(self.shape)
+            raw = np.frombuffer(self.data, dtype=np.uint8)
+            if bits == 8:
+                values = raw.astype(np.float32)  # code c, exactly; c - s is the level k, exactly
+                np.subtract(values, np.float32(s), out=values)
+                np.multiply(norm, values, out=values)
+                np.divide(values, np.float32(s), out=values)
+                return values.reshape(self.shape)
+            table = dequantize(norm, _byte_levels_f32(bits), s)  # (256, 8 / bits) float32
+        words: np.ndarray = np.ascontiguousarray(table).view(_ROW_WORD[table.itemsize * table.shape[1]]).ravel()
+        out = _gather(words, raw)
+        return out.view(np.float32)[:self.size].reshape(self.shape)
+
+    def add_to(self, acc: np.ndarray, factors: tuple[float, ...] = ()) -> None:
+        """``acc += values * factors[0] * factors[1] ...``, ``acc`` a float64 array of ``shape``, with the float64
+        operations numpy does on the float32 values (each ``np.multiply`` by a float64 factor in turn, then the
+        add), through a table of each byte value's products a cache-sized run of bytes at a time: the values
+        are never made."""
+        if 8 % self.bits or self.bits == 2 or not acc.flags.c_contiguous:
+            values = self.values()
+            for factor in factors:
+                values = np.multiply(values, np.float64(factor))
+            np.add(acc, values, out=acc)
+            return
+        with np.errstate(over="ignore"):
+            table = dequantize(self.norm, _byte_levels_f32(self.bits), levels(self.bits)).astype(np.float64)
+        for factor in factors:
+            np.multiply(table, np.float64(factor), out=table)
+        per = table.shape[1]  # (256, 8 / bits) float64
+        words: np.ndarray = np.ascontiguousarray(table).view(_ROW_WORD[8 * per]).ravel()
+        raw = np.frombuffer(self.data, dtype=np.uint8)
+        flat = acc.reshape(-1)
+        index = np.empty(min(raw.size, _FOLD_CHUNK), dtype=np.intp)
+        rows = np.empty(min(raw.size, _FOLD_CHUNK), dtype=words.dtype)
+        for start in range(0, raw.size, _FOLD_CHUNK):
+            part = raw[start:start + _FOLD_CHUNK]
+            n = part.size
+            np.copyto(index[:n], part)
+            np.take(words, index[:n], out=rows[:n], mode="clip")  # indices are bytes: never clipped
+            target = flat[start * per:(start + n) * per]  # the last run stops at the last value
+            np.add(target, rows[:n].view(np.float64)[:target.size], out=target)
+
+
+_ROW_WORD = {4: np.uint32, 8: np.uint64, 16: np.complex128}
+"""A table row (``8 / bits`` values of 4 or 8 bytes) as one item ``numpy.take`` copies whole."""
+
+
+def _gather(words: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """``words[raw]``, a cache-sized run of bytes at a time through one reused index buffer."""
+    out = np.empty(raw.size, dtype=words.dtype)
+    index = np.empty(min(raw.size, _GATHER_CHUNK), dtype=np.intp)
+    for start in range(0, raw.size, _GATHER_CHUNK):
+        part = raw[start:start + _GATHER_CHUNK]
+        n = part.size
+        np.copyto(index[:n], part)
+        np.take(words, index[:n], out=out[start:start + n], mode="clip")  # indices are bytes: never clipped
+    return out
+
+
+def _check_codes(raw: np.ndarray, bits: int, numel: int) -> None:
+    """Refuse non-zero padding and the unused code ``2^bits - 1`` anywhere (``bits`` divides 8)."""
+    per = 8 // bits
+    padding = (per - numel % per) % per  # codes after the last one, in the last byte's low bits
+    if padding and int(raw[-1]) & ((1 << (bits * padding)) - 1):
+        raise ValueError("non-zero padding bits after the last code")
+    if bits == 8:
+        unused = bool((raw == 0xFF).any())
+    elif bits == 4:
+        unused = bool(raw.max() >= 0xF0 or ((raw & 0x0F) == 0x0F).any())
+    else:  # 2 bits: a code is 0b11 iff its low bit survives AND-ing the byte with itself shifted by one
+        unused = bool((raw & (raw >> 1) & 0x55).any())
+    if unused:
+        raise ValueError(f"code above {2 * levels(bits)} (the largest level) at {bits} bits")
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_levels_f32(bits: int) -> np.ndarray:
+    """``_byte_levels(bits)`` as float32 (exact: small integers), what ``dequantize`` converts them to."""
+    table = _byte_levels(bits).astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
 def unpack(data: bytes | memoryview, bits: int, numel: int) -> np.ndarray:
     """Signed levels from packed codes.
 

@@ -356,6 +356,7 @@ def with_nan_score(data: bytes) -> bytes:
             break
         offset += spec["nb"]
     body[offset:offset + 4] = struct.pack("<f", float("nan"))
+    header.pop("dg", None), header.pop("dv", None)  # resealed with sha256, which every receiver reads
     header["sha"] = hashlib.sha256(bytes(body)).digest()
     packed = msgpack.packb(header, use_bin_type=True)
     return prefix.pack(b"FTEN", 1, len(packed)) + packed + bytes(body)

@@ -289,10 +289,12 @@ def test_edge_never_holds_an_unmasked_input() -> None:
     p = params(n, s_min=6, degree=4)
     result, x, edge = run(n, p, {"masked": {"d002"}})
     assert isinstance(result, Unmasked)
-    stored = list(edge.inputs.masked.values())
-    for vec in stored:
-        assert not any(np.array_equal(vec, xi) for xi in x.values())
-    assert set(vars(edge.inputs)) == {"keys", "shares", "masked", "reveals"}
+    # the masked inputs are not kept: only who sent one, and their running sum (masked by every self-mask)
+    assert set(edge.inputs.masked) == set(result.survivors) and set(edge.inputs.masked.values()) == {None}
+    stored = edge.inputs.masked_sum
+    assert stored is not None and stored.shape == (16,)
+    assert not any(np.array_equal(stored, xi) for xi in x.values())
+    assert set(vars(edge.inputs)) == {"keys", "shares", "masked", "masked_sum", "reveals"}
     assert not [k for k in vars(edge) if "sk" in k or k.startswith("_b")]
 
 

@@ -195,3 +195,52 @@ def test_unpack_equals_the_bit_matrix_decoding_and_inverts_pack(bits: int, numel
         bad[-1] |= 1
         with pytest.raises(ValueError, match="padding"):
             quant.unpack(bytes(bad), bits, numel)
+
+
+@settings(max_examples=80, deadline=None)
+@given(bits=st.integers(2, 8), numel=st.sampled_from([0, 1, 2, 3, 5, 8, 13, 64, 8191, 8193, 2 * 8192 * 4 + 3]),
+       seed=st.integers(0, 2**16), norm=st.sampled_from([0.0, 1e-30, 0.37, 1.0, 123.25, 3e37]))
+def test_decode_values_is_dequantize_of_unpack_bit_for_bit(bits: int, numel: int, seed: int, norm: float) -> None:
+    s = quant.levels(bits)
+    k = np.random.default_rng(seed).integers(-s, s + 1, size=numel).astype(np.int16)
+    data = quant.pack(k, bits)
+
+    values, finite = quant.decode_values(data, np.float32(norm), bits, numel)
+
+    with np.errstate(over="ignore"):  # 3e37 * s overflows for the wider codes
+        want = quant.dequantize(np.float32(norm), quant.unpack(data, bits, numel), s)
+    assert values.dtype == np.float32 and values.shape == (numel,)
+    assert np.array_equal(values.view(np.uint32), want.view(np.uint32))  # the same bits, zeros' signs too
+    if finite:
+        assert np.isfinite(values).all()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_decode_values_refuses_the_unused_code_in_every_slot_and_bad_padding(bits: int) -> None:
+    s, per = quant.levels(bits), 8 // bits
+    numel = 3 * per - 1 if per > 1 else 3  # the last byte has one padding slot (none at 8 bits)
+    data = quant.pack(np.zeros(numel, np.int16), bits)
+    for slot in range(numel):
+        bad = bytearray(data)
+        shift = bits * (per - 1 - slot % per)
+        bad[slot // per] |= ((1 << bits) - 1) << shift  # code 2^bits - 1 = 2s + 1
+        with pytest.raises(ValueError, match="code above"):
+            quant.decode_values(bytes(bad), np.float32(1.0), bits, numel)
+    if per > 1:
+        padded = bytearray(data)
+        padded[-1] |= 1
+        with pytest.raises(ValueError, match="padding"):
+            quant.decode_values(bytes(padded), np.float32(1.0), bits, numel)
+    with pytest.raises(ValueError, match="code bytes"):
+        quant.decode_values(data + b"\x00", np.float32(1.0), bits, numel)
+    assert s > 0
+
+
+def test_a_norm_that_overflows_the_used_levels_is_non_finite_on_the_wire() -> None:
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(quant.dequantize(np.float32(3e38), np.array([7], np.int16), 7)).all()  # 3e38 * 7
+    codes = quant.pack(np.array([0, 7, -7, 1], np.int16), 4)
+
+    values, finite = quant.decode_values(codes, np.float32(3e38), 4, 4)
+
+    assert not finite and not np.isfinite(values).all()
