@@ -232,7 +232,8 @@ class HsgdConfig(RoundSettings):
         return self.global_interval // self.local_interval
 
     def lr_at(self, round: int, step: int) -> float:
-        """The learning rate of interval ``step`` of round ``round``: the schedule's at iteration ``round P + step Q``."""
+        """The learning rate of interval ``step`` of round ``round``: the schedule's at iteration
+        ``round P + step Q``."""
         return scheduled_lr(self.lr, self.lr_schedule, self.lr_decay_every, self.lr_decay_factor,
                             round * self.global_interval + step * self.local_interval)
 
@@ -648,8 +649,7 @@ class Edge(EdgeRoleBase):
         self.theta2 = blocks["theta2"]
         self._host_update, self._reported, self.paper_values = None, set(), self._size("theta1")
         self.paper_bytes, self.vertical_bytes = 4 * self._size("theta1"), 0
-        self._to_host_enc: dict[str, TensorEncoding] = {}
-        self._partner_enc: dict[str, TensorEncoding] = {}
+        self._to_host_enc, self._partner_enc = {}, {}
         self._transition("task")
         host_task = DeviceTask(rollout=self.rollout, round=task.round, sender=self.cell,
                                params={**blocks["theta0"], **blocks["theta1"]}, config=task.config,
