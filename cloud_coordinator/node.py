@@ -662,8 +662,10 @@ class CloudNode(NodeBase):
             "devices_reported": sum(len(r) for r in closed.reported.values()),
             "missing": list(closed.missing),
             "bytes": _traffic(cells, self._round_bytes.pop(closed.round, {}), embeddings=split_model),
-            # HSGD: eq. (19)'s meter, the values the paper counts.
-            **({"paper_values": _cell_sum(cells, "paper_values")} if split_model else {}),
+            # HSGD: eq. (19)'s meter, the values the paper counts, and the same in bytes as encoded on the wire;
+            # the vertical path's tensor bytes over every hop.
+            **({"paper_values": _cell_sum(cells, "paper_values"), "paper_bytes": _cell_sum(cells, "paper_bytes"),
+                "vertical_bytes": _cell_sum(cells, "vertical_bytes")} if split_model else {}),
             "q1": closed.metrics.get("q1"),
             "q2": closed.metrics.get("q2"),
             **({"attack": self.attack_summary()} if self.cfg.attack is not None else {}),

@@ -39,8 +39,10 @@ from commands.strategy_options import overrides, pop_values, strategy_options
               help="QSGD bits of device uploads (hier_qsgd, qhetfed; hist sends float32 like the paper).")
 @click.option("--bits-edge", type=click.IntRange(2, 8), default=8, show_default=True,
               help="QSGD bits of edge uploads to the cloud (hier_qsgd, qhetfed).")
-@click.option("--alpha", type=click.FloatRange(min=0, min_open=True), default=0.5, show_default=True,
-              help="Dirichlet concentration of the non-iid split (smaller = more skewed devices).")
+@click.option("--alpha", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Dirichlet concentration of the digits split (smaller = more skewed devices) [default: 0.5]; "
+                   "with --algorithm hsgd the share of a cell's devices selected each interval, in (0, 1] "
+                   "[default: 0.2].")
 @click.option("--max-packet-size", type=click.IntRange(0), default=0, show_default=True,
               help="Broker packet limit in bytes (0 = fedtier's default, 1 MiB); larger messages "
                    "travel chunked.")
@@ -94,7 +96,7 @@ from commands.strategy_options import overrides, pop_values, strategy_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 @strategy_options
 def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
-         lr: float | None, bits_device: int, bits_edge: int, alpha: float, max_packet_size: int, secure: bool,
+         lr: float | None, bits_device: int, bits_edge: int, alpha: float | None, max_packet_size: int, secure: bool,
          secure_aggregation: bool, privacy: bool, epsilon: float | None, delta: float | None, clip: float | None,
          trusted: str | None, compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
          timeout_s: float, dashboard: bool, keep_running: bool, as_json: bool, **strategy: Any) -> None:
@@ -157,7 +159,8 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
                          trusted=_cells(trusted))
     extra = overrides(pop_values(strategy), algorithm)
     opts = DemoOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, algorithm=algorithm,
-                       local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge, alpha=alpha,
+                       local_steps=local_steps, lr=lr, bits_device=bits_device, bits_edge=bits_edge,
+                       alpha=0.5 if alpha is None else alpha,
                        max_packet_size=max_packet_size, seed=seed, workdir=workdir, timeout_s=timeout_s,
                        secure=secure, privacy=dp, trainer=trainer, agent_python=agent_python, dashboard=dashboard,
                        strategy=extra, secure_aggregation=secure_aggregation,
@@ -296,7 +299,7 @@ def _print_summary(opts: Any, result: Any, baseline: Any) -> None:
 
 
 def _hsgd_demo(*, devices: int, cells: int, rounds: int, broker: str, local_steps: int | None, lr: float | None,
-               alpha: float, privacy: bool, seed: int, timeout_s: float, as_json: bool) -> None:
+               alpha: float | None, privacy: bool, seed: int, timeout_s: float, as_json: bool) -> None:
     """``--algorithm hsgd``: the real nodes as threads of this process, over a real broker
     (``local_fleet.hsgd_demo``)."""
     from click.core import ParameterSource
@@ -313,7 +316,7 @@ def _hsgd_demo(*, devices: int, cells: int, rounds: int, broker: str, local_step
         return ctx.get_parameter_source(name) is not ParameterSource.DEFAULT
 
     opts = HsgdDemoOptions(devices=devices if given("devices") else 100, cells=cells, rounds=rounds,
-                           interval=local_steps or 2, alpha=alpha if given("alpha") else 0.2, lr=lr or 0.05,
+                           interval=local_steps or 2, alpha=0.2 if alpha is None else alpha, lr=lr or 0.05,
                            broker=broker, seed=seed, timeout_s=timeout_s)
     if not 0 < opts.alpha <= 1:
         raise click.BadParameter("with hsgd, the share of devices selected per interval: in (0, 1]",

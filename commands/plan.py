@@ -137,7 +137,14 @@ def _num(value: int | float) -> str:
 @click.option("--groups", "m_groups", type=int, default=1, show_default=True, help="M, groups (cells).")
 @click.option("--iterations", "t_total", type=int, default=1000, show_default=True, help="T, total iterations.")
 @click.option("--bits-embedding", type=int, default=32, show_default=True,
-              help="Bits on the vertical path (32 = float32, HSGD; 7 = C-HSGD).")
+              help="Compression level of the vertical path on every hop (32 = float32, HSGD; 2..8: the QSGD width, "
+                   "or with --compressor topk each row keeps bits/32 of its entries; the paper's C-HSGD is 7).")
+@click.option("--compressor", type=click.Choice(["qsgd", "topk"]), default="qsgd", show_default=True,
+              help="qsgd: QSGD row by row, a 4-byte scale per row (this project's substitute); topk: top-k "
+                   "sparsification row by row, an index and a float32 per kept entry (the paper's C-HSGD).")
+@click.option("--classes", type=int, default=0, show_default=True,
+              help="C, the head's classes: theta0 is then C rows of d1 + d2 and a bias of C, as fedtier's split "
+                   "model lays it out (|theta0| must be C (d1 + d2 + 1)); 0 = theta0 as one row.")
 @click.option("--F0", "f0", type=float, default=2.3, show_default=True,
               help="F(theta^0), the initial global loss (strategy 2; from a short pre-training).")
 @click.option("--rho", type=float, default=1.0, show_default=True, help="rho, the gradient's Lipschitz constant.")
@@ -150,12 +157,14 @@ def _num(value: int | float) -> str:
               help="Target bound Xi of Theorem 1 (strategy 1's bound on Lambda = P/Q; omitted: not computed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the inputs and the results as JSON.")
 def hsgd(p_global: int, q_local: int, theta0: int, theta1: int, theta2: int, selected: int, d1: int, d2: int,
-         m_groups: int, t_total: int, bits_embedding: int, f0: float, rho: float, eta: float, delta: float,
-         grad_sq: float, xi: float | None, as_json: bool) -> None:
+         m_groups: int, t_total: int, bits_embedding: int, compressor: str, classes: int, f0: float, rho: float,
+         eta: float, delta: float, grad_sq: float, xi: float | None, as_json: bool) -> None:
     """HSGD's communication cost (eq. (19)) and adaptive strategies 1-3 (seed paper 000, Sec. VI).
 
     Strategy 2 is shown as printed in the paper (eta^2) and as eq. (20) actually gives (eta^3); the
-    report flags when they differ. Defaults are the paper's worked sizes (190,560 bytes per round).
+    report flags when they differ. The default sizes are an illustration, not the paper's (it gives no
+    layer sizes): 47,640 values, 190,560 bytes per group and round in float32. Bytes price each item as
+    the wire carries it (--bits-embedding, --compressor).
 
     Example:
 
@@ -167,10 +176,16 @@ def hsgd(p_global: int, q_local: int, theta0: int, theta1: int, theta2: int, sel
 
     inputs = {"P": p_global, "Q": q_local, "theta0": theta0, "theta1": theta1, "theta2": theta2,
               "selected": selected, "d1": d1, "d2": d2, "M": m_groups, "T": t_total, "bits_embedding": bits_embedding,
+              "compressor": compressor, "classes": classes,
               "F0": f0, "rho": rho, "eta": eta, "delta": delta, "grad_sq": grad_sq, "xi": xi}
     if bits_embedding != 32 and not 2 <= bits_embedding <= 8:
         raise click.BadParameter("must be 32 (float32) or 2..8", param_hint="'--bits-embedding'")
-    sizes = hsgd_plan.Sizes(theta0=theta0, theta1=theta1, theta2=theta2, selected=selected, d1=d1, d2=d2)
+    sizes = hsgd_plan.Sizes(theta0=theta0, theta1=theta1, theta2=theta2, selected=selected, d1=d1, d2=d2,
+                            classes=classes)
+    try:
+        sizes.head_shapes()
+    except LocalProtocolError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--classes'") from None
     try:
         cost_round = hsgd_plan.cost_round(sizes, p_global, q_local)
         s2_paper = hsgd_plan.strategy2(F0=f0, rho=rho, eta=eta, delta=delta, T=t_total, mode="paper")
@@ -182,7 +197,8 @@ def hsgd(p_global: int, q_local: int, theta0: int, theta1: int, theta2: int, sel
                                                            T=t_total)
     result: dict[str, Any] = {
         "cost_round_values": cost_round,
-        "cost_round_bytes": hsgd_plan.bytes_round(sizes, p_global, q_local, bits_embedding),
+        "cost_round_bytes": hsgd_plan.bytes_round(sizes, p_global, q_local, bits_embedding, compressor),
+        "vertical_hop_bytes": hsgd_plan.vertical_hop_bytes(sizes, bits_embedding, compressor),
         "cost_total_values": hsgd_plan.cost_total(sizes, p_global, q_local, m_groups, t_total),
         "strategy1": {"lambda_bound": None if bound is None or bound == float("inf") else bound,
                       "xi_reachable": None if bound is None else bound != float("inf"),
@@ -198,7 +214,9 @@ def hsgd(p_global: int, q_local: int, theta0: int, theta1: int, theta2: int, sel
         return
     lines = [f"HSGD plan (P={p_global}, Q={q_local}, Lambda={p_global // q_local}, M={m_groups}, T={t_total})",
              f"  paper cost per group and round   {cost_round} values = {result['cost_round_bytes']:.0f} bytes"
-             f"{'' if bits_embedding == 32 else f' ({bits_embedding}-bit vertical path)'}",
+             f"{'' if bits_embedding == 32 else f' ({bits_embedding}-bit {compressor} vertical path)'}",
+             f"  vertical path, every hop         {result['vertical_hop_bytes']} bytes per interval "
+             "(relays and downlinks included)",
              f"  eq. (19) total                   {result['cost_total_values']:.6g} values",
              "strategy 1 (Prop. 1): use P = Q",
              "  lower bound on Lambda            " + ("(give --xi)" if bound is None else

@@ -221,6 +221,13 @@ class EmbeddingNonFiniteError(RemoteProtocolError):
     reason = "embedding_non_finite"
 
 
+class EmbeddingEncodingError(RemoteProtocolError):
+    """HSGD: an embedding or head not in the vertical path's compressed form (``bits_embedding`` with its
+    ``compressor``): the edge relays what it receives re-encoded, so it must already be on that grid."""
+
+    reason = "embedding_encoding"
+
+
 class UnselectedDeviceError(RemoteProtocolError):
     """HSGD: an embedding or model from a device the edge did not select for this interval."""
 

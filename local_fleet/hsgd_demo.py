@@ -125,7 +125,7 @@ def run_demo(opts: HsgdDemoOptions, say: Callable[[str], None] = lambda _: None)
                       "host_up": traffic["host_up"], "host_down": traffic["host_down"],
                       "edge_up": total["edge_up"], "edge_down": total["cloud_down"],
                       "vertical": total["embedding_up"] + total["embedding_down"]},
-            "paper_bytes": 4 * sum(int(r.get("paper_values", 0)) for r in history),
+            "paper_bytes": sum(int(r.get("paper_bytes", 0)) for r in history),
             "rejected": rejected, "wall_s": time.perf_counter() - t0}
 
 

@@ -20,6 +20,7 @@ from fedtier.algorithms import hsgd
 from fedtier.algorithms.base import Broadcast, Finished, Note, Role, RoundClosed, SendToChild, SendToParent
 from fedtier.errors import LocalProtocolError, RemoteProtocolError
 from fedtier.training.split import SplitTrainer
+from fedtier.wire import peek_header
 from fedtier.wire.messages import decode_message
 from fleet_data.hybrid import HybridCell
 
@@ -45,6 +46,9 @@ class LoopResult:
     bytes: Counter[str] = field(default_factory=Counter)
     """Wire bytes per tier and direction: device_up/down, host_up/down, edge_up/down, and vertical
     (the embedding messages among them)."""
+    tensors: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    """Tensor body bytes (the envelopes' ``nb``) per (message kind, sender tier, receiver tier); a broadcast
+    is counted once per device it reaches."""
     rejected: Counter[str] = field(default_factory=Counter)
     edges: dict[str, hsgd.Edge] = field(default_factory=dict)
     hosts: dict[str, hsgd.Host] = field(default_factory=dict)
@@ -120,6 +124,7 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
             result.bytes["edge_down"] += len(data)
         if message.KIND in VERTICAL:
             result.bytes["vertical"] += len(data)
+        result.tensors[(message.KIND, t_send, t_recv)] += _body(data)
         bus.send(sender, receiver, message.KIND, data)
 
     def execute(node: str, actions: list[Any]) -> None:
@@ -139,6 +144,7 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
                     else:  # one publish; counted once per device it reaches
                         data = message.encode(enc)
                         result.bytes["device_down"] += len(data) * len(cells[node].devices)
+                        result.tensors[(message.KIND, "edge", "device")] += _body(data) * len(cells[node].devices)
                         bus.broadcast(node, cells[node].devices, message.KIND, data)
                 elif node == "cloud":
                     assert isinstance(action, SendToChild)
@@ -163,6 +169,9 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
                 cells_stats = action.metrics.get("cells", {})
                 result.rounds.append({"round": action.round, "train_loss": action.metrics.get("train_loss"),
                                       "paper_values": sum(int(s.get("paper_values", 0)) for s in cells_stats.values()),
+                                      "paper_bytes": sum(int(s.get("paper_bytes", 0)) for s in cells_stats.values()),
+                                      "vertical_bytes": sum(int(s.get("vertical_bytes", 0))
+                                                            for s in cells_stats.values()),
                                       "bytes": sum(v for k, v in result.bytes.items() if k != "vertical"),
                                       "eval": evaluate(result.params) if evaluate else None})
             elif isinstance(action, Finished):
@@ -181,6 +190,10 @@ def run(cells: Mapping[str, HybridCell], initial: Mapping[str, np.ndarray], conf
     finally:
         bus.close()
     return result
+
+
+def _body(data: bytes) -> int:
+    return sum(int(spec["nb"]) for spec in peek_header(data)["ts"])
 
 
 def _drive(bus: Any, cloud: Any, edges: Mapping[str, hsgd.Edge], execute: Callable[[str, list[Any]], None],

@@ -38,6 +38,32 @@ def check_int(value: Any, name: str, low: int) -> None:
         raise LocalProtocolError(f"{name} must be an int >= {low}, got {value!r}")
 
 
+LR_SCHEDULES = ("constant", "step")
+"""Learning-rate schedules: ``constant`` (``lr`` throughout) or ``step`` (``lr * factor ** (t // every)``)."""
+
+
+def check_lr_schedule(schedule: Any, every: Any, factor: Any) -> None:
+    """A schedule's settings: ``constant``, or ``step`` with ``every >= 1`` iterations and ``factor`` in (0, 1]."""
+    if schedule not in LR_SCHEDULES:
+        raise LocalProtocolError(f"lr_schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
+    check_int(every, "lr_decay_every", 0)
+    if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1):
+        raise LocalProtocolError(f"lr_decay_factor must be in (0, 1], got {factor!r}")
+    if schedule == "step" and every < 1:
+        raise LocalProtocolError("lr_schedule = 'step' needs lr_decay_every >= 1 (iterations between two decays)")
+
+
+def scheduled_lr(lr: float, schedule: str, every: int, factor: float, iteration: int) -> float:
+    """The learning rate of ``iteration`` (0-based local iterations since training began): ``lr`` for
+    ``constant``; ``lr * factor ** (iteration // every)`` for ``step`` (e.g. halved every ``T0`` iterations).
+    A pure function of the counters, so every node computes the same value without a clock."""
+    if schedule == "constant":
+        return float(lr)
+    if iteration < 0:
+        raise LocalProtocolError(f"iteration must be >= 0, got {iteration}")
+    return float(lr) * float(factor) ** (iteration // every)
+
+
 @dataclass(frozen=True, slots=True)
 class RoundSettings:
     """Settings every hierarchical algorithm has; each algorithm's config adds its own.

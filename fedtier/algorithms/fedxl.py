@@ -85,7 +85,14 @@ from fedtier.algorithms.base import (
     SendToParent,
 )
 from fedtier.algorithms.cloud import Cloud as _Cloud
-from fedtier.algorithms.common import RoundSettings, check_int, check_like, device_weights
+from fedtier.algorithms.common import (
+    RoundSettings,
+    check_int,
+    check_like,
+    check_lr_schedule,
+    device_weights,
+    scheduled_lr,
+)
 from fedtier.algorithms.hier_qsgd import _DeviceBase, _EdgeBase
 from fedtier.errors import (
     LocalProtocolError,
@@ -119,7 +126,8 @@ class FedXLConfig(RoundSettings):
     """FeDXL's settings (``RoundSettings`` plus):
 
     Attributes:
-        objective: ``auroc`` (FeDXL1: squared hinge, linear f) or ``pauc`` (FeDXL2: KL-OPAUC).
+        objective: ``auroc`` (FeDXL1: squared hinge, linear f), ``psm`` (FeDXL1: pairwise sigmoid, linear f) or
+            ``pauc`` (FeDXL2: KL-OPAUC).
         local_steps: K, steps per round (the communication interval).
         batch_neg: B2, negatives per step (0: ``batch_size``, which is B1, the positives per step).
         margin: m of the hinge ``(m - a + b)_+``.
@@ -130,6 +138,11 @@ class FedXLConfig(RoundSettings):
         upload_scores: how many scores of each class a device uploads per round (a random subset of the
             ``K B`` it computed; 0: all of them). The paper needs at least ``ceil(K / N) B`` per list.
         participation: share of devices sampled per training round (Alg. 3); 1: everyone.
+        lr_schedule: ``constant`` or ``step``: ``lr * lr_decay_factor ** (t // lr_decay_every)`` at local iteration
+            ``t`` (counted from the first training round); the paper's (and its code's) schedule is
+            ``step`` with the defaults, a tenth every 5,000 iterations.
+        lr_decay_every: iterations between two decays (5,000 in the paper).
+        lr_decay_factor: the decay's factor, in (0, 1] (0.1 in the paper).
     """
 
     ALGORITHM: ClassVar[str] = NAME
@@ -144,9 +157,13 @@ class FedXLConfig(RoundSettings):
     pairs: str = "global"
     upload_scores: int = 0
     participation: float = 1.0
+    lr_schedule: str = "constant"
+    lr_decay_every: int = 5000
+    lr_decay_factor: float = 0.1
 
     def __post_init__(self) -> None:
         RoundSettings.__post_init__(self)
+        check_lr_schedule(self.lr_schedule, self.lr_decay_every, self.lr_decay_factor)
         xrisk.Objective(self.objective, self.margin, self.lam)  # validates objective, margin, lam
         check_int(self.local_steps, "local_steps", 1)
         check_int(self.batch_neg, "batch_neg", 0)
@@ -175,6 +192,20 @@ class FedXLConfig(RoundSettings):
     @property
     def uses_pool(self) -> bool:
         return self.pairs == "global"
+
+    def lr_at(self, round: int, step: int) -> float:
+        """The learning rate of local step ``step`` of training round ``round``: the schedule's at iteration
+        ``(round - first) K + step``, ``first`` the first training round (1 with a pool: round 0 collects it)."""
+        first = 1 if self.uses_pool else 0
+        return scheduled_lr(self.lr, self.lr_schedule, self.lr_decay_every, self.lr_decay_factor,
+                            max(0, round - first) * self.local_steps + step)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = RoundSettings.to_dict(self)
+        if self.lr_schedule == "constant":  # settings added later: left out at their default, tasks stay byte for byte
+            for key in ("lr_schedule", "lr_decay_every", "lr_decay_factor"):
+                del out[key]
+        return out
 
     def upload_count(self, computed: int) -> int:
         """How many of ``computed`` scores of one class a device uploads."""
@@ -342,7 +373,7 @@ class Device(_DeviceBase):
             raise LocalProtocolError(f"gradient_done() for step {step} while no gradient of it was requested")
         check_like(self._params, result.grad, "score gradient")
         c: FedXLConfig = self._config
-        lr = np.float32(c.lr)
+        lr = np.float32(c.lr_at(round, step))
         if c.loss.compositional:
             beta = np.float32(c.beta)
             self._momentum = {n: ((np.float32(1) - beta) * self._momentum[n] + beta * np.asarray(result.grad[n],

@@ -34,8 +34,19 @@ cloud one ``CellUpdate`` with all three blocks' changes and weight ``K_m`` (its 
 shared cloud role (``fedtier.algorithms.cloud``) then forms ``sum_m K_m theta_m / K`` — eq. (2).
 
 Only embeddings and ``theta0`` cross between the sides, never a gradient w.r.t. an embedding.
-``bits_embedding < 32`` QSGD-quantizes that vertical path (``zeta2``, ``Z1``, ``theta0``; C-HSGD is 7);
-the edge relays the values it received losslessly.
+``bits_embedding < 32`` compresses that vertical path (``zeta2``, ``Z1``, ``theta0``) on every hop, the
+edge's relays included: ``compressor = "qsgd"`` quantizes each row with ``bits_embedding``-bit QSGD
+scaled by the row's largest magnitude (``quant.qrows``; this project's substitute, unbiased);
+``"topk"`` keeps each row's largest ``bits_embedding / 32`` of its entries (``quant.topk_rows``: the
+paper's C-HSGD is top-k sparsification with compression ratio ``log2(b) / 32``, b = 128: 7). Both codecs
+encode a row as a pure function of its values, so the edge re-encodes what it relays (``Z2`` stacked
+from the devices' rows, each device's row of ``Z1`` and ``theta0``) into the same compressed form without
+a second loss, and refuses an embedding or head that is not in that form (``embedding_encoding``).
+
+Learning rate: ``lr_schedule = "step"`` multiplies ``lr`` by ``lr_decay_factor`` every ``lr_decay_every``
+iterations (the paper halves it every ``T0``; ``lr_decay_every`` must be a multiple of ``Q``, so the rate is
+constant within an interval); the rate of interval ``lambda`` of round ``r`` is the schedule's at iteration
+``r P + lambda Q`` (``HsgdConfig.lr_at``), computed by host and devices from the counters alone.
 
 A selected device that never answers does not stall the interval: at the edge's deadline the host
 gets the rows that arrived; a device that got its partner row but does not report its ``theta2`` is
@@ -73,8 +84,9 @@ from fedtier.algorithms.base import (
     Transitions,
 )
 from fedtier.algorithms.cloud import Cloud
-from fedtier.algorithms.common import RoundSettings, check_int, quantize
+from fedtier.algorithms.common import RoundSettings, check_int, check_lr_schedule, scheduled_lr
 from fedtier.errors import (
+    EmbeddingEncodingError,
     EmbeddingNonFiniteError,
     EmbeddingWidthError,
     LateMessageError,
@@ -88,8 +100,9 @@ from fedtier.errors import (
     WrongRoundError,
 )
 from fedtier.rng import stream
-from fedtier.wire import TensorEncoding
+from fedtier.wire import TensorEncoding, quant
 from fedtier.wire.messages import (
+    HSGD_ZETA,
     CellTask,
     CellUpdate,
     DeviceTask,
@@ -104,6 +117,8 @@ NAME = "hsgd"
 Tensors = Mapping[str, np.ndarray]
 OFF = 32
 """``bits_embedding = 32``: float32 on the vertical path (the paper's HSGD)."""
+COMPRESSORS = ("qsgd", "topk")
+"""How ``bits_embedding < 32`` compresses the vertical path: row-wise QSGD, or row-wise top-k sparsification."""
 
 __all__ = ["HsgdConfig", "Device", "Host", "Edge", "Cloud", "Embed", "SplitTrain", "select", "NAME"]
 
@@ -163,7 +178,14 @@ class HsgdConfig(RoundSettings):
         local_interval: Q, iterations per local interval (P must be a multiple of Q).
         alpha: share of a cell's devices selected each interval, in (0, 1].
         hosts: cell id -> its host's node id.
-        bits_embedding: QSGD width of the vertical path (zeta2, Z1, theta0), 2..8, or 32 = float32.
+        bits_embedding: compression level of the vertical path (zeta2, Z1, theta0) on every hop: 2..8, or
+            32 = float32. With ``compressor = "qsgd"`` the QSGD width; with ``"topk"`` each row keeps
+            ``bits_embedding / 32`` of its entries (the paper's ratio ``log2(b) / 32``).
+        compressor: ``qsgd`` (row-wise QSGD, this project's substitute) or ``topk`` (the paper's top-k).
+        lr_schedule: ``constant`` or ``step`` (``lr * lr_decay_factor ** (t // lr_decay_every)`` at iteration t;
+            the paper halves ``lr`` every ``T0`` iterations: factor 0.5, ``lr_decay_every = T0``).
+        lr_decay_every: iterations between two decays (a multiple of Q; needed with ``step``).
+        lr_decay_factor: the decay's factor, in (0, 1] (0.5: the paper's halving).
     """
 
     ALGORITHM: ClassVar[str] = NAME
@@ -173,6 +195,10 @@ class HsgdConfig(RoundSettings):
     alpha: float = 0.1
     hosts: Mapping[str, str] = field(default_factory=dict)
     bits_embedding: int = OFF
+    compressor: str = "qsgd"
+    lr_schedule: str = "constant"
+    lr_decay_every: int = 0
+    lr_decay_factor: float = 0.5
 
     def __post_init__(self) -> None:
         RoundSettings.__post_init__(self)
@@ -188,8 +214,14 @@ class HsgdConfig(RoundSettings):
             raise LocalProtocolError(f"hosts must map cell ids to host ids, got {self.hosts!r}")
         if not (self.bits_embedding == OFF or (isinstance(self.bits_embedding, int) and 2 <= self.bits_embedding <= 8)):
             raise LocalProtocolError(f"bits_embedding must be 32 (float32) or 2..8, got {self.bits_embedding!r}")
+        if self.compressor not in COMPRESSORS:
+            raise LocalProtocolError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
+        check_lr_schedule(self.lr_schedule, self.lr_decay_every, self.lr_decay_factor)
+        if self.lr_schedule == "step" and self.lr_decay_every % self.local_interval:
+            raise LocalProtocolError(f"lr_decay_every = {self.lr_decay_every} must be a multiple of local_interval "
+                                     f"Q = {self.local_interval} (the rate is constant within an interval)")
         if self.bits_device or self.bits_edge:
-            raise LocalProtocolError("hsgd sends models in float32; bits_embedding quantizes the vertical path")
+            raise LocalProtocolError("hsgd sends models in float32; bits_embedding compresses the vertical path")
         if self.privacy is not None:
             raise LocalProtocolError("hsgd's embeddings (zeta2, Z1) and head theta0 are data-dependent releases "
                                      "the noise plan does not cover: hsgd does not run under [privacy]")
@@ -199,9 +231,51 @@ class HsgdConfig(RoundSettings):
         """Lambda = P / Q, local intervals per cloud round."""
         return self.global_interval // self.local_interval
 
+    def lr_at(self, round: int, step: int) -> float:
+        """The learning rate of interval ``step`` of round ``round``: the schedule's at iteration
+        ``round P + step Q``."""
+        return scheduled_lr(self.lr, self.lr_schedule, self.lr_decay_every, self.lr_decay_factor,
+                            round * self.global_interval + step * self.local_interval)
+
+    def encoding(self, shape: tuple[int, ...]) -> TensorEncoding | None:
+        """The wire encoding of a vertical-path tensor of ``shape`` (``None``: float32)."""
+        if self.bits_embedding == OFF:
+            return None
+        if self.compressor == "qsgd":
+            return TensorEncoding("qrows", {"bits": self.bits_embedding})
+        return TensorEncoding("topk", {"k": quant.topk_count(quant.rows_of(shape)[1], self.bits_embedding)})
+
+    def compressed(self, values: np.ndarray) -> bool:
+        """Whether ``values`` are in the vertical path's compressed form (always, in float32)."""
+        enc = self.encoding(np.shape(values))
+        if enc is None:
+            return True
+        if enc.name == "qrows":
+            return quant.on_qrows_grid(values, self.bits_embedding)
+        return quant.is_topk(values, enc.params["k"])
+
+    def tensor_bytes(self, shape: tuple[int, ...]) -> int:
+        """Body bytes of a vertical-path tensor of ``shape`` on the wire (its envelope's ``nb``)."""
+        rows, width = quant.rows_of(shape)
+        if self.bits_embedding == OFF:
+            return 4 * rows * width
+        if self.compressor == "qsgd":
+            return quant.qrows_size(shape, self.bits_embedding)
+        return quant.topk_size(shape, quant.topk_count(width, self.bits_embedding))
+
+    def encodings(self, tensors: Tensors) -> dict[str, TensorEncoding]:
+        """Wire encodings of vertical-path tensors already in compressed form (empty in float32)."""
+        out = {n: self.encoding(np.shape(t)) for n, t in tensors.items()}
+        return {n: e for n, e in out.items() if e is not None}
+
     def to_dict(self) -> dict[str, Any]:
         out = RoundSettings.to_dict(self)
         out["hosts"] = dict(self.hosts)
+        if self.compressor == "qsgd":  # settings added later: left out at their default, tasks stay byte for byte
+            del out["compressor"]
+        if self.lr_schedule == "constant":
+            for key in ("lr_schedule", "lr_decay_every", "lr_decay_factor"):
+                del out[key]
         return out
 
 
@@ -227,11 +301,19 @@ def _parse(config: Mapping[str, Any]) -> HsgdConfig:
 
 def _vertical(tensors: Tensors, config: HsgdConfig, *labels: Any) -> tuple[dict[str, np.ndarray],
                                                                              dict[str, TensorEncoding]]:
-    """The vertical path's tensors as sent: float32, or QSGD with ``bits_embedding`` (C-HSGD)."""
+    """The vertical path's tensors as sent: float32, or compressed row by row with ``bits_embedding``
+    (``qsgd``: ``quant.qrows`` with the sender's stream ``(seed, "hsgd-q", *labels, name)``; ``topk``:
+    ``quant.topk_rows``, deterministic)."""
     if config.bits_embedding == OFF:
         return {n: np.asarray(t, np.float32) for n, t in tensors.items()}, {}
-    values, encodings, _ = quantize(tensors, config.bits_embedding, config.seed, "hsgd-q", *labels)
-    return values, encodings
+    values: dict[str, np.ndarray] = {}
+    for name in sorted(tensors):
+        x = np.asarray(tensors[name], np.float32)
+        if config.compressor == "qsgd":
+            values[name] = quant.qrows(x, config.bits_embedding, stream(config.seed, "hsgd-q", *labels, name))
+        else:
+            values[name] = quant.topk_rows(x, quant.topk_count(quant.rows_of(x.shape)[1], config.bits_embedding))
+    return values, config.encodings(values)
 
 
 # --- device -----------------------------------------------------------------------------------------
@@ -314,7 +396,7 @@ class Device(DeviceRoleBase):
         self._seen.add(msg.key)
         self._transition("partner")
         return [SplitTrain(msg.round, msg.step, "device", self.theta2, theta0, msg.zeta, msg.rows,
-                           self.config.local_interval, self.config.lr)]
+                           self.config.local_interval, self.config.lr_at(msg.round, msg.step))]
 
     def split_trained(self, round: int, step: int, params: Tensors, loss: float) -> list[Action]:
         if (round, step) != self.position:
@@ -423,7 +505,7 @@ class Host(DeviceRoleBase):
         self.batches.append((round, step, ex.rows))
         return [SendToParent(msg, encodings),
                 SplitTrain(round, step, "host", self.params, {}, ex.zeta, ex.rows,
-                           self.config.local_interval if ex.rows else 0, self.config.lr)]
+                           self.config.local_interval if ex.rows else 0, self.config.lr_at(round, step))]
 
     def split_trained(self, round: int, step: int, params: Tensors, loss: float) -> list[Action]:
         ex = self._exchange
@@ -501,12 +583,22 @@ class Edge(EdgeRoleBase):
         ``unselected_device``, ``stale_interval``, ...)."""
         self.paper_values = 0
         """The paper's communication meter for the open round (values, eq. (19)'s per-round terms)."""
+        self.paper_bytes = 0
+        """The same meter in bytes as they cross the wire: ``theta1`` and the devices' ``theta2`` in float32, and
+        ``theta0``, ``Z1`` (host -> edge) and ``Z2`` (edge -> host) in the vertical path's encoding (their
+        envelopes' body bytes)."""
+        self.vertical_bytes = 0
+        """Body bytes of every vertical-path tensor this round, on every hop: the devices' ``zeta2``, ``Z2`` to the
+        host, ``Z1`` and ``theta0`` from it, each device's row of ``Z1`` and ``theta0``."""
         self.history: list[dict[str, Any]] = []
         """Per interval: round, step, selected, rows exchanged, theta2 reporters (A3's message counts)."""
         self._host_task: DeviceTask | None = None
         self._task: DeviceTask | None = None
         self._to_host_msg: PartnerEmbeddings | None = None
         self._partners: dict[str, PartnerEmbeddings] = {}
+        self._to_host_enc: dict[str, TensorEncoding] = {}
+        """Wire encodings of the relay to the host (``Z2``) and to each device (its row of ``Z1``, ``theta0``)."""
+        self._partner_enc: dict[str, TensorEncoding] = {}
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -556,6 +648,8 @@ class Edge(EdgeRoleBase):
         self._global = aggregate.copy_tensors(task.params)
         self.theta2 = blocks["theta2"]
         self._host_update, self._reported, self.paper_values = None, set(), self._size("theta1")
+        self.paper_bytes, self.vertical_bytes = 4 * self._size("theta1"), 0
+        self._to_host_enc, self._partner_enc = {}, {}
         self._transition("task")
         host_task = DeviceTask(rollout=self.rollout, round=task.round, sender=self.cell,
                                params={**blocks["theta0"], **blocks["theta1"]}, config=task.config,
@@ -607,7 +701,12 @@ class Edge(EdgeRoleBase):
                                       f"for ({msg.sender!r},)")
         if not np.all(np.isfinite(msg.zeta)):
             raise EmbeddingNonFiniteError(f"embedding from {msg.sender!r} is not finite")
+        assert self.config is not None
+        if not self.config.compressed(msg.zeta):
+            raise EmbeddingEncodingError(f"embedding from {msg.sender!r} is not in the vertical path's "
+                                         f"{self._form()} form")
         self._seen.add(msg.key)
+        self.vertical_bytes += self.config.tensor_bytes(msg.zeta.shape)
         self._zeta[msg.sender] = np.asarray(msg.zeta, np.float32)
         if len(self._zeta) == len(self.selected):
             return self._to_host()
@@ -623,7 +722,12 @@ class Edge(EdgeRoleBase):
                                                                 "devices": missing})] if missing else []
         self._to_host_msg = PartnerEmbeddings(rollout=self.rollout, round=self.round, sender=self.cell,
                                               step=self.step, zeta=z2, rows=self._rows)
-        return [*notes, SendToChild(self.host, self._to_host_msg)]
+        assert self.config is not None
+        self._to_host_enc = self.config.encodings({HSGD_ZETA: z2})  # the relay re-encodes the rows as they came
+        z2_bytes = self.config.tensor_bytes(z2.shape)
+        self.paper_bytes += z2_bytes
+        self.vertical_bytes += z2_bytes
+        return [*notes, SendToChild(self.host, self._to_host_msg, self._to_host_enc)]
 
     def _host_rows(self, msg: Embeddings, now: float) -> list[Action]:
         width = self._global["theta1/w"].shape[0]
@@ -636,19 +740,31 @@ class Edge(EdgeRoleBase):
         if not (np.all(np.isfinite(msg.zeta)) and all(np.all(np.isfinite(v)) for v in msg.params.values())):
             raise EmbeddingNonFiniteError("the host's rows or head are not finite")
         assert self.config is not None
+        config = self.config
+        if not (config.compressed(msg.zeta) and all(config.compressed(v) for v in msg.params.values())):
+            raise EmbeddingEncodingError(f"the host's rows or head are not in the vertical path's {self._form()} form")
         self._seen.add(msg.key)
         rows = len(self._rows)
         d1, d2 = width, self._global["theta2/w"].shape[0]
         # eq. (19)'s interval terms: |A||theta2| + |theta0| + |Z1| + |Z2| (|A| = rows exchanged)
         self.paper_values += rows * self._size("theta2") + self._size("theta0") + rows * d1 + rows * d2
+        head_bytes = sum(config.tensor_bytes(v.shape) for v in msg.params.values())
+        up = config.tensor_bytes(msg.zeta.shape) + head_bytes
+        self.paper_bytes += 4 * rows * self._size("theta2") + up  # Z2 was counted when it went to the host
+        self.vertical_bytes += up + rows * (config.tensor_bytes((1, width)) + head_bytes)
+        self._partner_enc = config.encodings({HSGD_ZETA: msg.zeta[:1], **msg.params})
         self._phase = "train"
         self._deadline = now + self.config.deadline_s
         self._partners = {d: PartnerEmbeddings(rollout=self.rollout, round=self.round, sender=self.cell,
                                                step=self.step, zeta=msg.zeta[i:i + 1], rows=(d,),
                                                params=dict(msg.params))
                           for i, d in enumerate(self._rows)}
-        out: list[Action] = [SendToChild(d, m) for d, m in self._partners.items()]
+        out: list[Action] = [SendToChild(d, m, self._partner_enc) for d, m in self._partners.items()]
         return out + self._maybe_close(now, deadline=False)
+
+    def _form(self) -> str:
+        assert self.config is not None
+        return f"{self.config.bits_embedding}-bit {self.config.compressor}"
 
     def _update(self, msg: DeviceUpdate, now: float) -> list[Action]:
         if msg.sender == self.host:
@@ -723,7 +839,8 @@ class Edge(EdgeRoleBase):
                             delta={k: np.asarray(v, np.float32) for k, v in delta.items()},
                             weight=float(len(self.devices)), reported=reported,
                             mean_loss=self._host_update.train_loss,
-                            stats={"paper_values": int(self.paper_values), "intervals": len(self.history)})
+                            stats={"paper_values": int(self.paper_values), "paper_bytes": int(self.paper_bytes),
+                                   "vertical_bytes": int(self.vertical_bytes), "intervals": len(self.history)})
         return [SendToParent(update)]
 
     def tick(self, now: float) -> list[Action]:
@@ -758,13 +875,13 @@ class Edge(EdgeRoleBase):
             if self._host_task is not None and self.step == 0 and self._phase == "embed":
                 out.append(SendToChild(child, self._host_task))
             if self._phase == "host" and self._to_host_msg is not None:
-                out.append(SendToChild(child, self._to_host_msg))
+                out.append(SendToChild(child, self._to_host_msg, self._to_host_enc))
             return out
         if child in self._failed:
             return []
         if self._phase == "embed" and child in self.selected and child not in self._zeta:
             return [SendToChild(child, self._task)]
         if self._phase == "train" and child in self._partners and child not in self._deltas:
-            return [SendToChild(child, self._partners[child])]
+            return [SendToChild(child, self._partners[child], self._partner_enc)]
         return []
 

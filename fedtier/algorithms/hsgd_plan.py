@@ -1,9 +1,12 @@
 """HSGD's communication cost model (eq. (19)) and adaptive strategies 1-3 (Sec. VI), as pure functions.
 
-Digest ``papers/seed_000_hybrid_fl.md`` §3. Sizes are numbers of values; the meter counts what the
-paper counts (the theta1 upload per round, and per local interval the selected devices' theta2,
-the head theta0, Z1 and Z2) and omits the downlinks — a "paper cost meter", separate from the wire
-bytes the loop and the shells count.
+"Communication-Efficient Hybrid Federated Learning for E-health with Horizontal and Vertical Data
+Partitioning" (Yu, Shen, Wang, Zhang, Zhao), Sec. VI. Sizes are numbers of values; the meter counts what
+the paper counts (the theta1 upload per round, and per local interval the selected devices' theta2,
+the head theta0, Z1 and Z2) and omits the downlinks — a "paper cost meter". ``bytes_round`` prices
+those items as the wire carries them (float32, or the vertical path's row codec: ``qrows`` QSGD or
+``topk``), which is what the edge's ``paper_bytes`` measures; ``vertical_hop_bytes`` counts the vertical
+path on every hop (relays and downlinks included), which is what its ``vertical_bytes`` measures.
 
 Strategy 2's erratum: setting eq. (20) to zero gives ``Q^2 = dF / (24 rho^2 eta^3 delta^2 T)``; the
 paper prints ``eta^2``. ``strategy2`` computes both (``mode = "paper"`` is the printed form) and the
@@ -16,13 +19,16 @@ import math
 from dataclasses import dataclass
 
 from fedtier.errors import LocalProtocolError
+from fedtier.wire import quant
 
 MODES = ("paper", "derived")
 
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
-    """|theta0|, |theta1|, |theta2| in values, |A| selected devices per group, embedding widths d1, d2."""
+    """|theta0|, |theta1|, |theta2| in values, |A| selected devices per group, embedding widths d1, d2;
+    ``classes`` C lays the head out as fedtier's split model does (a weight of C rows of d1 + d2, and a
+    bias of C), 0 counts it as one row of |theta0| values (for sizes that are not a split model's)."""
 
     theta0: int
     theta1: int
@@ -30,10 +36,33 @@ class Sizes:
     selected: int
     d1: int
     d2: int
+    classes: int = 0
 
     def vertical(self) -> int:
         """Values on the vertical path per interval: |theta0| + |Z1| + |Z2|."""
         return self.theta0 + self.selected * (self.d1 + self.d2)
+
+    def head_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The head's tensors as they cross the wire."""
+        if self.classes:
+            if self.classes * (self.d1 + self.d2 + 1) != self.theta0:
+                raise LocalProtocolError(f"|theta0| = {self.theta0} is not C (d1 + d2 + 1) for C = {self.classes}")
+            return (self.classes, self.d1 + self.d2), (self.classes,)
+        return ((self.theta0,),)
+
+
+def tensor_bytes(shape: tuple[int, ...], bits: int = 32, compressor: str = "qsgd") -> int:
+    """Body bytes of one vertical-path tensor on the wire: float32 (``bits = 32``), ``qrows`` QSGD (a 4-byte
+    scale per row plus ``bits`` per value) or ``topk`` (per row ``ceil(width bits / 32)`` entries of an index
+    and a float32 value)."""
+    rows, width = quant.rows_of(shape)
+    if bits == 32:
+        return 4 * rows * width
+    if compressor == "qsgd":
+        return quant.qrows_size(shape, bits)
+    if compressor == "topk":
+        return quant.topk_size(shape, quant.topk_count(width, bits))
+    raise LocalProtocolError(f"compressor must be 'qsgd' or 'topk', got {compressor!r}")
 
 
 def _check_pq(P: int, Q: int) -> int:
@@ -54,16 +83,27 @@ def cost_total(s: Sizes, P: int, Q: int, M: int, T: int) -> float:
     return (s.theta1 / P + lam * (s.selected * s.theta2 + s.vertical()) / P) * M * T
 
 
-def bytes_round(s: Sizes, P: int, Q: int, bits_embedding: int = 32) -> float:
-    """``cost_round`` in bytes: 4 per float32 value; with ``bits_embedding < 32`` (C-HSGD) the vertical
-    values take ``bits/8`` bytes each plus a declared 4-byte scale per quantized tensor (theta0's 2
-    tensors, Z1, and one zeta2 per selected device)."""
+def bytes_round(s: Sizes, P: int, Q: int, bits_embedding: int = 32, compressor: str = "qsgd") -> int:
+    """``cost_round`` in bytes as the wire carries its items: theta1 and the devices' theta2 in float32; the
+    head theta0, Z1 (host -> edge, one tensor of |A| rows) and Z2 (edge -> host, likewise) in the vertical
+    path's encoding (``tensor_bytes``; 4 bytes a value in float32)."""
     lam = _check_pq(P, Q)
     horizontal = 4 * (s.theta1 + lam * s.selected * s.theta2)
-    if bits_embedding == 32:
-        return float(horizontal + lam * 4 * s.vertical())
-    scales = 4 * (2 + 1 + s.selected)
-    return horizontal + lam * (s.vertical() * bits_embedding / 8 + scales)
+    vertical = (sum(tensor_bytes(h, bits_embedding, compressor) for h in s.head_shapes())
+                + tensor_bytes((s.selected, s.d1), bits_embedding, compressor)
+                + tensor_bytes((s.selected, s.d2), bits_embedding, compressor))
+    return horizontal + lam * vertical
+
+
+def vertical_hop_bytes(s: Sizes, bits_embedding: int = 32, compressor: str = "qsgd") -> int:
+    """Body bytes of the vertical path in one interval on every hop: |A| device rows of zeta2 up, Z2 to the
+    host, Z1 and theta0 from it, and to each of the |A| devices its row of Z1 and theta0 (the downlink the
+    paper's meter leaves out; with the edge re-encoding its relays, every hop is compressed)."""
+    head = sum(tensor_bytes(h, bits_embedding, compressor) for h in s.head_shapes())
+    return (s.selected * tensor_bytes((1, s.d2), bits_embedding, compressor)
+            + tensor_bytes((s.selected, s.d2), bits_embedding, compressor)
+            + tensor_bytes((s.selected, s.d1), bits_embedding, compressor) + head
+            + s.selected * (tensor_bytes((1, s.d1), bits_embedding, compressor) + head))
 
 
 def lambda_bound(*, P: int, rho: float, eta: float, delta: float, xi: float, dF: float, T: int) -> float:

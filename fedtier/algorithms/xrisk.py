@@ -10,6 +10,9 @@ Two objectives are implemented:
 
 * ``auroc`` (FeDXL1, linear ``f(x) = x``): the pairwise squared hinge
   ``l(a, b) = (m - a + b)_+^2`` (the corrected Eq. 14 hinge, the paper's AUROC surrogate family);
+* ``psm`` (FeDXL1, linear ``f``): the pairwise sigmoid loss ``l(a, b) = (1 + exp(a - b))^-1 = sigmoid(b - a)``,
+  symmetric (``l(a, b) + l(b, a) = 1``) and so robust to corrupted labels — the loss of the paper's Table 3
+  (20 % corrupted labels);
 * ``pauc`` (FeDXL2, nonlinear ``f``): KL-OPAUC, one-way partial AUROC through KL-DRO,
   ``l(a, b) = exp((m - a + b)_+^2 / lambda)`` and ``f(x) = lambda log x`` (Eq. 14 and App. B Eq. 17,
   with the sign corrected: negatives scored near or above positives are penalised).
@@ -41,8 +44,9 @@ import numpy as np
 
 from fedtier.errors import LocalProtocolError
 
-OBJECTIVES = ("auroc", "pauc")
-"""``auroc``: FeDXL1 with the squared hinge; ``pauc``: FeDXL2 with KL-OPAUC."""
+OBJECTIVES = ("auroc", "pauc", "psm")
+"""``auroc``: FeDXL1 with the squared hinge; ``pauc``: FeDXL2 with KL-OPAUC; ``psm``: FeDXL1 with the
+pairwise sigmoid loss."""
 
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
@@ -88,12 +92,19 @@ class Objective:
 
     def pair(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """``l(a, b)`` elementwise (broadcasting)."""
+        if self.name == "psm":
+            return sigmoid(np.asarray(b, np.float64) - np.asarray(a, np.float64))
         t = self._hinge(a, b)
         return t * t if self.name == "auroc" else np.exp(t * t / self.lam)
 
     def pair_grads(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(d l / d a, d l / d b)`` elementwise: ``-/+ 2t`` (squared hinge), ``-/+ 2t/lambda exp(t^2/lambda)``
-        (KL-OPAUC). The positive's score is pushed up, the negative's down."""
+        (KL-OPAUC), ``-/+ sigmoid(b - a) (1 - sigmoid(b - a))`` (PSM). The positive's score is pushed up, the
+        negative's down."""
+        if self.name == "psm":
+            p = sigmoid(np.asarray(b, np.float64) - np.asarray(a, np.float64))
+            d = p * (1.0 - p)
+            return -d, d
         t = self._hinge(a, b)
         if self.name == "auroc":
             db = 2.0 * t
@@ -104,20 +115,21 @@ class Objective:
     def outer(self, x: np.ndarray) -> np.ndarray:
         """``f(x)``: ``x`` (linear) or ``lambda log x``."""
         x = np.asarray(x, np.float64)
-        return x if self.name == "auroc" else self.lam * np.log(x)
+        return self.lam * np.log(x) if self.compositional else x
 
     def outer_grad(self, u: np.ndarray) -> np.ndarray:
         """``f'(u)``: 1 (linear) or ``lambda / u``. ``u`` of KL-OPAUC is at least 1 in exact arithmetic
         (``l >= 1``, ``u`` starts at 1); it is floored there so a rounding error cannot blow up a weight."""
         u = np.asarray(u, np.float64)
-        if self.name == "auroc":
+        if not self.compositional:
             return np.ones_like(u)
         return self.lam / np.maximum(u, 1.0)
 
     @property
     def u_init(self) -> float:
         """Initial ``u`` of every local positive: 1, the smallest value of KL-OPAUC's ``l`` (the authors' code;
-        the paper writes 0, which ``f'(u) = lambda/u`` cannot take)."""
+        the paper's Algorithm 2 writes 0, which ``f'(u) = lambda / u`` cannot take: the first positive's weight
+        would be infinite). docs/fedxl.md says so too."""
         return 1.0
 
 

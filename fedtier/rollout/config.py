@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from fedtier import algorithms
 from fedtier.algorithms import strategies
+from fedtier.algorithms.common import LR_SCHEDULES
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.algorithms.secure_fedavg import MAX_PHASES_SHARE, PHASE_SHARES, SecureFedAvgConfig, check_phase_shares
 from fedtier.algorithms.fedxl import FedXLConfig
@@ -420,9 +421,11 @@ class FedXLSection(RoundSection):
     training starts in round 1.
     """
 
-    objective: str = opt("auroc", choices=("auroc", "pauc"),
-                         help="auroc: FeDXL1, the pairwise squared hinge (AUROC); pauc: FeDXL2, KL-OPAUC (one-way "
-                              "partial AUROC) with moving averages u and momentum.")
+    objective: str = opt("auroc", choices=("auroc", "pauc", "psm"),
+                         help="auroc: FeDXL1, the pairwise squared hinge (AUROC); psm: FeDXL1, the pairwise sigmoid "
+                              "loss (AUROC, robust to corrupted labels: the paper's Table 3); pauc: FeDXL2, KL-OPAUC "
+                              "(one-way partial AUROC) with moving averages u (each positive's starts at 1) and "
+                              "momentum.")
     batch_size: int = opt(32, min=1, help="B1: positives drawn per local step.")
     batch_neg: int = opt(0, min=0, help="B2: negatives drawn per local step (0 = batch_size).")
     local_steps: int = opt(32, min=1, help="K: local steps per round (the communication interval).")
@@ -440,11 +443,19 @@ class FedXLSection(RoundSection):
     participation: float = opt(1.0, check=_unit_interval,
                                help="Share of devices sampled for each training round (partial participation); "
                                     "1 = every device.")
+    lr_schedule: str = opt("constant", choices=LR_SCHEDULES,
+                           help="constant: lr throughout; step: lr times lr_decay_factor every lr_decay_every local "
+                                "iterations, counted from the first training round (with the defaults the paper's: "
+                                "a tenth every 5,000).")
+    lr_decay_every: int = opt(5000, min=1, help="step: local iterations between two decays (the paper: 5,000).")
+    lr_decay_factor: float = opt(0.1, gt=0, max=1, help="step: the decay's factor (the paper: 0.1).")
 
     def algorithm_config(self, seed: int) -> FedXLConfig:
         return FedXLConfig(objective=self.objective, local_steps=self.local_steps, batch_neg=self.batch_neg,
                            margin=self.margin, lam=self.lam, gamma=self.gamma, beta=self.beta, pairs=self.pairs,
-                           upload_scores=self.upload_scores, participation=self.participation, **self.common(seed))
+                           upload_scores=self.upload_scores, participation=self.participation,
+                           lr_schedule=self.lr_schedule, lr_decay_every=self.lr_decay_every,
+                           lr_decay_factor=self.lr_decay_factor, **self.common(seed))
 
 
 def _embedding_bits(value: int) -> None:
@@ -468,8 +479,20 @@ class HsgdSection(RoundSection):
     local_interval: int = opt(2, min=1, help="Q: iterations per local interval, between two embedding exchanges.")
     alpha: float = opt(0.2, check=_unit_interval, help="Share of a cell's devices selected each interval, in (0, 1].")
     bits_embedding: int = opt(32, check=_embedding_bits,
-                              help="QSGD width of the vertical path (embeddings and the head), 2..8, or 32 = "
-                                   "float32 (the paper's HSGD; C-HSGD is 7).")
+                              help="Compression level of the vertical path (embeddings and the head) on every hop, "
+                                   "the edge's relays included: 2..8, or 32 = float32 (the paper's HSGD). qsgd: the "
+                                   "QSGD width; topk: each row keeps bits_embedding/32 of its entries (the paper's "
+                                   "C-HSGD: 7).")
+    compressor: str = opt("qsgd", choices=("qsgd", "topk"),
+                          help="How bits_embedding < 32 compresses: qsgd, QSGD row by row scaled by each row's largest "
+                               "magnitude (this project's substitute); topk, top-k sparsification row by row (the "
+                               "paper's C-HSGD).")
+    lr_schedule: str = opt("constant", choices=LR_SCHEDULES,
+                           help="constant: lr throughout; step: lr times lr_decay_factor every lr_decay_every "
+                                "iterations (the paper halves it every T0).")
+    lr_decay_every: int = opt(0, min=0, help="step: iterations between two decays, the paper's T0 (it gives no value); "
+                                             "a multiple of local_interval.")
+    lr_decay_factor: float = opt(0.5, gt=0, max=1, help="step: the decay's factor (the paper: 0.5).")
     host_features: int = opt(0, min=0, help="The host's block X1: the dataset's first host_features columns (0 = two "
                                             "thirds of them); the devices hold the rest. Needed with dataset = "
                                             "'files'.")
@@ -484,6 +507,10 @@ class HsgdSection(RoundSection):
         if self.global_interval % self.local_interval:
             raise self.error(f"global_interval P = {self.global_interval} must be a multiple of local_interval "
                              f"Q = {self.local_interval}", "global_interval", prefix=prefix, source=source)
+        if self.lr_schedule == "step" and (self.lr_decay_every < 1 or self.lr_decay_every % self.local_interval):
+            raise self.error(f"lr_schedule = 'step' needs lr_decay_every (the paper's T0) >= 1 and a multiple of "
+                             f"local_interval Q = {self.local_interval}; got {self.lr_decay_every}", "lr_decay_every",
+                             prefix=prefix, source=source)
         for cell, host in (self.hosts or {}).items():
             try:
                 check_id(host, "host")
@@ -499,7 +526,9 @@ class HsgdSection(RoundSection):
 
     def algorithm_config(self, seed: int, hosts: Mapping[str, str] | None = None) -> HsgdConfig:
         return HsgdConfig(global_interval=self.global_interval, local_interval=self.local_interval, alpha=self.alpha,
-                          bits_embedding=self.bits_embedding, hosts=dict(hosts or {}), **self.common(seed))
+                          bits_embedding=self.bits_embedding, compressor=self.compressor,
+                          lr_schedule=self.lr_schedule, lr_decay_every=self.lr_decay_every,
+                          lr_decay_factor=self.lr_decay_factor, hosts=dict(hosts or {}), **self.common(seed))
 
 
 def _open_unit(value: float) -> None:

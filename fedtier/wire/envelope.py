@@ -30,7 +30,9 @@ unkeyed digest: TLS and signed manifests do that. ``crc32`` (4 bytes) detects ev
 
 Tensor encodings are a registry (``ENCODINGS``): ``f32`` and ``f16`` (little-endian IEEE),
 ``u8`` (opaque bytes, e.g. an artifact file), ``qsgd`` (a float32 norm and ``b``-bit QSGD
-codes, see ``fedtier.wire.quant``; the spec map carries ``b``).
+codes, see ``fedtier.wire.quant``; the spec map carries ``b``), ``qrows`` (QSGD row by row, a float32
+scale per row; spec ``b``) and ``topk`` (each row's ``k`` kept entries as indices and float32 values;
+spec ``k``) — the last two HSGD's compressed embeddings, which an edge relays by re-encoding them.
 
 ``decode`` is the only way in from the wire. It validates everything and raises a subclass
 of ``DecodeError``: never pickle, never trust a length. Decoded arrays are read-only.
@@ -267,7 +269,106 @@ def _qsgd() -> Encoding:
                     defer=check)
 
 
-for _enc in (_raw_float("float32", 4), _raw_float("float16", 2), _u8(), _qsgd()):
+def _bits_of(spec: Mapping[str, Any], what: str) -> int:
+    bits = spec.get("b")
+    if not isinstance(bits, int) or isinstance(bits, bool) or not quant.MIN_BITS <= bits <= quant.MAX_BITS:
+        raise TensorSpecError(f"{what} bits {bits!r} outside [{quant.MIN_BITS}, {quant.MAX_BITS}]")
+    return bits
+
+
+def _qrows() -> Encoding:
+    """QSGD per row with each row's largest magnitude as its scale (``fedtier.wire.quant.qrows``): a float32
+    scale per row, then ``b``-bit codes of every entry; spec ``{"b": bits}``.
+
+    Encoding is lossless and a pure function of the values (a relay re-encodes what it received into the
+    same bytes): the tensor must already be on the grid (``quant.qrows``). Decoding rejects bit widths out
+    of range, negative, non-finite or subnormal scales, unused codes, and rows not in canonical form (a
+    row with a positive scale has an entry on the top level; a row with scale 0 has only zeros).
+    """
+
+    def encode(arr: np.ndarray, params: Mapping[str, Any]) -> EncodedTensor:
+        bits = params["bits"]
+        scales, signed = quant.qrows_levels(arr, bits)
+        return EncodedTensor(spec={"b": bits},
+                             data=scales.astype("<f4").tobytes() + quant.pack(signed.ravel(), bits))
+
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> np.ndarray:
+        bits = _bits_of(spec, "qrows")
+        s = quant.levels(bits)
+        rows, width = quant.rows_of(shape)
+        scales = np.frombuffer(data[:4 * rows], dtype="<f4").astype(np.float32)
+        if not np.isfinite(scales).all():
+            raise NonFiniteTensorError("a qrows scale is not finite")
+        if np.any(scales < 0) or np.any((scales > 0) & (scales < np.finfo(np.float32).tiny)):
+            raise TensorSpecError("a qrows scale is negative or subnormal")
+        try:
+            signed = quant.unpack(data[4 * rows:], bits, rows * width).reshape(rows, width)
+        except ValueError as exc:
+            raise TensorSpecError(f"qrows codes: {exc}") from None
+        top = np.abs(signed).max(axis=1) if width else np.zeros(rows, np.int16)
+        if np.any((scales > 0) & (top != s)) or np.any((scales == 0) & (top != 0)):
+            raise TensorSpecError("a qrows row is not in canonical form (its largest level must be the top one, "
+                                  "or every level 0 with scale 0)")
+        return quant.qrows_dequantize(scales, signed, s).reshape(shape)
+
+    def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
+        return quant.qrows_size(shape, _bits_of(spec, "qrows"))
+
+    return Encoding(name="qrows", encode=encode, decode=decode, expected_nbytes=nbytes)
+
+
+TOPK_MAX_EXPANSION = 64
+"""A ``topk`` tensor's dense float32 form may weigh at most this many times its body (plus 4 KiB): a small
+message must not decode into a huge array."""
+
+
+def _topk() -> Encoding:
+    """Top-k sparsification row by row (``fedtier.wire.quant.topk_rows``): per row ``k`` indices (uint16 for
+    rows up to 65,536 wide, else uint32) in increasing order, then the ``k`` float32 values of every row;
+    spec ``{"k": k}``. A row with fewer than ``k`` non-zeros is padded with zeros at its lowest unused indices,
+    so the bytes are a pure function of the values (a relay re-encodes them unchanged).
+
+    Decoding rejects ``k`` outside ``[0, width]``, indices out of range or not strictly increasing within a
+    row, and tensors whose dense form would exceed ``TOPK_MAX_EXPANSION`` times their bytes.
+    """
+
+    def k_of(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
+        k = spec.get("k")
+        _, width = quant.rows_of(shape)
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= width:
+            raise TensorSpecError(f"top-k count {k!r} outside [0, {width}]")
+        return k
+
+    def encode(arr: np.ndarray, params: Mapping[str, Any]) -> EncodedTensor:
+        k = params["k"]
+        _, width = quant.rows_of(np.shape(arr))
+        idx, vals = quant.topk_entries(arr, k)
+        index_type = "<u2" if quant.topk_index_bytes(width) == 2 else "<u4"
+        return EncodedTensor(spec={"k": k}, data=idx.astype(index_type).tobytes() + vals.astype("<f4").tobytes())
+
+    def decode(shape: tuple[int, ...], spec: Mapping[str, Any], data: memoryview) -> np.ndarray:
+        k = k_of(shape, spec)
+        rows, width = quant.rows_of(shape)
+        if 4 * rows * width > TOPK_MAX_EXPANSION * len(data) + 4096:
+            raise TensorSpecError(f"top-k tensor of shape {shape} would expand {len(data)} bytes beyond "
+                                  f"{TOPK_MAX_EXPANSION}x")
+        ib = quant.topk_index_bytes(width)
+        idx = np.frombuffer(data[:rows * k * ib], dtype="<u2" if ib == 2 else "<u4").astype(np.int64)
+        idx = idx.reshape(rows, k)
+        vals = np.frombuffer(data[rows * k * ib:], dtype="<f4").astype(np.float32).reshape(rows, k)
+        if idx.size and (int(idx.max()) >= width or (k > 1 and np.any(np.diff(idx, axis=1) <= 0))):
+            raise TensorSpecError("top-k indices out of range or not strictly increasing within a row")
+        out = np.zeros((rows, width), np.float32)
+        np.put_along_axis(out, idx, vals, axis=1)
+        return out.reshape(shape)
+
+    def nbytes(shape: tuple[int, ...], spec: Mapping[str, Any]) -> int:
+        return quant.topk_size(shape, k_of(shape, spec))
+
+    return Encoding(name="topk", encode=encode, decode=decode, expected_nbytes=nbytes)
+
+
+for _enc in (_raw_float("float32", 4), _raw_float("float16", 2), _u8(), _qsgd(), _qrows(), _topk()):
     register_encoding(_enc)
 # Short wire names for the float encodings.
 ENCODINGS["f32"] = ENCODINGS.pop("float32")

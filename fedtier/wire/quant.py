@@ -345,3 +345,152 @@ def unpack(data: bytes | memoryview, bits: int, numel: int) -> np.ndarray:
     if np.any(codes > 2 * s):
         raise ValueError(f"code above {2 * s} (the largest level) at {bits} bits")
     return (codes - s).astype(np.int16)
+
+
+# --- per-row codecs of embeddings (HSGD's vertical path) ------------------------------------------
+#
+# An embedding matrix crosses two hops (device -> edge -> host, host -> edge -> device), and the edge
+# relays rows: it stacks the devices' rows into Z2 and hands each device its row of Z1. A codec whose
+# encoding is a pure function of the values it carries lets the edge re-encode what it relays without
+# a second loss. Both codecs below are such: every row is coded on its own (``rows_of``: axis 0 of a
+# 2-D or higher tensor, the whole tensor when it is 0- or 1-D), and encoding a row already on its grid
+# (or already sparse) gives back the same bytes.
+
+
+def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(rows, width)`` of a tensor coded row by row: axis 0 for two or more dimensions, else one row."""
+    if len(shape) <= 1:
+        return 1, int(shape[0]) if shape else 1
+    width = 1
+    for d in shape[1:]:
+        width *= int(d)
+    return int(shape[0]), width
+
+
+def _row_view(x: np.ndarray) -> np.ndarray:
+    rows, width = rows_of(np.shape(x))
+    return np.asarray(x).reshape(rows, width)
+
+
+def qrows_dequantize(scales: np.ndarray, signed_levels: np.ndarray, s: int) -> np.ndarray:
+    """Values ``scale_r * (k / s)`` in float32 (``(rows, width)``), the same on both ends; ``k = ±s`` gives
+    exactly ``±scale_r``."""
+    return np.asarray(scales, np.float32)[:, None] * (signed_levels.astype(np.float32) / np.float32(s))
+
+
+def qrows(x: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray:
+    """QSGD with each row's largest magnitude as its scale (QSGD's max-norm variant, row by row).
+
+    Each entry becomes ``sign(x) scale k / s`` with ``k`` stochastically rounded between the two levels
+    around ``|x| / scale * s`` (unbiased: ``E[Q(x)] = x``), ``s = 2^(bits-1) - 1``; the row's largest
+    entry lands exactly on ``±scale``. Returns float32 values of ``x``'s shape, on the grid (``qrows_levels``
+    recovers the levels exactly)."""
+    s = levels(bits)
+    flat = _row_view(np.asarray(x, np.float64))
+    if not np.isfinite(flat).all():
+        raise LocalProtocolError("cannot quantize a tensor with NaN or infinite entries")
+    scales = np.abs(flat).max(axis=1) if flat.shape[1] else np.zeros(flat.shape[0])
+    scales32 = scales.astype(np.float32)
+    if not np.isfinite(scales32).all():
+        raise LocalProtocolError("a row's largest magnitude overflows float32")
+    scales32[scales32 < np.finfo(np.float32).tiny] = 0  # subnormal scales: the row is sent as zeros
+    safe = np.where(scales32 > 0, scales32.astype(np.float64), 1.0)
+    scaled = np.abs(flat) / safe[:, None] * s
+    lower = np.floor(scaled)
+    k = np.minimum(lower + (rng.random(flat.shape) < scaled - lower), s)
+    k[np.abs(flat) == scales[:, None]] = s  # the largest entry is exactly on the top level
+    signed = (np.sign(flat) * k).astype(np.int16)
+    signed[scales32 == 0] = 0
+    return qrows_dequantize(scales32, signed, s).reshape(np.shape(x))
+
+
+def qrows_levels(values: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(scales, signed levels)`` of ``values`` on the ``qrows`` grid: each row's scale is its largest
+    magnitude, and its levels reproduce it bit for bit.
+
+    Raises:
+        LocalProtocolError: ``values`` are not on that grid (not quantized with ``qrows`` at ``bits``).
+    """
+    s = levels(bits)
+    flat = _row_view(np.asarray(values, np.float32))
+    if not np.isfinite(flat).all():
+        raise LocalProtocolError("non-finite values cannot be on the qrows grid")
+    scales = np.abs(flat).max(axis=1) if flat.shape[1] else np.zeros(flat.shape[0], np.float32)
+    if np.any((scales > 0) & (scales < np.finfo(np.float32).tiny)):
+        raise LocalProtocolError("a row's scale is subnormal: not on the qrows grid")
+    safe = np.where(scales > 0, scales.astype(np.float64), 1.0)
+    k = np.rint(flat.astype(np.float64) / safe[:, None] * s).astype(np.int64)
+    if np.any(np.abs(k) > s) or not np.array_equal(qrows_dequantize(scales, k, s), flat):
+        raise LocalProtocolError(f"tensor is not on the {bits}-bit qrows grid; quantize it with quant.qrows first")
+    return scales.astype(np.float32), k.astype(np.int16)
+
+
+def on_qrows_grid(values: np.ndarray, bits: int) -> bool:
+    """Whether ``values`` are on the ``qrows`` grid at ``bits`` (what an edge checks before relaying)."""
+    try:
+        qrows_levels(values, bits)
+    except LocalProtocolError:
+        return False
+    return True
+
+
+def qrows_size(shape: tuple[int, ...], bits: int) -> int:
+    """Body bytes of a ``qrows`` tensor: a float32 scale per row, then every code packed at ``bits``."""
+    rows, width = rows_of(shape)
+    return 4 * rows + (rows * width * bits + 7) // 8
+
+
+def topk_count(width: int, bits: int) -> int:
+    """Entries a top-k row keeps at the compression level ``bits``: the paper's ratio ``log2(b) / 32`` of
+    them (``bits = log2 b``; C-HSGD's b = 128 keeps 7/32), rounded up, at least one of a non-empty row."""
+    if width == 0:
+        return 0
+    return max(1, min(width, -(-width * bits // 32)))
+
+
+def topk_rows(x: np.ndarray, k: int) -> np.ndarray:
+    """Top-k sparsification row by row: each row keeps its ``k`` largest magnitudes (ties: the lower index),
+    the rest become 0. Deterministic; float32 of ``x``'s shape."""
+    flat = _row_view(np.asarray(x, np.float32))
+    out = np.zeros_like(flat)
+    if flat.shape[1] and k > 0:
+        keep = np.argsort(-np.abs(flat), axis=1, kind="stable")[:, :k]
+        np.put_along_axis(out, keep, np.take_along_axis(flat, keep, axis=1), axis=1)
+    return out.reshape(np.shape(x))
+
+
+def topk_entries(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices, values)``, each ``(rows, k)``: every row's non-zero entries, padded with zeros at its lowest
+    unused indices, in increasing index order (what the ``topk`` encoding sends).
+
+    Raises:
+        LocalProtocolError: a row has more than ``k`` non-zero entries (sparsify it with ``topk_rows`` first).
+    """
+    flat = _row_view(np.asarray(values, np.float32))
+    rows, width = flat.shape
+    if not 0 <= k <= width:
+        raise LocalProtocolError(f"top-k keeps {k} of {width} entries per row")
+    nonzero = flat != 0
+    if np.any(nonzero.sum(axis=1) > k):
+        raise LocalProtocolError(f"a row has more than {k} non-zero entries; sparsify it with quant.topk_rows first")
+    # non-zeros first, then the lowest indices: a stable sort on "is zero" keeps index order within each group
+    order = np.argsort(~nonzero, axis=1, kind="stable")[:, :k]
+    idx = np.sort(order, axis=1)
+    return idx, np.take_along_axis(flat, idx, axis=1)
+
+
+def is_topk(values: np.ndarray, k: int) -> bool:
+    """Whether every row of ``values`` has at most ``k`` non-zero entries (what an edge checks before relaying)."""
+    flat = _row_view(np.asarray(values))
+    return bool(0 <= k <= flat.shape[1] and not np.any((flat != 0).sum(axis=1) > k))
+
+
+def topk_index_bytes(width: int) -> int:
+    """Bytes of one index: 2 for rows up to 65,536 wide, else 4."""
+    return 2 if width <= 1 << 16 else 4
+
+
+def topk_size(shape: tuple[int, ...], k: int) -> int:
+    """Body bytes of a ``topk`` tensor: ``k`` indices and ``k`` float32 values per row."""
+    rows, width = rows_of(shape)
+    return rows * k * (topk_index_bytes(width) + 4)

@@ -296,7 +296,7 @@ def test_demo_trains_fedxl_on_one_class_devices_and_reports_auroc_per_round() ->
     assert all({"auroc", "pauc_0.3", "pauc_0.5"} <= set(r) for r in rounds)
     assert rounds[0]["auroc"] < rounds[1]["auroc"] - 0.2  # round 0 only collects scores; training starts in 1
     assert min(r["auroc"] for r in rounds[1:]) >= 0.85, [r["auroc"] for r in rounds]
-    assert result["final_ranking"]["auroc"] >= 0.85 and result["final_ranking"]["pauc_0.5"] >= 0.8
+    assert result["final_ranking"]["auroc"] >= 0.90 and result["final_ranking"]["pauc_0.5"] >= 0.8
 
 
 def test_the_hsgd_demo_with_defaults_runs_hosts_and_devices_through_mosquitto_within_two_minutes() -> None:

@@ -458,3 +458,47 @@ def test_results_nobody_asked_for_are_misuse(trainer: Any, init: dict) -> None:
         device.scored(0, 0, RowScores(rows={}, outputs={}, num_samples=1))
     with pytest.raises(LocalProtocolError):  # ERROR is terminal
         device.gradient_done(0, 0, GradientResult(grad={}, loss=0.0, num_samples=1))
+
+
+@pytest.mark.parametrize("objective", ["auroc", "pauc", "psm"])
+def test_the_lr_of_every_step_is_the_schedules(trainer: Any, init: dict, objective: str) -> None:
+    """``lr_schedule = "step"``: step k of training round r (round 0 collects the pool) takes
+    ``lr * factor ** (((r - 1) K + k) // every)``, computed from the counters alone."""
+    every, factor, lr = 4, 0.5, 0.5
+    h = make(trainer, init, rounds=4, objective=objective, record=True, lr=lr, lr_schedule="step",
+             lr_decay_every=every, lr_decay_factor=factor, beta=1.0)
+    h.run()
+    K = h.config.local_steps
+    assert [h.config.lr_at(r, k) for r in (1, 2, 3) for k in range(K)] == [
+        lr * factor ** (((r - 1) * K + k) // every) for r in (1, 2, 3) for k in range(K)]
+    checked = 0
+    for u in uploads(h):
+        if u.round == 0:
+            continue
+        params = {n: np.array(v) for n, v in next(t for t in tasks(h, u.sender) if t.round == u.round).params.items()}
+        start = {n: v.copy() for n, v in params.items()}
+        steps = [(k, g) for d, r, k, g in h.compute.gradients if d == u.sender and r == u.round]
+        assert [k for k, _ in steps] == list(range(K))
+        for k, g in steps:  # beta = 1: the momentum is the step's gradient, so every step is w - lr_t g
+            rate = np.float32(lr * factor ** (((u.round - 1) * K + k) // every))
+            params = {n: (p - rate * np.asarray(g[n], np.float32)).astype(np.float32) for n, p in params.items()}
+        for n in params:
+            np.testing.assert_allclose(u.delta[n], params[n] - start[n], rtol=1e-5, atol=1e-7)
+        checked += 1
+    assert checked == 3 * len(DEVICES)
+    assert FedXLConfig.from_dict(h.config.to_dict()) == h.config
+    assert "lr_schedule" not in config().to_dict()  # constant: tasks stay byte for byte what they were
+
+
+def test_the_pairwise_sigmoid_loss_is_symmetric_and_pushes_the_pair_apart() -> None:
+    from fedtier.algorithms import xrisk
+
+    psm = xrisk.Objective("psm")
+    a, b = np.array([0.9, 0.2, 0.5]), np.array([0.1, 0.7, 0.5])
+    np.testing.assert_allclose(psm.pair(a, b) + psm.pair(b, a), 1.0)  # l(a, b) + l(b, a) = 1: robust to flips
+    np.testing.assert_allclose(psm.pair(a, b), 1 / (1 + np.exp(a - b)))
+    da, db = psm.pair_grads(a, b)
+    assert np.all(da < 0) and np.all(db > 0)
+    eps = 1e-6
+    np.testing.assert_allclose(da, (psm.pair(a + eps, b) - psm.pair(a - eps, b)) / (2 * eps), rtol=1e-6)
+    assert not psm.compositional and np.all(psm.outer_grad(np.array([3.0])) == 1.0)

@@ -18,6 +18,7 @@ from local_fleet import hsgd_reference as ref
 from fedtier.algorithms import hsgd, hsgd_plan, load
 from fedtier.algorithms.base import Broadcast, SendToParent
 from fedtier.errors import (
+    EmbeddingEncodingError,
     EmbeddingNonFiniteError,
     EmbeddingWidthError,
     LocalProtocolError,
@@ -234,13 +235,17 @@ def test_a5_one_exchange_per_interval_and_the_partner_values_are_those_of_its_st
 
 
 def test_a6_worked_example() -> None:
+    """The digest's illustrative sizes (made up for it, not the paper's)."""
     s = hsgd_plan.Sizes(theta0=1000, theta1=5000, theta2=2000, selected=10, d1=16, d2=16)
     assert hsgd_plan.cost_round(s, 10, 5) == 47_640
     assert hsgd_plan.bytes_round(s, 10, 5) == 190_560
     assert hsgd_plan.cost_total(s, 10, 5, M=3, T=100) == pytest.approx(47_640 * 3 * 10)
     c = hsgd_plan.bytes_round(s, 10, 5, bits_embedding=7)
-    vertical = 1000 + 10 * 32
-    assert c == pytest.approx(4 * (5000 + 2 * 10 * 2000) + 2 * (vertical * 7 / 8 + 4 * 13))
+    # theta0 as one row (a scale and 1000 7-bit codes), Z1 and Z2 as 10 rows of 16 (10 scales, 160 codes)
+    assert c == 4 * (5000 + 2 * 10 * 2000) + 2 * ((4 + 875) + 2 * (40 + 140))
+    k = hsgd_plan.bytes_round(s, 10, 5, bits_embedding=7, compressor="topk")
+    # top-k keeps ceil(7/32 of a row): 219 of theta0's 1000, 4 of each 16-wide row; 2-byte index + 4-byte value
+    assert k == 4 * (5000 + 2 * 10 * 2000) + 2 * 6 * (219 + 2 * 10 * 4)
     with pytest.raises(LocalProtocolError):
         hsgd_plan.cost_round(s, 10, 4)
 
@@ -380,17 +385,128 @@ def test_embedding_messages_round_trip_and_validate() -> None:
         decode_message(bad.encode())
 
 
-def test_c_hsgd_quantizes_the_vertical_path_only(data: Any) -> None:
+VERTICAL_HOPS = {("hsgd_embeddings", "device", "edge"), ("hsgd_partner", "edge", "host"),
+                 ("hsgd_embeddings", "host", "edge"), ("hsgd_partner", "edge", "device")}
+
+
+@pytest.mark.parametrize(("bits", "compressor"), [(32, "qsgd"), (7, "qsgd"), (3, "qsgd"), (7, "topk")])
+def test_every_vertical_hop_is_compressed_and_the_meters_equal_the_wire(data: Any, bits: int,
+                                                                        compressor: str) -> None:
+    """bits_embedding applies to every hop, the edge's relays included: the tensor bytes each hop carried equal
+    ``vertical_hop_bytes``, and the paper's items as they crossed the wire (theta1, the devices' theta2, Z2 to the
+    host, Z1 and theta0 from it) equal the edge's ``paper_bytes`` and ``bytes_round``."""
+    groups, _ = data
+    P, Q, rounds, alpha = 4, 2, 2, 0.1
+    cells, config = setup(groups, global_interval=P, local_interval=Q, alpha=alpha, lr=0.05, bits_embedding=bits,
+                          compressor=compressor)
+    res = hsgd_loop.run(cells, split.init_params(ARCH, 0), config, rounds=rounds)
+
+    expected_hops, expected_paper = 0, 0
+    for d in cells.values():
+        k = int(math.floor(alpha * len(d.devices) + 0.5))
+        s = hsgd_plan.Sizes(ARCH.block_size("theta0"), ARCH.block_size("theta1"), ARCH.block_size("theta2"), k,
+                            ARCH.d1, ARCH.d2, classes=ARCH.classes)
+        expected_hops += rounds * (P // Q) * hsgd_plan.vertical_hop_bytes(s, bits, compressor)
+        expected_paper += rounds * hsgd_plan.bytes_round(s, P, Q, bits, compressor)
+    measured_hops = sum(v for key, v in res.tensors.items() if key in VERTICAL_HOPS)
+    assert measured_hops == expected_hops == sum(r["vertical_bytes"] for r in res.rounds)
+    theta1 = 4 * ARCH.block_size("theta1") * rounds * len(cells)
+    measured_paper = (res.tensors[("hsgd_partner", "edge", "host")] + res.tensors[("hsgd_embeddings", "host", "edge")]
+                      + res.tensors[("device_update", "device", "edge")] + theta1)
+    assert measured_paper == expected_paper == sum(r["paper_bytes"] for r in res.rounds)
+
+
+def test_relays_are_compressed_too_and_top_k_is_a_second_compressor(data: Any) -> None:
     groups, _ = data
     init = split.init_params(ARCH, 0)
-    sizes = {}
-    for bits in (32, 7):
+    runs = {}
+    for bits, compressor in ((32, "qsgd"), (7, "qsgd"), (7, "topk")):
         cells, config = setup(groups[:1], global_interval=2, local_interval=1, alpha=0.2, lr=0.05,
-                              bits_embedding=bits)
-        res = hsgd_loop.run(cells, init, config, rounds=2)
-        sizes[bits] = res.bytes
-    assert sizes[7]["vertical"] < sizes[32]["vertical"]
-    assert sizes[7]["edge_up"] == sizes[32]["edge_up"]  # the models to the cloud stay float32
+                              bits_embedding=bits, compressor=compressor)
+        runs[(bits, compressor)] = hsgd_loop.run(cells, init, config, rounds=2, keep_trace=True)
+    f32, q7, k7 = runs[(32, "qsgd")], runs[(7, "qsgd")], runs[(7, "topk")]
+    for hop in VERTICAL_HOPS:  # every hop shrinks, the edge's relays to the host and the devices included
+        assert q7.tensors[hop] < 0.4 * f32.tensors[hop], hop
+        assert k7.tensors[hop] < 0.6 * f32.tensors[hop], hop
+    assert q7.bytes["edge_up"] == f32.bytes["edge_up"]  # the models to the cloud stay float32
+    assert f32.trace == q7.trace == k7.trace  # the same messages, smaller
+    assert max_diff(q7.params, f32.params) > 0 and max_diff(k7.params, f32.params) > 0
+
+
+def test_the_edge_refuses_embeddings_and_heads_not_in_the_compressed_form() -> None:
+    params = split.init_params(ARCH, 1)
+    devices = tuple(f"d{i}" for i in range(10))
+    for compressor in ("qsgd", "topk"):
+        config = hsgd.HsgdConfig(global_interval=1, local_interval=1, alpha=0.3, hosts={"c": "h"},
+                                 bits_embedding=7, compressor=compressor)
+        edge = hsgd.Edge(cell="c", rollout="r")
+        edge.receive(CellTask(rollout="r", round=0, sender="cloud", params=params, members=(*devices, "h"),
+                              config=config.to_dict()), 0.0)
+        raw = (np.arange(1, ARCH.d2 + 1, dtype=np.float32) / 7.3)[None, :] ** 2  # float32: off the grid, dense
+        with pytest.raises(EmbeddingEncodingError):
+            edge.receive(Embeddings(rollout="r", round=0, sender=edge.selected[0], zeta=raw,
+                                    rows=(edge.selected[0],)), 0.0)
+        rng = np.random.default_rng(0)
+        for d in edge.selected:
+            zeta = (hsgd.quant.qrows(raw, 7, rng) if compressor == "qsgd"
+                    else hsgd.quant.topk_rows(raw, hsgd.quant.topk_count(ARCH.d2, 7)))
+            edge.receive(Embeddings(rollout="r", round=0, sender=d, zeta=zeta, rows=(d,)), 0.0)
+        rows = edge.selected
+        with pytest.raises(EmbeddingEncodingError):  # Z1 compressed, the head in float32
+            z1 = np.ones((len(rows), ARCH.d1), np.float32) if compressor == "qsgd" else np.zeros((len(rows), ARCH.d1),
+                                                                                               np.float32)
+            edge.receive(Embeddings(rollout="r", round=0, sender="h", zeta=z1, rows=rows,
+                                    params=split.block(params, "theta0")), 0.0)
+        assert edge.rejected == Counter({"embedding_encoding": 2})
+
+
+def test_compressor_and_lr_schedule_settings() -> None:
+    with pytest.raises(LocalProtocolError, match="compressor"):
+        hsgd.HsgdConfig(compressor="zip")
+    with pytest.raises(LocalProtocolError, match="lr_decay_every"):
+        hsgd.HsgdConfig(lr_schedule="step")
+    with pytest.raises(LocalProtocolError, match="multiple of local_interval"):
+        hsgd.HsgdConfig(global_interval=4, local_interval=2, lr_schedule="step", lr_decay_every=3)
+    with pytest.raises(LocalProtocolError, match="lr_decay_factor"):
+        hsgd.HsgdConfig(lr_schedule="step", lr_decay_every=2, lr_decay_factor=1.5)
+    plain = hsgd.HsgdConfig(hosts={"c": "h"})
+    assert not {"compressor", "lr_schedule", "lr_decay_every", "lr_decay_factor"} & set(plain.to_dict())
+    config = hsgd.HsgdConfig(global_interval=4, local_interval=2, hosts={"c": "h"}, compressor="topk",
+                             bits_embedding=7, lr=0.2, lr_schedule="step", lr_decay_every=6)
+    assert hsgd.HsgdConfig.from_dict(config.to_dict()) == config
+    assert [config.lr_at(r, s) for r in range(3) for s in range(2)] == [0.2, 0.2, 0.2, 0.1, 0.1, 0.1]
+    assert config.lr_at(3, 0) == 0.05  # iteration 12
+
+
+def test_the_lr_of_every_interval_is_the_schedules(data: Any) -> None:
+    """Hosts and devices train every interval at the rate the schedule gives its first iteration ``r P + s Q``."""
+    groups, _ = data
+    P, Q, every = 4, 2, 6
+    cells, config = setup(groups[:2], global_interval=P, local_interval=Q, alpha=0.1, lr=0.08, lr_schedule="step",
+                          lr_decay_every=every, lr_decay_factor=0.5)
+    used: dict[tuple[str, int, int], set[float]] = {}
+
+    class Recording(split.SplitTrainer):
+        def train(self, side: str, params: Any, frozen: Any, partner: Any, rows: Any, steps: int,
+                  lr: float) -> Any:
+            used.setdefault((side, current[0], current[1]), set()).add(lr)
+            return super().train(side, params, frozen, partner, rows, steps, lr)
+
+    current = [0, 0]
+    trace: list[Any] = []
+
+    def hook(node: str, message: Any) -> Any:
+        current[:] = [message.round, message.step]
+        trace.append(message)
+        return message
+
+    res = hsgd_loop.run(cells, split.init_params(ARCH, 0), config, rounds=4, inject=hook,
+                        make_trainer=lambda side, x, y: Recording(x, y))
+    assert len(res.rounds) == 4
+    assert {(side, r, s) for side, r, s in used} >= {(side, r, s) for side in ("host", "device") for r in range(4)
+                                                     for s in range(P // Q)}
+    for (side, r, s), lrs in used.items():
+        assert lrs == {0.08 * 0.5 ** ((r * P + s * Q) // every)}, (side, r, s)
 
 
 def test_privacy_is_refused() -> None:
