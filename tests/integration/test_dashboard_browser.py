@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import mosquitto_binary, require
 
+from cloud_coordinator.observe.plots import PLOTS
 from cloud_coordinator.observe.status import StoreStatus
 from cloud_coordinator.store import CoordinatorStore
 
@@ -270,7 +271,7 @@ def test_the_services_dashboard_shows_a_finished_rollout_after_its_coordinator_e
     assert shown["listed"] == [["demo", "fedavg", "finished"], ["second", "fedavg", "running"]], shown
     assert shown["final"] == f"{status.rounds[-1].accuracy:.4f}", shown
     assert shown["status"].endswith("finished") and shown["second"] == ("fedavg, running", True), shown
-    assert len(shown["plots"]) == 5 and all(width > 300 for width in shown["plots"]), shown
+    assert len(shown["plots"]) == len(PLOTS) and all(width > 300 for width in shown["plots"]), shown
     # Accuracy and loss on scales of their own: the loss axis on the right.
     chart = shown["chart"]
     assert chart["series"][1:] == [["accuracy", "accuracy"], ["loss", "loss"]], chart
