@@ -65,6 +65,11 @@ class EmulatorOptions:
     keepalive_s: int = 30
     """MQTT keep-alive of every emulated node. A real board has its CPU to itself; thousands of emulated
     devices on a few cores can starve their network threads past 30 s, and the broker then drops them."""
+    device_state: str = "ram"
+    """Where the emulated devices keep their state (outbox, models): "ram", a RAM disk (``/dev/shm``)
+    when the machine has one, since every real board writes its own flash and ten thousand outboxes
+    committing to one disk make every commit on it (the edges' included) wait behind theirs; "disk", with
+    the rest of the workdir."""
     stall_s: float = 900.0
     """Stop the run when no update reaches an edge and no round closes for this long, with a report of
     where every cell's edge and devices stand (``fleet_probe``); 0 waits for ever."""
@@ -320,6 +325,19 @@ def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, rea
         results.put({"runs": host.runs, "errors": host.errors()})
 
 
+RAM_DISK = Path("/dev/shm")
+
+
+def _device_state_root(where: str) -> Path | None:
+    """A fresh directory on the RAM disk for the devices' state (``EmulatorOptions.device_state``), or None
+    for the workdir's ``devices/``."""
+    if where not in ("ram", "disk"):
+        raise ConfigError(f"device_state must be 'ram' or 'disk', not {where!r}", key="device_state")
+    if where == "disk" or not (RAM_DISK.is_dir() and os.access(RAM_DISK, os.W_OK)):
+        return None
+    return Path(tempfile.mkdtemp(prefix="fedtier-fleet-devices-", dir=RAM_DISK))
+
+
 def _orphan_check() -> Callable[[], bool]:
     """True once the emulator that started this worker is gone (killed without its ``finally``, e.g. by
     SIGKILL): the worker then stops its devices instead of running on for ever."""
@@ -384,6 +402,7 @@ class FleetEmulator:
         stop, ready, results = ctx.Event(), ctx.Queue(), ctx.Queue()
         probe, answers = ctx.Value("i", 0), ctx.Queue()
         procs: list[Any] = []
+        device_root: Path | None = None
         try:
             if o.broker is None:
                 broker_proc, port = _start_mosquitto(workdir, o.devices + 2 * o.cells + 1)
@@ -392,9 +411,10 @@ class FleetEmulator:
                 host, _, port_text = o.broker.rpartition(":")
                 host, port, broker_label = host or "127.0.0.1", int(port_text), f"{o.broker}"
             self.say(f"writing the fleet: {o.devices} devices in {o.cells} cells ({workdir})")
+            device_root = _device_state_root(o.device_state)
             paths = write_fleet(rollout_mapping(o), workdir, {"host": host, "port": port,
                                                               "keepalive_s": o.keepalive_s},
-                                device_settings={"trainer": "auto"})
+                                device_settings={"trainer": "auto"}, device_state_root=device_root)
             devices = [str(paths.devices[d]) for d in list(paths.devices)[: o.devices]]
             t_start = time.perf_counter()
             if o.loop == "mux":  # one busy thread per worker: as many workers as cores, or more if descriptors run out
@@ -459,6 +479,8 @@ class FleetEmulator:
                 broker_proc.wait(10)
             if own_dir:
                 shutil.rmtree(workdir, ignore_errors=True)
+            if device_root is not None:
+                shutil.rmtree(device_root, ignore_errors=True)
         return EmulationResult(devices=o.devices, cells=o.cells, rounds=self._timings(history), start_s=start_s,
                                wall_s=time.perf_counter() - started, peak_rss_mb=_peak_rss_mb(),
                                threads=threading.active_count(), broker=broker_label,
