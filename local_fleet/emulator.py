@@ -354,9 +354,11 @@ def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready
     try:
         for path in config_paths:
             mux.add(*host.build_device(Path(path)))
+            mux.run_once(wait=False)
             if step_s:
                 time.sleep(step_s)
         ready.put(len(config_paths))
+
         def done() -> bool:
             answer()
             return stop.is_set() or bool(mux.errors()) or orphaned()

@@ -59,6 +59,7 @@ class MuxHost:
         self._ticks: list[tuple[float, int, _Device]] = []  # heap: (next tick, order, device)
         self._ready: dict[int, _Device] = {}  # served on the next pass, by id(), in arrival order
         self._crashed: list[_Device] = []
+        self._next_misc = time.monotonic() + MISC_S
 
     def add(self, name: str, node: Any, tx: Any, inbox: "queue.Queue[Any]") -> None:
         """Start ``node`` and connect ``tx`` (not yet started) without a network thread."""
@@ -99,29 +100,34 @@ class MuxHost:
 
     def run(self, stop: Callable[[], bool]) -> None:
         """Drive every device until ``stop()``; a node that raises is recorded and no longer driven."""
-        next_misc = time.monotonic() + MISC_S
         while not stop():
-            timeout = 0.0 if self._ready else self._until_next_tick(time.monotonic())
-            for key, _ in self.selector.select(timeout=timeout):
-                dev = key.data
-                if dev.tx.client.loop_read() != paho.MQTT_ERR_SUCCESS:
-                    self._lost(dev, time.monotonic())
-                self._ready[id(dev)] = dev
-            now = time.monotonic()
-            self._due_ticks(now)
-            ready, self._ready = self._ready, {}
-            for dev in ready.values():
-                if dev.errors:
-                    continue
-                try:
-                    self._serve(dev, now)
-                except Exception as exc:  # noqa: BLE001 - reported by errors()
-                    log.exception("device %s crashed", dev.name)
-                    dev.errors.append(exc)
-                    self._crashed.append(dev)
-            if now >= next_misc:
-                next_misc = now + MISC_S
-                self._keep_alive(now)
+            self.run_once()
+
+    def run_once(self, wait: bool = True) -> None:
+        """One pass: read what arrived, serve the devices with work, keep the connections alive. The
+        worker also calls it between building devices (``wait=False``), or the first of thousands would
+        miss their CONNACK and keep-alives while the last are built, and the broker would drop them."""
+        timeout = 0.0 if self._ready or not wait else self._until_next_tick(time.monotonic())
+        for key, _ in self.selector.select(timeout=timeout):
+            dev = key.data
+            if dev.tx.client.loop_read() != paho.MQTT_ERR_SUCCESS:
+                self._lost(dev, time.monotonic())
+            self._ready[id(dev)] = dev
+        now = time.monotonic()
+        self._due_ticks(now)
+        ready, self._ready = self._ready, {}
+        for dev in ready.values():
+            if dev.errors:
+                continue
+            try:
+                self._serve(dev, now)
+            except Exception as exc:  # noqa: BLE001 - reported by errors()
+                log.exception("device %s crashed", dev.name)
+                dev.errors.append(exc)
+                self._crashed.append(dev)
+        if now >= self._next_misc:
+            self._next_misc = now + MISC_S
+            self._keep_alive(now)
 
     def _until_next_tick(self, now: float) -> float:
         if not self._ticks:
