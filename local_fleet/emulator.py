@@ -307,9 +307,21 @@ def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, rea
     host = _DeviceHost(compute_delay_ms)
     orphaned = _orphan_check()
     answer = _ProbeAnswer(probe, answers, host) if probe is not None else (lambda: None)
-    if loop == "mux":
-        _mux_worker(host, config_paths, step_s, ready, stop, results, orphaned, answer)
-        return
+    try:
+        if loop == "mux":
+            _mux_worker(host, config_paths, step_s, ready, stop, results, orphaned, answer)
+            return
+        _thread_worker(host, config_paths, step_s, ready, stop, results, orphaned, answer)
+    finally:
+        if orphaned():  # nobody reads our queues any more: exit without waiting to flush them (it would never end)
+            for q in (ready, results, answers):
+                if q is not None:
+                    q.cancel_join_thread()
+
+
+def _thread_worker(host: "_DeviceHost", config_paths: list[str], step_s: float, ready: Any, stop: Any,
+                   results: Any, orphaned: Callable[[], bool], answer: Callable[[], None]) -> None:
+    """``_worker`` with a node thread and a network thread per device."""
     try:
         for path in config_paths:
             host.add_device(Path(path))
