@@ -73,6 +73,10 @@ def test_a_trusted_cell_turns_tls_on_when_mosquitto_is_there(tmp_path: Path) -> 
     (["--compare", "--trusted", "cell-a"], "--trusted, --compare only make sense with --privacy"),
     (["--privacy", "--trusted", "cell-a,cell-z"], "--trusted names cell-z, but the demo's cells are cell-a, cell-b"),
     (["--secure-aggregation", "--algorithm", "hier_qsgd"], "--secure-aggregation runs with fedavg"),
+    (["--processes"], "--processes only makes sense with --privacy"),
+    (["--sample-rate", "0.5"], "--sample-rate only makes sense with --privacy"),
+    (["--privacy", "--secure-aggregation", "--sample-rate", "0.5"], "--sample-rate is the private fleet's"),
+    (["--privacy", "--processes", "--devices", "600"], "at most 500 with one process each"),
 ])
 def test_refused_combinations_are_usage_errors(args: list[str], message: str) -> None:
     result = CliRunner().invoke(cli, ["demo", *args])
