@@ -73,6 +73,9 @@ class EmulatorOptions:
     stall_s: float = 900.0
     """Stop the run when no update reaches an edge and no round closes for this long, with a report of
     where every cell's edge and devices stand (``fleet_probe``); 0 waits for ever."""
+    rollout: dict[str, Any] | None = None
+    """A rollout config mapping to run instead of the synthetic task (``rollout_mapping``), e.g. the private
+    demo's (``local_fleet.private_demo``); its devices, cells and rounds are the mapping's."""
 
 
 @dataclass
@@ -122,6 +125,8 @@ class EmulationResult:
     threads: int
     broker: str
     notes: list[str] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The coordinator's round rows (accuracy, bytes, privacy), as its metrics file has them."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"devices": self.devices, "cells": self.cells, "start_s": self.start_s, "wall_s": self.wall_s,
@@ -286,8 +291,9 @@ class _DeviceHost:
 class _ProbeAnswer:
     """A worker's side of the stall probe: the emulator raises ``probe``'s number, each worker answers once."""
 
-    def __init__(self, probe: Any, answers: Any, host: _DeviceHost) -> None:
+    def __init__(self, probe: Any, answers: Any, host: _DeviceHost, rollout: str = "emulated") -> None:
         self.probe, self.answers, self.host, self.answered = probe, answers, host, 0
+        self.rollout = rollout
 
     def __call__(self) -> None:
         wanted = self.probe.value
@@ -295,18 +301,19 @@ class _ProbeAnswer:
             from local_fleet.probe import describe_devices
 
             self.answered = wanted
-            self.answers.put(describe_devices(self.host.nodes, ROLLOUT))
+            self.answers.put(describe_devices(self.host.nodes, self.rollout))
 
 
 def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, ready: Any, stop: Any,
-            results: Any, loop: str = "threads", probe: Any = None, answers: Any = None) -> None:
+            results: Any, loop: str = "threads", probe: Any = None, answers: Any = None,
+            rollout: str = "emulated") -> None:
     """A worker process: host ``config_paths``' devices until ``stop``, then report their runs. It answers the
     emulator's stall probe (``probe``'s number raised) with its devices' states on ``answers``."""
     raise_fd_limit()
     logging.basicConfig(level=logging.WARNING)
     host = _DeviceHost(compute_delay_ms)
     orphaned = _orphan_check()
-    answer = _ProbeAnswer(probe, answers, host) if probe is not None else (lambda: None)
+    answer = _ProbeAnswer(probe, answers, host, rollout) if probe is not None else (lambda: None)
     try:
         if loop == "mux":
             _mux_worker(host, config_paths, step_s, ready, stop, results, orphaned, answer)
@@ -384,11 +391,16 @@ def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready
 class FleetEmulator:
     """Builds, runs and stops an emulated fleet (see the module docstring)."""
 
-    def __init__(self, opts: EmulatorOptions, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, opts: EmulatorOptions, progress: Callable[[str], None] | None = None,
+                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
         if opts.devices < 1 or opts.cells < 1 or opts.devices < opts.cells:
             raise ConfigError("need at least one device per cell", key="devices")
         self.opts = opts
         self.say = progress or (lambda text: None)
+        self.on_round = on_round
+        """Called with each closed round's row instead of the default progress line."""
+        self.mapping = opts.rollout if opts.rollout is not None else rollout_mapping(opts)
+        self.rollout_id = str(self.mapping.get("rollout", ROLLOUT))
         self.servers = _DeviceHost(0.0)  # the edges and the coordinator, on threads of this process
         self.runs: list[tuple[int, str, float, float]] = []
         self.workers = 0
@@ -426,7 +438,7 @@ class FleetEmulator:
                 host, port, broker_label = host or "127.0.0.1", int(port_text), f"{o.broker}"
             self.say(f"writing the fleet: {o.devices} devices in {o.cells} cells ({workdir})")
             device_root = _device_state_root(o.device_state)
-            paths = write_fleet(rollout_mapping(o), workdir, {"host": host, "port": port,
+            paths = write_fleet(self.mapping, workdir, {"host": host, "port": port,
                                                               "keepalive_s": o.keepalive_s},
                                 device_settings={"trainer": "auto"}, device_state_root=device_root)
             devices = [str(paths.devices[d]) for d in list(paths.devices)[: o.devices]]
@@ -440,7 +452,7 @@ class FleetEmulator:
             step = o.stagger_s / max(1, len(devices)) * len(groups)
             for group in groups:
                 proc = ctx.Process(target=_worker, args=(group, o.compute_delay_ms, step, ready, stop, results,
-                                                         o.loop, probe, answers), daemon=True)
+                                                         o.loop, probe, answers, self.rollout_id), daemon=True)
                 proc.start()
                 procs.append(proc)
             hosted = 0
@@ -473,7 +485,7 @@ class FleetEmulator:
                 self._wait_rounds(cloud, edges, edge_inboxes, procs, probe, answers)
             except KeyboardInterrupt:
                 raise RuntimeError("stopped while the rollout ran; where the cells stood:\n"
-                                   f"{_stall_report(edge_inboxes, probe, answers, procs)}") from None
+                                   f"{_stall_report(edge_inboxes, probe, answers, procs, self.rollout_id)}") from None
             history = list(cloud.history)
             stop.set()
             for _ in procs:
@@ -497,7 +509,7 @@ class FleetEmulator:
                 shutil.rmtree(device_root, ignore_errors=True)
         return EmulationResult(devices=o.devices, cells=o.cells, rounds=self._timings(history), start_s=start_s,
                                wall_s=time.perf_counter() - started, peak_rss_mb=_peak_rss_mb(),
-                               threads=threading.active_count(), broker=broker_label,
+                               threads=threading.active_count(), broker=broker_label, history=history,
                                notes=[f"devices in {self.workers} worker process(es), " + (
                                    "each driving its devices on one thread (their sockets multiplexed)"
                                    if o.loop == "mux" else
@@ -512,25 +524,34 @@ class FleetEmulator:
         """Until the rollout finishes: report each closed round; stop on a crash or a stall (``stall_s``)."""
         stall_s = self.opts.stall_s
         seen = 0
-        progress, progressed = _progress(cloud, edges), time.monotonic()
+        progress, progressed = _progress(cloud, edges, self.rollout_id), time.monotonic()
         while not cloud.finished:
-            now_at = _progress(cloud, edges)
+            now_at = _progress(cloud, edges, self.rollout_id)
             if now_at != progress:
                 progress, progressed = now_at, time.monotonic()
             elif stall_s and time.monotonic() - progressed > stall_s:
+                where = _stall_report(edge_inboxes, probe, answers, procs, self.rollout_id)
                 raise RuntimeError(f"no update reached an edge and no round closed for {stall_s:g} s; where "
-                                   f"the cells stand:\n{_stall_report(edge_inboxes, probe, answers, procs)}")
+                                   f"the cells stand:\n{where}")
             problems = self.servers.errors()
             if problems:
                 raise RuntimeError(problems[0])
             if any(not p.is_alive() for p in procs):
                 raise RuntimeError("a device worker process died")
-            if len(cloud.history) > seen:
-                row = cloud.history[seen]
+            seen = self._report_rounds(cloud.history, seen)
+            time.sleep(0.05)
+        self._report_rounds(cloud.history, seen)  # the rounds that closed since the last look, the last one
+
+    def _report_rounds(self, history: list[dict[str, Any]], seen: int) -> int:
+        """Report the rounds closed after the first ``seen`` (``on_round``, else a progress line); the new count."""
+        for row in list(history[seen:]):
+            if self.on_round is not None:
+                self.on_round(row)
+            else:
                 self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
                          f"{row['round_s']:.2f} s, accuracy {row.get('accuracy', float('nan')):.4f}")
-                seen += 1
-            time.sleep(0.05)
+            seen += 1
+        return seen
 
     def _timings(self, history: list[dict[str, Any]]) -> list[RoundTiming]:
         out = []
@@ -554,17 +575,18 @@ class FleetEmulator:
 ROLLOUT = "emulated"
 
 
-def _progress(cloud: Any, edges: list[Any]) -> tuple[int, ...]:
+def _progress(cloud: Any, edges: list[Any], rollout: str = ROLLOUT) -> tuple[int, ...]:
     """Changes whenever a round closes or an edge takes an update or moves on a step."""
     marks = [len(cloud.history)]
     for edge in edges:
-        role: EdgeRole | None = edge.roles.get(ROLLOUT)
+        role: EdgeRole | None = edge.roles.get(rollout)
         if role is not None:
             marks += [role.round, role.step, len(role.reported)]
     return tuple(marks)
 
 
-def _stall_report(edges: dict[str, tuple[Any, Any]], probe: Any, answers: Any, procs: list[Any]) -> str:
+def _stall_report(edges: dict[str, tuple[Any, Any]], probe: Any, answers: Any, procs: list[Any],
+                  rollout: str = ROLLOUT) -> str:
     """Every cell's edge (read here) and devices (asked of the live workers, 20 s at most)."""
     from local_fleet.probe import describe_edge, merge, render
 
@@ -578,7 +600,7 @@ def _stall_report(edges: dict[str, tuple[Any, Any]], probe: Any, answers: Any, p
             reports.append(answers.get(timeout=max(0.1, deadline - time.monotonic())))
         except Exception:  # noqa: BLE001 - queue.Empty: the workers that did not answer are counted below
             break
-    report = render({cell: describe_edge(edge, inbox, ROLLOUT) for cell, (edge, inbox) in edges.items()},
+    report = render({cell: describe_edge(edge, inbox, rollout) for cell, (edge, inbox) in edges.items()},
                     merge(reports))
     missing = len(procs) - len(reports)
     return report + (f"\n({missing} of {len(procs)} worker processes did not answer)" if missing else "")
