@@ -1,7 +1,8 @@
 """Differential privacy at fleet scale: 10,000 devices, 100 cells, Poisson sampling, trusted share p.
 
-Issue 17 Part B.5. A numpy fast path — fedtier's ONNX simulator runs a few hundred devices per
-minute on two shared cores, not 10,000 per round — over the same privacy code a rollout uses:
+Issue 17 Part B.5. A numpy fast path over the same privacy code a rollout uses (the same study as
+rollouts through fedtier's simulator: ``experiments/dp_fleet_rollout.py``, which runs this path beside
+it as a cross-check):
 
 * the plan: ``cloud_coordinator.privacy.calibrate.make_plan`` from a real ``RolloutConfig``
   (device sampling, trusted cells, the accountant), so every z and sigma is the rollout's;
@@ -414,8 +415,8 @@ def _intro_lines(spec: dict[str, Any], results: list[dict[str, Any]], fixed: lis
         "the largest epsilon over all devices from the releases actually made (`Accountant`), by RDP and, for "
         "the same releases, by PLD.",
         "",
-        "This is a **numpy fast path**, not fedtier's simulator (which runs a few hundred ONNX devices, not "
-        "10,000 a round, on this machine): devices train in vectorized batches (5 full-batch steps, lr 0.5), "
+        "This is a **numpy fast path**, not a rollout (the same study run by fedtier's simulator, at 1,000 and "
+        "10,000 devices, is the next section): devices train in vectorized batches (5 full-batch steps, lr 0.5), "
         "but the plan (`make_plan` from a real `RolloutConfig`), every noise draw (`NoiseSource.add`), the "
         "fixed-denominator release (`NoisePlan.edge_denominator`, `edge_sigma`) and the accountant are the "
         "rollout's code; rollouts run the same sampling in the roles (docs/privacy.md).",
