@@ -123,8 +123,11 @@ def plan_for(spec: dict[str, Any], p: float, eps: float, seed: int, secagg: bool
     return make_plan(cfg, {}), {c: tuple(m) for c, m in cfg.topology.layout().items()}
 
 
-def run(job: dict[str, Any]) -> dict[str, Any]:
-    """One configuration: ``eps`` None is the non-DP baseline (same sampling, no clip, no noise)."""
+def run(job: dict[str, Any], data: tuple[np.ndarray, ...] | None = None,
+        w0: np.ndarray | None = None) -> dict[str, Any]:
+    """One configuration: ``eps`` None is the non-DP baseline (same sampling, no clip, no noise). ``data``
+    (``make_data``'s four arrays) and ``w0`` (initial weights, bias as the last row) replace the generated data and
+    the zero start: dp_fleet_rollout.py runs this path on a rollout's own data and initial weights."""
     logging.getLogger("absl").setLevel(logging.ERROR)
     from cloud_coordinator.privacy.accountant import Accountant
     from fedtier.privacy.adaptive_clip import GeometricClip
@@ -134,7 +137,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     adaptive = job.get("adaptive")
     start = time.perf_counter()
     n_cells, per_cell = spec["cells"], spec["devices_per_cell"]
-    x, y, xt, yt = make_data(spec, n_cells * per_cell)
+    x, y, xt, yt = data if data is not None else make_data(spec, n_cells * per_cell)
     plan = layout = None
     secagg = bool(job.get("secagg"))
     if eps is not None:
@@ -151,7 +154,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         adaptive=adaptive,
         clip_state=GeometricClip(clip=adaptive["start_clip"], target_quantile=adaptive["target_quantile"],
                                  learning_rate=adaptive["learning_rate"]) if adaptive else None)
-    w = np.zeros((spec["data"]["features"] + 1, spec["data"]["classes"]))
+    w = w0.copy() if w0 is not None else np.zeros((spec["data"]["features"] + 1, spec["data"]["classes"]))
     clips, accs = [], []
     for rnd in range(spec["rounds"]):
         clip = fleet.clip_state.clip if fleet.clip_state is not None else spec["clip"]
