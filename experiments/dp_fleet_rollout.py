@@ -386,6 +386,9 @@ def _cross_check(results: list[dict[str, Any]]) -> list[str]:
             "give what the numpy model of them gives."]
 
 
+SHORT = {"rollout": "rollout", "numpy": "numpy, its data", "numpy_aligned": "numpy, the rollout's data"}
+
+
 def _plot(spec: dict[str, Any], results: list[dict[str, Any]], sizes: list[int]) -> None:
     """docs/img/dp_fleet_rollout.png: accuracy against epsilon per fleet size, rollout and numpy fast path."""
     import matplotlib
@@ -407,7 +410,7 @@ def _plot(spec: dict[str, Any], results: list[dict[str, Any]], sizes: list[int])
             sds = [_sd([acc(r) for r in _select(results, n, e)]) for e in eps]
             line = ax.errorbar(eps, means, yerr=sds, fmt=style, capsize=3, label=label)
             ax.axhline(statistics.mean(acc(r) for r in _select(results, n, None)), ls=":",
-                       color=line[0].get_color(), label=f"non-private, {label.split(',')[0].split(' (')[0]}")
+                       color=line[0].get_color(), label=f"non-private, {SHORT[key]}")
         ax.set_xlabel("epsilon (target; the ledger's within it)")
         ax.set_ylabel("test accuracy (mean ± sd of 3 seeds)")
         ax.set_title(f"{n:,} devices, trusted edges, q = {spec['sample_rate']}, {spec['rounds']} rounds")
