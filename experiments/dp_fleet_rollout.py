@@ -301,8 +301,8 @@ def _intro(spec: dict[str, Any], results: list[dict[str, Any]], wall: float) -> 
         "",
         f"`python experiments/dp_fleet_rollout.py --workers 1` ({len(results)} rollouts, one at a time, "
         f"{wall / 60:.0f} min on the shared 2-core machine under `nice -n 10`; each run's config is kept as "
-        "runs/dp_fleet_rollout/<run>/rollout.toml, which `fedtier simulate --config` reruns). Issue 33: the "
-        "table above comes from a numpy model; these come from rollouts.",
+        "runs/dp_fleet_rollout/<run>/rollout.toml, which `fedtier simulate --config` reruns). The table "
+        "above comes from a numpy model of the mechanism; these come from rollouts.",
         "",
         f"Each run is a rollout through the simulator (`local_fleet.simulate.simulate`, what `fedtier simulate` "
         "runs): device, edge and cloud roles exchanging the deployment's messages over the in-memory broker, "
@@ -356,8 +356,8 @@ def _reading(spec: dict[str, Any], results: list[dict[str, Any]], sizes: list[in
             "",
             "100,000 devices: pending. The simulator holds every device's node in one process: at the 88 kB per "
             "device measured at 10,000 (docs/benchmarks.md) that is about 9 GB, and at the 10,000-device rounds "
-            "measured here some ten times their seconds per round (both extrapolated, not run). The scale "
-            "issue's simulator work is under way; the grid gets its 100,000-device row (`fleets` in "
+            "measured here some ten times their seconds per round (both extrapolated, not run). Work on the "
+            "simulator's memory at that scale is under way; the grid gets its 100,000-device row (`fleets` in "
             "experiments/dp_fleet_rollout.toml) when the simulator holds it."]
 
 
