@@ -118,6 +118,31 @@ print([line.split()[1] for line in open("/proc/self/status") if line.startswith(
 """
 
 
+TRAINER_ALONE = """
+import sys
+import numpy as np
+from device_agent.trainers import make_trainer, resolve_kind
+from fedtier.artifacts.bundle import ArtifactBundle
+bundle = ArtifactBundle.load(sys.argv[1])
+trainer = make_trainer(resolve_kind("auto"), bundle, threads=1)
+rng = np.random.default_rng(0)
+x = rng.random((16, *bundle.arch.input_shape), dtype=np.float32)
+y = rng.integers(0, bundle.arch.num_classes, 16)
+trainer.train_steps([(x, y), (x, y)], 0.1)  # the agent's round: 2 steps of batch 16, then its held-out rows
+trainer.evaluate(rng.random((180, *bundle.arch.input_shape), dtype=np.float32), rng.integers(0, 10, 180))
+print([line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
+"""
+
+
+def trainer_baseline(bundle_dir: Path, python: str = sys.executable, env: dict[str, str] | None = None) -> float:
+    """Peak RSS (MB) of a Python that trains the bundle as the agent's round does, with nothing else: the
+    runtime, fedtier's trainer over it (``make_trainer``), two steps of batch 16 and one evaluation. The runtime
+    grows on its first step (activations and gradients: about 4 MB here), which ``ort_baseline`` leaves out."""
+    out = subprocess.run([python, "-c", TRAINER_ALONE, str(bundle_dir)], capture_output=True, text=True,
+                         check=True, timeout=120, cwd=bundle_dir, env=env)
+    return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
 def ort_baseline(bundle_dir: Path, python: str = sys.executable, env: dict[str, str] | None = None) -> float:
     """Peak RSS (MB) of a Python that only imports the runtime the agent trains with and opens its sessions:
     onnxruntime's training API (as the agent does: without the torch that ``onnxruntime.training``'s own
@@ -220,6 +245,7 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
             done = rounds_closed(db)
             bundle = next((paths.workdir / "coordinator" / "artifacts").rglob("training_model.onnx")).parent
             baseline = ort_baseline(bundle, agent_python, agent_env)
+            trainer_alone = trainer_baseline(bundle, agent_python, agent_env)
         finally:
             for p in reversed(procs):
                 p.terminate()
@@ -241,6 +267,7 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
             "rss_last_tenth_mb": round(max(last) / 1024, 1) if last else None,
         }
     return {"devices": devices, "rounds": done, "wall_s": round(wall, 1), "ort_session_baseline_mb": round(baseline, 1),
+            "trainer_alone_mb": round(trainer_alone, 1),
             "agent_python": agent_python, "bytecode": agent_env is not None, "agents": per_device}
 
 
@@ -253,11 +280,13 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"| {n} | {device} | {a['peak_rss_mb']} | {above} | {a['first_update_s']} | "
                          f"{a['rss_second_tenth_mb']} | {a['rss_last_tenth_mb']} |")
         lines.append(f"| {n} | runtime alone (import + sessions) | {one['ort_session_baseline_mb']} | | | | |")
+        lines.append(f"| {n} | trainer alone (+ 2 steps, 1 evaluation) | {one['trainer_alone_mb']} | | | | |")
     peak, base, above = result["peak_rss_mb"], result["runtime_alone_mb"], result["above_runtime_mb"]
+    trainer, over = result["trainer_alone_mb"]["median"], result["above_trainer_mb"]["median"]
     lines.append(f"\nmedian over {len(result['runs'])} runs: agent peak RSS {peak['median']:.1f} MB "
                  f"({peak['min']:.1f}–{peak['max']:.1f}), runtime alone {base['median']:.1f} MB "
                  f"({base['min']:.1f}–{base['max']:.1f}), above it {above['median']:.1f} MB "
-                 f"({above['min']:.1f}–{above['max']:.1f})")
+                 f"({above['min']:.1f}–{above['max']:.1f}); trainer alone {trainer:.1f} MB, above it {over:.1f} MB")
     first = result.get("first_update_s")
     if first:
         lines.append(f"time from process start to first update: median {first['median']:.2f} s "
@@ -269,8 +298,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the runs: every agent's peak, each run's baseline, and each agent above its run's baseline."""
     peaks = [a["peak_rss_mb"] for one in runs for a in one["agents"].values()]
     above = [a["peak_rss_mb"] - one["ort_session_baseline_mb"] for one in runs for a in one["agents"].values()]
+    over_trainer = [a["peak_rss_mb"] - one["trainer_alone_mb"] for one in runs for a in one["agents"].values()]
     return {"peak_rss_mb": spread(peaks), "runtime_alone_mb": spread([one["ort_session_baseline_mb"] for one in runs]),
-            "above_runtime_mb": spread(above)}
+            "above_runtime_mb": spread(above), "trainer_alone_mb": spread([one["trainer_alone_mb"] for one in runs]),
+            "above_trainer_mb": spread(over_trainer)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
