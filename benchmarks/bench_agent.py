@@ -8,10 +8,12 @@ MLP 64-64-10 on scikit-learn's ``digits``, and its trainer, onnxruntime-training
 when each device's first update arrives. RSS is flat when the last tenth of the rounds holds no
 more than the second tenth (after the model's artifacts arrived and the session warmed up).
 The baseline measured in the same run: a bare Python that imports onnxruntime and opens the
-bundle's training session (what ORT alone costs).
+bundle's training session, or with stock onnxruntime the portable graph's sessions (what the runtime
+alone costs). The agents and the baseline import fedtier from bytecode compiled beforehand, as an
+installed package has it (``bytecode_env``; ``--no-bytecode``: from source).
 
-    python -m benchmarks agent                         # 1,000 rounds, 2 devices (the table in docs/benchmarks.md)
-    python -m benchmarks agent --rounds 3 --starts 0 --no-write   # a smoke run
+    python -m benchmarks agent                         # 3 runs of 1,000 rounds, 2 devices (docs/benchmarks.md)
+    python -m benchmarks agent --rounds 3 --reps 1 --starts 0 --no-write   # a smoke run
 """
 
 from __future__ import annotations
@@ -93,24 +95,81 @@ class FirstUpdates:
         self.client.disconnect()
 
 
-def ort_baseline(bundle_dir: Path, python: str = sys.executable) -> float:
-    """Peak RSS (MB) of a Python that only imports onnxruntime's training API (as the agent does: without
-    the torch that ``onnxruntime.training``'s own ``__init__`` would import) and opens the session."""
-    script = (
-        "from device_agent.trainers.ort_runtime import training_api\n"
-        "api = training_api()\n"
-        f"d = {str(bundle_dir)!r}\n"
-        "state = api.CheckpointState.load_checkpoint(d + '/checkpoint')\n"
-        "m = api.Module(d + '/training_model.onnx', state, d + '/eval_model.onnx')\n"
-        "o = api.Optimizer(d + '/optimizer_model.onnx', m)\n"
-        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n")
-    out = subprocess.run([python, "-c", script], capture_output=True, text=True, check=True, timeout=120,
-                         cwd=bundle_dir)  # not the checkout: a board's Python imports the installed package
-    return int(out.stdout.strip()) / 1024
+BASELINE = """
+import sys
+from device_agent.trainers import resolve_kind
+d = sys.argv[1]
+if resolve_kind("auto") == "ort":  # onnxruntime-training: its training API, as the agent imports it (no torch)
+    from device_agent.trainers.ort_runtime import training_api
+    api = training_api()
+    state = api.CheckpointState.load_checkpoint(d + "/checkpoint")
+    m = api.Module(d + "/training_model.onnx", state, d + "/eval_model.onnx")
+    o = api.Optimizer(d + "/optimizer_model.onnx", m)
+else:  # stock onnxruntime: the portable graph's two inference sessions, with the portable trainer's options
+    from device_agent.trainers.ort_runtime import import_onnxruntime
+    ort = import_onnxruntime()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = 1, 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.use_deterministic_compute = True
+    train = ort.InferenceSession(d + "/portable_training_model.onnx", options, providers=["CPUExecutionProvider"])
+    evaluate = ort.InferenceSession(d + "/eval_model.onnx", options, providers=["CPUExecutionProvider"])
+print([line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
+"""
+
+
+TRAINER_ALONE = """
+import sys
+import numpy as np
+from device_agent.trainers import make_trainer, resolve_kind
+from fedtier.artifacts.bundle import ArtifactBundle
+bundle = ArtifactBundle.load(sys.argv[1])
+trainer = make_trainer(resolve_kind("auto"), bundle, threads=1)
+rng = np.random.default_rng(0)
+x = rng.random((16, *bundle.arch.input_shape), dtype=np.float32)
+y = rng.integers(0, bundle.arch.num_classes, 16)
+trainer.train_steps([(x, y), (x, y)], 0.1)  # the agent's round: 2 steps of batch 16, then its held-out rows
+trainer.evaluate(rng.random((180, *bundle.arch.input_shape), dtype=np.float32), rng.integers(0, 10, 180))
+print([line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
+"""
+
+
+def trainer_baseline(bundle_dir: Path, python: str = sys.executable, env: dict[str, str] | None = None) -> float:
+    """Peak RSS (MB) of a Python that trains the bundle as the agent's round does, with nothing else: the
+    runtime, fedtier's trainer over it (``make_trainer``), two steps of batch 16 and one evaluation. The runtime
+    grows on its first step (activations and gradients: about 4 MB here), which ``ort_baseline`` leaves out."""
+    out = subprocess.run([python, "-c", TRAINER_ALONE, str(bundle_dir)], capture_output=True, text=True,
+                         check=True, timeout=120, cwd=bundle_dir, env=env)
+    return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+def ort_baseline(bundle_dir: Path, python: str = sys.executable, env: dict[str, str] | None = None) -> float:
+    """Peak RSS (MB) of a Python that only imports the runtime the agent trains with and opens its sessions:
+    onnxruntime's training API (as the agent does: without the torch that ``onnxruntime.training``'s own
+    ``__init__`` would import) and the training session, or stock onnxruntime and the portable graph's."""
+    out = subprocess.run([python, "-c", BASELINE, str(bundle_dir)], capture_output=True, text=True, check=True,
+                         timeout=120, cwd=bundle_dir, env=env)  # not the checkout: a board imports the installed one
+    return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+def bytecode_env(python: str, cache: Path) -> dict[str, str]:
+    """The environment of the agents and the baseline: fedtier's modules compiled to bytecode beforehand, in
+    ``cache`` (``PYTHONPYCACHEPREFIX``), as ``pip install`` leaves them on a board. Without it, on a machine
+    that sets ``PYTHONDONTWRITEBYTECODE`` (this one), every agent compiles fedtier from source at start, which
+    costs it about 2.4 MB of RSS that no installed agent pays."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(cache)
+    subprocess.run([python, "-m", "compileall", "-q", *(str(ROOT / p) for p in PACKAGES)], env=env, check=True,
+                   stdout=subprocess.DEVNULL, timeout=600)
+    return env
+
+
+PACKAGES = ("fedtier", "device_agent")
+"""What an agent imports of the checkout (``pip install fedtier[agent]`` compiles them)."""
 
 
 def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path | None = None,
-        agent_python: str = sys.executable) -> dict[str, Any]:
+        agent_python: str = sys.executable, agent_env: dict[str, str] | None = None) -> dict[str, Any]:
     from local_fleet.demo import free_port, mosquitto_path, wait_for_port
     from local_fleet.configs import write_fleet
 
@@ -136,10 +195,11 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
             logs = work / "logs"
             logs.mkdir(exist_ok=True)
 
-            def start(name: str, argv: list[str], python: str = sys.executable) -> subprocess.Popen:
+            def start(name: str, argv: list[str], python: str = sys.executable,
+                      env: dict[str, str] | None = None) -> subprocess.Popen:
                 # agents run outside the checkout, so that `python -m fedtier` imports what `python` has installed
                 p = subprocess.Popen([python, *FEDTIER[1:], *argv], cwd=ROOT if python == sys.executable else work,
-                                     stdout=(logs / f"{name}.log").open("wb"), stderr=subprocess.STDOUT)
+                                     stdout=(logs / f"{name}.log").open("wb"), stderr=subprocess.STDOUT, env=env)
                 procs.append(p)
                 return p
 
@@ -154,7 +214,8 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
                 time.sleep(0.1)
             agents: dict[str, tuple[subprocess.Popen, float]] = {}
             for device, cfg in paths.devices.items():
-                agents[device] = (start(f"agent-{device}", ["agent", "run", "--config", str(cfg)], agent_python),
+                agents[device] = (start(f"agent-{device}", ["agent", "run", "--config", str(cfg)], agent_python,
+                                          agent_env),
                                   time.monotonic())
             samples: list[dict[str, Any]] = []
             peak: dict[str, int] = {}
@@ -183,7 +244,8 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
             observer.close()
             done = rounds_closed(db)
             bundle = next((paths.workdir / "coordinator" / "artifacts").rglob("training_model.onnx")).parent
-            baseline = ort_baseline(bundle, agent_python)
+            baseline = ort_baseline(bundle, agent_python, agent_env)
+            trainer_alone = trainer_baseline(bundle, agent_python, agent_env)
         finally:
             for p in reversed(procs):
                 p.terminate()
@@ -205,27 +267,48 @@ def run(devices: int, rounds: int, local_steps: int, timeout: float, keep: Path 
             "rss_last_tenth_mb": round(max(last) / 1024, 1) if last else None,
         }
     return {"devices": devices, "rounds": done, "wall_s": round(wall, 1), "ort_session_baseline_mb": round(baseline, 1),
-            "agent_python": agent_python, "agents": per_device}
+            "trainer_alone_mb": round(trainer_alone, 1),
+            "agent_python": agent_python, "bytecode": agent_env is not None, "agents": per_device}
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| agent | peak RSS MB | first update s | RSS MB, rounds in the 2nd tenth | RSS MB, last tenth |",
-             "|---|---|---|---|---|"]
-    for device, a in result["agents"].items():
-        lines.append(f"| {device} | {a['peak_rss_mb']} | {a['first_update_s']} | {a['rss_second_tenth_mb']} | "
-                     f"{a['rss_last_tenth_mb']} |")
-    lines.append(f"| ORT alone (import + training session) | {result['ort_session_baseline_mb']} | | | |")
+    lines = ["| run | agent | peak RSS MB | above the runtime alone MB | first update s | RSS MB, rounds in the 2nd "
+             "tenth | RSS MB, last tenth |", "|---|---|---|---|---|---|---|"]
+    for n, one in enumerate(result["runs"], 1):
+        for device, a in one["agents"].items():
+            above = round(a["peak_rss_mb"] - one["ort_session_baseline_mb"], 1)
+            lines.append(f"| {n} | {device} | {a['peak_rss_mb']} | {above} | {a['first_update_s']} | "
+                         f"{a['rss_second_tenth_mb']} | {a['rss_last_tenth_mb']} |")
+        lines.append(f"| {n} | runtime alone (import + sessions) | {one['ort_session_baseline_mb']} | | | | |")
+        lines.append(f"| {n} | trainer alone (+ 2 steps, 1 evaluation) | {one['trainer_alone_mb']} | | | | |")
+    peak, base, above = result["peak_rss_mb"], result["runtime_alone_mb"], result["above_runtime_mb"]
+    trainer, over = result["trainer_alone_mb"]["median"], result["above_trainer_mb"]["median"]
+    lines.append(f"\nmedian over {len(result['runs'])} runs: agent peak RSS {peak['median']:.1f} MB "
+                 f"({peak['min']:.1f}–{peak['max']:.1f}), runtime alone {base['median']:.1f} MB "
+                 f"({base['min']:.1f}–{base['max']:.1f}), above it {above['median']:.1f} MB "
+                 f"({above['min']:.1f}–{above['max']:.1f}); trainer alone {trainer:.1f} MB, above it {over:.1f} MB")
     first = result.get("first_update_s")
     if first:
-        lines.append(f"\ntime from process start to first update: median {first['median']:.2f} s "
+        lines.append(f"time from process start to first update: median {first['median']:.2f} s "
                      f"({first['min']:.2f}–{first['max']:.2f}) over {first['seen']} agent starts")
     return "\n".join(lines)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the runs: every agent's peak, each run's baseline, and each agent above its run's baseline."""
+    peaks = [a["peak_rss_mb"] for one in runs for a in one["agents"].values()]
+    above = [a["peak_rss_mb"] - one["ort_session_baseline_mb"] for one in runs for a in one["agents"].values()]
+    over_trainer = [a["peak_rss_mb"] - one["trainer_alone_mb"] for one in runs for a in one["agents"].values()]
+    return {"peak_rss_mb": spread(peaks), "runtime_alone_mb": spread([one["ort_session_baseline_mb"] for one in runs]),
+            "above_runtime_mb": spread(above), "trainer_alone_mb": spread([one["trainer_alone_mb"] for one in runs]),
+            "above_trainer_mb": spread(over_trainer)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1000)
+    ap.add_argument("--reps", type=int, default=3, help="runs of --rounds rounds (medians over them)")
     ap.add_argument("--local-steps", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--starts", type=int, default=5,
@@ -235,17 +318,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--agent-python", default=sys.executable,
                     help="the Python that runs the agents and the ORT baseline: e.g. a venv with only "
                          "`pip install fedtier[agent]` from the wheel, as on a board")
+    ap.add_argument("--no-bytecode", action="store_true",
+                    help="let the agents compile fedtier from source at start (as a checkout run with "
+                         "PYTHONDONTWRITEBYTECODE does), instead of from bytecode compiled beforehand")
     ap.add_argument("--name", default="agent", help="results file name (benchmarks/results/NAME.json)")
     args = ap.parse_args(argv)
-    result = run(args.devices, args.rounds, args.local_steps, args.timeout, args.keep, args.agent_python)
-    firsts = [a["first_update_s"] for a in result["agents"].values()]
-    for _ in range(args.starts):
-        again = run(args.devices, 3, args.local_steps, args.timeout, agent_python=args.agent_python)
-        firsts += [a["first_update_s"] for a in again["agents"].values()]
+    with tempfile.TemporaryDirectory(prefix="bench-agent-pyc-") as cache:
+        env = None if args.no_bytecode else bytecode_env(args.agent_python, Path(cache))
+        runs = [run(args.devices, args.rounds, args.local_steps, args.timeout,
+                    args.keep / str(n) if args.keep else None, args.agent_python, env) for n in range(args.reps)]
+        firsts = [a["first_update_s"] for one in runs for a in one["agents"].values()]
+        for _ in range(args.starts):
+            again = run(args.devices, 3, args.local_steps, args.timeout, agent_python=args.agent_python,
+                        agent_env=env)
+            firsts += [a["first_update_s"] for a in again["agents"].values()]
     seen = [f for f in firsts if f is not None]
+    result: dict[str, Any] = {"runs": runs, **summarize(runs), "bytecode": not args.no_bytecode,
+                              "agent_python": args.agent_python}
     result["first_update_s"] = {**spread(seen), "starts": len(firsts), "seen": len(seen)} if seen else None
     result["setup"] = (f"1 cell, {args.devices} agents as processes, digits MLP 64-64-10, {args.local_steps} local "
-                       f"steps of batch 16, {args.rounds} rounds, Mosquitto on loopback")
+                       f"steps of batch 16, {args.rounds} rounds, Mosquitto on loopback, {args.reps} runs")
     if not args.no_write:
         print(f"wrote {write(args.name, result)}")
     print(json.dumps(result, indent=1) if os.environ.get("BENCH_JSON") else table(result))

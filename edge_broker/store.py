@@ -40,8 +40,12 @@ CREATE TABLE IF NOT EXISTS ended (rollout TEXT PRIMARY KEY, manifest_sha TEXT NO
 
 
 class EdgeStore:
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, *, keep_inputs: bool = True) -> None:
+        """``keep_inputs=False``: ``record`` keeps nothing (the simulator's in-memory edges, which no restart
+        replays: the round's updates would only be a second copy of what the edge already folded, 20 kB a
+        device for the simulator's MLP, 2 GB at 100,000 devices)."""
         self.db = Database(path, SCHEMA)
+        self.keep_inputs = keep_inputs
 
     def batch(self) -> AbstractContextManager[None]:
         """Group commit of the inputs recorded inside (``Database.batch``); the edge acknowledges them after."""
@@ -49,6 +53,8 @@ class EdgeStore:
 
     def record(self, rollout: str, round: int, kind: str, key: str, payload: bytes) -> None:
         """Append an accepted input (idempotent by key)."""
+        if not self.keep_inputs:
+            return
         with self.db.locked() as db:
             db.execute("INSERT OR IGNORE INTO inputs (rollout, round, kind, msg_key, payload)"
                              " VALUES (?,?,?,?,?)", (rollout, round, kind, key, payload))

@@ -54,6 +54,10 @@ class FederatedData:
         return {d: {"samples": int(len(y)), "classes": int(len(np.unique(y)))} for d, (_, y) in self.train.items()}
 
 
+SYNTHETIC_BLOCK = 65536
+"""Rows of the synthetic set generated at a time (16 MB of float64 temporaries at 64 features)."""
+
+
 def load_dataset(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     """Features (float32, scaled) and int64 labels of the configured dataset."""
     if cfg.dataset == "digits":
@@ -79,8 +83,14 @@ def load_dataset(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
             means *= cfg.separation / np.maximum(np.linalg.norm(means, axis=2, keepdims=True), 1e-12)
         y = gen.integers(0, cfg.classes, size=cfg.samples)
         mode = gen.integers(0, cfg.modes, size=cfg.samples)
-        x = means[y, mode] + cfg.noise * gen.normal(size=(cfg.samples, cfg.features))
-        return x.astype(np.float32), y.astype(np.int64)
+        # In blocks of rows: the same draws in the same order (a Generator's normals do not depend on how a
+        # request is split), so the same float32 values, without the float64 temporaries of the whole set
+        # (three of 2 GB each at 4 million samples of 64 features, the simulator's 100,000 devices).
+        x = np.empty((cfg.samples, cfg.features), np.float32)
+        for lo in range(0, cfg.samples, SYNTHETIC_BLOCK):
+            hi = min(lo + SYNTHETIC_BLOCK, cfg.samples)
+            x[lo:hi] = means[y[lo:hi], mode[lo:hi]] + cfg.noise * gen.normal(size=(hi - lo, cfg.features))
+        return x, y.astype(np.int64)
     raise ValueError(f"unknown dataset {cfg.dataset!r}")
 
 
@@ -248,6 +258,8 @@ def make_federated(cfg: DataConfig, devices: Sequence[str],
     if cfg.positive_rate and cfg.dataset != "rare_event":
         x, y = keep_positive_rate(x, y, cfg.positive_rate, cfg.seed)
     (xtr, ytr), (xte, yte) = train_test_split(x, y, cfg.test_fraction, cfg.seed)
+    features, classes = int(x.shape[1]), int(y.max()) + 1
+    del x, y  # the split holds copies: free the whole set before the devices' shards are cut
     if cfg.standardize:
         mu, sd = xtr.mean(axis=0), xtr.std(axis=0) + 1e-6
         xtr, xte = ((xtr - mu) / sd).astype(np.float32), ((xte - mu) / sd).astype(np.float32)
@@ -269,8 +281,7 @@ def make_federated(cfg: DataConfig, devices: Sequence[str],
         train[d] = (xtr[idx[keep]], ytr[idx[keep]])
         if len(held):
             holdout[d] = (xtr[idx[held]], ytr[idx[held]])
-    return FederatedData(train=train, test=test, num_features=int(x.shape[1]), num_classes=int(y.max()) + 1,
-                         holdout=holdout)
+    return FederatedData(train=train, test=test, num_features=features, num_classes=classes, holdout=holdout)
 
 
 def load_files(cfg: DataConfig, devices: Sequence[str]) -> FederatedData:

@@ -107,7 +107,8 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
                 nodes.append(device_node(cfg, prepared, broker, device, cell, trainers=trainers, cache=cache,
                                          bundles_dir=root / "bundles", attacker=device in attackers))
             cell_tx, up_tx = broker.connect(f"{cell}/cell"), broker.connect(f"{cell}/cloud")
-            edge = EdgeNode(cell=cell, cell_transport=cell_tx, cloud_transport=up_tx, store=EdgeStore(":memory:"),
+            edge = EdgeNode(cell=cell, cell_transport=cell_tx, cloud_transport=up_tx,
+                            store=EdgeStore(":memory:", keep_inputs=False),  # nothing restarts it to replay them
                             cache=ArtifactCache(root / "edges" / cell), parent=cfg.cloud_id,
                             noise=noise_source(cfg, cell))
             cell_tx.set_handler(bind(edge, broker))

@@ -185,3 +185,16 @@ def test_fuzz_bytes_give_a_manifest_or_manifest_error(data: bytes) -> None:
         Manifest.decode(data)
     except ManifestError:
         pass
+
+
+def test_equal_bytes_decode_to_one_shared_manifest_and_errors_are_not_kept() -> None:
+    """The simulator's devices share one parse of the manifest they all receive (it lists every cell)."""
+    data = Manifest(rollout="r", version=1, algorithm="fedavg", cells=("c1", "c2"), rounds=3, created=0.0,
+                    bundle={"files": {"f": {"filename": "f", "sha256": "0" * 64, "size": 1}}}).encode()
+
+    first, again = Manifest.decode(data), Manifest.decode(bytes(bytearray(data)))  # equal, not the same object
+
+    assert first is again and first.cells == ("c1", "c2")
+    for _ in range(2):  # a bad manifest is refused every time, not remembered as something else
+        with pytest.raises(ManifestError):
+            Manifest.decode(b"{}")
