@@ -39,7 +39,10 @@ Differential privacy (``fedtier.privacy``): as in ``hier_qsgd``, every device up
 ``C``, and noised by the device under an untrusted edge (a release record per upload); a trusted edge
 adds fresh noise to each cell update it sends (one release per cell update, over its ``n`` deltas).
 Each release is charged on the ledger as it is made, at full price: nothing is amplified by sampling,
-because nobody samples in secret here (who trains is whoever is online). Secure aggregation is refused
+because nobody samples in secret here (who trains is whoever is online); an untrusted edge forwards
+the records of the deltas it rejected as stale too (they were released to it). A device makes at most
+``release_cap(plan)`` uploads (the releases its noise is calibrated for), so its epsilon stays within
+the plan's however many versions the rollout runs. Secure aggregation is refused
 (``SUPPORTS_SECURE_AGGREGATION``): SecAgg+ needs a cohort that agrees keys before it trains, and a
 buffer of deltas from devices that started at different versions has none.
 
@@ -151,6 +154,14 @@ def staleness_weight(config: FedBuffConfig, staleness: int) -> float:
     return float((1.0 + staleness) ** -config.staleness_exponent)
 
 
+def release_cap(plan: NoisePlan) -> int:
+    """How many uploads a device may make under ``plan``: the releases its noise is calibrated for
+    (``device_release_cap``, else the plan's ``rounds``). Each upload is at most one release charged to the device
+    (its own under an untrusted edge; its share of one trusted cell update otherwise), so the cap bounds its epsilon
+    by the plan's whatever the number of model versions."""
+    return plan.device_release_cap or plan.rounds
+
+
 def _plan(config: FedBuffConfig, cell: str) -> NoisePlan | None:
     plan = config.noise_plan()
     if plan is not None and cell not in plan.cells:
@@ -201,7 +212,12 @@ class Device(DeviceRoleBase):
         if self._state is RoleState.TRAINING:
             return [Dropped("busy", message.key, f"training from version {self._version}")]
         config = FedBuffConfig.from_dict(message.config)
-        self._plan = _plan(config, self.cell)
+        plan = _plan(config, self.cell)
+        if plan is not None and self._seq >= release_cap(plan):
+            # The noise was calibrated for this many releases of this device: it contributes no more.
+            return [Dropped("release_budget", message.key, f"{self._seq} releases made, the plan pays for "
+                                                           f"{release_cap(plan)}")]
+        self._plan = plan
         self._config = config
         self._version = message.round
         self._params = aggregate.copy_tensors(message.params)
@@ -352,16 +368,17 @@ class Edge(EdgeRoleBase):
         self._seen.add(update.key)
         self._busy.discard(update.sender)
         out: list[Action] = []
+        if self._plan is not None and not self._plan.cells[self.cell].trusted:
+            # Released to this (untrusted) edge whether or not it is folded: the ledger charges it either way.
+            audit.check_device_release(self._plan, self.cell, update.sender, update.round, update.step,
+                                       update.release)
+            assert update.release is not None
+            self._releases.append(dict(update.release))
         if version - update.round > self._config.max_staleness:
             self.rejected["stale"] = self.rejected.get("stale", 0) + 1
             out.append(Dropped("stale", update.key, f"from version {update.round}, edge holds {version}"))
         else:
             check_like(self._task.params, update.delta, "device delta")
-            if self._plan is not None and not self._plan.cells[self.cell].trusted:
-                audit.check_device_release(self._plan, self.cell, update.sender, update.round, update.step,
-                                           update.release)
-                assert update.release is not None
-                self._releases.append(dict(update.release))
             weight = device_weights(self._config.weighting, {update.sender: update.num_samples}, [update.sender])[0]
             self._buffer.fold(update.delta, weight)
             self._weights.append(weight)
