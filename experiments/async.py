@@ -121,8 +121,53 @@ def rollout_mapping(spec: Mapping[str, Any], algorithm: str, devices: int, share
 
 
 def all_mappings(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [rollout_mapping(spec, a, n, s, seed) for a in ALGORITHMS for n in spec["devices"] for s in spec["shares"]
-            for seed in spec["seeds"]]
+    plain = [rollout_mapping(spec, a, n, s, seed) for a in ALGORITHMS for n in spec["devices"] for s in spec["shares"]
+             for seed in spec["seeds"]]
+    return plain + [rollout_mapping(variant(spec, d), a, d["devices"], d["share"], spec["seeds"][0])
+                    for d in spec.get("diagnostics", []) for a in ALGORITHMS]
+
+
+def run_diagnostics(spec: Mapping[str, Any], done: list[dict[str, Any]], results_path: Path | None
+                    ) -> list[dict[str, Any]]:
+    """Each ``[[diagnostics]]`` entry: both algorithms at its size and share, first seed, with its changes."""
+    out = []
+    for d in spec.get("diagnostics", []):
+        for a in ALGORITHMS:
+            key = (a, d["devices"], d["share"], spec["seeds"][0], d["label"])
+            r = next((x for x in done if (x["algorithm"], x["devices"], x["share"], x["seed"], x.get("label"))
+                      == key), None)
+            if r is None:
+                r = {**run(variant(spec, d), a, d["devices"], d["share"], spec["seeds"][0]), "label": d["label"]}
+                if results_path is not None:
+                    with results_path.open("a") as fh:
+                        fh.write(json.dumps(r) + "\n")
+            print(f"diagnostic {d['label']!r} {a}: " + (f"target at {r['time_s'] / 60:.1f} virtual min"
+                                                       if r["reached"] else "target not reached"), flush=True)
+            out.append(r)
+    return out
+
+
+def diagnostic_rows(spec: Mapping[str, Any], diagnostics: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for d in spec.get("diagnostics", []):
+        cell = {r["algorithm"]: r for r in diagnostics if r.get("label") == d["label"]}
+        minutes = {a: cell[a]["time_s"] / 60 if a in cell and cell[a]["reached"] else None for a in ALGORITHMS}
+        ratio = (f"{minutes['fedbuff'] / minutes['fedavg']:.2f}" if minutes["fedbuff"] and minutes["fedavg"]
+                 else "—")
+        rows.append([d["label"], f"{d['devices']:,}", f"{d['share']:.0%}",
+                     *[f"{minutes[a]:,.0f}" if minutes[a] is not None else "not reached" for a in ALGORITHMS],
+                     f"{cell['fedbuff']['rounds']}" if "fedbuff" in cell else "—", ratio])
+    return rows
+
+
+def variant(spec: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` with a diagnostic's changes: its ``fleet``, ``fedavg`` and ``fedbuff`` tables update the spec's."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in spec.items()}
+    out["rollout"] = {k: dict(v) if isinstance(v, dict) else v for k, v in spec["rollout"].items()}
+    out["fleet"].update(changes.get("fleet", {}))
+    for algorithm in ALGORITHMS:
+        out["rollout"][algorithm].update(changes.get(algorithm, {}))
+    return out
 
 
 def run(spec: Mapping[str, Any], algorithm: str, devices: int, share: float, seed: int) -> dict[str, Any]:
@@ -219,7 +264,8 @@ def plot(spec: Mapping[str, Any], results: list[dict[str, Any]]) -> Path:
     return path
 
 
-def write(spec: Mapping[str, Any], results: list[dict[str, Any]], wall: float, command: str) -> None:
+def write(spec: Mapping[str, Any], results: list[dict[str, Any]], wall: float, command: str,
+          diagnostics: list[dict[str, Any]] | None = None) -> None:
     rows, verdicts = table_rows(spec, results)
     header = ["devices", "online", "FedAvg minutes to target", "FedAvg MiB to target", "reached",
               "FedBuff minutes to target", "FedBuff MiB to target", "reached", "time ratio FedBuff/FedAvg"]
@@ -257,6 +303,13 @@ def write(spec: Mapping[str, Any], results: list[dict[str, Any]], wall: float, c
         "![accuracy against virtual time](img/async.png)",
         "",
         *spec.get("notes", []),
+        *([
+            "",
+            "Diagnostics (first seed; each changes one thing, both algorithms rerun):",
+            "",
+            md_table(["change", "devices", "online", "FedAvg minutes", "FedBuff minutes", "FedBuff versions",
+                      "ratio"], diagnostic_rows(spec, diagnostics)),
+        ] if diagnostics else []),
     ])
     write_section("async", body)
 
@@ -285,7 +338,7 @@ def main() -> None:
             for seed in spec["seeds"]:
                 for a in ALGORITHMS:
                     prior = next((r for r in done if (r["algorithm"], r["devices"], r["share"], r["seed"])
-                                  == (a, n, share, seed)), None)
+                                  == (a, n, share, seed) and not r.get("label")), None)
                     r = prior if prior is not None else run(spec, a, n, share, seed)
                     if prior is None and args.results is not None:
                         with args.results.open("a") as fh:
@@ -298,10 +351,11 @@ def main() -> None:
     rows, verdicts = table_rows(spec, results)
     print_table("time and bytes to the target", ["devices", "online", "FedAvg min", "MiB", "n", "FedBuff min", "MiB",
                                                  "n", "ratio"], rows)
+    diagnostics = run_diagnostics(spec, done, args.results)
     if not args.no_write:
         plot(spec, results)
         command = "python experiments/async.py " + " ".join(sys.argv[1:])
-        write(spec, results, time.perf_counter() - start, command.strip())
+        write(spec, results, time.perf_counter() - start, command.strip(), diagnostics)
 
 
 if __name__ == "__main__":
