@@ -233,3 +233,22 @@ def test_rollout_config_errors_name_the_fedbuff_key(section: dict, key: str) -> 
 def test_secure_aggregation_is_refused_with_the_reason() -> None:
     with pytest.raises(ConfigError, match="no such cohort"):
         RolloutConfig.from_mapping({"algorithm": "fedbuff", "fedbuff": {"secure_aggregation": True}})
+
+
+def test_a_cell_update_does_not_depend_on_the_order_its_deltas_arrived_in() -> None:
+    # Float32 deltas summed in float64 (aggregate.WeightedSum) with unit weights are summed exactly here, so the
+    # buffer's mean is bit-identical in any order: what a simulator-equals-MQTT check needs from the edge.
+    rng = np.random.default_rng(0)
+    deltas = {d: {n: rng.normal(scale=0.01, size=p.shape).astype(np.float32) for n, p in PARAMS.items()}
+              for d in CELLS["cell-a"]}
+    means = []
+    for order in (["dev-0", "dev-1", "dev-2"], ["dev-2", "dev-0", "dev-1"]):
+        e = edge(version=1, k_edge=3)
+        out = []
+        for d in order:
+            out = e.receive(DeviceUpdate(rollout="r", round=1, sender=d, step=0, delta=deltas[d], num_samples=5,
+                                         train_loss=0.5, steps=2), 0.0)
+        [up] = [a.message for a in out if isinstance(a, SendToParent)]
+        means.append(up.delta)
+    for name in PARAMS:
+        assert np.array_equal(means[0][name], means[1][name])
