@@ -324,8 +324,8 @@ class DeviceNode(NodeBase):
 
         Edges send each device the files it asked for, but an older edge broadcasts them to its whole
         cell (once per request window); in a cell of 1,000 devices that start over minutes, decoding
-        each (a sha256 over its body) costs more than the training. A header that cannot be read is decoded, so it is rejected and
-        counted as usual."""
+        each (a sha256 over its body) costs more than the training. A header that cannot be read is
+        decoded, so it is rejected and counted as usual."""
         manifest, _ = self.incoming.get(rollout or "", (None, b""))
         if manifest is None:
             return False
