@@ -641,6 +641,9 @@ class EdgeNode(NodeBase):
         names = {sha: name for name, sha in manifest.digests_for(self.cell).items()}
         missing = []
         for sha in req.digests:
+            if (req.rollout, sha) in self._blob_payloads:  # sent before: neither read nor hashed again
+                self._serve(req.rollout, sha, names[sha], b"", now, req.sender)
+                continue
             data = self.cache.get(sha)
             if data is None:
                 missing.append(sha)
@@ -651,6 +654,9 @@ class EdgeNode(NodeBase):
             self._request_from_cloud(req.rollout, missing, now)
 
     def _serve(self, rollout: str, sha: str, name: str, data: bytes, now: float, device: str) -> None:
+        """Send file ``sha`` to ``device``; ``data`` is read only if the file's message is not encoded yet
+        (each of a cell's thousand devices asks for the same files: they are read, checked and encoded
+        once, not a thousand times)."""
         if now - self._served.get((sha, device), -math.inf) < ARTIFACT_RESERVE_S:
             return  # sent moments ago: the device asked twice before it arrived
         payload = self._blob_payloads.get((rollout, sha))
