@@ -248,10 +248,11 @@ def _process_only(*, secure: bool, secure_aggregation: bool, keep_running: bool,
                   max_packet_size: int) -> list[str]:
     """The options given that only the fleet of one process per node has (the private fleet has none of them)."""
     from local_fleet.demo import mosquitto_path
+    from local_fleet.private_demo import ALGORITHM
 
     given = {"--secure": secure, "--secure-aggregation": secure_aggregation, "--keep-running": keep_running,
              "--dashboard": dashboard, "--agent-python": agent_python is not None,
-             f"--algorithm {algorithm}": algorithm != "fedavg", f"--broker {broker}": broker == "embedded",
+             f"--algorithm {algorithm}": algorithm != ALGORITHM, f"--broker {broker}": broker == "embedded",
              f"--trainer {trainer}": trainer != "auto", "--max-packet-size": bool(max_packet_size),
              "strategy options": bool(strategy),
              "no Mosquitto installed": mosquitto_path() is None}

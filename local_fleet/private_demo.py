@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from local_fleet.demo import DemoView
 
 ROLLOUT = "private-demo"
+ALGORITHM = "fedavg"
+"""The private fleet trains plain hierarchical FedAvg; ``demo --algorithm`` with another runs the process fleet."""
 SAMPLE_RATES = (0.1, 0.25, 0.5, 1.0)
 """The sampling rates the plan is asked about (1.0: no sampling)."""
 
@@ -96,7 +98,7 @@ def rollout_mapping(opts: PrivateFleetOptions, state_dir: Path, *, private: bool
 
     topology: dict[str, Any] = {"members": members(opts.devices, opts.cells)}
     mapping: dict[str, Any] = {
-        "rollout": ROLLOUT, "algorithm": "fedavg", "rounds": opts.rounds, "seed": opts.seed,
+        "rollout": ROLLOUT, "algorithm": ALGORITHM, "rounds": opts.rounds, "seed": opts.seed,
         "state_dir": str(state_dir), "artifact_store": str(default_artifact_store()), "log_level": "warning",
         "model": {"kind": "mlp", "hidden": list(opts.hidden)},
         "data": {"dataset": "digits", "partition": "dirichlet", "alpha": opts.alpha, "seed": opts.seed},
@@ -246,8 +248,8 @@ def _plan(opts: PrivateFleetOptions, where: Path, say: Callable[[str], None]
     from cloud_coordinator.privacy.plan_view import render_summary
 
     model = "a linear softmax model" if not opts.hidden else f"an MLP {list(opts.hidden)}"
-    say(f"fedtier demo --privacy: {opts.devices} device agents in {opts.cells} cells, {opts.rounds} rounds of fedavg "
-        f"on digits (non-iid, Dirichlet alpha={opts.alpha}), {model}")
+    say(f"fedtier demo --privacy: {opts.devices} device agents in {opts.cells} cells, {opts.rounds} rounds of "
+        f"{ALGORITHM} on digits (non-iid, Dirichlet alpha={opts.alpha}), {model}")
     say("  why this size: a trusted edge's noise is divided by the devices it averages; at 12 devices it drowns "
         "the model (`fedtier demo --privacy --processes` runs that, and its plan says so)")
     q, snr = (opts.sample_rate, {}) if opts.sample_rate is not None else choose_sample_rate(opts, where)
