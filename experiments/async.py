@@ -202,10 +202,12 @@ def run(spec: Mapping[str, Any], algorithm: str, devices: int, share: float, see
 
 
 def _mean(values: list[float]) -> str:
+    """``m`` or ``m ± s``: whole numbers, one decimal below 10 (a few virtual minutes)."""
     if not values:
         return "—"
     m = statistics.mean(values)
-    return f"{m:,.0f}" if len(values) == 1 else f"{m:,.0f} ± {statistics.stdev(values):,.0f}"
+    spec = ",.1f" if m < 10 else ",.0f"
+    return f"{m:{spec}}" if len(values) == 1 else f"{m:{spec}} ± {statistics.stdev(values):{spec}}"
 
 
 def table_rows(spec: Mapping[str, Any], results: list[dict[str, Any]]) -> tuple[list[list[str]], list[str]]:
@@ -288,8 +290,9 @@ def write(spec: Mapping[str, Any], results: list[dict[str, Any]], wall: float, c
     body = "\n".join([
         "## Asynchronous (FedBuff) against synchronous (FedAvg) rounds under real availability",
         "",
-        f"Command: `{command}` (nice -n 10), on the 2-core machine, {time.strftime('%Y-%m-%d', time.gmtime())}; "
-        f"{wall / 60:.0f} minutes of wall time for {len(results)} runs.",
+        f"Command: `nice -n 10 {command}`, on the 2-core machine (shared with other jobs), "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}; {sum(r['wall_s'] for r in results) / 60:.0f} minutes of wall "
+        f"time for {len(results)} runs.",
         "",
         "fedtier's own roles — hierarchical FedAvg (`fedtier.algorithms.fedavg`) and hierarchical FedBuff "
         "(`fedtier.algorithms.fedbuff`) — on the trace simulator (`local_fleet/trace_sim.py`): virtual time, "
@@ -301,7 +304,8 @@ def write(spec: Mapping[str, Any], results: list[dict[str, Any]], wall: float, c
         f"non-iid task: {spec['data']['classes']} Gaussian classes in {spec['data']['features']} dimensions, each "
         f"device {spec['data']['samples_per_device']} rows of {spec['data']['classes_per_device']} classes; "
         f"{spec['devices_per_cell']} devices per cell. Target: test accuracy {spec['target_accuracy']:.2f}. "
-        f"Seeds: {', '.join(map(str, spec['seeds']))}.",
+        f"Seeds: {', '.join(map(str, spec['seeds']))} (a 'reached' column counts the runs that reached the target "
+        "out of those made; times and bytes are means ± standard deviations over the runs that reached it).",
         "",
         f"Both: {r['fedavg']['local_steps']} local steps of batch {r['fedavg']['batch_size']}, lr "
         f"{r['fedavg']['lr']:g}. FedAvg: a round closes when every member reported or, after its deadline of "
@@ -337,6 +341,7 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=None, help="append each run's result to this JSON lines file, "
                                                                 "and skip runs already in it")
     ap.add_argument("--no-write", action="store_true", help="do not write docs/experiments.md")
+    ap.add_argument("--only-recorded", action="store_true", help="run nothing: report the runs in --results")
     args = ap.parse_args()
     spec = tomllib.loads(args.config.read_text())
     if args.fleets:
@@ -354,6 +359,8 @@ def main() -> None:
                 for a in ALGORITHMS:
                     prior = next((r for r in done if (r["algorithm"], r["devices"], r["share"], r["seed"])
                                   == (a, n, share, seed) and not r.get("label")), None)
+                    if prior is None and args.only_recorded:
+                        continue
                     r = prior if prior is not None else run(spec, a, n, share, seed)
                     if prior is None and args.results is not None:
                         with args.results.open("a") as fh:
@@ -366,7 +373,8 @@ def main() -> None:
     rows, verdicts = table_rows(spec, results)
     print_table("time and bytes to the target", ["devices", "online", "FedAvg min", "MiB", "n", "FedBuff min", "MiB",
                                                  "n", "ratio"], rows)
-    diagnostics = run_diagnostics(spec, done, args.results)
+    diagnostics = (run_diagnostics(spec, done, args.results) if not args.only_recorded
+                   else [r for r in done if r.get("label")])
     if not args.no_write:
         plot(spec, results)
         command = "python experiments/async.py " + " ".join(sys.argv[1:])
