@@ -155,6 +155,7 @@ def diagnostic_rows(spec: Mapping[str, Any], diagnostics: list[dict[str, Any]]) 
         ratio = (f"{minutes['fedbuff'] / minutes['fedavg']:.2f}" if minutes["fedbuff"] and minutes["fedavg"]
                  else "—")
         rows.append([d["label"], f"{d['devices']:,}", f"{d['share']:.0%}",
+                     f"{d.get('target_accuracy', spec['target_accuracy']):.2f}",
                      *[f"{minutes[a]:,.0f}" if minutes[a] is not None else "not reached" for a in ALGORITHMS],
                      f"{cell['fedbuff']['rounds']}" if "fedbuff" in cell else "—", ratio])
     return rows
@@ -165,6 +166,7 @@ def variant(spec: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, An
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in spec.items()}
     out["rollout"] = {k: dict(v) if isinstance(v, dict) else v for k, v in spec["rollout"].items()}
     out["fleet"].update(changes.get("fleet", {}))
+    out["target_accuracy"] = changes.get("target_accuracy", spec["target_accuracy"])
     for algorithm in ALGORITHMS:
         out["rollout"][algorithm].update(changes.get(algorithm, {}))
     return out
@@ -326,8 +328,8 @@ def write(spec: Mapping[str, Any], results: list[dict[str, Any]], wall: float, c
             "",
             "Diagnostics (first seed; each changes one thing, both algorithms rerun):",
             "",
-            md_table(["change", "devices", "online", "FedAvg minutes", "FedBuff minutes", "FedBuff versions",
-                      "ratio"], diagnostic_rows(spec, diagnostics)),
+            md_table(["change", "devices", "online", "target", "FedAvg minutes", "FedBuff minutes",
+                      "FedBuff versions", "ratio"], diagnostic_rows(spec, diagnostics)),
         ] if diagnostics else []),
     ])
     write_section("async", body)
