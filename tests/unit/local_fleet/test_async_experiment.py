@@ -30,12 +30,13 @@ def test_the_async_runner_works_at_a_tiny_size(tmp_path: Path, monkeypatch) -> N
     monkeypatch.setattr(report, "DOC", tmp_path / "experiments.md")
     monkeypatch.setattr(runner, "IMG", tmp_path / "img")
     monkeypatch.setattr(runner, "write_section", report.write_section)
-    spec["diagnostics"] = [{"label": "equal speeds", "devices": 200, "share": 1.0, "fleet": {"speed_sigma": 0.0}}]
+    spec["diagnostics"] = [{"label": "equal speeds", "devices": 200, "share": 1.0, "fleet": {"speed_sigma": 0.0},
+                            "target_accuracy": 0.5}]
     diagnostics = runner.run_diagnostics(spec, [], None)
     assert [d["label"] for d in diagnostics] == ["equal speeds"] * 2 and all(d["reached"] for d in diagnostics)
     runner.plot(spec, results)
     runner.write(spec, results, 1.0, "python experiments/async.py --fleets 200", diagnostics)
     text = (tmp_path / "experiments.md").read_text()
-    assert "| equal speeds | 200 | 100% |" in text
+    assert "| equal speeds | 200 | 100% | 0.50 |" in text
     assert "<!-- experiment:async -->" in text and "| 200 | 30% |" in text and "img/async.png" in text
     assert (tmp_path / "img" / "async.png").stat().st_size > 1000
