@@ -58,7 +58,13 @@ from cloud_coordinator.presence import PresenceBuffer
 from cloud_coordinator.store import CoordinatorStore
 from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, CloudRole, Dropped, Finished, RoundClosed, SendToChild
-from fedtier.errors import LateMessageError, RemoteProtocolError, UnexpectedMessageError, UnknownSenderError
+from fedtier.errors import (
+    ConfigError,
+    LateMessageError,
+    RemoteProtocolError,
+    UnexpectedMessageError,
+    UnknownSenderError,
+)
 from fedtier.runtime.metrics import Metrics
 from fedtier.runtime.node_base import ACCEPTED, NodeBase, listed
 from fedtier.security.manifest import Manifest
@@ -268,6 +274,9 @@ class CloudNode(NodeBase):
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self, now: float) -> None:
+        if self.cfg.traits.asynchronous:  # its roles run on the trace simulator only (local_fleet.trace_sim)
+            raise ConfigError(f"{self.cfg.algorithm} runs in `fedtier simulate` only: the coordinator, the edge "
+                              "service and the agent do not host asynchronous roles yet", key="algorithm")
         self.tx.subscribe(topics.edge_up_filter())
         self.tx.subscribe(topics.ALL_STATUS)
         self.tx.subscribe(topics.ALL_CELL_STATUS)

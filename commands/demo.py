@@ -14,8 +14,9 @@ from commands.strategy_options import overrides, pop_values, strategy_options
 
 
 @click.command()
-@click.option("--devices", type=click.IntRange(1, 500), default=12, show_default=True,
-              help="Device agents to start (one OS process each).")
+@click.option("--devices", type=click.IntRange(1, 2000), default=None,
+              help="Device agents to start [default: 12, one OS process each; 400 with --privacy, on threads of a "
+                   "few worker processes (an emulated fleet); at most 500 processes].")
 @click.option("--cells", type=click.IntRange(1, 26), default=2, show_default=True,
               help="Edge cells; devices are spread evenly over them (one edge process each).")
 @click.option("--rounds", type=click.IntRange(1), default=30, show_default=True, help="Global rounds.")
@@ -69,6 +70,14 @@ from commands.strategy_options import overrides, pop_values, strategy_options
 @click.option("--trusted", "trusted", default=None, metavar="CELLS",
               help="With --privacy: comma-separated trusted cells, or 'none' [default: the first half of the "
                    "cells: cell-a of the default two].")
+@click.option("--sample-rate", "sample_rate", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="With --privacy: q, the share of its devices a trusted edge samples in secret each round "
+                   "[default: the rate whose plan has the best signal-to-noise at --epsilon].")
+@click.option("--processes", is_flag=True,
+              help="With --privacy: the small fleet of one OS process per node (12 devices, half the cells "
+                   "trusted, no sampling) instead of the private fleet of 400; its plan warns that it cannot learn "
+                   "at that size. Implied by options only that fleet has (--secure, --secure-aggregation, "
+                   "--keep-running, --dashboard, another --algorithm, ...).")
 @click.option("--compare", is_flag=True,
               help="With --privacy: run the demo a second time without privacy (same seeds) and show both "
                    "accuracies.")
@@ -95,10 +104,11 @@ from commands.strategy_options import overrides, pop_values, strategy_options
                    "list`; Ctrl-C stops it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (for machines).")
 @strategy_options
-def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
+def demo(devices: int | None, cells: int, rounds: int, broker: str, algorithm: str, local_steps: int | None,
          lr: float | None, bits_device: int, bits_edge: int, alpha: float | None, max_packet_size: int, secure: bool,
          secure_aggregation: bool, privacy: bool, epsilon: float | None, delta: float | None, clip: float | None,
-         trusted: str | None, compare: bool, trainer: str, agent_python: Path | None, seed: int, workdir: Path | None,
+         trusted: str | None, sample_rate: float | None, processes: bool, compare: bool, trainer: str,
+         agent_python: Path | None, seed: int, workdir: Path | None,
          timeout_s: float, dashboard: bool, keep_running: bool, as_json: bool, **strategy: Any) -> None:
     """Train a model across a simulated fleet on this machine, over a real MQTT broker.
 
@@ -115,8 +125,13 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     With --algorithm fedxl the task is binary with rare positives, every device holding one
     class, and each round also shows AUROC and partial AUROC (FPR <= 0.3, 0.5).
 
-    With --privacy, cell-a is trusted and cell-b untrusted: the demo prints the noise plan,
-    the epsilon spent after each round, and the final epsilon and delta from the ledger.
+    With --privacy the demo runs a fleet where private learning works: 400 device agents (threads
+    of a few worker processes, each its own MQTT client, over Mosquitto), every cell trusted, each
+    trusted edge sampling its devices in secret at the rate the plan says is best, noise calibrated
+    to --epsilon (default 8) by the accountant. It prints who adds noise where, the epsilon spent
+    after each round, and the final epsilon and delta from the ledger; --compare runs the same fleet
+    without privacy. --processes runs the small 12-process private demo instead (cell-a trusted,
+    cell-b untrusted), whose plan warns that it will not learn at that size.
 
     With --algorithm hsgd every cell has a host (a feature party holding features 0-19 of
     breast_cancer for all its samples) and one-sample devices (features 20-29); the coordinator,
@@ -130,6 +145,7 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
         fedtier demo --algorithm fedxl
         fedtier demo --algorithm hsgd
         fedtier demo --privacy --compare
+        fedtier demo --privacy --processes --compare
         fedtier demo --secure-aggregation
         fedtier demo --secure-aggregation --privacy --epsilon 8
         fedtier demo --keep-running --workdir /tmp/fleet
@@ -142,17 +158,29 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
     from local_fleet.demo import Demo, DemoError, DemoOptions, PrivacyDemo, Terminated, raise_on_termination
 
     if algorithms.describe(algorithm).split_model:  # hosts beside the devices: its own fleet of threads
-        _hsgd_demo(devices=devices, cells=cells, rounds=rounds, broker=broker, local_steps=local_steps, lr=lr,
+        _hsgd_demo(devices=100 if devices is None else devices, cells=cells, rounds=rounds, broker=broker,
+                   local_steps=local_steps, lr=lr,
                    alpha=alpha, privacy=privacy, seed=seed, timeout_s=timeout_s, as_json=as_json)
         return
 
-    privacy_only = {"--epsilon": epsilon, "--delta": delta, "--clip": clip, "--trusted": trusted,
-                    "--compare": compare or None}
-    given = [name for name, value in privacy_only.items() if value is not None]
-    if keep_running and compare:
-        raise click.UsageError("--keep-running leaves one fleet up: it does not go with --compare")
-    if given and not privacy:
-        raise click.UsageError(f"{', '.join(given)} only make sense with --privacy")
+    _check_privacy_options(privacy=privacy, epsilon=epsilon, delta=delta, clip=clip, trusted=trusted,
+                           compare=compare, keep_running=keep_running, processes=processes, sample_rate=sample_rate)
+    process_only = _process_only(secure=secure, secure_aggregation=secure_aggregation, keep_running=keep_running,
+                                 dashboard=dashboard, agent_python=agent_python, algorithm=algorithm, broker=broker,
+                                 trainer=trainer, strategy=overrides(pop_values(dict(strategy)), algorithm),
+                                 max_packet_size=max_packet_size)
+    if privacy and not processes and not process_only:
+        _private_fleet_demo(devices=400 if devices is None else devices, cells=cells, rounds=rounds,
+                            epsilon=epsilon, delta=delta, clip=clip, trusted=_cells(trusted), sample_rate=sample_rate,
+                            local_steps=local_steps, lr=lr, alpha=alpha, seed=seed, workdir=workdir,
+                            timeout_s=timeout_s, compare=compare, as_json=as_json)
+        return
+    if sample_rate is not None:
+        raise click.UsageError("--sample-rate is the private fleet's: it does not go with "
+                               f"{', '.join(process_only) or '--processes'}")
+    devices = 12 if devices is None else devices
+    if devices > 500:
+        raise click.UsageError("--devices: at most 500 with one process each (the private fleet takes 2000)")
     dp = None
     if privacy:
         dp = PrivacyDemo(**{k: v for k, v in (("epsilon", epsilon), ("delta", delta), ("clip", clip)) if v is not None},
@@ -166,6 +194,9 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
                        strategy=extra, secure_aggregation=secure_aggregation,
                        keep_running=keep_running)
     view = ConsoleView(enabled=not as_json)
+    if privacy and process_only and not processes:
+        view.say(f"{', '.join(process_only)}: the private demo runs on the fleet of one process per node "
+                 "(as --processes)")
     try:
         runner = Demo(opts, view)
     except ValueError as exc:
@@ -193,6 +224,84 @@ def demo(devices: int, cells: int, rounds: int, broker: str, algorithm: str, loc
         click.echo()
         return
     _print_summary(opts, result, baseline)
+
+
+def _check_privacy_options(*, privacy: bool, epsilon: float | None, delta: float | None, clip: float | None,
+                           trusted: str | None, compare: bool, keep_running: bool, processes: bool,
+                           sample_rate: float | None) -> None:
+    """Usage errors: an option of the private demo without --privacy, or two that do not go together."""
+    privacy_only = {"--epsilon": epsilon, "--delta": delta, "--clip": clip, "--trusted": trusted,
+                    "--compare": compare or None}
+    given = [name for name, value in privacy_only.items() if value is not None]
+    if keep_running and compare:
+        raise click.UsageError("--keep-running leaves one fleet up: it does not go with --compare")
+    if given and not privacy:
+        raise click.UsageError(f"{', '.join(given)} only make sense with --privacy")
+    if (processes or sample_rate is not None) and not privacy:
+        raise click.UsageError(f"{'--processes' if processes else '--sample-rate'} only makes sense with --privacy")
+    if sample_rate is not None and trusted is not None and not _cells(trusted):
+        raise click.UsageError("--sample-rate: trusted edges sample; with --trusted none there is none")
+
+
+def _process_only(*, secure: bool, secure_aggregation: bool, keep_running: bool, dashboard: bool,
+                  agent_python: Path | None, algorithm: str, broker: str, trainer: str, strategy: dict[str, Any],
+                  max_packet_size: int) -> list[str]:
+    """The options given that only the fleet of one process per node has (the private fleet has none of them)."""
+    from local_fleet.demo import mosquitto_path
+    from local_fleet.private_demo import ALGORITHM
+
+    given = {"--secure": secure, "--secure-aggregation": secure_aggregation, "--keep-running": keep_running,
+             "--dashboard": dashboard, "--agent-python": agent_python is not None,
+             f"--algorithm {algorithm}": algorithm != ALGORITHM, f"--broker {broker}": broker == "embedded",
+             f"--trainer {trainer}": trainer != "auto", "--max-packet-size": bool(max_packet_size),
+             "strategy options": bool(strategy),
+             "no Mosquitto installed": mosquitto_path() is None}
+    return [name for name, on in given.items() if on]
+
+
+def _private_fleet_demo(*, devices: int, cells: int, rounds: int, epsilon: float | None, delta: float | None,
+                        clip: float | None, trusted: tuple[str, ...] | None, sample_rate: float | None,
+                        local_steps: int | None, lr: float | None, alpha: float | None, seed: int,
+                        workdir: Path | None, timeout_s: float, compare: bool, as_json: bool) -> None:
+    """``--privacy``: the private fleet (``local_fleet.private_demo``), summarised as the process demo is."""
+    from local_fleet.demo import DemoOptions, DemoResult
+    from local_fleet.private_demo import PrivateFleetOptions, run
+
+    d = PrivateFleetOptions()
+    opts = PrivateFleetOptions(devices=devices, cells=cells, rounds=rounds, trusted=trusted, sample_rate=sample_rate,
+                               seed=seed, workdir=workdir, timeout_s=timeout_s,
+                               epsilon=d.epsilon if epsilon is None else epsilon,
+                               delta=d.delta if delta is None else delta, clip=d.clip if clip is None else clip,
+                               local_steps=d.local_steps if local_steps is None else local_steps,
+                               lr=d.lr if lr is None else lr, alpha=d.alpha if alpha is None else alpha)
+    if devices < cells:
+        raise click.UsageError(f"need at least one device per cell (devices={devices}, cells={cells})")
+    view = ConsoleView(enabled=not as_json)
+    try:
+        res = run(opts, view, compare=compare)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    except KeyboardInterrupt:
+        view.say("interrupted: the fleet stopped")
+        raise SystemExit(130) from None
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+    shown = DemoOptions(devices=devices, cells=cells, rounds=rounds, alpha=opts.alpha, seed=seed)
+
+    def result(fleet: Any, privacy: dict[str, Any] | None) -> DemoResult:
+        return DemoResult(rounds=fleet.rounds, wall_s=fleet.wall_s, broker="mosquitto", workdir=fleet.workdir,
+                          processes=0, privacy=privacy, stopped=privacy.get("stopped") if privacy else None,
+                          extra={"fleet": fleet.notes})
+
+    private = result(res.private, res.privacy)
+    baseline = result(res.baseline, None) if res.baseline is not None else None
+    if as_json:
+        doc = _document(shown, private, baseline)
+        doc["fleet"] = {"emulated": True, "notes": res.private.notes, "sample_rate": res.sample_rate}
+        json.dump(doc, sys.stdout, indent=1, default=float)
+        click.echo()
+        return
+    _print_summary(shown, private, baseline)
 
 
 def _cells(text: str | None) -> tuple[str, ...] | None:
@@ -285,6 +394,12 @@ def _print_summary(opts: Any, result: Any, baseline: Any) -> None:
                   ("delta", f"{p['delta']:g}"),
                   ("trust labels", labels),
                   ("noise multiplier", multipliers)]
+        if p.get("sample_rate") is not None:
+            facts.append(("sampling", f"each trusted edge samples its devices in secret, q = {p['sample_rate']:g} "
+                                      "per round (amplification; the rate the plan gives the best signal-to-noise "
+                                      "unless --sample-rate)"))
+        for note in result.extra.get("fleet", []):
+            facts.append(("fleet", f"{opts.devices} device agents, emulated: {note}"))
         if not p["ledger_agrees"]:
             facts.append(("WARNING", f"the live epsilon {p['live_epsilon']} differs from the ledger's "
                                      f"{p['epsilon']:.6g}"))

@@ -43,14 +43,17 @@ def fleet() -> None:
 @click.option("--stall-s", type=click.FloatRange(0), default=900.0, show_default=True,
               help="Stop when no update reaches an edge and no round closes for this long, and say where every "
                    "cell's edge and devices stand (0: wait for ever).")
+@click.option("--device-state", type=click.Choice(["ram", "disk"]), default="ram", show_default=True,
+              help="Where the emulated devices keep their outboxes and models: ram = a RAM disk (/dev/shm, each "
+                   "board having its own flash), disk = in the workdir (their commits then queue with the edges').")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep configs, data and node state here (default: a temporary directory, removed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s: float, compute_delay_ms: float,
-            local_steps: int, loop: str, keepalive_s: int, stall_s: float, workdir: Path | None, as_json: bool,
-            log_level: str) -> None:
+            local_steps: int, loop: str, keepalive_s: int, stall_s: float, device_state: str, workdir: Path | None,
+            as_json: bool, log_level: str) -> None:
     """Run a rollout of DEVICES real device agents through a real Mosquitto, and time its rounds.
 
     The devices, edges and coordinator are the nodes `fedtier agent run`, `edge run` and
@@ -78,7 +81,8 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
     signal.signal(signal.SIGTERM, _interrupt)
     opts = EmulatorOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, stagger_s=stagger_s,
                            compute_delay_ms=compute_delay_ms, local_steps=local_steps, workdir=workdir,
-                           loop=loop, keepalive_s=keepalive_s, stall_s=stall_s)
+                           loop=loop, keepalive_s=keepalive_s, stall_s=stall_s,
+                           device_state=device_state)
     try:
         result = FleetEmulator(opts, progress=None if as_json else console.print).run()
     except RuntimeError as exc:  # a crash, a stall or an interruption: the message says where the cells stood

@@ -65,6 +65,16 @@ def plan(config_path: Path, as_json: bool) -> None:
         click.echo(json.dumps(jsonable(doc), indent=1))
     else:
         click.echo(render_plan(doc))
+    _convergence_note()
+
+
+def _convergence_note() -> None:
+    """dp-accounting's convergence warnings, summarised in one line on stderr (``accountant.convergence_note``)."""
+    from cloud_coordinator.privacy.accountant import convergence_note
+
+    note = convergence_note()
+    if note is not None:
+        click.echo(note, err=True)
 
 
 def _load(config_path: Path) -> Any:
@@ -127,3 +137,4 @@ def report(config_path: Path | None, db_path: Path | None, rollout_id: str | Non
     else:
         click.echo(rep.render(doc))
         click.echo(f"\nplot: {doc['plot']}")
+    _convergence_note()

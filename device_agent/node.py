@@ -172,7 +172,8 @@ class DeviceNode(NodeBase):
     # --- lifecycle ---------------------------------------------------------------------------------
 
     def start(self, now: float) -> None:
-        self.tx.subscribe(topics.cell_down_filter(self.cell))
+        for topic_filter in topics.device_down_filters(self.cell, self.device_id):
+            self.tx.subscribe(topic_filter)
         self._report_open_work()
         self._resume_installed(now)
         pending = self.state.pending()
@@ -319,12 +320,12 @@ class DeviceNode(NodeBase):
         self._run_task(task, now)
 
     def _wants_blob(self, rollout: str | None, payload: bytes) -> bool:
-        """Whether an artifact broadcast holds a file this device still needs, from its header alone.
+        """Whether an artifact message holds a file this device still needs, from its header alone.
 
-        Every device of a cell receives every artifact the edge broadcasts (once per request window);
-        in a cell of 1,000 devices that start over minutes, decoding each (a sha256 over its body)
-        costs more than the training. A header that cannot be read is decoded, so it is rejected and
-        counted as usual."""
+        Edges send each device the files it asked for, but an older edge broadcasts them to its whole
+        cell (once per request window); in a cell of 1,000 devices that start over minutes, decoding
+        each (a sha256 over its body) costs more than the training. A header that cannot be read is
+        decoded, so it is rejected and counted as usual."""
         manifest, _ = self.incoming.get(rollout or "", (None, b""))
         if manifest is None:
             return False

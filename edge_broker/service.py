@@ -115,10 +115,11 @@ connect within a minute sends a few dozen summaries, not one per device."""
 
 ARTIFACT_REREQUEST_S = 5.0
 ARTIFACT_RESERVE_S = 0.5
-"""The cell downlink is a broadcast: one copy reaches every device, so a file asked for by
-many devices at once is published at most once per this many seconds, not once per request.
-A request that arrives within that time of a broadcast may have missed it (its device was not
-subscribed yet), so it is answered by one more broadcast when the time is up (``tick``)."""
+"""A file is sent to each device that asks for it, on the device's own downlink topic (it subscribes to
+its cell's broadcasts and its own messages only, ``topics.device_down_filters``): a broadcast would
+reach every device of the cell each time one of them asked, which in a cell of thousands that start
+over minutes is thousands of copies per device. The same file is sent to the same device at most
+once per this many seconds (a device asks again only after ``ARTIFACT_RETRY_S``)."""
 
 
 class EdgeNode(NodeBase):
@@ -140,10 +141,11 @@ class EdgeNode(NodeBase):
         self.manifests: dict[str, Manifest] = {}
         self.gate = ManifestGate(trusted_keys or {})
         self._requested: dict[str, float] = {}
-        self._wanted: set[str] = set()  # digests devices asked for that were not cached yet
-        self._served: dict[str, float] = {}
-        self._deferred: dict[str, str] = {}
-        """sha -> rollout of files asked for again within ``ARTIFACT_RESERVE_S`` of their broadcast."""
+        self._wanted: dict[str, set[tuple[str, str]]] = {}
+        """sha -> (rollout, device) of files devices asked for that were not cached yet."""
+        self._served: dict[tuple[str, str], float] = {}  # (sha, device) -> when it was last sent
+        self._blob_payloads: dict[tuple[str, str], bytes] = {}
+        """(rollout, sha) -> the file's encoded message, the same for every device that asks."""
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
         self._task_arrived: dict[tuple[str, int], float] = {}
@@ -269,7 +271,6 @@ class EdgeNode(NodeBase):
     def tick(self, now: float) -> None:
         self._watch_connections()
         self._send_presence(now)
-        self._serve_deferred(now)
         for rollout, role in list(self.roles.items()):
             self._execute(rollout, role.tick(now))
             waiting = role.overdue(now)
@@ -640,40 +641,38 @@ class EdgeNode(NodeBase):
         names = {sha: name for name, sha in manifest.digests_for(self.cell).items()}
         missing = []
         for sha in req.digests:
-            if now - self._served.get(sha, -math.inf) < ARTIFACT_RESERVE_S:
-                self._deferred[sha] = req.rollout  # broadcast moments ago: once more when the time is up
+            if (req.rollout, sha) in self._blob_payloads:  # sent before: neither read nor hashed again
+                self._serve(req.rollout, sha, names[sha], b"", now, req.sender)
                 continue
             data = self.cache.get(sha)
             if data is None:
                 missing.append(sha)
+                self._wanted.setdefault(sha, set()).add((req.rollout, req.sender))
                 continue
-            self._serve(req.rollout, sha, names[sha], data, now)
+            self._serve(req.rollout, sha, names[sha], data, now, req.sender)
         if missing:
-            self._wanted.update(missing)
             self._request_from_cloud(req.rollout, missing, now)
 
-    def _serve_deferred(self, now: float) -> None:
-        for sha, rollout in list(self._deferred.items()):
-            if now - self._served.get(sha, -math.inf) < ARTIFACT_RESERVE_S:
-                continue
-            del self._deferred[sha]
-            manifest = self.manifests.get(rollout)
-            data = self.cache.get(sha)
-            if manifest is None or data is None:
-                continue  # the rollout ended, or the file is not here (a device asks again)
-            names = {digest: name for name, digest in manifest.digests_for(self.cell).items()}
-            if sha in names:
-                self._serve(rollout, sha, names[sha], data, now)
-
-    def _serve(self, rollout: str, sha: str, name: str, data: bytes, now: float) -> None:
-        blob = ArtifactBlob(rollout=rollout, round=0, sender=self.cell, sha256=sha, name=name, data=data)
-        self.cell_tx.publish(topics.cell_down(rollout, self.cell, blob.KIND), blob.encode())
-        self._served[sha] = now
+    def _serve(self, rollout: str, sha: str, name: str, data: bytes, now: float, device: str) -> None:
+        """Send file ``sha`` to ``device``; ``data`` is read only if the file's message is not encoded yet
+        (each of a cell's thousand devices asks for the same files: they are read, checked and encoded
+        once, not a thousand times)."""
+        if now - self._served.get((sha, device), -math.inf) < ARTIFACT_RESERVE_S:
+            return  # sent moments ago: the device asked twice before it arrived
+        payload = self._blob_payloads.get((rollout, sha))
+        if payload is None:
+            if len(self._blob_payloads) >= 64:  # files of rollouts long installed
+                self._blob_payloads.clear()
+            blob = ArtifactBlob(rollout=rollout, round=0, sender=self.cell, sha256=sha, name=name, data=data)
+            payload = self._blob_payloads[(rollout, sha)] = blob.encode()
+        self.cell_tx.publish(topics.cell_down(rollout, self.cell, ArtifactBlob.KIND, device), payload)
+        if len(self._served) >= 100_000:
+            self._served = {k: t for k, t in self._served.items() if now - t < ARTIFACT_RESERVE_S}
+        self._served[(sha, device)] = now
 
     def _on_artifact(self, blob: ArtifactBlob, now: float) -> None:
         if blob.sha256 not in self._allowed_digests(blob.rollout):
             raise UnexpectedMessageError(f"artifact {blob.sha256[:12]} is not in the manifest")
         self.cache.put(blob.sha256, blob.data)  # ShaMismatchError (a DecodeError) if the bytes are wrong
-        if blob.sha256 in self._wanted:  # a device is waiting for it (not just our prefetch)
-            self._wanted.discard(blob.sha256)
-            self._serve(blob.rollout, blob.sha256, blob.name, blob.data, now)
+        for rollout, device in sorted(self._wanted.pop(blob.sha256, ())):  # devices waiting for it
+            self._serve(rollout, blob.sha256, blob.name, blob.data, now, device)

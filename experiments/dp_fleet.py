@@ -1,7 +1,8 @@
 """Differential privacy at fleet scale: 10,000 devices, 100 cells, Poisson sampling, trusted share p.
 
-Issue 17 Part B.5. A numpy fast path — fedtier's ONNX simulator runs a few hundred devices per
-minute on two shared cores, not 10,000 per round — over the same privacy code a rollout uses:
+Issue 17 Part B.5. A numpy fast path over the same privacy code a rollout uses (the same study as
+rollouts through fedtier's simulator: ``experiments/dp_fleet_rollout.py``, which runs this path beside
+it as a cross-check):
 
 * the plan: ``cloud_coordinator.privacy.calibrate.make_plan`` from a real ``RolloutConfig``
   (device sampling, trusted cells, the accountant), so every z and sigma is the rollout's;
@@ -122,8 +123,11 @@ def plan_for(spec: dict[str, Any], p: float, eps: float, seed: int, secagg: bool
     return make_plan(cfg, {}), {c: tuple(m) for c, m in cfg.topology.layout().items()}
 
 
-def run(job: dict[str, Any]) -> dict[str, Any]:
-    """One configuration: ``eps`` None is the non-DP baseline (same sampling, no clip, no noise)."""
+def run(job: dict[str, Any], data: tuple[np.ndarray, ...] | None = None,
+        w0: np.ndarray | None = None) -> dict[str, Any]:
+    """One configuration: ``eps`` None is the non-DP baseline (same sampling, no clip, no noise). ``data``
+    (``make_data``'s four arrays) and ``w0`` (initial weights, bias as the last row) replace the generated data and
+    the zero start: dp_fleet_rollout.py runs this path on a rollout's own data and initial weights."""
     logging.getLogger("absl").setLevel(logging.ERROR)
     from cloud_coordinator.privacy.accountant import Accountant
     from fedtier.privacy.adaptive_clip import GeometricClip
@@ -133,7 +137,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     adaptive = job.get("adaptive")
     start = time.perf_counter()
     n_cells, per_cell = spec["cells"], spec["devices_per_cell"]
-    x, y, xt, yt = make_data(spec, n_cells * per_cell)
+    x, y, xt, yt = data if data is not None else make_data(spec, n_cells * per_cell)
     plan = layout = None
     secagg = bool(job.get("secagg"))
     if eps is not None:
@@ -150,7 +154,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         adaptive=adaptive,
         clip_state=GeometricClip(clip=adaptive["start_clip"], target_quantile=adaptive["target_quantile"],
                                  learning_rate=adaptive["learning_rate"]) if adaptive else None)
-    w = np.zeros((spec["data"]["features"] + 1, spec["data"]["classes"]))
+    w = w0.copy() if w0 is not None else np.zeros((spec["data"]["features"] + 1, spec["data"]["classes"]))
     clips, accs = [], []
     for rnd in range(spec["rounds"]):
         clip = fleet.clip_state.clip if fleet.clip_state is not None else spec["clip"]
@@ -414,8 +418,8 @@ def _intro_lines(spec: dict[str, Any], results: list[dict[str, Any]], fixed: lis
         "the largest epsilon over all devices from the releases actually made (`Accountant`), by RDP and, for "
         "the same releases, by PLD.",
         "",
-        "This is a **numpy fast path**, not fedtier's simulator (which runs a few hundred ONNX devices, not "
-        "10,000 a round, on this machine): devices train in vectorized batches (5 full-batch steps, lr 0.5), "
+        "This is a **numpy fast path**, not a rollout (the same study run by fedtier's simulator, at 1,000 and "
+        "10,000 devices, is the next section): devices train in vectorized batches (5 full-batch steps, lr 0.5), "
         "but the plan (`make_plan` from a real `RolloutConfig`), every noise draw (`NoiseSource.add`), the "
         "fixed-denominator release (`NoisePlan.edge_denominator`, `edge_sigma`) and the accountant are the "
         "rollout's code; rollouts run the same sampling in the roles (docs/privacy.md).",

@@ -83,7 +83,8 @@ def _attacks(cfg: RolloutConfig) -> dict[str, dict[str, Any]]:
 
 def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, Any],
                 bundles: Mapping[str, Path] | None = None,
-                device_settings: Mapping[str, Any] | None = None) -> FleetPaths:
+                device_settings: Mapping[str, Any] | None = None,
+                device_state_root: Path | None = None) -> FleetPaths:
     """Write every node's config and every device's data under ``workdir``.
 
     Args:
@@ -94,6 +95,8 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
         bundles: node id (the cloud id, cell ids, device ids) -> its enrollment bundle; the
             node's broker tables, trusted keys and signing key then come from the bundle.
         device_settings: extra keys for every ``device.toml`` (e.g. ``{"trainer": "portable"}``).
+        device_state_root: where the devices' state dirs go (default ``workdir/devices``); the fleet
+            emulator puts them on a RAM disk, each board's flash being its own.
 
     Returns:
         Paths of the written configs.
@@ -126,6 +129,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
     attacks = _attacks(cfg)
     edges: dict[str, Path] = {}
     devices: dict[str, Path] = {}
+    device_states = device_state_root or workdir / "devices"
     for cell, members in cells.items():
         edge = {"cell": cell, "state_dir": str(workdir / "edges" / cell), "parent": cfg.cloud_id,
                 "cell_broker": dict(broker), "cloud_broker": dict(broker)}
@@ -139,7 +143,7 @@ def write_fleet(rollout: Mapping[str, Any], workdir: Path, broker: Mapping[str, 
             else:
                 data_dir = workdir / "data" / device
             dev = {"device_id": device, "cell": cell, "data_dir": str(data_dir),
-                   "state_dir": str(workdir / "devices" / device), "broker": dict(broker), **(device_settings or {}),
+                   "state_dir": str(device_states / device), "broker": dict(broker), **(device_settings or {}),
                    **({"role": "host"} if device in hosts.values() else {}),
                    **({"attack": attacks[device]} if device in attacks else {})}
             devices[device] = cfg_dir / f"device-{device}.toml"

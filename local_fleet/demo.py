@@ -661,6 +661,11 @@ class Demo:
                 plan = self.privacy_plan(paths.coordinator)
                 for line in plan_lines(plan, self.members()):
                     self.say(line)
+                from cloud_coordinator.privacy.accountant import convergence_note
+
+                note = convergence_note()  # dp-accounting's warnings while planning, in one line
+                if note is not None:
+                    self.say(f"  {note}")
             metrics = self.workdir / "coordinator" / "metrics.json"
             if o.keep_running:
                 metrics = self.register_rollout(paths)
@@ -772,39 +777,17 @@ class Demo:
 # --- privacy: the plan before, the ledger after ---------------------------------------------------
 
 
-def plan_lines(plan: dict[str, Any], members: dict[str, list[str]]) -> list[str]:
-    """The noise plan in a few lines: the target, each cell's trust label and who adds noise, each
-    tier's noise multiplier, and the plan's warnings.
+def plan_lines(plan: dict[str, Any], members: dict[str, list[str]] | None = None) -> list[str]:
+    """The noise plan in a few lines (``plan_view.render_summary``: the same document and cell lines as
+    ``fedtier privacy plan``): the target, who adds noise in each cell, each tier's multiplier, the warnings.
 
     Args:
         plan: ``cloud_coordinator.privacy.plan_view.plan_document`` of the demo's rollout.
-        members: cell -> its devices.
+        members: unused (the plan's nodes say which devices each cell has); kept for callers.
     """
-    nodes = {n["node"]: n for n in plan["nodes"]}
-    tiers = plan["tiers"]
-    lines = [f"privacy: epsilon {plan['epsilon']:g} per device at delta {plan['delta']:g} over {plan['rounds']} "
-             f"rounds ({plan['mode']} calibration; the ledger stops the rollout before any device would exceed "
-             f"{plan['budget_epsilon']:g}); every released model delta clipped to C = {plan['clip']:g}"]
-    for cell, devices in members.items():
-        node = nodes[cell]
-        n = len(devices)
-        if node["trusted"]:
-            tls = "over TLS" if plan["require_tls"] else "WITHOUT TLS (require_tls = false)"
-            lines.append(f"  {cell}  trusted    its {n} devices send clear updates {tls}; the edge adds noise once "
-                         f"per round towards the cloud (z {node['z']:.3g}, sigma {node['sigma']:.3g} = z x "
-                         f"sensitivity {node['sensitivity']:.3g})")
-        else:
-            device = nodes[devices[0]]
-            lines.append(f"  {cell}  untrusted  each of its {n} devices adds noise to every update "
-                         f"({device['releases']} releases: z {device['z']:.3g}, sigma {device['sigma']:.3g} = "
-                         f"z x 2C); the edge forwards their noised mean")
-    lines.append(f"  {plan_cloud(plan)}  untrusted  adds no noise; refuses any cell update whose noise is not on "
-                 "record")
-    present = [f"{name} tier z {t['z']:.3g} (epsilon {t['epsilon']:.3g})" for name, t in tiers.items()
-               if t["injectors"]]
-    lines.append("  noise multiplier per tier: " + ", ".join(present))
-    lines += [f"  WARNING: {w}" for w in plan["warnings"]]
-    return lines
+    from cloud_coordinator.privacy.plan_view import render_summary
+
+    return render_summary(plan)
 
 
 def plan_cloud(plan: dict[str, Any]) -> str:

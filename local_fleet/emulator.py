@@ -65,9 +65,17 @@ class EmulatorOptions:
     keepalive_s: int = 30
     """MQTT keep-alive of every emulated node. A real board has its CPU to itself; thousands of emulated
     devices on a few cores can starve their network threads past 30 s, and the broker then drops them."""
+    device_state: str = "ram"
+    """Where the emulated devices keep their state (outbox, models): "ram", a RAM disk (``/dev/shm``)
+    when the machine has one, since every real board writes its own flash and ten thousand outboxes
+    committing to one disk make every commit on it (the edges' included) wait behind theirs; "disk", with
+    the rest of the workdir."""
     stall_s: float = 900.0
     """Stop the run when no update reaches an edge and no round closes for this long, with a report of
     where every cell's edge and devices stand (``fleet_probe``); 0 waits for ever."""
+    rollout: dict[str, Any] | None = None
+    """A rollout config mapping to run instead of the synthetic task (``rollout_mapping``), e.g. the private
+    demo's (``local_fleet.private_demo``); its devices, cells and rounds are the mapping's."""
 
 
 @dataclass
@@ -117,6 +125,8 @@ class EmulationResult:
     threads: int
     broker: str
     notes: list[str] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The coordinator's round rows (accuracy, bytes, privacy), as its metrics file has them."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"devices": self.devices, "cells": self.cells, "start_s": self.start_s, "wall_s": self.wall_s,
@@ -281,8 +291,9 @@ class _DeviceHost:
 class _ProbeAnswer:
     """A worker's side of the stall probe: the emulator raises ``probe``'s number, each worker answers once."""
 
-    def __init__(self, probe: Any, answers: Any, host: _DeviceHost) -> None:
+    def __init__(self, probe: Any, answers: Any, host: _DeviceHost, rollout: str = "emulated") -> None:
         self.probe, self.answers, self.host, self.answered = probe, answers, host, 0
+        self.rollout = rollout
 
     def __call__(self) -> None:
         wanted = self.probe.value
@@ -290,21 +301,34 @@ class _ProbeAnswer:
             from local_fleet.probe import describe_devices
 
             self.answered = wanted
-            self.answers.put(describe_devices(self.host.nodes, ROLLOUT))
+            self.answers.put(describe_devices(self.host.nodes, self.rollout))
 
 
 def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, ready: Any, stop: Any,
-            results: Any, loop: str = "threads", probe: Any = None, answers: Any = None) -> None:
+            results: Any, loop: str = "threads", probe: Any = None, answers: Any = None,
+            rollout: str = "emulated") -> None:
     """A worker process: host ``config_paths``' devices until ``stop``, then report their runs. It answers the
     emulator's stall probe (``probe``'s number raised) with its devices' states on ``answers``."""
     raise_fd_limit()
     logging.basicConfig(level=logging.WARNING)
     host = _DeviceHost(compute_delay_ms)
     orphaned = _orphan_check()
-    answer = _ProbeAnswer(probe, answers, host) if probe is not None else (lambda: None)
-    if loop == "mux":
-        _mux_worker(host, config_paths, step_s, ready, stop, results, orphaned, answer)
-        return
+    answer = _ProbeAnswer(probe, answers, host, rollout) if probe is not None else (lambda: None)
+    try:
+        if loop == "mux":
+            _mux_worker(host, config_paths, step_s, ready, stop, results, orphaned, answer)
+            return
+        _thread_worker(host, config_paths, step_s, ready, stop, results, orphaned, answer)
+    finally:
+        if orphaned():  # nobody reads our queues any more: exit without waiting to flush them (it would never end)
+            for q in (ready, results, answers):
+                if q is not None:
+                    q.cancel_join_thread()
+
+
+def _thread_worker(host: "_DeviceHost", config_paths: list[str], step_s: float, ready: Any, stop: Any,
+                   results: Any, orphaned: Callable[[], bool], answer: Callable[[], None]) -> None:
+    """``_worker`` with a node thread and a network thread per device."""
     try:
         for path in config_paths:
             host.add_device(Path(path))
@@ -318,6 +342,19 @@ def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, rea
     finally:
         host.stop()
         results.put({"runs": host.runs, "errors": host.errors()})
+
+
+RAM_DISK = Path("/dev/shm")
+
+
+def _device_state_root(where: str) -> Path | None:
+    """A fresh directory on the RAM disk for the devices' state (``EmulatorOptions.device_state``), or None
+    for the workdir's ``devices/``."""
+    if where not in ("ram", "disk"):
+        raise ConfigError(f"device_state must be 'ram' or 'disk', not {where!r}", key="device_state")
+    if where == "disk" or not (RAM_DISK.is_dir() and os.access(RAM_DISK, os.W_OK)):
+        return None
+    return Path(tempfile.mkdtemp(prefix="fedtier-fleet-devices-", dir=RAM_DISK))
 
 
 def _orphan_check() -> Callable[[], bool]:
@@ -336,9 +373,11 @@ def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready
     try:
         for path in config_paths:
             mux.add(*host.build_device(Path(path)))
+            mux.run_once(wait=False)
             if step_s:
                 time.sleep(step_s)
         ready.put(len(config_paths))
+
         def done() -> bool:
             answer()
             return stop.is_set() or bool(mux.errors()) or orphaned()
@@ -352,11 +391,16 @@ def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready
 class FleetEmulator:
     """Builds, runs and stops an emulated fleet (see the module docstring)."""
 
-    def __init__(self, opts: EmulatorOptions, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, opts: EmulatorOptions, progress: Callable[[str], None] | None = None,
+                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
         if opts.devices < 1 or opts.cells < 1 or opts.devices < opts.cells:
             raise ConfigError("need at least one device per cell", key="devices")
         self.opts = opts
         self.say = progress or (lambda text: None)
+        self.on_round = on_round
+        """Called with each closed round's row instead of the default progress line."""
+        self.mapping = opts.rollout if opts.rollout is not None else rollout_mapping(opts)
+        self.rollout_id = str(self.mapping.get("rollout", ROLLOUT))
         self.servers = _DeviceHost(0.0)  # the edges and the coordinator, on threads of this process
         self.runs: list[tuple[int, str, float, float]] = []
         self.workers = 0
@@ -384,6 +428,7 @@ class FleetEmulator:
         stop, ready, results = ctx.Event(), ctx.Queue(), ctx.Queue()
         probe, answers = ctx.Value("i", 0), ctx.Queue()
         procs: list[Any] = []
+        device_root: Path | None = None
         try:
             if o.broker is None:
                 broker_proc, port = _start_mosquitto(workdir, o.devices + 2 * o.cells + 1)
@@ -392,9 +437,10 @@ class FleetEmulator:
                 host, _, port_text = o.broker.rpartition(":")
                 host, port, broker_label = host or "127.0.0.1", int(port_text), f"{o.broker}"
             self.say(f"writing the fleet: {o.devices} devices in {o.cells} cells ({workdir})")
-            paths = write_fleet(rollout_mapping(o), workdir, {"host": host, "port": port,
+            device_root = _device_state_root(o.device_state)
+            paths = write_fleet(self.mapping, workdir, {"host": host, "port": port,
                                                               "keepalive_s": o.keepalive_s},
-                                device_settings={"trainer": "auto"})
+                                device_settings={"trainer": "auto"}, device_state_root=device_root)
             devices = [str(paths.devices[d]) for d in list(paths.devices)[: o.devices]]
             t_start = time.perf_counter()
             if o.loop == "mux":  # one busy thread per worker: as many workers as cores, or more if descriptors run out
@@ -406,7 +452,7 @@ class FleetEmulator:
             step = o.stagger_s / max(1, len(devices)) * len(groups)
             for group in groups:
                 proc = ctx.Process(target=_worker, args=(group, o.compute_delay_ms, step, ready, stop, results,
-                                                         o.loop, probe, answers), daemon=True)
+                                                         o.loop, probe, answers, self.rollout_id), daemon=True)
                 proc.start()
                 procs.append(proc)
             hosted = 0
@@ -439,7 +485,7 @@ class FleetEmulator:
                 self._wait_rounds(cloud, edges, edge_inboxes, procs, probe, answers)
             except KeyboardInterrupt:
                 raise RuntimeError("stopped while the rollout ran; where the cells stood:\n"
-                                   f"{_stall_report(edge_inboxes, probe, answers, procs)}") from None
+                                   f"{_stall_report(edge_inboxes, probe, answers, procs, self.rollout_id)}") from None
             history = list(cloud.history)
             stop.set()
             for _ in procs:
@@ -459,9 +505,11 @@ class FleetEmulator:
                 broker_proc.wait(10)
             if own_dir:
                 shutil.rmtree(workdir, ignore_errors=True)
+            if device_root is not None:
+                shutil.rmtree(device_root, ignore_errors=True)
         return EmulationResult(devices=o.devices, cells=o.cells, rounds=self._timings(history), start_s=start_s,
                                wall_s=time.perf_counter() - started, peak_rss_mb=_peak_rss_mb(),
-                               threads=threading.active_count(), broker=broker_label,
+                               threads=threading.active_count(), broker=broker_label, history=history,
                                notes=[f"devices in {self.workers} worker process(es), " + (
                                    "each driving its devices on one thread (their sockets multiplexed)"
                                    if o.loop == "mux" else
@@ -476,25 +524,34 @@ class FleetEmulator:
         """Until the rollout finishes: report each closed round; stop on a crash or a stall (``stall_s``)."""
         stall_s = self.opts.stall_s
         seen = 0
-        progress, progressed = _progress(cloud, edges), time.monotonic()
+        progress, progressed = _progress(cloud, edges, self.rollout_id), time.monotonic()
         while not cloud.finished:
-            now_at = _progress(cloud, edges)
+            now_at = _progress(cloud, edges, self.rollout_id)
             if now_at != progress:
                 progress, progressed = now_at, time.monotonic()
             elif stall_s and time.monotonic() - progressed > stall_s:
+                where = _stall_report(edge_inboxes, probe, answers, procs, self.rollout_id)
                 raise RuntimeError(f"no update reached an edge and no round closed for {stall_s:g} s; where "
-                                   f"the cells stand:\n{_stall_report(edge_inboxes, probe, answers, procs)}")
+                                   f"the cells stand:\n{where}")
             problems = self.servers.errors()
             if problems:
                 raise RuntimeError(problems[0])
             if any(not p.is_alive() for p in procs):
                 raise RuntimeError("a device worker process died")
-            if len(cloud.history) > seen:
-                row = cloud.history[seen]
+            seen = self._report_rounds(cloud.history, seen)
+            time.sleep(0.05)
+        self._report_rounds(cloud.history, seen)  # the rounds that closed since the last look, the last one
+
+    def _report_rounds(self, history: list[dict[str, Any]], seen: int) -> int:
+        """Report the rounds closed after the first ``seen`` (``on_round``, else a progress line); the new count."""
+        for row in list(history[seen:]):
+            if self.on_round is not None:
+                self.on_round(row)
+            else:
                 self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
                          f"{row['round_s']:.2f} s, accuracy {row.get('accuracy', float('nan')):.4f}")
-                seen += 1
-            time.sleep(0.05)
+            seen += 1
+        return seen
 
     def _timings(self, history: list[dict[str, Any]]) -> list[RoundTiming]:
         out = []
@@ -518,17 +575,18 @@ class FleetEmulator:
 ROLLOUT = "emulated"
 
 
-def _progress(cloud: Any, edges: list[Any]) -> tuple[int, ...]:
+def _progress(cloud: Any, edges: list[Any], rollout: str = ROLLOUT) -> tuple[int, ...]:
     """Changes whenever a round closes or an edge takes an update or moves on a step."""
     marks = [len(cloud.history)]
     for edge in edges:
-        role: EdgeRole | None = edge.roles.get(ROLLOUT)
+        role: EdgeRole | None = edge.roles.get(rollout)
         if role is not None:
             marks += [role.round, role.step, len(role.reported)]
     return tuple(marks)
 
 
-def _stall_report(edges: dict[str, tuple[Any, Any]], probe: Any, answers: Any, procs: list[Any]) -> str:
+def _stall_report(edges: dict[str, tuple[Any, Any]], probe: Any, answers: Any, procs: list[Any],
+                  rollout: str = ROLLOUT) -> str:
     """Every cell's edge (read here) and devices (asked of the live workers, 20 s at most)."""
     from local_fleet.probe import describe_edge, merge, render
 
@@ -542,7 +600,7 @@ def _stall_report(edges: dict[str, tuple[Any, Any]], probe: Any, answers: Any, p
             reports.append(answers.get(timeout=max(0.1, deadline - time.monotonic())))
         except Exception:  # noqa: BLE001 - queue.Empty: the workers that did not answer are counted below
             break
-    report = render({cell: describe_edge(edge, inbox, ROLLOUT) for cell, (edge, inbox) in edges.items()},
+    report = render({cell: describe_edge(edge, inbox, rollout) for cell, (edge, inbox) in edges.items()},
                     merge(reports))
     missing = len(procs) - len(reports)
     return report + (f"\n({missing} of {len(procs)} worker processes did not answer)" if missing else "")

@@ -34,6 +34,7 @@ from fedtier.artifacts.cache import ArtifactCache
 from fedtier.errors import ArtifactError, ConfigError
 from fedtier.rollout.config import RolloutConfig
 from fedtier.transport.memory import MemoryBroker
+from local_fleet.trace_rollout import run_traces, uses_traces
 from local_fleet.sim_nodes import SharedTrainers, TrainObjective, bind, device_node, noise_source, simulated_trainers
 
 log = logging.getLogger("fedtier.simulate")
@@ -85,6 +86,12 @@ def simulate(cfg: RolloutConfig, *, workdir: Path | None = None,
     if absent:
         raise ConfigError(f"the simulator trains every device on its data, and {len(absent)} device(s) have none "
                           f"(e.g. {absent[0]}): set [data] dir to the shards of `fedtier data split`", key="data.dir")
+    if uses_traces(cfg):  # [fleet] availability on a virtual clock, or an asynchronous algorithm
+        if backend != "local":
+            raise ConfigError("the trace simulator ([fleet], fedbuff) runs in this process only", key="backend")
+        run = run_traces(cfg, prepared, on_round)
+        return SimulationResult(rounds=run.rows, params=run.params, prepared=prepared,
+                                wall_s=time.perf_counter() - t0)
     with tempfile.TemporaryDirectory(prefix="fedtier-sim-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

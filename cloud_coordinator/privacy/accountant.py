@@ -28,7 +28,9 @@ Two closed forms live here on purpose, and neither is used to report epsilon:
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import threading
 import numbers
 from collections import Counter
 from collections.abc import Iterable
@@ -45,6 +47,7 @@ __all__ = [
     "AccountingError",
     "Accountant",
     "classical_gaussian_multiplier",
+    "convergence_note",
     "epsilon",
     "exact_gaussian_epsilon",
     "noise_multiplier_for",
@@ -58,6 +61,49 @@ ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_privacy_accountant.DEFAU
 
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld")
 """The accountants :func:`epsilon` and :func:`noise_multiplier_for` can use (both dp-accounting's)."""
+
+
+class _ConvergenceWarnings(logging.Filter):
+    """Counts, and keeps off the log, dp-accounting's "failed to converge" warnings (absl's logger).
+
+    With sampling, dp-accounting's RDP of a subsampled Gaussian sums a series per fractional order; at small z it
+    does not converge within its 1,000 terms for some orders, logs one warning per order and evaluation, and leaves
+    that order out. Epsilon is the minimum over the remaining orders, so it stays a sound upper bound (at worst a
+    little looser). A plan calibrates by bisection and logs a hundred of these; ``convergence_note`` says it once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "failed to converge" not in str(record.msg):
+            return True
+        with self.lock:
+            self.count += 1
+        return False
+
+    def take(self) -> int:
+        with self.lock:
+            count, self.count = self.count, 0
+        return count
+
+
+_CONVERGENCE = _ConvergenceWarnings()
+logging.getLogger("absl").addFilter(_CONVERGENCE)  # absl.logging is imported (by dp_accounting) above
+
+
+def convergence_note() -> str | None:
+    """One line about the "failed to converge" warnings dp-accounting raised since the last call (then forgets
+    them), or ``None`` if there were none."""
+    count = _CONVERGENCE.take()
+    if not count:
+        return None
+    return (f"note: dp-accounting's RDP series did not converge {count} time(s) for some fractional orders "
+            "(sampled releases at small noise); it left those orders out, so each epsilon is the minimum over "
+            "the others: still a valid upper bound, at most slightly looser")
+
 
 # Bisection bracket and precision of noise_multiplier_for (relative, on z).
 _Z_MIN = 1e-4

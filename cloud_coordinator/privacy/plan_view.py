@@ -208,6 +208,8 @@ def render_plan(doc: dict[str, Any]) -> str:
     lines += ["", "tiers (every device is protected by exactly one injection point):"]
     lines += _tier_table(doc)
     lines += _snr_lines(doc)
+    lines += ["", "cells (who adds noise where):"]
+    lines += cell_lines(doc)
     lines += ["", "nodes:"]
     lines += _node_table(doc)
     if doc["noise_plan"] is None:
@@ -217,6 +219,69 @@ def render_plan(doc: dict[str, Any]) -> str:
         lines += ["", "warnings:"]
         lines += [f"  - WARNING: {w}" for w in doc["warnings"]]
     return "\n".join(lines)
+
+
+def render_summary(doc: dict[str, Any]) -> list[str]:
+    """The plan in a few lines (what ``fedtier demo --privacy`` prints before its fleet starts): the target,
+    who adds noise in each cell (``cell_lines``), each tier's multiplier, and the plan's warnings. Built from
+    the same document and the same cell lines as ``render_plan``, so the two never disagree."""
+    budget = doc["budget_epsilon"]
+    stop = ("privacy never stops the rollout" if math.isinf(budget)
+            else f"the ledger stops the rollout before any device would exceed {budget:g}")
+    lines = [f"privacy: epsilon {doc['epsilon']:g} per device at delta {doc['delta']:g} over {doc['rounds']} "
+             f"rounds ({doc['mode']} calibration, {_accountant(doc)} accountant; {stop}); every released model "
+             f"delta clipped to C = {doc['clip']:g}"]
+    sampling = _sampling_row(doc)
+    if sampling is not None:
+        lines.append(f"  {sampling[0]}: {sampling[1]}")
+    lines += cell_lines(doc)
+    present = [f"{name} tier z {t['z']:.3g} (epsilon {t['epsilon']:.3g})" for name, t in doc["tiers"].items()
+               if t["injectors"]]
+    lines.append("  noise multiplier per tier: " + (", ".join(present) or "none (no node adds noise)"))
+    lines += [f"  WARNING: {w}" for w in doc["warnings"]]
+    return lines
+
+
+def cell_lines(doc: dict[str, Any]) -> list[str]:
+    """Who adds noise where, one line per cell and one for the cloud, from the plan's nodes: a trusted edge
+    noising its clear inputs, devices noising their own updates under an untrusted edge, or (distributed DP)
+    devices each adding a share of their cell's noise to a sum the edge alone cannot open."""
+    nodes = doc["nodes"]
+    cells = sorted((n for n in nodes if n["kind"] == "server"), key=lambda n: (n["layer"], n["node"]))
+    lines = []
+    for cell in cells:
+        devices = [n for n in nodes if n["kind"] == "device" and n["parent"] == cell["node"]]
+        if not devices:
+            continue
+        label = "trusted  " if cell["trusted"] else "untrusted"
+        lines.append(f"  {cell['node']}  {label}  {_cell_text(doc, cell, devices)}")
+    cloud = next((n for n in nodes if n["kind"] == "cloud"), None)
+    if cloud is not None:
+        lines.append(f"  {cloud['node']}  untrusted  adds no noise; refuses any cell update whose noise is not on "
+                     "record")
+    return lines
+
+
+def _cell_text(doc: dict[str, Any], cell: dict[str, Any], devices: list[dict[str, Any]]) -> str:
+    n, first = len(devices), devices[0]
+    noise = f"z {cell['z']:.3g}, sigma {cell['sigma']:.3g} = z x sensitivity {cell['sensitivity']:.3g}"
+    if first.get("distributed"):
+        return (f"secure aggregation: each of its {n} devices adds a share of the cell's noise "
+                f"(z {first['z']:.3g} of its own); the edge sees only the sum and adds nothing; one release a "
+                f"round ({noise})")
+    if cell["trusted"] and cell["injects"]:
+        tls = "over TLS" if doc["require_tls"] else "WITHOUT TLS (require_tls = false)"
+        sampled = (f", from the devices it samples in secret (q = {doc['sample_rate']:g})"
+                   if doc.get("device_sampling", "none") != "none" else "")
+        return (f"its {n} devices send clear updates {tls}; the edge adds noise once per round towards the cloud"
+                f"{sampled} ({noise})")
+    if cell["trusted"]:
+        return f"its {n} devices send clear updates; the edge adds no noise ({cell['why']})"
+    releases = sorted({int(d["releases"]) for d in devices})
+    count = str(releases[0]) if len(releases) == 1 else f"{releases[0]}-{releases[-1]}"
+    sampled = ", when the cloud samples it" if doc.get("device_sampling", "none") != "none" else ""
+    return (f"each of its {n} devices adds noise to every update{sampled} ({count} releases: z {first['z']:.3g}, "
+            f"sigma {first['sigma']:.3g} = z x 2C); the edge forwards their noised mean")
 
 
 def _accountant(doc: dict[str, Any]) -> str:

@@ -84,13 +84,16 @@ def device_range(devices: Sequence[str]) -> str:
 
 
 def epsilon_by_round(releases: Sequence[Mapping[str, Any]], delta: float,
-                     accounting: str = "rdp") -> list[dict[str, Any]]:
+                     accounting: str = "rdp", roster: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Every device's epsilon after each round, from the ledger rows alone.
 
     Args:
         releases: ``CoordinatorStore.privacy_releases`` rows (any order).
         delta: the delta epsilon is reported at.
         accounting: the accountant, ``rdp`` or ``pld`` (the rollout's, so the live numbers compare).
+        roster: devices the live ledger lists besides those on the rows (its every member from the
+            start): with device sampling, a device of an untrusted cell the cloud never sampled has no
+            row, released nothing and is charged nothing; it counts at epsilon 0, as it does live.
 
     Returns:
         One dict per round that has rows, in round order: ``round`` (store index),
@@ -98,7 +101,7 @@ def epsilon_by_round(releases: Sequence[Mapping[str, Any]], delta: float,
         device the ledger protects, and ``epsilon`` (device -> epsilon).
     """
     acc = Accountant(delta, accounting=accounting)
-    for device in sorted({d for r in releases for d in r["protected"]}):
+    for device in sorted({d for r in releases for d in r["protected"]} | set(roster)):
         acc.add([device], 0.0, 0)  # listed from the start, like the live ledger
     by_round: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
     for row in releases:
@@ -113,6 +116,11 @@ def epsilon_by_round(releases: Sequence[Mapping[str, Any]], delta: float,
         out.append({"round": rnd, "releases": len(by_round[rnd]), "epsilon_max": max(values),
                     "epsilon_min": min(values), "epsilon": dict(sorted(eps.items()))})
     return out
+
+
+def _live_roster(rounds: Sequence[Mapping[str, Any]]) -> set[str]:
+    """Every device any round's live metrics list (the live ledger lists each member from the start)."""
+    return {str(d) for r in rounds for d in ((r.get("privacy") or {}).get("epsilon") or {})}
 
 
 def tier_of_devices(releases: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -177,6 +185,27 @@ def clear_hops(clear: Sequence[Mapping[str, Any]], releases: Sequence[Mapping[st
             "violations": [{k: v for k, v in c.items() if k != "rollout"} for c in bad]}
 
 
+def _device_rows(releases: Sequence[Mapping[str, Any]], recomputed: Mapping[str, float],
+                 live: Mapping[str, float], final: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Per device: its epsilon from the ledger next to the live one. A device no row protects (with device
+    sampling, one of an untrusted cell the cloud never sampled) released nothing and is charged nothing: 0."""
+    tiers = tier_of_devices(releases)
+    devices = []
+    for device in sorted(set(recomputed) | set(live)):
+        info = tiers.get(device, {"tiers": set(), "cells": set(), "releases": 0})
+        ledger_eps, live_eps = recomputed.get(device), live.get(device)
+        if ledger_eps is None and not info["releases"]:
+            ledger_eps = 0.0
+        devices.append({"device": device, "tier": ",".join(sorted(info["tiers"])) or "-",
+                        "cell": ",".join(sorted(info["cells"])) or "-", "releases": info["releases"],
+                        "epsilon": ledger_eps, "live_epsilon": live_eps, "agrees": agrees(ledger_eps, live_eps)})
+    if final is not None:  # the round-by-round accountant must end where ledger.recompute does
+        for d in devices:
+            if not agrees(final["epsilon"].get(d["device"]), d["epsilon"]):
+                d["agrees"] = False
+    return devices
+
+
 def build(*, rollout: str, db: Path | str, releases: Sequence[Mapping[str, Any]], clear: Sequence[Mapping[str, Any]],
           rounds: Sequence[Mapping[str, Any]], recomputed: Mapping[str, float], delta: float, budget: float,
           mode: str, status: str | None, rounds_planned: int | None, stopped: str | None,
@@ -202,7 +231,7 @@ def build(*, rollout: str, db: Path | str, releases: Sequence[Mapping[str, Any]]
     accuracy_by_round = {int(r["round"]): r.get("accuracy") for r in rounds}
     last = rounds[-1] if rounds else None
     live: Mapping[str, float] = (last.get("privacy") or {}).get("epsilon", {}) if last else {}
-    series = epsilon_by_round(releases, delta, accounting)
+    series = epsilon_by_round(releases, delta, accounting, roster=_live_roster(rounds))
     for point in series:
         metrics = live_by_round.get(point["round"]) or {}
         point["live_epsilon_max"] = metrics.get("epsilon_max")
@@ -210,19 +239,7 @@ def build(*, rollout: str, db: Path | str, releases: Sequence[Mapping[str, Any]]
         point["accuracy"] = accuracy_by_round.get(point["round"])  # what the round's privacy bought
         point["agrees"] = (agrees(point["epsilon_max"], point["live_epsilon_max"])
                            and agrees(point["epsilon_min"], point["live_epsilon_min"]))
-    tiers = tier_of_devices(releases)
-    devices = []
-    for device in sorted(set(recomputed) | set(live)):
-        info = tiers.get(device, {"tiers": set(), "cells": set(), "releases": 0})
-        ledger_eps, live_eps = recomputed.get(device), live.get(device)
-        devices.append({"device": device, "tier": ",".join(sorted(info["tiers"])) or "-",
-                        "cell": ",".join(sorted(info["cells"])) or "-", "releases": info["releases"],
-                        "epsilon": ledger_eps, "live_epsilon": live_eps, "agrees": agrees(ledger_eps, live_eps)})
-    final = series[-1] if series else None
-    if final is not None:  # the round-by-round accountant must end where ledger.recompute does
-        for d in devices:
-            if not agrees(final["epsilon"].get(d["device"]), d["epsilon"]):
-                d["agrees"] = False
+    devices = _device_rows(releases, recomputed, live, series[-1] if series else None)
     warnings = []
     mismatched = [d["device"] for d in devices if not d["agrees"]]
     if mismatched:

@@ -68,6 +68,10 @@ class Algorithm:
     """Its uploads are QSGD-quantized by default (its section's ``bits_device`` and ``bits_edge`` are not 0), so
     ``fedtier demo --bits-device/--bits-edge`` set them. HIST has the settings but sends float32 by default,
     as in its paper."""
+    asynchronous: bool = False
+    """No rounds: its tiers aggregate buffered updates as they arrive (FedBuff). ``fedtier simulate`` runs it on
+    the trace simulator (``local_fleet.trace_sim``: virtual time, device availability and speeds); the MQTT
+    shells (edge service, agent, coordinator) do not host it yet, so ``fedtier demo`` and rollouts refuse it."""
     local_steps_setting: str = "local_steps"
     """The setting of its section that counts a device's local steps (QHetFed: ``gamma``), which ``fedtier demo
     --local-steps`` sets."""
@@ -91,6 +95,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "secure_fedavg": Algorithm("fedtier.algorithms.secure_fedavg", variant_of="fedavg", strategies=True,
                                proximal=True, device_sampling=True, secure_aggregation=True),
     "hsgd": Algorithm("fedtier.algorithms.hsgd", split_model=True),
+    "fedbuff": Algorithm("fedtier.algorithms.fedbuff", strategies=True, asynchronous=True),
 }
 
 _TRAITS = frozenset({f.name for f in dataclasses.fields(Algorithm) if f.type == "bool"} | {"private"})

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from fedtier.algorithms import fedavg, fedxl, hier_qsgd, hist, hsgd, qhetfed, secure_fedavg
+from fedtier.algorithms import fedavg, fedbuff, fedxl, hier_qsgd, hist, hsgd, qhetfed, secure_fedavg
 from fedtier.algorithms.base import CloudRole, DeviceRole, EdgeRole
 
 
@@ -38,5 +38,6 @@ ROLE_CLASSES: Mapping[str, RoleClasses] = {
     fedxl.NAME: RoleClasses(device=fedxl.Device, edge=fedxl.Edge, cloud=fedxl.Cloud),
     secure_fedavg.NAME: RoleClasses(device=secure_fedavg.Device, edge=secure_fedavg.Edge, cloud=secure_fedavg.Cloud),
     hsgd.NAME: RoleClasses(device=hsgd.Device, edge=hsgd.Edge, cloud=hsgd.Cloud, host=hsgd.Host),
+    fedbuff.NAME: RoleClasses(device=fedbuff.Device, edge=fedbuff.Edge, cloud=fedbuff.Cloud),
 }
 """Algorithm name (as in ``ALGORITHMS``) -> its role classes."""

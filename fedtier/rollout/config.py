@@ -12,12 +12,13 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from fedtier import algorithms
 from fedtier.algorithms import strategies
 from fedtier.algorithms.common import LR_SCHEDULES
 from fedtier.algorithms.fedavg import FedAvgConfig
+from fedtier.algorithms.fedbuff import STALENESS_WEIGHTS, FedBuffConfig
 from fedtier.algorithms.secure_fedavg import MAX_PHASES_SHARE, PHASE_SHARES, SecureFedAvgConfig, check_phase_shares
 from fedtier.algorithms.fedxl import FedXLConfig
 from fedtier.algorithms.hier_qsgd import HierConfig
@@ -26,6 +27,8 @@ from fedtier.algorithms.hsgd import HsgdConfig
 from fedtier.algorithms.qhetfed import QHetFedConfig
 from fedtier.errors import ConfigError, LocalProtocolError
 from fedtier.rng import stream
+from fedtier.rollout.availability import MODES as AVAILABILITY_MODES
+from fedtier.rollout.availability import AvailabilitySpec
 from fedtier.runtime.config import LOG_LEVELS, BrokerConfig, Section, node_id, opt
 from fedtier.training.layout import LOSSES, ArchSpec
 from fedtier.transport.topics import check_id
@@ -358,6 +361,72 @@ class HierQsgdSection(QuantizedSection):
     def algorithm_config(self, seed: int) -> HierConfig:
         return HierConfig(local_steps=self.local_steps, edge_rounds=self.edge_rounds, partial_work=self.partial_work,
                           **self.common(seed))
+
+
+@dataclass(frozen=True)
+class FedBuffSection(RoundSection):
+    """Hierarchical FedBuff (buffered asynchronous aggregation; see fedtier.algorithms.fedbuff)."""
+
+    local_steps: int = opt(10, min=1, help="SGD steps per local training.")
+    k_edge: int = opt(4, min=1, help="Deltas an edge folds into one cell update (FedBuff's K at the edge).")
+    edge_timeout_s: float = opt(0.0, min=0, help="An edge sends a partial buffer this many seconds after its first "
+                                                 "delta (0 = only every k_edge deltas).")
+    k_cloud: int = opt(2, min=1, help="Cell updates the cloud folds into one new model version (K at the cloud).")
+    max_staleness: int = opt(20, min=0, help="Versions a delta or a cell update may lag the newest model; older ones "
+                                             "are rejected (counted by reason).")
+    staleness_weight: str = opt("polynomial", choices=STALENESS_WEIGHTS,
+                                help="How a cell update of staleness s is weighted: polynomial, (1 + s)^-a; or "
+                                     "constant, 1.")
+    staleness_exponent: float = opt(0.5, min=0, help="a of the polynomial staleness weight (0.5: 1/sqrt(1 + s)).")
+    secure_aggregation: bool = opt(False, help="Refused: SecAgg+ needs a cohort that agrees keys before it trains; "
+                                               "an asynchronous buffer has none (docs/configuration.md).")
+
+    REFUSES_SECURE_AGGREGATION: ClassVar[str] = (
+        "fedbuff cannot run secure aggregation: SecAgg+ masks cancel only over a cohort that agreed its keys before "
+        "training, and a buffer of K deltas from devices that started at different model versions, at different "
+        "times, is no such cohort; use fedavg with secure_aggregation, or fedbuff with a trusted edge")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.secure_aggregation:
+            raise self.error(self.REFUSES_SECURE_AGGREGATION, "secure_aggregation", prefix=prefix, source=source)
+
+    def algorithm_config(self, seed: int) -> FedBuffConfig:
+        return FedBuffConfig(local_steps=self.local_steps, k_edge=self.k_edge, edge_timeout_s=self.edge_timeout_s,
+                             k_cloud=self.k_cloud, max_staleness=self.max_staleness,
+                             staleness_weight=self.staleness_weight, staleness_exponent=self.staleness_exponent,
+                             **self.common(seed))
+
+
+@dataclass(frozen=True)
+class FleetSection(Section):
+    """When devices are online and how fast they train (fedtier.rollout.availability; fedtier simulate)."""
+
+    availability: str = opt("always", choices=AVAILABILITY_MODES,
+                            help="always (every device online), diurnal (one window a day per device, share_online "
+                                 "of the day long, at a seeded phase) or file (windows from trace_file).")
+    share_online: float = opt(1.0, gt=0, max=1, help="diurnal: the share of the day each device is online, so the "
+                                                     "share of the fleet online at any time.")
+    day_s: float = opt(86_400.0, gt=0, help="diurnal: the period of the windows, seconds.")
+    compute_s: float = opt(60.0, gt=0, help="Virtual seconds the median device takes for one local training.")
+    speed_sigma: float = opt(1.0, min=0, help="Heavy-tailed speeds: a device's training takes compute_s * "
+                                              "exp(sigma g), g ~ N(0, 1) drawn once per device (0 = all equally "
+                                              "fast).")
+    trace_file: Path | None = opt(None, help="file: JSON {\"period_s\": optional, \"devices\": {id: {\"windows\": "
+                                             "[[start, end], ...], \"speed\": optional}}}.")
+
+    def check(self, *, prefix: str = "", source: str | None = None) -> None:
+        if self.availability == "file" and self.trace_file is None:
+            raise self.error("availability = 'file' reads the windows from trace_file: set it", "trace_file",
+                             prefix=prefix, source=source)
+        if self.availability == "always" and self.share_online != 1.0:
+            raise self.error("share_online is the diurnal share; with availability = 'always' every device is "
+                             "online (set availability = 'diurnal')", "share_online", prefix=prefix, source=source)
+        if self.availability == "file" and self.trace_file is not None and not Path(self.trace_file).is_file():
+            raise self.error(f"no such file {self.trace_file}", "trace_file", prefix=prefix, source=source)
+
+    def spec(self) -> AvailabilitySpec:
+        return AvailabilitySpec(availability=self.availability, share_online=self.share_online, day_s=self.day_s,
+                                compute_s=self.compute_s, speed_sigma=self.speed_sigma, trace_file=self.trace_file)
 
 
 @dataclass(frozen=True)
@@ -753,7 +822,7 @@ class RolloutConfig(Section):
 
     rollout: str = opt("default", check=node_id, help="Rollout id (appears in every topic).")
     algorithm: str = opt("fedavg", choices=algorithms.names(),
-                         help="Algorithm: fedavg, hier_qsgd, qhetfed, hist, fedxl or hsgd.")
+                         help="Algorithm: fedavg, hier_qsgd, qhetfed, hist, fedxl, hsgd or fedbuff.")
     rounds: int = opt(20, min=1, help="Global rounds.")
     seed: int = opt(0, help="Rollout seed: names every RNG stream (minibatches, ...).")
     state_dir: Path = opt(Path("fedtier-state"), help="Coordinator state: SQLite database and artifact store.")
@@ -778,6 +847,10 @@ class RolloutConfig(Section):
     hist: HistSection = opt(default_factory=HistSection, help="HIST settings.")
     fedxl: FedXLSection = opt(default_factory=FedXLSection, help="FeDXL settings.")
     hsgd: HsgdSection = opt(default_factory=HsgdSection, help="HSGD settings (a host per cell; docs/hsgd.md).")
+    fedbuff: FedBuffSection = opt(default_factory=FedBuffSection, help="FedBuff settings (asynchronous, buffered).")
+    fleet: FleetSection | None = opt(None, help="Device availability and speed on a virtual clock (fedtier simulate "
+                                                "runs the trace simulator when set; absent: every device online, "
+                                                "training takes no time).")
     broker: BrokerConfig = opt(default_factory=BrokerConfig, help="Cloud broker (coordinator run).")
     simulation: SimulationConfig = opt(default_factory=SimulationConfig, help="Simulator knobs.")
     privacy: PrivacySection | None = opt(None, help="Differential privacy (off when absent).")

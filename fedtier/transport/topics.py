@@ -115,8 +115,18 @@ def edge_up_filter() -> str:
 
 
 def cell_down_filter(cell: str) -> str:
-    """What a device subscribes to: its cell's downlink, every rollout."""
+    """A cell's whole downlink, every rollout: the broadcasts and every device's own messages."""
     return f"{PREFIX}/+/cell/{check_id(cell, 'cell')}/down/#"
+
+
+def device_down_filters(cell: str, device: str) -> tuple[str, str]:
+    """What a device subscribes to: its cell's broadcasts and the messages addressed to it, every rollout.
+
+    Not the cell's whole downlink (``cell_down_filter``): there, every device would also receive every
+    other device's own messages (the files each asked for, catch-ups), which in a cell of thousands of
+    devices costs each of them thousands of deliveries it drops."""
+    base = f"{PREFIX}/+/cell/{check_id(cell, 'cell')}/down/+"
+    return base, f"{base}/{check_id(device, 'device')}"
 
 
 def cell_up_filter(cell: str) -> str:

@@ -235,10 +235,12 @@ def test_a_sigkilled_demo_leaves_no_process_behind(tmp_path: Path) -> None:
 
 
 def test_privacy_demo_with_defaults_reports_the_ledgers_epsilon(tmp_path: Path) -> None:
-    """The acceptance run: `fedtier demo --privacy` with every default, then `fedtier privacy report`."""
+    """`fedtier demo --privacy --processes` (the 12-process private demo) with every default, then `fedtier privacy
+    report`. (The private fleet, `--privacy` alone, is tests/e2e/test_private_demo.py's.)"""
     require(mosquitto_binary() is not None, "Mosquitto")
     workdir = tmp_path / "dp"
-    proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--privacy", "--json", "--workdir", str(workdir)],
+    proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--privacy", "--processes", "--json",
+                           "--workdir", str(workdir)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == ""  # --json: nothing but the document
@@ -265,7 +267,8 @@ def test_privacy_demo_with_defaults_reports_the_ledgers_epsilon(tmp_path: Path) 
 
 def test_privacy_demo_prints_the_plan_epsilon_per_round_and_the_comparison(tmp_path: Path) -> None:
     require(mosquitto_binary() is not None, "Mosquitto")
-    proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--privacy", "--compare", "--devices", "4",
+    proc = subprocess.run([sys.executable, "-m", "fedtier", "demo", "--privacy", "--processes", "--compare",
+                           "--devices", "4",
                            "--rounds", "3", "--epsilon", "4", "--delta", "1e-6"],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

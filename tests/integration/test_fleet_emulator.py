@@ -25,8 +25,13 @@ def test_twenty_devices_in_two_cells_complete_their_rounds(mosquitto: Any, tmp_p
     opts = EmulatorOptions(devices=20, cells=2, rounds=2, broker=f"{mosquitto.host}:{mosquitto.port}",
                            compute_delay_ms=20, workdir=tmp_path / "fleet", loop=loop)
 
+    ram_before = set(Path("/dev/shm").glob("fedtier-fleet-devices-*"))
+
     result = FleetEmulator(opts, progress=said.append).run()
 
+    # the devices kept their state on the RAM disk (each board's flash is its own), removed after the run
+    assert (tmp_path / "fleet" / "devices").exists() != os.access("/dev/shm", os.W_OK)
+    assert set(Path("/dev/shm").glob("fedtier-fleet-devices-*")) <= ram_before
     assert [r.round for r in result.rounds] == [0, 1]
     assert all(r.devices_reported == 20 for r in result.rounds)
     for r in result.rounds:

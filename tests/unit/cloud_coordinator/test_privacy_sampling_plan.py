@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
 from fedtier.rollout.config import RolloutConfig
@@ -121,7 +124,7 @@ def test_privacy_plan_cli_shows_sampling_and_amplification(tmp_path) -> None:  #
                     'device_sampling = "poisson"\nsample_rate = 0.2\n')
     out = CliRunner().invoke(main, ["plan", "--config", str(path), "--json"])
     assert out.exit_code == 0, out.output
-    doc = json.loads(out.output[out.output.index("{"):])
+    doc = json.loads(out.stdout)  # the accountant's note, if any, is on stderr
     edge, device = doc["tiers"]["edge"], doc["tiers"]["device"]
     assert edge["amplified"] and not device["amplified"]
     assert edge["epsilon"] == pytest.approx(4.0, rel=0.01) and edge["rounds_within_budget"] == 20
@@ -187,3 +190,24 @@ def test_the_cloud_samples_untrusted_cells_publicly_within_the_cap(small_rollout
     live = result.rounds[-1]["privacy"]["epsilon"]
     assert all(v <= 6.0 * (1 + 1e-9) for v in live.values())
     assert live == pytest.approx(recomputed)
+
+
+def test_plan_with_sampling_summarises_the_accountants_convergence_warnings_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """dp-accounting logs "failed to converge" per order and evaluation when it calibrates sampled releases (dozens
+    per plan); `privacy plan` keeps them off the log and says so in one line (issue 33)."""
+    from click.testing import CliRunner
+
+    from fedtier.cli import cli
+
+    config = tmp_path / "sampled.toml"
+    config.write_text('rollout = "s"\nrounds = 40\n[topology]\ncells = 2\ndevices_per_cell = 50\n'
+                      'trusted = { cell-a = true }\n[fedavg]\nedge_rounds = 1\n[privacy]\nepsilon = 4.0\n'
+                      'clip = 1.0\ndelta = 1e-6\ndevice_sampling = "poisson"\nsample_rate = 0.1\n')
+    with caplog.at_level(logging.WARNING):
+        result = CliRunner().invoke(cli, ["privacy", "plan", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    converge = [line for line in result.output.splitlines() if "converge" in line]
+    assert len(converge) == 1 and "still a valid upper bound" in converge[0], converge
+    assert int(converge[0].split("converge ")[1].split(" time")[0]) > 1  # the case: many warnings, one line
+    assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]

@@ -73,6 +73,10 @@ def test_a_trusted_cell_turns_tls_on_when_mosquitto_is_there(tmp_path: Path) -> 
     (["--compare", "--trusted", "cell-a"], "--trusted, --compare only make sense with --privacy"),
     (["--privacy", "--trusted", "cell-a,cell-z"], "--trusted names cell-z, but the demo's cells are cell-a, cell-b"),
     (["--secure-aggregation", "--algorithm", "hier_qsgd"], "--secure-aggregation runs with fedavg"),
+    (["--processes"], "--processes only makes sense with --privacy"),
+    (["--sample-rate", "0.5"], "--sample-rate only makes sense with --privacy"),
+    (["--privacy", "--secure-aggregation", "--sample-rate", "0.5"], "--sample-rate is the private fleet's"),
+    (["--privacy", "--processes", "--devices", "600"], "at most 500 with one process each"),
 ])
 def test_refused_combinations_are_usage_errors(args: list[str], message: str) -> None:
     result = CliRunner().invoke(cli, ["demo", *args])
@@ -129,3 +133,19 @@ def test_the_fedxl_demo_trains_a_scorer_on_one_class_devices(tmp_path: Path) -> 
     assert "rare-event task" in demo.task_description()
     RolloutConfig.from_mapping({**config, "state_dir": str(tmp_path / "c")})  # a valid rollout
 
+
+
+def test_secure_aggregation_demo_prints_the_distributed_plan_privacy_plan_prints(tmp_path: Path) -> None:
+    """`demo --secure-aggregation --privacy`: every cell's devices share its noise and no edge sees a clear update
+    or adds noise, as `fedtier privacy plan` says of the same config (issue 33): the cell lines are its own."""
+    from cloud_coordinator.privacy.plan_view import cell_lines, render_plan
+
+    demo, plan = plan_of(tmp_path, privacy=PrivacyDemo(), secure_aggregation=True, broker="embedded")
+    text = "\n".join(plan_lines(plan, demo.members()))
+    assert "clear updates" not in text and "0 releases" not in text and "device tier z" not in text
+    for cell in ("cell-a", "cell-b"):
+        assert re.search(rf"{cell}\s+(un)?trusted\s+secure aggregation: each of its 6 devices adds a share of the "
+                         r"cell's noise .* the edge sees only the sum and adds nothing; one release a round", text)
+    assert "distributed DP: secure aggregation in every cell" in text
+    assert set(cell_lines(plan)) <= set(render_plan(plan).splitlines())  # the very lines `privacy plan` prints
+    assert set(cell_lines(plan)) <= set(text.splitlines())

@@ -33,7 +33,7 @@ def test_an_unknown_name_from_the_wire_is_a_remote_error() -> None:
 
 
 def test_the_rollout_chooses_among_the_table_without_its_variants() -> None:
-    assert CHOICES == ("fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl", "hsgd")
+    assert CHOICES == ("fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl", "hsgd", "fedbuff")
     field = next(f for f in dataclasses.fields(RolloutConfig) if f.name == "algorithm")
     assert tuple(field.metadata["choices"]) == CHOICES
     for name, algorithm in algorithms.ALGORITHMS.items():
@@ -42,9 +42,10 @@ def test_the_rollout_chooses_among_the_table_without_its_variants() -> None:
 
 
 def test_names_lists_who_has_a_trait_and_refuses_a_misspelt_one() -> None:
-    assert algorithms.names("private") == ("fedavg", "hier_qsgd", "hist")
+    assert algorithms.names("private") == ("fedavg", "hier_qsgd", "hist", "fedbuff")
     assert algorithms.names("scorer") == ("fedxl",)
-    assert algorithms.names("strategies") == ("fedavg", "hier_qsgd", "qhetfed", "hist")
+    assert algorithms.names("strategies") == ("fedavg", "hier_qsgd", "qhetfed", "hist", "fedbuff")
+    assert algorithms.names("asynchronous") == ("fedbuff",)
     with pytest.raises(ValueError, match="not a trait"):
         algorithms.names("privat")
 
@@ -61,7 +62,9 @@ def test_the_traits_agree_with_the_config_sections(name: str) -> None:
     traits, section = algorithms.describe(name), _section(name)
     fields = {f.name for f in dataclasses.fields(section)}  # type: ignore[arg-type]
     assert traits.proximal == ({"proximal_mu", "partial_work"} <= fields)
-    assert traits.secure_aggregation == ("secure_aggregation" in fields)
+    # A section may name secure_aggregation only to refuse it with its reason (fedbuff's asynchronous buffer).
+    refused = getattr(section, "REFUSES_SECURE_AGGREGATION", None) is not None
+    assert traits.secure_aggregation == ("secure_aggregation" in fields and not refused)
     assert traits.replans == ("plan" in fields)
     assert traits.quantized == (int(getattr(section, "bits_device", 0)) > 0)
     if not traits.split_model:  # HSGD's devices run P = Q iterations of its own; the demo has its own options

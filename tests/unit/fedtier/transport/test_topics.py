@@ -309,7 +309,16 @@ def test_subscription_filters_select_their_channel(rollout: str, cell: str, othe
     assert not m(topics.cell_down_filter(cell), topics.cell_up(rollout, cell, device, kind))
     assert m(topics.cell_up_filter(cell), topics.cell_up(rollout, cell, device, kind))
     assert not m(topics.cell_up_filter(cell), topics.cell_down(rollout, cell, kind, device))
+    def device_reads(topic: str, reader: str = device) -> bool:
+        return any(m(f, topic) for f in topics.device_down_filters(cell, reader))
+
+    assert device_reads(topics.cell_down(rollout, cell, kind)) and device_reads(topics.cell_manifest(rollout, cell))
+    assert device_reads(topics.cell_down(rollout, cell, kind, device))
+    assert not device_reads(topics.cell_up(rollout, cell, device, kind))
+    if other != device:  # another device's own messages (the files it asked for) never reach this one
+        assert not device_reads(topics.cell_down(rollout, cell, kind, other))
     if other != cell:
+        assert not any(m(f, topics.cell_down(rollout, other, kind)) for f in topics.device_down_filters(cell, device))
         assert not m(topics.cloud_down_filter(cell), topics.cloud_down(rollout, other, kind))
         assert not m(topics.cell_down_filter(cell), topics.cell_down(rollout, other, kind))
         assert not m(topics.cell_up_filter(cell), topics.cell_up(rollout, other, device, kind))
