@@ -159,8 +159,11 @@ def bytecode_env(python: str, cache: Path) -> dict[str, str]:
     costs it about 2.4 MB of RSS that no installed agent pays."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = str(cache)
-    subprocess.run([python, "-m", "compileall", "-q", *(str(ROOT / p) for p in PACKAGES)], env=env, check=True,
-                   stdout=subprocess.DEVNULL, timeout=600)
+    where = subprocess.run([python, "-c", "import importlib, os, sys\nfor p in sys.argv[1:]: "
+                            "print(os.path.dirname(importlib.import_module(p).__file__))", *PACKAGES],
+                           env=env, cwd=cache, capture_output=True, text=True, check=True, timeout=120)
+    subprocess.run([python, "-m", "compileall", "-q", *where.stdout.split()], env=env, check=True,
+                   stdout=subprocess.DEVNULL, timeout=600)  # the packages the agents will import, wherever they are
     return env
 
 

@@ -101,12 +101,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reps", type=int, default=5, help="fresh processes per size (median and spread)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-docs", action="store_true", help="do not write the table into docs/benchmarks.md")
+    ap.add_argument("--name", default="simulate", help="results file name (benchmarks/results/NAME.json)")
     args = ap.parse_args(argv)
     sizes = [(int(a), int(b)) for a, b in (size.split("x") for size in args.sizes.split(","))]
     setup = (f"synthetic task, 64 features, 10 classes, 40 samples per device, MLP 64-64-10, 10 local steps, "
              f"{args.rounds} rounds, in-process simulator")
     results = {"setup": setup, "reps": args.reps, "rows": measure(sizes, args.reps, args.rounds)}
-    path = write("simulate", results)
+    path = write(args.name, results)
     table = markdown(results)
     print(table)
     if not args.no_docs:

@@ -90,6 +90,27 @@ def test_only_matching_subscribers_receive() -> None:
     assert got2 == []
 
 
+def test_subscribers_of_a_topic_are_served_in_connection_order_and_a_closed_one_is_not() -> None:
+    # Prepare: three subscribers of the cell's uplink, subscribing in the reverse of their connection order.
+    broker = MemoryBroker()
+    order: list[str] = []
+    nodes = [broker.connect(name, lambda inbound, name=name: order.append(name))  # type: ignore[misc]
+             for name in ("first", "second", "third")]
+    for node in reversed(nodes):
+        node.subscribe(topics.cell_up_filter("c1"))
+    device = broker.connect("d1")
+
+    # Execute: one message, then another after the second subscriber left.
+    device.publish(UP, b"x")
+    broker.run_until_idle()
+    nodes[1].close()
+    device.publish(UP, b"y")
+    broker.run_until_idle()
+
+    # Assert
+    assert order == ["first", "second", "third", "first", "third"]
+
+
 def test_subscribing_twice_does_not_duplicate_delivery() -> None:
     broker = MemoryBroker()
     got, handler = recorder()
