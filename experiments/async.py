@@ -213,6 +213,7 @@ def _mean(values: list[float]) -> str:
 
 
 def table_rows(spec: Mapping[str, Any], results: list[dict[str, Any]]) -> tuple[list[list[str]], list[str]]:
+    """The table's rows (sizes x shares where both algorithms ran), and the acceptance verdicts."""
     rows, verdicts = [], []
     for n in spec["devices"]:
         for share in spec["shares"]:
@@ -220,29 +221,35 @@ def table_rows(spec: Mapping[str, Any], results: list[dict[str, Any]]) -> tuple[
                     for a in ALGORITHMS}
             if not all(cell.values()):
                 continue
-            out = [f"{n:,}", f"{share:.0%}"]
-            times = {}
-            for a in ALGORITHMS:
-                hits = [r for r in cell[a] if r["reached"]]
-                times[a] = statistics.mean([r["time_s"] for r in hits]) / 60 if len(hits) == len(cell[a]) else None
-                out += [_mean([r["time_s"] / 60 for r in hits]) if hits else "not reached",
-                        _mean([r["bytes"] / 2**20 for r in hits]) if hits else "—",
-                        f"{len(hits)}/{len(cell[a])}"]
-            ratio = times["fedbuff"] / times["fedavg"] if times["fedbuff"] and times["fedavg"] else None
-            out.append(f"{ratio:.2f}" if ratio is not None else "—")
-            lower = spec.get("secondary_target")
-            if lower is not None:  # read off the same curves (every run passes it before it stops)
-                for a in ALGORITHMS:
-                    hits = [first_time(r["curve"], lower) for r in cell[a]]
-                    found = [h / 60 for h in hits if h is not None]
-                    out.append(_mean(found) + ("" if len(found) == len(hits) else f" ({len(found)}/{len(hits)})")
-                               if found else "not reached")
+            out, ratio = _cell_row(spec, n, share, cell)
             rows.append(out)
             if share == min(spec["shares"]):
                 verdicts.append(f"{n:,} devices, {share:.0%} online: FedBuff / FedAvg time = "
                                 + (f"{ratio:.2f} — {'met' if ratio <= 0.5 else 'NOT met'}" if ratio is not None
                                    else "not comparable (a run did not reach the target)"))
     return rows, verdicts
+
+
+def _cell_row(spec: Mapping[str, Any], n: int, share: float, cell: Mapping[str, list[dict[str, Any]]]
+              ) -> tuple[list[str], float | None]:
+    """One row: per algorithm minutes, MiB and runs that reached the target; the time ratio; the lower target."""
+    out = [f"{n:,}", f"{share:.0%}"]
+    times = {}
+    for a in ALGORITHMS:
+        hits = [r for r in cell[a] if r["reached"]]
+        times[a] = statistics.mean([r["time_s"] for r in hits]) / 60 if len(hits) == len(cell[a]) else None
+        out += [_mean([r["time_s"] / 60 for r in hits]) if hits else "not reached",
+                _mean([r["bytes"] / 2**20 for r in hits]) if hits else "—", f"{len(hits)}/{len(cell[a])}"]
+    ratio = times["fedbuff"] / times["fedavg"] if times["fedbuff"] and times["fedavg"] else None
+    out.append(f"{ratio:.2f}" if ratio is not None else "—")
+    lower = spec.get("secondary_target")
+    if lower is not None:  # read off the same curves (every run passes it before it stops)
+        for a in ALGORITHMS:
+            hits = [first_time(r["curve"], lower) for r in cell[a]]
+            found = [h / 60 for h in hits if h is not None]
+            out.append(_mean(found) + ("" if len(found) == len(hits) else f" ({len(found)}/{len(hits)})")
+                       if found else "not reached")
+    return out, ratio
 
 
 def first_time(curve: list[Any], target: float) -> float | None:
