@@ -100,7 +100,7 @@ def device_node(cfg: RolloutConfig, prepared: PreparedRollout, broker: MemoryBro
                             bundles_dir=bundles_dir)
     x, y = prepared.data.train[device]
     held = prepared.data.holdout.get(device)
-    tx = broker.connect(device)
+    tx = broker.connect(device, leaf=True)
     provider: Any = trainers
     if attacker:
         provider, y = _attacker(cfg, prepared, device, trainers, y)
@@ -116,7 +116,7 @@ def _hybrid_node(cfg: RolloutConfig, data: HybridData, broker: MemoryBroker, nod
                  trainers: SharedTrainers, cache: ArtifactCache, bundles_dir: Path) -> DeviceNode:
     """HSGD: a simulated host or device with its rows (``HybridData.shard``)."""
     x, y, ids = data.shard(node_id)
-    tx = broker.connect(node_id)
+    tx = broker.connect(node_id, leaf=True)
     node = DeviceNode(device_id=node_id, cell=cell, transport=tx, data=LocalData(x=x, y=y), trainer_provider=trainers,
                       state=MemoryDeviceState(keep_uploads=False), cache=cache, bundles_dir=bundles_dir,
                       noise=noise_source(cfg, node_id), side="host" if node_id == data.cells[cell].host else "device",

@@ -4,7 +4,9 @@ The same node classes as in deployment — ``DeviceNode``, ``EdgeNode``, ``Cloud
 the same sans-I/O roles inside them — are wired to one ``MemoryBroker``. Only three
 things differ, all outside the algorithms:
 
-* delivery is a deterministic FIFO on this thread (no sockets, no threads);
+* delivery is deterministic, on this thread (no sockets, no threads): a FIFO, except that what a
+  device publishes is delivered right after it (``MemoryBroker``: an edge folds each update as
+  it comes, instead of a round's updates all waiting; each node's messages arrive in FIFO order);
 * time is virtual: when the hierarchy goes idle before the rollout finished (a quorum
   waits for a deadline), the clock jumps to the next deadline;
 * every device shares one ORT session per architecture and swaps parameters in
