@@ -198,8 +198,12 @@ def test_plan_with_sampling_summarises_the_accountants_convergence_warnings_once
     per plan); `privacy plan` keeps them off the log and says so in one line (issue 33)."""
     from click.testing import CliRunner
 
+    from cloud_coordinator.privacy import accountant
     from fedtier.cli import cli
 
+    # the accountant caches its answers: a plan another test computed in this process would raise no warning
+    accountant._composed_epsilon.cache_clear()
+    accountant.noise_multiplier_for.cache_clear()
     config = tmp_path / "sampled.toml"
     config.write_text('rollout = "s"\nrounds = 40\n[topology]\ncells = 2\ndevices_per_cell = 50\n'
                       'trusted = { cell-a = true }\n[fedavg]\nedge_rounds = 1\n[privacy]\nepsilon = 4.0\n'
