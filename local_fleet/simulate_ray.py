@@ -56,7 +56,7 @@ class _RawTap(MemoryTransport):
 
     def __init__(self, broker: MemoryBroker, name: str) -> None:
         super().__init__(broker, name, None)
-        broker._transports.append(self)
+        broker.register(self)
         self.mail: Mail = []
 
     def _deliver(self, topic: str, payload: bytes, now: float) -> None:

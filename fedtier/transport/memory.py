@@ -58,7 +58,10 @@ class MemoryBroker:
 
     def connect(self, name: str, handler: Handler | None = None, *, leaf: bool = False) -> "MemoryTransport":
         """A transport; ``leaf``: what it publishes while handling a delivery is delivered at once (module doc)."""
-        transport = MemoryTransport(self, name, handler, leaf=leaf)
+        return self.register(MemoryTransport(self, name, handler, leaf=leaf))
+
+    def register(self, transport: "MemoryTransport") -> "MemoryTransport":
+        """Connect a transport built by hand (a subclass): only registered transports are routed to."""
         self._transports.append(transport)
         self._connected[id(transport)] = self._connections
         self._connections += 1
