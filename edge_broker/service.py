@@ -642,7 +642,7 @@ class EdgeNode(NodeBase):
         missing = []
         for sha in req.digests:
             if (req.rollout, sha) in self._blob_payloads:  # sent before: neither read nor hashed again
-                self._serve(req.rollout, sha, names[sha], b"", now, req.sender)
+                self._serve(req.rollout, sha, names[sha], None, now, req.sender)
                 continue
             data = self.cache.get(sha)
             if data is None:
@@ -653,14 +653,15 @@ class EdgeNode(NodeBase):
         if missing:
             self._request_from_cloud(req.rollout, missing, now)
 
-    def _serve(self, rollout: str, sha: str, name: str, data: bytes, now: float, device: str) -> None:
-        """Send file ``sha`` to ``device``; ``data`` is read only if the file's message is not encoded yet
-        (each of a cell's thousand devices asks for the same files: they are read, checked and encoded
-        once, not a thousand times)."""
+    def _serve(self, rollout: str, sha: str, name: str, data: bytes | None, now: float, device: str) -> None:
+        """Send file ``sha`` to ``device``. ``data`` is the file's bytes, or None once its message is encoded:
+        each of a cell's thousand devices asks for the same files, which are read, checked and encoded once,
+        not a thousand times."""
         if now - self._served.get((sha, device), -math.inf) < ARTIFACT_RESERVE_S:
             return  # sent moments ago: the device asked twice before it arrived
         payload = self._blob_payloads.get((rollout, sha))
         if payload is None:
+            assert data is not None, "a file's bytes are needed until its message is encoded"
             if len(self._blob_payloads) >= 64:  # files of rollouts long installed
                 self._blob_payloads.clear()
             blob = ArtifactBlob(rollout=rollout, round=0, sender=self.cell, sha256=sha, name=name, data=data)
