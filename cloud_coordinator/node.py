@@ -274,9 +274,10 @@ class CloudNode(NodeBase):
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self, now: float) -> None:
-        if self.cfg.traits.asynchronous:  # its roles run on the trace simulator only (local_fleet.trace_sim)
-            raise ConfigError(f"{self.cfg.algorithm} runs in `fedtier simulate` only: the coordinator, the edge "
-                              "service and the agent do not host asynchronous roles yet", key="algorithm")
+        if self.cfg.traits.asynchronous and self.prepared.noise_plan is not None:
+            # its releases are charged per cell update by the trace simulator's ledger, not yet by this one
+            raise ConfigError(f"{self.cfg.algorithm} with [privacy] runs in `fedtier simulate` only: the "
+                              "coordinator's ledger charges releases per round", key="privacy")
         self.tx.subscribe(topics.edge_up_filter())
         self.tx.subscribe(topics.ALL_STATUS)
         self.tx.subscribe(topics.ALL_CELL_STATUS)
@@ -518,15 +519,18 @@ class CloudNode(NodeBase):
     def _on_update(self, payload: bytes, msg: messages.Message, now: float, replay: bool = False,
                    wire_bytes: int | None = None) -> None:
         assert self.role is not None  # callers check: updates reach only a served round
+        # An asynchronous update's round is its cell's counter: it is kept, and its bytes counted, under the
+        # model version it goes into (committing that version forgets it).
+        round_ = self.role.round if self.cfg.traits.asynchronous else msg.round
         actions = self.role.receive(msg, now)
         duplicate = any(isinstance(a, Dropped) and a.key == msg.key for a in actions)
         if not duplicate:
             if not replay:
-                self.store.record_input(self.rollout, msg.round, msg.key, payload)
+                self.store.record_input(self.rollout, round_, msg.key, payload)
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
             size = len(payload) if wire_bytes is None else wire_bytes
-            self._round_bytes[msg.round]["edge_up_bytes"] += size
-            self._round_bytes[msg.round]["edge_up_f32_bytes"] += size - len(payload) + wire.float32_equivalent(payload)
+            self._round_bytes[round_]["edge_up_bytes"] += size
+            self._round_bytes[round_]["edge_up_f32_bytes"] += size - len(payload) + wire.float32_equivalent(payload)
         self._execute(actions, now)
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:

@@ -22,7 +22,7 @@ from commands.strategy_options import overrides, pop_values, strategy_options
 @click.option("--rounds", type=click.IntRange(1), default=30, show_default=True, help="Global rounds.")
 @click.option("--broker", type=click.Choice(["auto", "mosquitto", "embedded"]), default="auto", show_default=True,
               help="auto = Mosquitto when it is on PATH, otherwise the embedded pure-Python broker.")
-@click.option("--algorithm", type=click.Choice(["fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl", "hsgd"]),
+@click.option("--algorithm", type=click.Choice(["fedavg", "hier_qsgd", "qhetfed", "hist", "fedxl", "hsgd", "fedbuff"]),
               default="fedavg",
               show_default=True,
               help="fedavg: hierarchical FedAvg; hier_qsgd: Hier-Local-QSGD (quantized, 2 edge rounds per round); "
@@ -31,7 +31,9 @@ from commands.strategy_options import overrides, pop_values, strategy_options
                    "fedxl: FeDXL (partial AUROC with pairs across devices, on a rare-event task where every device "
                    "holds one class; reports AUROC and pAUC per round); "
                    "hsgd: HSGD (a host holding one block of features per cell, one-sample devices holding the "
-                   "other, embeddings exchanged through the edge; breast_cancer, AUC per round).")
+                   "other, embeddings exchanged through the edge; breast_cancer, AUC per round); "
+                   "fedbuff: hierarchical FedBuff (asynchronous: every edge sends a cell update each 3 deltas, the "
+                   "cloud makes a model version of every 2; --rounds counts versions).")
 @click.option("--local-steps", type=click.IntRange(1), default=None,
               help="Local SGD steps (QHetFed: gamma) [default: 20 fedavg, 10 hier_qsgd and qhetfed, 16 fedxl].")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,

@@ -107,7 +107,17 @@ AGGREGATION_SECONDS = "fedtier_edge_aggregation_seconds"
 TRAINING_FAILED = "fedtier_training_failed_total"
 """Devices' ``training_failed`` reports the edge accepted, by reason (crash, error, non_finite)."""
 ROUND_INPUTS = (CellTask, DeviceUpdate, DeviceGradient, TrainingFailed, *secagg_messages.UPWARD)
-"""Messages a role takes as inputs of its round (stored and replayed), besides HSGD's ``Embeddings``."""
+"""Messages a role takes as inputs of its round (stored and replayed), besides HSGD's ``Embeddings``. An
+asynchronous rollout's (FedBuff) are kept from its first model version on (``_asynchronous``)."""
+
+
+
+def _asynchronous(task: Message) -> bool:
+    """Whether ``task`` is of an asynchronous rollout (FedBuff): its edge state spans every model version, so
+    nothing it accepted is pruned when a new version arrives (a restart replays the rollout's inputs)."""
+    return algorithms.describe(str(task.config.get("algorithm", ""))).asynchronous if isinstance(task, CellTask) \
+        else False
+
 
 PRESENCE_SUMMARY_S = 2.0
 """At most one ``cell_presence`` summary per this many seconds: a cell of thousands of devices that all
@@ -147,6 +157,8 @@ class EdgeNode(NodeBase):
         self._blob_payloads: dict[tuple[str, str], bytes] = {}
         """(rollout, sha) -> the file's encoded message, the same for every device that asks."""
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._asynchronous: set[str] = set()
+        """Rollouts of an asynchronous algorithm (FedBuff): bytes are counted per cell update (``_bytes_key``)."""
         self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
         self._task_arrived: dict[tuple[str, int], float] = {}
         """When each open round's cell task arrived (monotonic), for ``AGGREGATION_SECONDS``."""
@@ -330,6 +342,8 @@ class EdgeNode(NodeBase):
             if not isinstance(msg, CellTask):
                 raise UnexpectedMessageError(f"no open round of rollout {msg.rollout!r}")
             module = algorithms.load(str(msg.config.get("algorithm", "")))
+            if _asynchronous(msg):
+                self._asynchronous.add(msg.rollout)
             self._check_clear_inputs(msg)
             new: EdgeRole = module.Edge(cell=self.cell, rollout=msg.rollout, parent=self.parent, noise=self.noise)
             role = self.roles[msg.rollout] = new
@@ -365,6 +379,7 @@ class EdgeNode(NodeBase):
         if isinstance(msg, CellTask) and msg.sender != self.parent:
             raise UnexpectedMessageError(f"cell task from {msg.sender!r}, not from parent {self.parent!r}")
         role = self._role_for(msg)
+        key = self._bytes_key(msg.rollout, msg.round)  # before the role moves on
         actions = role.receive(msg, now)
         duplicate = any(isinstance(a, Dropped) and a.key == msg.key for a in actions)
         if duplicate and isinstance(msg, CellTask) and not replay:
@@ -374,7 +389,7 @@ class EdgeNode(NodeBase):
                 # Accepted: make it durable before the broker is acknowledged (run_loop confirms
                 # only after this returns), so a crash from here on loses nothing.
                 self.store.record(msg.rollout, msg.round, msg.KIND, msg.key, payload)
-                if isinstance(msg, CellTask):
+                if isinstance(msg, CellTask) and not _asynchronous(msg):
                     self.store.prune(msg.rollout, msg.round)
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
             if isinstance(msg, TrainingFailed):
@@ -382,13 +397,21 @@ class EdgeNode(NodeBase):
             if isinstance(msg, CellTask):
                 self._task_arrived.setdefault((msg.rollout, msg.round), time.monotonic())
             if not isinstance(msg, CellTask):
-                counts = self._round_bytes[(msg.rollout, msg.round)]
+                counts = self._round_bytes[key]
                 size = len(payload) if wire_bytes is None else wire_bytes
                 counts["device_up_bytes"] += size
                 counts["device_up_f32_bytes"] += size - len(payload) + wire.float32_equivalent(payload)
                 if msg.KIND == Embeddings.KIND:  # HSGD's vertical path, also counted on its own
                     counts["embedding_up_bytes"] += size
         self._execute(msg.rollout, actions)
+
+    def _bytes_key(self, rollout: str, round: int) -> tuple[str, int]:
+        """Where a message's bytes are counted: its round's, or under an asynchronous rollout (whose devices'
+        rounds are the versions they started from) the cell update the edge is filling, numbered as it will be."""
+        role = self.roles.get(rollout)
+        if role is not None and rollout in self._asynchronous:
+            return rollout, role.step
+        return rollout, round
 
     def _training_failed(self, msg: TrainingFailed, replay: bool) -> None:
         """A device's ``training_failed`` the role accepted: kept for the round's cell update, counted, logged."""
@@ -410,7 +433,9 @@ class EdgeNode(NodeBase):
         the cell: the update was lost after the broker acknowledged it (a broker restarted without
         persistence forgets what it had queued for the coordinator). The stored bytes go out, never a
         second aggregate (a second noisy release); a copy that did arrive is dropped there as a duplicate."""
-        payloads = self.store.outputs(task.rollout, task.round)
+        # An asynchronous edge's outputs are numbered by its own counter, not by the version: all of them
+        # (the cloud drops those it counted; its state is the replay of every input since the rollout began).
+        payloads = self.store.outputs(task.rollout, None if _asynchronous(task) else task.round)
         for payload in payloads:
             kind = str(wire.peek_header(payload)["t"])
             self.cloud_tx.publish(topics.edge_up(task.rollout, self.cell, kind), payload)
@@ -430,13 +455,13 @@ class EdgeNode(NodeBase):
                 payload = action.message.encode(action.encodings)
                 sent = self.cell_tx.publish(topics.cell_down(rollout, self.cell, action.message.KIND), payload)
                 fanout = len(self.roles[rollout].members) or 1  # a broadcast reaches every member
-                self._round_bytes[(rollout, action.message.round)]["device_down_bytes"] += \
+                self._round_bytes[self._bytes_key(rollout, action.message.round)]["device_down_bytes"] += \
                     (sent or len(payload)) * fanout
             elif isinstance(action, SendToChild):
                 payload = action.message.encode(action.encodings)
                 sent = self.cell_tx.publish(
                     topics.cell_down(rollout, self.cell, action.message.KIND, action.child), payload)
-                counts = self._round_bytes[(rollout, action.message.round)]
+                counts = self._round_bytes[self._bytes_key(rollout, action.message.round)]
                 counts["device_down_bytes"] += sent or len(payload)
                 if action.message.KIND == PartnerEmbeddings.KIND:
                     counts["embedding_down_bytes"] += sent or len(payload)

@@ -74,11 +74,15 @@ class EdgeStore:
             row = db.execute("SELECT payload FROM outputs WHERE msg_key=?", (key,)).fetchone()
         return bytes(row[0]) if row else None
 
-    def outputs(self, rollout: str, round: int) -> list[bytes]:
-        """The payloads published for ``round`` of ``rollout``, oldest first."""
+    def outputs(self, rollout: str, round: int | None) -> list[bytes]:
+        """The payloads published for ``round`` of ``rollout`` (``None``: every round), oldest first."""
         with self.db.locked() as db:
-            return [bytes(p) for (p,) in db.execute(
-                "SELECT payload FROM outputs WHERE rollout=? AND round=? ORDER BY rowid", (rollout, round))]
+            if round is None:
+                rows = db.execute("SELECT payload FROM outputs WHERE rollout=? ORDER BY rowid", (rollout,))
+            else:
+                rows = db.execute("SELECT payload FROM outputs WHERE rollout=? AND round=? ORDER BY rowid",
+                                  (rollout, round))
+            return [bytes(p) for (p,) in rows]
 
     def save_output(self, rollout: str, round: int, key: str, payload: bytes) -> None:
         """Keep an output before it is published (the first one for a key wins)."""

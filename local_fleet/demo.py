@@ -63,6 +63,8 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     # FeDXL2 (KL-OPAUC): K = 16 steps of 8 positives and 32 negatives; test AUROC 0.911 after the first training
     # round, 0.917 after the default 30 (seed 0; Bayes 0.921).
     "fedxl": {"objective": "pauc", "local_steps": 16, "lr": 0.5, "batch_size": 8, "batch_neg": 32},
+    # FedBuff: a cell update every 3 deltas, a new model version every 2 cell updates (a "round" is a version).
+    "fedbuff": {"local_steps": 20, "lr": 0.1, "k_edge": 3, "k_cloud": 2, "once_per_version": True},
 }
 # FeDXL trains a score on a binary task: the rare-event generator, one class per device (positives on
 # every other device), a linear scorer (the task's Bayes-optimal score is linear). 4,800 rows (seed 0): the

@@ -14,7 +14,10 @@ read as follows (``round`` is a version or a sequence number, never a round):
 1. cloud -> edge ``CellTask(round=v, params=w_v, model_version=v)``: at start and after every new
    version, to every cell. The edge keeps only the newest (an older one is ``Dropped("superseded")``).
 2. edge -> device ``DeviceTask(round=v, params=w_v)``: when the device comes online (``resend``) and
-   after each of its uploads, so a device online keeps training on the newest model its edge holds.
+   after each of its uploads, so a device online keeps training on the newest model its edge holds; a new
+   version goes to every member not training (at the start: all of them). With
+   ``once_per_version`` a device trains from each version once: after its upload it gets no task until a
+   new version arrives.
 3. device: ``local_steps`` SGD steps from ``w_v``; ``DeviceUpdate(round=v, step=j, delta)`` where
    ``v`` is the version it started from and ``j`` its own upload counter: ``(device, j)`` is the
    device-step id, the update's idempotency key (a repeat is ``Dropped("duplicate")``).
@@ -87,6 +90,7 @@ NAME = "fedbuff"
 __all__ = ["FedBuffConfig", "Device", "Edge", "Cloud", "NAME", "staleness_weight"]
 
 STALENESS_WEIGHTS = ("polynomial", "constant")
+SEEN_PREFIX = "seen/"
 
 DEVICE_TRANSITIONS: Transitions = {
     RoleState.IDLE: {"task": RoleState.TRAINING},
@@ -115,6 +119,10 @@ class FedBuffConfig(RoundSettings):
         max_staleness: versions a delta (edge) or cell update (cloud) may lag; older ones are rejected.
         staleness_weight: ``polynomial`` (``(1 + s)^-staleness_exponent``) or ``constant`` (1).
         staleness_exponent: ``a`` of the polynomial weight (0.5: ``1/sqrt(1 + s)``, the paper's choice).
+        once_per_version: a device trains from each model version at most once and then waits for the next
+            one (FedBuff's devices train again at once, from the version they have). With ``k_edge`` the cell's
+            size and ``k_cloud`` the number of cells, every version then averages every device once, whatever
+            order the deltas arrive in: the simulator and a rollout over MQTT end with the same model.
     """
 
     ALGORITHM: ClassVar[str] = NAME
@@ -126,6 +134,7 @@ class FedBuffConfig(RoundSettings):
     max_staleness: int = 20
     staleness_weight: str = "polynomial"
     staleness_exponent: float = 0.5
+    once_per_version: bool = False
 
     def __post_init__(self) -> None:
         RoundSettings.__post_init__(self)
@@ -212,6 +221,8 @@ class Device(DeviceRoleBase):
         if self._state is RoleState.TRAINING:
             return [Dropped("busy", message.key, f"training from version {self._version}")]
         config = FedBuffConfig.from_dict(message.config)
+        if config.once_per_version and message.round <= self.last_round:
+            return [Dropped("trained", message.key, f"trained from version {self.last_round} already")]
         plan = _plan(config, self.cell)
         if plan is not None and self._seq >= release_cap(plan):
             # The noise was calibrated for this many releases of this device: it contributes no more.
@@ -286,6 +297,8 @@ class Edge(EdgeRoleBase):
         self._seen: set[str] = set()
         self._busy: set[str] = set()
         """Devices holding a task they have not answered yet (a device is given one task at a time)."""
+        self._trained_from: dict[str, int] = {}
+        """Device -> the newest version it uploaded a delta from (``once_per_version``: no second task of it)."""
         self._seq = 0
         self._reset_buffer()
         self.rejected: dict[str, int] = {}
@@ -345,14 +358,21 @@ class Edge(EdgeRoleBase):
         self._config = config
         self._task = task
         self._transition("task")
-        return []
+        # Every member not training gets it (the first version: all of them); a busy one gets it after its
+        # upload, and a task to an offline one is lost and sent again when it comes online (``resend``).
+        return [self._device_task(d) for d in task.members if d not in self._busy and not self._has_trained(d)]
 
     def resend(self, child: str, now: float) -> list[Action]:
         """``child`` came online: give it the newest model (a task it still held was lost while it was away;
         one it is still training on makes it answer ``Dropped("busy")``)."""
-        if self._task is None or child not in self._task.members:
+        if self._task is None or child not in self._task.members or self._has_trained(child):
             return []
         return [self._device_task(child)]
+
+    def _has_trained(self, child: str) -> bool:
+        """``once_per_version``: ``child`` uploaded a delta from the version the edge holds (it waits for the next)."""
+        assert self._task is not None and self._config is not None
+        return self._config.once_per_version and self._trained_from.get(child, -1) >= self._task.round
 
     def _device_task(self, child: str) -> SendToChild:
         assert self._task is not None
@@ -367,6 +387,7 @@ class Edge(EdgeRoleBase):
             raise WrongRoundError(f"delta from version {update.round}, edge holds {version}")
         self._seen.add(update.key)
         self._busy.discard(update.sender)
+        self._trained_from[update.sender] = max(self._trained_from.get(update.sender, -1), update.round)
         out: list[Action] = []
         if self._plan is not None and not self._plan.cells[self.cell].trusted:
             # Released to this (untrusted) edge whether or not it is folded: the ledger charges it either way.
@@ -388,7 +409,8 @@ class Edge(EdgeRoleBase):
             self._losses.append(update.train_loss)
             if self._buffer.count >= self._config.k_edge:
                 out.extend(self._flush())
-        out.append(self._device_task(update.sender))  # the device is online: it trains again on the newest model
+        if not self._has_trained(update.sender):
+            out.append(self._device_task(update.sender))  # the device is online: it trains again on the newest model
         return out
 
     def tick(self, now: float) -> list[Action]:
@@ -441,6 +463,25 @@ class Edge(EdgeRoleBase):
 # --- cloud --------------------------------------------------------------------------------------
 
 
+def merge_cell_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
+    """Add one cell update's ``stats`` to ``into``: numbers summed (bytes, deltas), ``[reason, n]`` pairs
+    (``rejected``) summed by reason, ``[device, reason]`` pairs (``failed``) kept; the rest (``base_version``)
+    left out."""
+    for key, value in stats.items():
+        if key == "base_version":
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            into[key] = into.get(key, 0) + value
+        elif key == "rejected" and isinstance(value, (list, tuple)):
+            counts = dict(into.get(key, []))
+            for reason, n in value:
+                counts[reason] = counts.get(reason, 0) + n
+            into[key] = [[r, n] for r, n in sorted(counts.items())]
+        elif key == "failed" and isinstance(value, (list, tuple)):
+            into[key] = [*into.get(key, []), *value]
+
+
+
 class Cloud(StateGuard):
     """Applies every ``k_cloud`` cell updates, each weighted by its staleness, through the server optimizer."""
 
@@ -469,7 +510,9 @@ class Cloud(StateGuard):
         strategy = config.strategy or {}
         spec = OptimizerSpec.from_dict(strategy["server_optimizer"]) if "server_optimizer" in strategy else None
         self._optimizer = ServerOptimizer(spec) if spec is not None and not spec.is_plain else None
-        self._seen: set[str] = set()
+        self._seen: dict[str, set[int]] = {c: set() for c in self.cells}
+        """Cell -> the update counters ``u`` of its cell updates folded or rejected: each is counted once, across
+        a restart too (``strategy_state`` carries them with the model version they went into)."""
         self.rejected: dict[str, int] = {}
         """Cell updates rejected, by reason (``stale``)."""
         self._state = RoleState.IDLE
@@ -478,6 +521,9 @@ class Cloud(StateGuard):
     def _reset(self) -> None:
         self._sum = aggregate.WeightedSum()
         self._folded: list[tuple[str, int, tuple[str, ...]]] = []
+        self._cell_stats: dict[str, dict[str, Any]] = {}
+        """Cell -> its folded updates' statistics, merged (``merge_cell_stats``): the version's row counts
+        every device byte and rejection of the updates that made it."""
 
     @property
     def round(self) -> int:
@@ -510,7 +556,7 @@ class Cloud(StateGuard):
             raise UnexpectedMessageError(f"fedbuff cloud does not accept {message.KIND}")
         if message.sender not in self.cells:
             raise UnknownSenderError(f"cell update from {message.sender!r}, not a cell of the rollout")
-        if message.key in self._seen:
+        if message.round in self._seen[message.sender]:
             return [Dropped("duplicate", message.key)]
         if self._state is not RoleState.COLLECTING:
             return [Dropped("finished", message.key)]
@@ -519,7 +565,7 @@ class Cloud(StateGuard):
             raise UnexpectedMessageError(f"cell update without a base_version (got {base!r})")
         if base > self._version:
             raise WrongRoundError(f"cell update from version {base}, the cloud is at {self._version}")
-        self._seen.add(message.key)
+        self._seen[message.sender].add(message.round)
         staleness = self._version - base
         if staleness > self.config.max_staleness:
             self.rejected["stale"] = self.rejected.get("stale", 0) + 1
@@ -527,6 +573,7 @@ class Cloud(StateGuard):
         check_like(self._params, message.delta, "cell update")
         self._sum.fold(message.delta, message.weight, staleness_weight(self.config, staleness))
         self._folded.append((message.sender, staleness, message.reported))
+        merge_cell_stats(self._cell_stats.setdefault(message.sender, {}), message.stats)
         if self._sum.count < self.config.k_cloud:
             return []
         return self._apply()
@@ -546,7 +593,8 @@ class Cloud(StateGuard):
                              metrics={"model_version": self._version + 1, "cell_updates": len(folded),
                                       "deltas": sum(len(d) for _, _, d in folded),
                                       "mean_staleness": float(np.mean([s for _, s, _ in folded])),
-                                      "rejected_stale": self.rejected.get("stale", 0)})
+                                      "rejected_stale": self.rejected.get("stale", 0),
+                                      "cells": self._cell_stats})
         self._version += 1
         self._reset()
         if self._version >= self.rounds:
@@ -561,8 +609,15 @@ class Cloud(StateGuard):
         return ()
 
     def strategy_state(self) -> Mapping[str, np.ndarray] | None:
-        return self._optimizer.state() if self._optimizer is not None else None
+        """The server optimizer's moments and, per cell, the counters of the cell updates counted so far
+        (``seen/<cell>``): a redelivered one stays a duplicate after the coordinator restarts."""
+        state = dict(self._optimizer.state()) if self._optimizer is not None else {}
+        state.update({f"{SEEN_PREFIX}{c}": np.array(sorted(u), dtype=np.int64) for c, u in self._seen.items()})
+        return state
 
     def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
+        for name, counters in state.items():
+            if name.startswith(SEEN_PREFIX) and name[len(SEEN_PREFIX):] in self._seen:
+                self._seen[name[len(SEEN_PREFIX):]] = {int(u) for u in np.asarray(counters).reshape(-1)}
         if self._optimizer is not None:
-            self._optimizer.load_state(state)
+            self._optimizer.load_state({k: v for k, v in state.items() if not k.startswith(SEEN_PREFIX)})

@@ -378,6 +378,9 @@ class FedBuffSection(RoundSection):
                                 help="How a cell update of staleness s is weighted: polynomial, (1 + s)^-a; or "
                                      "constant, 1.")
     staleness_exponent: float = opt(0.5, min=0, help="a of the polynomial staleness weight (0.5: 1/sqrt(1 + s)).")
+    once_per_version: bool = opt(False, help="A device trains from each model version at most once, then waits for "
+                                             "the next (with k_edge = devices per cell and k_cloud = cells every "
+                                             "version averages every device once, in any arrival order).")
     secure_aggregation: bool = opt(False, help="Refused: SecAgg+ needs a cohort that agrees keys before it trains; "
                                                "an asynchronous buffer has none (docs/configuration.md).")
 
@@ -394,7 +397,7 @@ class FedBuffSection(RoundSection):
         return FedBuffConfig(local_steps=self.local_steps, k_edge=self.k_edge, edge_timeout_s=self.edge_timeout_s,
                              k_cloud=self.k_cloud, max_staleness=self.max_staleness,
                              staleness_weight=self.staleness_weight, staleness_exponent=self.staleness_exponent,
-                             **self.common(seed))
+                             once_per_version=self.once_per_version, **self.common(seed))
 
 
 @dataclass(frozen=True)
