@@ -34,6 +34,10 @@ def fleet() -> None:
 @click.option("--compute-delay-ms", type=click.FloatRange(0), default=0.0, show_default=True,
               help="Simulated on-device compute time added to every local run.")
 @click.option("--local-steps", type=click.IntRange(1), default=5, show_default=True)
+@click.option("--algorithm", type=click.Choice(["fedavg", "fedbuff"]), default="fedavg", show_default=True,
+              help="fedavg: synchronous rounds; fedbuff: asynchronous, each edge sends a cell update every half "
+                   "cell of deltas and the cloud makes a model version of every cells' worth of them, every device "
+                   "training once per version (a \"round\" is a version).")
 @click.option("--loop", type=click.Choice(["mux", "threads"]), default="mux", show_default=True,
               help="How a worker process drives its devices: mux = all on one thread, sockets multiplexed (one "
                    "worker per core); threads = a node thread and a network thread per device.")
@@ -52,8 +56,8 @@ def fleet() -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s: float, compute_delay_ms: float,
-            local_steps: int, loop: str, keepalive_s: int, stall_s: float, device_state: str, workdir: Path | None,
-            as_json: bool, log_level: str) -> None:
+            local_steps: int, algorithm: str, loop: str, keepalive_s: int, stall_s: float, device_state: str,
+            workdir: Path | None, as_json: bool, log_level: str) -> None:
     """Run a rollout of DEVICES real device agents through a real Mosquitto, and time its rounds.
 
     The devices, edges and coordinator are the nodes `fedtier agent run`, `edge run` and
@@ -70,6 +74,7 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
         fedtier fleet emulate --devices 300 --cells 1 --rounds 3 --compute-delay-ms 50
         fedtier fleet emulate --devices 500 --cells 5 --broker 127.0.0.1:1883 --json
         fedtier fleet emulate --devices 10000 --cells 10
+        fedtier fleet emulate --devices 1000 --cells 4 --algorithm fedbuff
     """
     from commands.console import make_console
     from local_fleet.emulator import EmulatorOptions, FleetEmulator
@@ -80,7 +85,8 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
     # worker processes and its Mosquitto (its workers also stop on their own if this process is killed)
     signal.signal(signal.SIGTERM, _interrupt)
     opts = EmulatorOptions(devices=devices, cells=cells, rounds=rounds, broker=broker, stagger_s=stagger_s,
-                           compute_delay_ms=compute_delay_ms, local_steps=local_steps, workdir=workdir,
+                           compute_delay_ms=compute_delay_ms, local_steps=local_steps, algorithm=algorithm,
+                           workdir=workdir,
                            loop=loop, keepalive_s=keepalive_s, stall_s=stall_s,
                            device_state=device_state)
     try:

@@ -329,7 +329,12 @@ class EdgeNode(NodeBase):
     def _refuse_ended(self, inbound: Inbound, msg: Message) -> None:
         """A message of a rollout that ended: rejected (``rollout_ended``), nothing of it accepted or stored. A task
         of it (a replay) also clears the cell's retained manifest of it once more, in case a broker kept or got
-        back a copy: no device installs the rollout again."""
+        back a copy: no device installs the rollout again. An asynchronous rollout's devices train until they
+        hear it ended, so the deltas they had in flight are expected: counted, and logged at DEBUG."""
+        if msg.rollout in self._asynchronous and isinstance(msg, (DeviceUpdate, TrainingFailed)):
+            self.metrics.inc(REJECTED, reason="rollout_ended")
+            log.debug("%s of %s after rollout %s ended (in flight when it ended)", msg.KIND, msg.sender, msg.rollout)
+            return
         self.reject(inbound, RolloutEndedError(f"{msg.KIND} of round {msg.round} of rollout {msg.rollout!r}, which "
                                                "ended (its manifest was cleared)"))
         if isinstance(msg, CellTask) and msg.rollout not in self._recleared:

@@ -55,6 +55,8 @@ class EmulatorOptions:
     stagger_s: float = 0.0  # spread the devices' start over this many seconds
     compute_delay_ms: float = 0.0
     local_steps: int = 5
+    algorithm: str = "fedavg"
+    """"fedavg" (rounds) or "fedbuff" (asynchronous: ``rollout_mapping``)."""
     hidden: int = 64
     deadline_s: float = 120.0
     seed: int = 0
@@ -183,12 +185,25 @@ def _start_mosquitto(workdir: Path, clients: int) -> tuple[subprocess.Popen, int
 def rollout_mapping(opts: EmulatorOptions) -> dict[str, Any]:
     """The emulated rollout: the synthetic task, ``cells`` cells sharing the devices."""
     per_cell = -(-opts.devices // opts.cells)
-    return {"rollout": ROLLOUT, "rounds": opts.rounds, "seed": opts.seed,
+    return {"rollout": ROLLOUT, "rounds": opts.rounds, "seed": opts.seed, "algorithm": opts.algorithm,
             "model": {"kind": "mlp", "hidden": [opts.hidden]},
             "topology": {"cells": opts.cells, "devices_per_cell": per_cell},
             "data": {"dataset": "synthetic", "samples": 40 * per_cell * opts.cells, "features": 64, "classes": 10,
                      "partition": "dirichlet", "alpha": 0.5, "seed": opts.seed},
-            "fedavg": {"local_steps": opts.local_steps, "batch_size": 16, "lr": 0.1, "deadline_s": opts.deadline_s}}
+            opts.algorithm: _algorithm_section(opts, per_cell)}
+
+
+def _algorithm_section(opts: EmulatorOptions, per_cell: int) -> dict[str, Any]:
+    """FedAvg's rounds, or FedBuff with a cell update every half cell of deltas and a version every ``cells``
+    cell updates, each device training once per version (so a device that trains fast does not flood its edge
+    with deltas of one version while the next is on its way)."""
+    section: dict[str, Any] = {"local_steps": opts.local_steps, "batch_size": 16, "lr": 0.1,
+                               "deadline_s": opts.deadline_s}
+    if opts.algorithm == "fedbuff":
+        section.update(k_edge=max(1, per_cell // 2), k_cloud=opts.cells, once_per_version=True)
+    elif opts.algorithm != "fedavg":
+        raise ConfigError(f"the fleet emulator runs fedavg or fedbuff, not {opts.algorithm!r}", key="algorithm")
+    return section
 
 
 class _SharedTrainers:

@@ -47,6 +47,23 @@ def test_twenty_devices_in_two_cells_complete_their_rounds(mosquitto: Any, tmp_p
     assert json.dumps(result.to_dict())
 
 
+def test_fedbuff_runs_through_the_emulated_fleet_a_version_at_a_time(mosquitto: Any, tmp_path: Path) -> None:
+    """``--algorithm fedbuff``: each version folds half of each cell's devices (k_edge = 5 of 10), one cell update
+    per cell (k_cloud = 2), and the model learns; the deltas still in flight at the end are no warnings."""
+    from fedtier.runtime.config import read_toml
+
+    opts = EmulatorOptions(devices=20, cells=2, rounds=3, broker=f"{mosquitto.host}:{mosquitto.port}",
+                           compute_delay_ms=5, workdir=tmp_path / "fleet", algorithm="fedbuff")
+
+    result = FleetEmulator(opts, progress=None).run()
+
+    section = read_toml(tmp_path / "fleet" / "configs" / "coordinator.toml")["fedbuff"]
+    assert (section["k_edge"], section["k_cloud"], section["once_per_version"]) == (5, 2, True)
+    assert [r.round for r in result.rounds] == [0, 1, 2]
+    assert all(r.devices_reported == 10 for r in result.rounds)  # 2 cell updates of 5 deltas each
+    assert result.rounds[-1].accuracy is not None and result.rounds[-1].accuracy > 0.1
+
+
 def test_the_cli_refuses_more_cells_than_devices() -> None:
     done = subprocess.run([sys.executable, "-m", "fedtier", "fleet", "emulate", "--devices", "2", "--cells", "3"],
                           capture_output=True, text=True, timeout=120)
