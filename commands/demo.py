@@ -146,6 +146,7 @@ def demo(devices: int | None, cells: int, rounds: int, broker: str, algorithm: s
         fedtier demo
         fedtier demo --algorithm fedxl
         fedtier demo --algorithm hsgd
+        fedtier demo --algorithm fedbuff
         fedtier demo --privacy --compare
         fedtier demo --privacy --processes --compare
         fedtier demo --secure-aggregation
