@@ -59,7 +59,6 @@ from cloud_coordinator.store import CoordinatorStore
 from fedtier import algorithms, wire
 from fedtier.algorithms.base import Action, CloudRole, Dropped, Finished, RoundClosed, SendToChild
 from fedtier.errors import (
-    ConfigError,
     LateMessageError,
     RemoteProtocolError,
     UnexpectedMessageError,
@@ -274,10 +273,6 @@ class CloudNode(NodeBase):
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self, now: float) -> None:
-        if self.cfg.traits.asynchronous and self.prepared.noise_plan is not None:
-            # its releases are charged per cell update by the trace simulator's ledger, not yet by this one
-            raise ConfigError(f"{self.cfg.algorithm} with [privacy] runs in `fedtier simulate` only: the "
-                              "coordinator's ledger charges releases per round", key="privacy")
         self.tx.subscribe(topics.edge_up_filter())
         self.tx.subscribe(topics.ALL_STATUS)
         self.tx.subscribe(topics.ALL_CELL_STATUS)
@@ -720,7 +715,11 @@ class CloudNode(NodeBase):
         ``row`` (which then has no training loss: cells do not send losses under differential privacy)."""
         if self.ledger is None:
             return [], []
-        releases, clear = self.ledger.rows_for_round(closed.round, closed.metrics.get("privacy", {}))
+        if self.cfg.traits.asynchronous:  # every release that reached the cloud, as made (ledger.rows_for_releases)
+            releases, clear = self.ledger.rows_for_releases(closed.round, closed.metrics.get("releases", ()),
+                                                            closed.metrics.get("clear", ()))
+        else:
+            releases, clear = self.ledger.rows_for_round(closed.round, closed.metrics.get("privacy", {}))
         self.ledger.charge(releases)
         row["train_loss"] = None
         row["privacy"] = {**self.ledger.summary(), "releases": len(releases),

@@ -163,6 +163,25 @@ class PrivacyLedger:
                     releases.append(self._row(record, round, device, cell, observed=observed))
         return releases, clear
 
+    def rows_for_releases(self, round: int, records: Iterable[Mapping[str, Any]], clear: Iterable[Mapping[str, Any]]
+                          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Release and clear-hop rows of an asynchronous rollout's model version ``round`` (FedBuff): exactly the
+        releases of the cell updates the cloud received since the version before, each charged once as it was
+        made, nothing planned and nothing amplified (nobody samples in secret; a device's release cap bounds its
+        epsilon by the plan's). A trusted edge may release several times in one version: its row's step is the
+        cell update's counter (``update``), a device's its own upload counter."""
+        rows = []
+        for record in records:
+            if record.get("event") == "edge":
+                row = self._row(record, round, str(record["node"]), self.cloud_id, observed=True)
+                row["step"] = int(record["update"])
+            else:
+                row = self._row(record, round, str(record["node"]), str(record["cell"]), observed=True)
+            rows.append(row)
+        hops = [{"round": round, "step": int(c["step"]), "sender": c["sender"], "receiver": c["receiver"],
+                 "receiver_trusted": True} for c in clear]
+        return rows, hops
+
     def _row(self, record: Mapping[str, Any], round: int, node: str, parent: str, *, observed: bool,
              protected: Iterable[str] = ()) -> dict[str, Any]:
         parent_trusted = parent in self.plan.cells and self.plan.cells[parent].trusted

@@ -72,7 +72,7 @@ class Algorithm:
     """No rounds: its tiers aggregate buffered updates as they arrive (FedBuff). ``fedtier simulate`` runs it on
     the trace simulator (``local_fleet.trace_sim``: virtual time, device availability and speeds); the MQTT
     shells host it too (an edge keeps every input of the rollout for its replay, the coordinator keeps each update
-    under the model version it goes into), except under ``[privacy]``, which runs in the simulator only."""
+    under the model version it goes into; its ledger charges each release as made)."""
     local_steps_setting: str = "local_steps"
     """The setting of its section that counts a device's local steps (QHetFed: ``gamma``), which ``fedtier demo
     --local-steps`` sets."""

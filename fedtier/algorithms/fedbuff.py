@@ -309,6 +309,7 @@ class Edge(EdgeRoleBase):
         self._buffer_since: float | None = None
         self._bases: list[int] = []
         self._reporters: list[str] = []
+        self._steps: list[int] = []
         self._weights: list[float] = []
         self._losses: list[float] = []
         self._releases: list[dict[str, Any]] = []
@@ -406,6 +407,7 @@ class Edge(EdgeRoleBase):
             self._buffer_since = now if self._buffer_since is None else self._buffer_since
             self._bases.append(update.round)
             self._reporters.append(update.sender)
+            self._steps.append(update.step)
             self._losses.append(update.train_loss)
             if self._buffer.count >= self._config.k_edge:
                 out.extend(self._flush())
@@ -453,7 +455,8 @@ class Edge(EdgeRoleBase):
             sensitivity=plan.edge_sensitivity(n), z=plan.edge_charged_z(self.cell, n),
             calibrated_sensitivity=plan.calibrated_edge_sensitivity(n), protected=sorted(set(reporters)),
             reporters=n)]
-        report["clear"] = [{"sender": d, "receiver": self.cell, "step": 0} for d in reporters]
+        report["clear"] = [{"sender": d, "receiver": self.cell, "step": j}
+                           for d, j in zip(reporters, self._steps, strict=True)]
         return noised, report
 
     def overdue(self, now: float) -> tuple[str, ...]:
@@ -521,6 +524,10 @@ class Cloud(StateGuard):
     def _reset(self) -> None:
         self._sum = aggregate.WeightedSum()
         self._folded: list[tuple[str, int, tuple[str, ...]]] = []
+        self._releases: list[dict[str, Any]] = []
+        """The release records of every cell update received since the last version, folded or stale (what was
+        released is charged either way), each with its ``cell`` and the cell update's counter ``update``."""
+        self._clear: list[dict[str, Any]] = []
         self._cell_stats: dict[str, dict[str, Any]] = {}
         """Cell -> its folded updates' statistics, merged (``merge_cell_stats``): the version's row counts
         every device byte and rejection of the updates that made it."""
@@ -566,6 +573,7 @@ class Cloud(StateGuard):
         if base > self._version:
             raise WrongRoundError(f"cell update from version {base}, the cloud is at {self._version}")
         self._seen[message.sender].add(message.round)
+        self._note_releases(message)
         staleness = self._version - base
         if staleness > self.config.max_staleness:
             self.rejected["stale"] = self.rejected.get("stale", 0) + 1
@@ -577,6 +585,15 @@ class Cloud(StateGuard):
         if self._sum.count < self.config.k_cloud:
             return []
         return self._apply()
+
+    def _note_releases(self, message: CellUpdate) -> None:
+        """Keep a cell update's privacy report for the ledger (charged when the next version closes)."""
+        report = message.privacy
+        if not isinstance(report, Mapping):
+            return
+        self._releases.extend({**dict(r), "cell": message.sender, "update": message.round}
+                              for r in report.get("releases", ()) if isinstance(r, Mapping))
+        self._clear.extend(dict(c) for c in report.get("clear", ()) if isinstance(c, Mapping))
 
     def _apply(self) -> list[Action]:
         """``Delta = sum W_c alpha_c delta_c / sum W_c``; the server optimizer's step; version + 1."""
@@ -594,7 +611,9 @@ class Cloud(StateGuard):
                                       "deltas": sum(len(d) for _, _, d in folded),
                                       "mean_staleness": float(np.mean([s for _, s, _ in folded])),
                                       "rejected_stale": self.rejected.get("stale", 0),
-                                      "cells": self._cell_stats})
+                                      "cells": self._cell_stats,
+                                      **({"releases": self._releases, "clear": self._clear}
+                                         if self._releases or self._clear else {})})
         self._version += 1
         self._reset()
         if self._version >= self.rounds:

@@ -7,6 +7,7 @@ trace simulator computes for the same config and seed.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +62,53 @@ def test_fedbuff_over_mosquitto_equals_the_simulator(mosquitto, small_rollout, t
     assert moved > 1e-2  # trained: the equality below is not of two untouched models
     for name, value in simulated.params.items():
         np.testing.assert_allclose(over_mqtt.params[name], value, rtol=0, atol=1e-5)
+
+
+def test_fedbuff_with_privacy_over_mosquitto_charges_every_release_once(
+        mosquitto, small_rollout, tmp_path: Path) -> None:
+    """cell-a trusted (its edge noises each cell update), cell-b not (its devices noise each upload): the ledger
+    holds one row per release that reached the cloud, and every device's epsilon equals the trace simulator's."""
+    from fedtier.rollout.config import RolloutConfig
+    from local_fleet.configs import write_fleet
+
+    plain = fedbuff_rollout(small_rollout, tmp_path)
+    plain["topology"] = {**plain["topology"], "trusted": {"cell-a": True}}
+    plain["privacy"] = {"epsilon": 8.0, "delta": 1e-5, "clip": 1.0, "require_tls": False}
+    paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
+
+    fleet = ThreadFleet(paths)
+    try:
+        fleet.start_all()
+        cloud = fleet.wait_finished(timeout=120)
+    finally:
+        fleet.stop()
+
+    fleet_cfg = load(RolloutConfig, paths.coordinator)
+    store = CoordinatorStore(fleet_cfg.state_dir / "coordinator.db")
+    rows = store.privacy_releases(fleet_cfg.rollout)
+    store.close()
+    # 3 versions: cell-a's edge released once per version over its 2 devices; cell-b's 2 devices once each
+    edge_rows = [r for r in rows if r["event"] == "edge"]
+    device_rows = [r for r in rows if r["event"] == "device"]
+    assert len(edge_rows) == 3 and {r["node"] for r in edge_rows} == {"cell-a"}
+    assert len(device_rows) == 6 and all(r["parent"] == "cell-b" and r["observed"] for r in device_rows)
+    assert len({(r["round"], r["node"], r["step"]) for r in rows}) == len(rows)
+    live = cloud.history[-1]["privacy"]
+    sim_cfg = RolloutConfig.from_mapping({**plain, "state_dir": str(tmp_path / "sim")})
+    simulate(sim_cfg)
+    simulated = json.loads(Path(sim_cfg.metrics_path).read_text())["privacy"]
+    assert simulated["releases"] == len(rows) and simulated["max_releases_per_device"] == 3
+    assert set(live["epsilon"]) == {d for r in rows for d in r["protected"]}
+    assert live["epsilon_max"] == pytest.approx(simulated["epsilon_max"], rel=1e-6)
+    assert 0 < live["epsilon_max"] <= 8.0
+    # the audit recomputes every epsilon from the rows and finds the live values and clear hops in order
+    from click.testing import CliRunner
+
+    from fedtier.cli import cli
+
+    result = CliRunner().invoke(cli, ["privacy", "report", "--config", str(paths.coordinator), "--json",
+                                       "--out", str(tmp_path / "eps.png")])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["warnings"] == [] and all(d["agrees"] for d in report["devices"])
+    assert report["clear_hops"]["all_to_trusted"] and report["clear_hops"]["total"] == 6

@@ -37,22 +37,3 @@ def test_fedbuff_learns_in_simulate_and_is_deterministic(small_rollout) -> None:
     b = simulate(cfg())
     for name in a.params:
         assert np.array_equal(a.params[name], b.params[name])
-
-
-def test_the_coordinator_refuses_fedbuff_with_privacy_over_mqtt(small_rollout) -> None:
-    """Its ledger charges releases per round; FedBuff's are charged per cell update by the trace simulator's."""
-    import pytest
-
-    from cloud_coordinator.node import CloudNode
-    from cloud_coordinator.rollout import prepare
-    from cloud_coordinator.store import CoordinatorStore
-    from fedtier.errors import ConfigError
-    from fedtier.transport.memory import MemoryBroker
-
-    cfg = small_rollout(algorithm="fedbuff", fedbuff={"local_steps": 2, "lr": 0.1},
-                        privacy={"epsilon": 8.0, "delta": 1e-5, "clip": 1.0, "require_tls": False})
-    node = CloudNode(prepared=prepare(cfg), transport=MemoryBroker().connect("cloud"),
-                     store=CoordinatorStore(":memory:"), evaluator=None)
-    with pytest.raises(ConfigError, match="fedtier simulate") as info:
-        node.start(0.0)
-    assert info.value.key == "privacy"
