@@ -81,7 +81,8 @@ def fleet() -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s: float, compute_delay_ms: float,
-            local_steps: int, algorithm: str, deadline_s: float, quorum: float, loop: str, keepalive_s: int, stall_s: float, device_state: str,
+            local_steps: int, algorithm: str, deadline_s: float, quorum: float, loop: str, keepalive_s: int,
+            stall_s: float, device_state: str,
             availability: str | None, share_online: float | None, compute_s: float | None,
             speed_sigma: float | None, trace_file: Path | None, day_s: float,
             workdir: Path | None, as_json: bool, log_level: str) -> None:
@@ -132,11 +133,13 @@ def emulate(devices: int, cells: int, rounds: int, broker: str | None, stagger_s
 
     table = Table(title=f"{result.devices} devices in {result.cells} cell(s) through {result.broker}")
     traced = any(r.online is not None for r in result.rounds)
-    for column in ("round", "devices", *(("online",) if traced else ()), "round s", "all training s", "slowest device s", "median training s",
+    for column in ("round", "devices", *(("online",) if traced else ()), "round s", "all training s",
+                   "slowest device s", "median training s",
                    "overhead s", "edge decode s", "edge work s", "coordinator s", "rest s", "accuracy"):
         table.add_column(column, justify="right")
     for r in result.rounds:
-        table.add_row(str(r.round), str(r.devices_reported), *((str(r.online),) if traced else ()), f"{r.round_s:.2f}", f"{r.training_s:.2f}",
+        table.add_row(str(r.round), str(r.devices_reported), *((str(r.online),) if traced else ()),
+                      f"{r.round_s:.2f}", f"{r.training_s:.2f}",
                       f"{r.slowest_device_s:.2f}",
                       f"{r.median_device_s:.3f}", f"{r.overhead_s:.2f}", f"{r.edge_decode_s:.2f}",
                       f"{r.edge_work_s:.2f}", f"{r.coordinator_s:.2f}", f"{r.rest_s:.2f}",

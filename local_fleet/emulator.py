@@ -258,8 +258,9 @@ def check_availability(opts: EmulatorOptions) -> None:
         raise ConfigError("--availability: the rollout has its own [fleet]; leave the option out or remove the "
                           "section", key="availability")
     try:
-        AvailabilitySpec(**{key: (Path(value) if key == "trace_file" else value)
-                            for key, value in (fleet_section(opts) or {}).items()})
+        fields: dict[str, Any] = {key: (Path(value) if key == "trace_file" else value)
+                                  for key, value in (fleet_section(opts) or {}).items()}
+        AvailabilitySpec(**fields)
         if opts.availability == "file":
             load_trace_file(opts.trace_file)
     except ConfigError as exc:

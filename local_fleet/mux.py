@@ -290,10 +290,6 @@ class MuxHost:
             dev.node.tick(now)
             dev.next_tick = now + TICK_S
 
-    def connected(self) -> list[str]:
-        """The devices whose connection is up (for tests and reports)."""
-        return [d.name for d in self.devices if d.sock is not None and d.tx.connected]
-
     def errors(self) -> list[str]:
         return [f"node {d.name} crashed: {d.errors[0]!r}" for d in self._crashed]
 
