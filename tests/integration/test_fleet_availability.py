@@ -126,7 +126,6 @@ def test_a_diurnal_fleet_at_share_half_is_half_connected_and_as_its_traces_say(m
     _check_runs_began_online(emulator)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedbuff"])
 def test_fedavg_and_fedbuff_finish_under_the_traces_and_late_devices_contribute(mosquitto: Any, tmp_path: Path,
                                                                                 algorithm: str) -> None:
