@@ -14,6 +14,12 @@ things differ from a fleet of separate devices, both for memory and both stated 
 * ``compute_delay_ms`` adds a simulated on-device compute time to every local run, outside that lock,
   so that a round can be made to wait for slow devices the way a real fleet's does.
 
+With availability (``EmulatorOptions.availability``, or the rollout's own ``[fleet]``) the fleet also
+comes and goes: the simulator's traces played in real time, an emulated day lasting ``day_s`` real
+seconds (``local_fleet.realtime_traces``): a device is connected only in its windows and each local
+training takes its trace's time on top of its computation (``local_fleet.mux``, which is also why
+traces need ``loop = "mux"``).
+
 The rollout uses the synthetic task (40 samples a device, MLP 64-64-10 by default); the result gives
 each round's time, the slowest device's local run (which includes waiting for the shared session),
 the median device's training, all training of the round, and the round overhead: round time minus
@@ -42,6 +48,7 @@ from fedtier.errors import ConfigError
 
 if TYPE_CHECKING:
     from fedtier.algorithms.base import EdgeRole
+    from local_fleet.realtime_traces import RealTimeTraces
 
 log = logging.getLogger("fedtier.fleet")
 
@@ -59,6 +66,9 @@ class EmulatorOptions:
     """"fedavg" (rounds) or "fedbuff" (asynchronous: ``rollout_mapping``)."""
     hidden: int = 64
     deadline_s: float = 120.0
+    quorum: float = 1.0
+    """FedAvg: the share of a cell's devices (and of the cells) enough to close a round after ``deadline_s``; below
+    1 when devices come and go (``availability``), or each round waits for its last device's window."""
     seed: int = 0
     workdir: Path | None = None
     loop: str = "mux"
@@ -77,7 +87,19 @@ class EmulatorOptions:
     where every cell's edge and devices stand (``fleet_probe``); 0 waits for ever."""
     rollout: dict[str, Any] | None = None
     """A rollout config mapping to run instead of the synthetic task (``rollout_mapping``), e.g. the private
-    demo's (``local_fleet.private_demo``); its devices, cells and rounds are the mapping's."""
+    demo's (``local_fleet.private_demo``); its devices, cells and rounds are the mapping's (and its ``[fleet]``,
+    if it has one, its availability)."""
+    availability: str | None = None
+    """"always", "diurnal" or "file": play the fleet's availability and speed traces (``[fleet]``,
+    ``fedtier.rollout.availability``) in real time; None: every device online, no added training time (or the
+    rollout's own ``[fleet]``). The four below are ``[fleet]``'s keys (None: its defaults)."""
+    share_online: float | None = None
+    compute_s: float | None = None
+    """The median device's local training, in seconds of the emulated day (scaled like the day)."""
+    speed_sigma: float | None = None
+    trace_file: Path | None = None
+    day_s: float = 120.0
+    """Real seconds one emulated day (``[fleet] day_s``, 86,400 s by default) lasts."""
 
 
 @dataclass
@@ -101,6 +123,8 @@ class RoundTiming:
     coordinator_s: float = 0.0
     """The coordinator's thread: decoding the cells' updates, aggregating, evaluating, committing the round."""
     workers: int = 1
+    online: int | None = None
+    """Devices online by their traces as the round closed (None: no availability traces)."""
 
     @property
     def overhead_s(self) -> float:
@@ -183,14 +207,68 @@ def _start_mosquitto(workdir: Path, clients: int) -> tuple[subprocess.Popen, int
 
 
 def rollout_mapping(opts: EmulatorOptions) -> dict[str, Any]:
-    """The emulated rollout: the synthetic task, ``cells`` cells sharing the devices."""
+    """The emulated rollout: the synthetic task, ``cells`` cells sharing the devices (and, with availability, its
+    ``[fleet]``: ``fedtier simulate`` of the same coordinator config plays the same traces on a virtual clock)."""
     per_cell = -(-opts.devices // opts.cells)
-    return {"rollout": ROLLOUT, "rounds": opts.rounds, "seed": opts.seed, "algorithm": opts.algorithm,
-            "model": {"kind": "mlp", "hidden": [opts.hidden]},
-            "topology": {"cells": opts.cells, "devices_per_cell": per_cell},
-            "data": {"dataset": "synthetic", "samples": 40 * per_cell * opts.cells, "features": 64, "classes": 10,
-                     "partition": "dirichlet", "alpha": 0.5, "seed": opts.seed},
-            opts.algorithm: _algorithm_section(opts, per_cell)}
+    mapping = {"rollout": ROLLOUT, "rounds": opts.rounds, "seed": opts.seed, "algorithm": opts.algorithm,
+               "model": {"kind": "mlp", "hidden": [opts.hidden]},
+               "topology": {"cells": opts.cells, "devices_per_cell": per_cell},
+               "data": {"dataset": "synthetic", "samples": 40 * per_cell * opts.cells, "features": 64, "classes": 10,
+                        "partition": "dirichlet", "alpha": 0.5, "seed": opts.seed},
+               opts.algorithm: _algorithm_section(opts, per_cell)}
+    fleet = fleet_section(opts)
+    if fleet is not None:
+        mapping["fleet"] = fleet
+    return mapping
+
+
+AVAILABILITY_OPTIONS = {"availability": "--availability", "share_online": "--share-online",
+                        "compute_s": "--compute-s", "speed_sigma": "--speed-sigma", "trace_file": "--trace-file"}
+"""``[fleet]``'s keys the emulator takes, and the options of ``fleet emulate`` that set them."""
+
+
+def fleet_section(opts: EmulatorOptions) -> dict[str, Any] | None:
+    """The ``[fleet]`` the options ask for (None without ``availability``)."""
+    if opts.availability is None:
+        return None
+    given = {key: getattr(opts, key) for key in AVAILABILITY_OPTIONS if getattr(opts, key) is not None}
+    if "trace_file" in given:
+        given["trace_file"] = str(Path(given["trace_file"]).resolve())
+    return given
+
+
+def check_availability(opts: EmulatorOptions) -> None:
+    """The availability options make sense together (else a ``ConfigError`` naming the option).
+
+    Raises:
+        ConfigError: keyed by the option (``share_online``, ...), its message naming the command-line flag.
+    """
+    from fedtier.rollout.availability import AvailabilitySpec, load_trace_file
+
+    if not (opts.day_s > 0 and opts.day_s < float("inf")):
+        raise ConfigError(f"--day-s (real seconds an emulated day lasts) must be > 0, got {opts.day_s!r}",
+                          key="day_s")
+    if opts.availability is None:
+        stray = [flag for key, flag in AVAILABILITY_OPTIONS.items() if getattr(opts, key) is not None]
+        if stray:
+            raise ConfigError(f"{stray[0]} describes the fleet's availability: give --availability too",
+                              key=stray[0].lstrip("-").replace("-", "_"))
+        return
+    if opts.rollout is not None and "fleet" in opts.rollout:
+        raise ConfigError("--availability: the rollout has its own [fleet]; leave the option out or remove the "
+                          "section", key="availability")
+    try:
+        fields: dict[str, Any] = {key: (Path(value) if key == "trace_file" else value)
+                                  for key, value in (fleet_section(opts) or {}).items()}
+        AvailabilitySpec(**fields)
+        if opts.availability == "file":
+            load_trace_file(opts.trace_file)
+    except ConfigError as exc:
+        key = (exc.key or "fleet.availability").removeprefix("fleet.")
+        raise ConfigError(f"{AVAILABILITY_OPTIONS.get(key, key)}: {exc.message}", key=key) from None
+    if opts.loop != "mux":
+        raise ConfigError("--availability needs --loop mux: the multiplexed loop takes devices off the broker and "
+                          "back as their traces say", key="loop")
 
 
 def _algorithm_section(opts: EmulatorOptions, per_cell: int) -> dict[str, Any]:
@@ -203,6 +281,8 @@ def _algorithm_section(opts: EmulatorOptions, per_cell: int) -> dict[str, Any]:
         section.update(k_edge=max(1, per_cell // 2), k_cloud=opts.cells, once_per_version=True)
     elif opts.algorithm != "fedavg":
         raise ConfigError(f"the fleet emulator runs fedavg or fedbuff, not {opts.algorithm!r}", key="algorithm")
+    else:
+        section["quorum"] = opts.quorum
     return section
 
 
@@ -234,26 +314,33 @@ MUX_DEVICES_PER_PROCESS = 2000
 class _DeviceHost:
     """Device agents on threads of one process, sharing a trainer; records each local run's time."""
 
-    def __init__(self, compute_delay_ms: float) -> None:
+    def __init__(self, compute_delay_ms: float, traces: "RealTimeTraces | None" = None) -> None:
         self.shared = _SharedTrainers()
         self.delay = compute_delay_ms / 1000.0
-        # (round, device, seconds of its local run incl. waiting for the shared session, seconds training)
-        self.runs: list[tuple[int, str, float, float]] = []
+        self.traces = traces
+        """The devices' availability and speeds: the mux holds a device its trace's extra time after training;
+        here that time is counted in the run's seconds."""
+        # (round, device, seconds of its local run incl. waiting for the shared session and its trace's extra
+        # time, seconds training, time.monotonic() as it began)
+        self.runs: list[tuple[int, str, float, float, float]] = []
         self._runs_lock = threading.Lock()
         self.threads: list[tuple[str, threading.Thread, threading.Event, list[BaseException]]] = []
         self.nodes: list[Any] = []  # the device nodes, for a stalled run's report
 
     def _locked_train(self, device: str, train: Callable[..., Any]) -> Callable[..., Any]:
+        extra = self.traces.train_delay_s(device) if self.traces is not None else 0.0
+
         def run(trainer: Any, action: Any) -> Any:
-            start = time.perf_counter()
+            start, began_at = time.perf_counter(), time.monotonic()
             with self.shared.lock:
                 began = time.perf_counter()
                 result = train(trainer, action)
                 trained = time.perf_counter() - began
             if self.delay:
                 time.sleep(self.delay)
+            total = time.perf_counter() - start + extra
             with self._runs_lock:
-                self.runs.append((int(action.round), device, time.perf_counter() - start, trained))
+                self.runs.append((int(action.round), device, total, trained, began_at))
             return result
 
         return run
@@ -321,12 +408,13 @@ class _ProbeAnswer:
 
 def _worker(config_paths: list[str], compute_delay_ms: float, step_s: float, ready: Any, stop: Any,
             results: Any, loop: str = "threads", probe: Any = None, answers: Any = None,
-            rollout: str = "emulated") -> None:
+            rollout: str = "emulated", traces: "RealTimeTraces | None" = None) -> None:
     """A worker process: host ``config_paths``' devices until ``stop``, then report their runs. It answers the
-    emulator's stall probe (``probe``'s number raised) with its devices' states on ``answers``."""
+    emulator's stall probe (``probe``'s number raised) with its devices' states on ``answers``. With ``traces``
+    (mux only) its devices come and go and train at their traces' speeds."""
     raise_fd_limit()
     logging.basicConfig(level=logging.WARNING)
-    host = _DeviceHost(compute_delay_ms)
+    host = _DeviceHost(compute_delay_ms, traces)
     orphaned = _orphan_check()
     answer = _ProbeAnswer(probe, answers, host, rollout) if probe is not None else (lambda: None)
     try:
@@ -384,7 +472,7 @@ def _mux_worker(host: _DeviceHost, config_paths: list[str], step_s: float, ready
     """``_worker`` with every device on this process's one thread (``fleet_mux``)."""
     from local_fleet.mux import MuxHost
 
-    mux = MuxHost()
+    mux = MuxHost(host.traces)
     try:
         for path in config_paths:
             mux.add(*host.build_device(Path(path)))
@@ -410,6 +498,7 @@ class FleetEmulator:
                  on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
         if opts.devices < 1 or opts.cells < 1 or opts.devices < opts.cells:
             raise ConfigError("need at least one device per cell", key="devices")
+        check_availability(opts)
         self.opts = opts
         self.say = progress or (lambda text: None)
         self.on_round = on_round
@@ -417,10 +506,16 @@ class FleetEmulator:
         self.mapping = opts.rollout if opts.rollout is not None else rollout_mapping(opts)
         self.rollout_id = str(self.mapping.get("rollout", ROLLOUT))
         self.servers = _DeviceHost(0.0)  # the edges and the coordinator, on threads of this process
-        self.runs: list[tuple[int, str, float, float]] = []
+        self.runs: list[tuple[int, str, float, float, float]] = []
         self.workers = 0
         self.busy: list[dict[str, float]] = []
         """Per closed round: the edges' and the coordinator's busy seconds so far (``NodeBase.busy_s``)."""
+        self.traces: RealTimeTraces | None = None
+        """The devices' availability and speed in real time, once the run has started (None: no ``[fleet]``)."""
+        self.online: list[int] = []
+        """Per closed round: the devices online by their traces as it closed."""
+        self.rollout_started: float | None = None
+        """``time.monotonic()`` as the coordinator started (every device was then built and, if online, connecting)."""
 
     def run(self) -> EmulationResult:
         import multiprocessing
@@ -457,6 +552,7 @@ class FleetEmulator:
                                                               "keepalive_s": o.keepalive_s},
                                 device_settings={"trainer": "auto"}, device_state_root=device_root)
             devices = [str(paths.devices[d]) for d in list(paths.devices)[: o.devices]]
+            self.traces = self._traces(load(RolloutConfig, paths.coordinator), list(paths.devices)[: o.devices])
             t_start = time.perf_counter()
             if o.loop == "mux":  # one busy thread per worker: as many workers as cores, or more if descriptors run out
                 count = max(1, min(len(devices), max(os.cpu_count() or 1, -(-len(devices) // MUX_DEVICES_PER_PROCESS))))
@@ -467,7 +563,8 @@ class FleetEmulator:
             step = o.stagger_s / max(1, len(devices)) * len(groups)
             for group in groups:
                 proc = ctx.Process(target=_worker, args=(group, o.compute_delay_ms, step, ready, stop, results,
-                                                         o.loop, probe, answers, self.rollout_id), daemon=True)
+                                                         o.loop, probe, answers, self.rollout_id, self.traces),
+                                   daemon=True)
                 proc.start()
                 procs.append(proc)
             hosted = 0
@@ -490,10 +587,13 @@ class FleetEmulator:
                 # on the coordinator's thread as it closes the round: rounds closing within one poll of
                 # the loop below still get a snapshot each (a shared one gave the later round 0 s of work)
                 self.busy.append(_busy(edges, cloud))
+                if self.traces is not None:
+                    self.online.append(self.traces.online_count(time.monotonic()))
                 if previous is not None:
                     previous(row)
 
             cloud.on_round = snapshot
+            self.rollout_started = time.monotonic()
             self.servers.spawn("coordinator", cloud, [tx], inbox, done=lambda: cloud.finished)
             start_s = time.perf_counter() - t_start
             try:
@@ -532,7 +632,30 @@ class FleetEmulator:
                                    + "; those of one worker share one trainer per bundle and train one at a time "
                                      "(a real fleet trains in parallel on its own CPUs)"]
                                + ([f"each local run also sleeps {o.compute_delay_ms:g} ms (simulated device compute)"]
-                                  if o.compute_delay_ms else []))
+                                  if o.compute_delay_ms else []) + self._trace_notes())
+
+    def _traces(self, cfg: Any, devices: list[str]) -> "RealTimeTraces | None":
+        """The emulated devices' traces from the rollout's ``[fleet]`` (the options' or its own), the day starting
+        now; what the simulator builds for the same rollout (its spec, seed and device ids)."""
+        if cfg.fleet is None:
+            return None
+        if self.opts.loop != "mux":
+            raise ConfigError("the rollout's [fleet] needs --loop mux: the multiplexed loop takes devices off the "
+                              "broker and back as their traces say", key="loop")
+        from local_fleet.realtime_traces import RealTimeTraces
+
+        return RealTimeTraces.build(cfg.fleet.spec(), cfg.seed, devices, self.opts.day_s)
+
+    def _trace_notes(self) -> list[str]:
+        if self.traces is None:
+            return []
+        from fedtier.rollout.availability import speed_quantiles
+
+        median, p90, p99 = (q * self.traces.scale for q in speed_quantiles(self.traces.traces))
+        return [f"availability and speed traces in real time, a day lasting {self.opts.day_s:g} s (x "
+                f"{self.traces.scale:.3g} of the trace's seconds): a device is connected only in its windows and "
+                f"each local run holds it {median:.3g} s (median; p90 {p90:.3g} s, p99 {p99:.3g} s) on top of its "
+                "training"]
 
     def _wait_rounds(self, cloud: Any, edges: list[Any], edge_inboxes: dict[str, tuple[Any, Any]], procs: list[Any],
                      probe: Any, answers: Any) -> None:
@@ -563,7 +686,8 @@ class FleetEmulator:
             if self.on_round is not None:
                 self.on_round(row)
             else:
-                self.say(f"round {row['round']} closed: {row['devices_reported']} devices, "
+                online = f" ({self.online[seen]} online)" if seen < len(self.online) else ""
+                self.say(f"round {row['round']} closed: {row['devices_reported']} devices{online}, "
                          f"{row['round_s']:.2f} s, accuracy {row.get('accuracy', float('nan')):.4f}")
             seen += 1
         return seen
@@ -572,7 +696,7 @@ class FleetEmulator:
         out = []
         before = dict.fromkeys(("edge_decode", "edge_work", "coordinator"), 0.0)
         for i, row in enumerate(history):
-            runs = [(total, trained) for r, _, total, trained in self.runs if r == row["round"]]
+            runs = [(total, trained) for r, _, total, trained, _ in self.runs if r == row["round"]]
             busy = self.busy[i] if i < len(self.busy) else before
             out.append(RoundTiming(round=int(row["round"]), round_s=float(row["round_s"]),
                                    slowest_device_s=max((t for t, _ in runs), default=0.0),
@@ -582,7 +706,8 @@ class FleetEmulator:
                                    edge_decode_s=busy["edge_decode"] - before["edge_decode"],
                                    edge_work_s=busy["edge_work"] - before["edge_work"],
                                    coordinator_s=busy["coordinator"] - before["coordinator"],
-                                   workers=max(1, self.workers)))
+                                   workers=max(1, self.workers),
+                                   online=self.online[i] if i < len(self.online) else None))
             before = busy
         return out
 
