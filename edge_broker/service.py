@@ -399,8 +399,9 @@ class EdgeNode(NodeBase):
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
             if isinstance(msg, TrainingFailed):
                 self._training_failed(msg, replay)
-            if isinstance(msg, CellTask):
-                self._task_arrived.setdefault((msg.rollout, msg.round), time.monotonic())
+            # the aggregation clock starts with a round's task, or with the first delta of an asynchronous buffer
+            if isinstance(msg, CellTask) != (msg.rollout in self._asynchronous):
+                self._task_arrived.setdefault(key, time.monotonic())
             if not isinstance(msg, CellTask):
                 counts = self._round_bytes[key]
                 size = len(payload) if wire_bytes is None else wire_bytes
@@ -420,7 +421,7 @@ class EdgeNode(NodeBase):
 
     def _training_failed(self, msg: TrainingFailed, replay: bool) -> None:
         """A device's ``training_failed`` the role accepted: kept for the round's cell update, counted, logged."""
-        self._failures[(msg.rollout, msg.round)][msg.sender] = msg.reason
+        self._failures[self._bytes_key(msg.rollout, msg.round)][msg.sender] = msg.reason
         if replay:
             return
         self.metrics.inc(TRAINING_FAILED, reason=msg.reason)
