@@ -127,3 +127,17 @@ class ThreadFleet:
             r.stop.set()
         for r in self.nodes.values():
             r.thread.join(10)
+
+    @classmethod
+    def run(cls, paths: FleetPaths, timeout: float) -> Any:
+        """Start every node of ``paths``, wait until the rollout finished, stop them all; the coordinator node.
+
+        Raises:
+            FleetError: a node crashed, or the rollout did not finish within ``timeout`` seconds.
+        """
+        fleet = cls(paths)
+        try:
+            fleet.start_all()
+            return fleet.wait_finished(timeout)
+        finally:
+            fleet.stop()

@@ -8,7 +8,9 @@ trace simulator computes for the same config and seed.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from fleet_threads import ThreadFleet
 
 from cloud_coordinator.store import CoordinatorStore
 from fedtier.runtime.config import load
+from local_fleet.configs import FleetPaths
 from local_fleet.simulate import simulate
 
 pytestmark = pytest.mark.broker
@@ -32,6 +35,19 @@ def fedbuff_rollout(small_rollout, tmp_path: Path, **fedbuff: object) -> dict:
     return plain
 
 
+@contextmanager
+def coordinator_store(paths: FleetPaths) -> Iterator[tuple[CoordinatorStore, str]]:
+    """The store the fleet's coordinator committed to, and its rollout id."""
+    from fedtier.rollout.config import RolloutConfig
+
+    cfg = load(RolloutConfig, paths.coordinator)
+    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    try:
+        yield store, cfg.rollout
+    finally:
+        store.close()
+
+
 def test_fedbuff_over_mosquitto_equals_the_simulator(mosquitto, small_rollout, tmp_path: Path) -> None:
     from fedtier.rollout.config import RolloutConfig
     from local_fleet.configs import write_fleet
@@ -41,19 +57,11 @@ def test_fedbuff_over_mosquitto_equals_the_simulator(mosquitto, small_rollout, t
     paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
 
     # Execute
-    fleet = ThreadFleet(paths)
-    try:
-        fleet.start_all()
-        cloud = fleet.wait_finished(timeout=120)
-    finally:
-        fleet.stop()
+    cloud = ThreadFleet.run(paths, timeout=120)
 
     # Assert: three versions, each from all four devices at staleness 0, and the simulator's model.
-    fleet_cfg = load(RolloutConfig, paths.coordinator)
-    store = CoordinatorStore(fleet_cfg.state_dir / "coordinator.db")
-    over_mqtt = store.latest_model(fleet_cfg.rollout)
-    initial = store.model(fleet_cfg.rollout, 0)
-    store.close()
+    with coordinator_store(paths) as (store, rollout):
+        over_mqtt, initial = store.latest_model(rollout), store.model(rollout, 0)
     simulated = simulate(RolloutConfig.from_mapping({**plain, "state_dir": str(tmp_path / "sim")}))
     assert over_mqtt is not None and over_mqtt.version == 3
     assert [r["devices_reported"] for r in cloud.history] == [4, 4, 4]
@@ -76,17 +84,10 @@ def test_fedbuff_with_privacy_over_mosquitto_charges_every_release_once(
     plain["privacy"] = {"epsilon": 8.0, "delta": 1e-5, "clip": 1.0, "require_tls": False}
     paths = write_fleet(plain, tmp_path / "fleet", {"host": mosquitto.host, "port": mosquitto.port})
 
-    fleet = ThreadFleet(paths)
-    try:
-        fleet.start_all()
-        cloud = fleet.wait_finished(timeout=120)
-    finally:
-        fleet.stop()
+    cloud = ThreadFleet.run(paths, timeout=120)
 
-    fleet_cfg = load(RolloutConfig, paths.coordinator)
-    store = CoordinatorStore(fleet_cfg.state_dir / "coordinator.db")
-    rows = store.privacy_releases(fleet_cfg.rollout)
-    store.close()
+    with coordinator_store(paths) as (store, rollout):
+        rows = store.privacy_releases(rollout)
     # 3 versions: cell-a's edge released once per version over its 2 devices; cell-b's 2 devices once each
     edge_rows = [r for r in rows if r["event"] == "edge"]
     device_rows = [r for r in rows if r["event"] == "device"]
