@@ -238,8 +238,9 @@ class CloudNode(NodeBase):
         the service's."""
         self._direct: set[str] = set()
         """Devices whose own presence reaches this node (a shared broker): their summaries are not needed."""
-        self._summarised: dict[str, bool] = {}
-        """The other devices' states as the last summary of their cell said (online or not)."""
+        self._summarised: dict[str, tuple[bool, str]] = {}
+        """The other devices' states as the last summary that named them said: online or not, and in which cell
+        (under ``[topology] roaming`` a device is wherever the last summary listing it online came from)."""
         self._connects_seen = 0
         self._asked: dict[tuple[int, str], float] = {}
         """When each cell was last asked again for the open round (``_ask_again``)."""
@@ -558,11 +559,16 @@ class CloudNode(NodeBase):
             raise UnknownSenderError(f"presence summary from {msg.sender!r}, not a cell of rollout {self.rollout}")
         online = set(msg.online)
         wall = self.wall_clock()
-        for device in members:
-            up = device in online
-            if device in self._direct or self._summarised.get(device) == up:
+        if self.cfg.topology.roaming:  # any device of the rollout may be here; one seen in another cell stays there
+            states = [(d, True) for d in sorted(online) if d in self.observed.cell_of]
+            states += [(d, False) for d in self.observed.cell_of if d not in online and self._summarised.get(
+                d, (False, self.observed.cell_of[d]))[1] == msg.sender]
+        else:
+            states = [(d, d in online) for d in members]
+        for device, up in states:
+            if device in self._direct or self._summarised.get(device) == (up, msg.sender):
                 continue
-            self._summarised[device] = up
+            self._summarised[device] = (up, msg.sender)
             self.observed.set_online(device, up)
             if self.inventory is not None:  # "via": the edge that vouches for it (devices list shows no trainer)
                 self.inventory.add(device, {"node": device, "cell": msg.sender, "state": "online" if up else "offline",
