@@ -712,7 +712,8 @@ class CloudNode(NodeBase):
                       "rejected": _rejected_counts(stats.get("rejected")),
                       "failed": _failed_devices(stats.get("failed")),
                       "device_up_bytes": int(stats.get("device_up_bytes", 0)),
-                      "device_down_bytes": int(stats.get("device_down_bytes", 0))}
+                      "device_down_bytes": int(stats.get("device_down_bytes", 0)),
+                      **({"steps": list(stats["steps"])} if "steps" in stats else {})}  # roaming: [device, j] ids
             abort = aborts.get(c)
             waited = stats.get("secagg_waited") or (abort or {}).get("waited") or {}
             if waited or abort:

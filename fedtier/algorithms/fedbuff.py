@@ -534,8 +534,8 @@ class Edge(EdgeRoleBase):
 
 def merge_cell_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
     """Add one cell update's ``stats`` to ``into``: numbers summed (bytes, deltas), ``[reason, n]`` pairs
-    (``rejected``) summed by reason, ``[device, reason]`` pairs (``failed``) kept; the rest (``base_version``)
-    left out."""
+    (``rejected``) summed by reason, ``[device, reason]`` pairs (``failed``) and ``[device, j]`` device-steps
+    (``steps``, under roaming) kept; the rest (``base_version``) left out."""
     for key, value in stats.items():
         if key == "base_version":
             continue
@@ -546,7 +546,7 @@ def merge_cell_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
             for reason, n in value:
                 counts[reason] = counts.get(reason, 0) + n
             into[key] = [[r, n] for r, n in sorted(counts.items())]
-        elif key == "failed" and isinstance(value, (list, tuple)):
+        elif key in ("failed", "steps") and isinstance(value, (list, tuple)):
             into[key] = [*into.get(key, []), *value]
 
 
