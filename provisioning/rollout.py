@@ -29,8 +29,8 @@ Brokers, in the two layouts a fleet uses (mixed is fine too):
   connects to its local broker alone.
 
 Every ACL comes from the one writer, :func:`provisioning.broker_config.broker_acl`, with each
-device bound to its own cell by name (to every cell of the rollout under ``[topology] roaming``); every broker maps the certificate's name to the MQTT
-username and client id.
+device bound to its own cell by name (to every cell of the rollout under ``[topology] roaming``);
+every broker maps the certificate's name to the MQTT username and client id.
 
 Running it again keeps what still holds — the CA, each bundle whose certificate is active and
 was issued for the same cell and brokers, each broker certificate valid for its host — and

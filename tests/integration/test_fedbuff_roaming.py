@@ -92,16 +92,54 @@ def record_outputs(fleet: ThreadFleet, cell: str, into: list[CellUpdate]) -> Non
     store.save_output = saving
 
 
-def test_a_device_that_moves_to_another_cell_keeps_contributing_and_no_step_counts_twice(
-        tmp_path: Path, artifact_store: Path) -> None:
-    require(mosquitto_binary() is not None, "Mosquitto (apt-get install mosquitto)")
-    # Prepare: 2 cells x 2 devices, a Mosquitto per gateway with the ACLs `provision fleet` writes for roaming.
+def provision(tmp_path: Path, artifact_store: Path) -> tuple[Any, dict[str, tuple[str, int]]]:
+    """2 cells x 2 devices, a Mosquitto per gateway with the ACLs `provision fleet` writes for roaming."""
     rollout = write_rollout(tmp_path / "rollout.toml", rollout="roam", port=free_port(), rounds=VERSIONS,
                             cells=CELLS, artifact_store=artifact_store, extra=FEDBUFF)
     cell_brokers = {c: ("127.0.0.1", free_port()) for c in CELLS}
     result = provision_fleet(rollout, tmp_path / "site", cell_brokers=cell_brokers, sample_data=True)
     acl_b = Path(result.brokers["cell-b"]["conf"]).with_name("fedtier.acl").read_text()
     assert "user dev-1\ntopic write ft/v1/+/cell/cell-b/up/dev-1/#" in acl_b  # dev-1 (of cell-a) may act in cell-b
+    return result, cell_brokers
+
+
+def move_with_an_upload_in_flight(fleet: ThreadFleet, device: str, cell: str, port: int,
+                                  gate: threading.Event) -> int:
+    """Stop ``device``, put its newest upload (which its old cell's edge has) back into its outbox, as if that
+    cell's broker had taken it but the acknowledgement never reached the agent, and start it again in ``cell``
+    (its training held by ``gate``). Returns the device-step ``j`` of that upload."""
+    running = fleet.nodes[device].node
+    fleet.stop_node(device)
+    state = running.state
+    version, in_flight = state.last_sent("roam")
+    [(key, topic, payload)] = state.uploads("roam", version, in_flight)
+    state.put_update(key, topic, payload, "roam", state.last_round("roam"), 0.0, sent=(version, in_flight))
+    state.close()
+    fleet.paths.devices[device] = moved_config(fleet.paths.devices[device].parent, cell, port)
+    fleet.start_device(device, prepare=gated(gate))
+    return int(in_flight)
+
+
+def assert_each_device_step_counted_once(rows: list[dict[str, Any]], stored: dict[str, list[CellUpdate]],
+                                         rejected: dict[str, int], in_flight: int) -> None:
+    """The committed rows name each device-step once across cells; the edges' stores show the one that reached
+    both cells, which the cloud refused (``duplicate_step``) and never folded."""
+    counted = [tuple(s) for r in rows for c in CELLS for s in r["cells"][c].get("steps", [])]
+    assert len(counted) == 4 * VERSIONS and len(set(counted)) == len(counted), counted
+    assert sorted(j for d, j in counted if d == "dev-1") == list(range(VERSIONS))  # one counter across cells
+    sent = Counter(tuple(s) for c in CELLS for u in stored[c] for s in u.stats["steps"])
+    assert set(sent) == set(counted)
+    assert [d for d, n in sent.items() if n > 1] == [("dev-1", in_flight)], sent
+    assert rejected == {"duplicate_step": 1}, rejected
+    from_b = sorted(j for u in stored["cell-b"] for d, j in u.stats["steps"] if d == "dev-1")
+    assert from_b[0] == in_flight and len(from_b) > 1, from_b  # the upload in flight, then new steps from cell-b
+
+
+def test_a_device_that_moves_to_another_cell_keeps_contributing_and_no_step_counts_twice(
+        tmp_path: Path, artifact_store: Path) -> None:
+    require(mosquitto_binary() is not None, "Mosquitto (apt-get install mosquitto)")
+    # Prepare
+    result, cell_brokers = provision(tmp_path, artifact_store)
     paths = FleetPaths(coordinator=result.rollout_config,
                        edges={c: p / "edge.toml" for c, p in result.gateways.items()},
                        devices={d: p / "device.toml" for d, p in result.devices.items()}, workdir=result.out)
@@ -117,8 +155,7 @@ def test_a_device_that_moves_to_another_cell_keeps_contributing_and_no_step_coun
             fleet.start_device(device)
         coordinator = fleet.start_coordinator().node
         # Execute: once version 2 is committed and cell-a's edge has dev-1's newest upload, dev-1 leaves cell-a and
-        # turns up in cell-b. Its newest upload goes back into its outbox, as if cell-a's broker had taken it but the
-        # acknowledgement never reached the agent: the agent sends it again, from cell-b.
+        # turns up in cell-b, with that upload "in flight".
         state = fleet.nodes["dev-1"].node.state
 
         def newest_upload_at_cell_a() -> bool:
@@ -128,14 +165,8 @@ def test_a_device_that_moves_to_another_cell_keeps_contributing_and_no_step_coun
 
         fleet.wait_until(lambda: len(coordinator.history) >= 2 and newest_upload_at_cell_a(),
                          "model version 2 and dev-1's newest upload at cell-a", timeout=90)
-        fleet.stop_node("dev-1")
-        version, in_flight = state.last_sent("roam")
-        [(key, topic, payload)] = state.uploads("roam", version, in_flight)
-        state.put_update(key, topic, payload, "roam", state.last_round("roam"), 0.0, sent=(version, in_flight))
-        state.close()
-        paths.devices["dev-1"] = moved_config(result.devices["dev-1"], "cell-b", cell_brokers["cell-b"][1])
         gate = threading.Event()
-        fleet.start_device("dev-1", prepare=gated(gate))
+        in_flight = move_with_an_upload_in_flight(fleet, "dev-1", "cell-b", cell_brokers["cell-b"][1], gate)
         # The version cannot close without dev-1, whose training waits until `devices list` shows it in cell-b.
         fleet.wait_until(lambda: inventory(coordinator).get("dev-1", {}).get("cell") == "cell-b",
                          "`devices list` to show dev-1 in cell-b", 30)
@@ -148,24 +179,12 @@ def test_a_device_that_moves_to_another_cell_keeps_contributing_and_no_step_coun
         procs.close()
 
     # Assert: the rollout finished; every version averaged every device once, dev-1 through cell-a before the move
-    # and through cell-b after it.
+    # and through cell-b after it; no device-step counted twice.
     rows = coordinator.history
     assert [r["devices_reported"] for r in rows] == [4] * VERSIONS, rows
     via = [{c: r["cells"][c]["reported"] for c in CELLS} for r in rows]
-    assert "dev-1" in via[0]["cell-a"] and "dev-1" in via[-1]["cell-b"], via
-    assert "dev-1" not in via[-1]["cell-a"]
-    # The committed rows name each device-step once, across cells: (device, j) never twice.
-    counted = [tuple(s) for r in rows for c in CELLS for s in r["cells"][c].get("steps", [])]
-    assert len(counted) == 4 * VERSIONS and len(set(counted)) == len(counted), counted
-    assert sorted(j for d, j in counted if d == "dev-1") == list(range(VERSIONS))  # one counter across cells
-    # The edges' stores: every cell update lists its device-steps; one that reached two edges (an upload in flight at
-    # the move) was refused by the cloud as duplicate_step, never folded.
-    sent = Counter(tuple(s) for c in CELLS for u in stored[c] for s in u.stats["steps"])
-    assert set(sent) == set(counted)
-    assert [d for d, n in sent.items() if n > 1] == [("dev-1", in_flight)], sent
-    assert rejected == {"duplicate_step": 1}, rejected
-    from_b = sorted(j for u in stored["cell-b"] for d, j in u.stats["steps"] if d == "dev-1")
-    assert from_b[0] == in_flight and len(from_b) > 1, from_b  # the upload in flight, then new steps from cell-b
+    assert "dev-1" in via[0]["cell-a"] and "dev-1" in via[-1]["cell-b"] and "dev-1" not in via[-1]["cell-a"], via
+    assert_each_device_step_counted_once(rows, stored, rejected, in_flight)
     # Presence: while it ran, and at its end, the inventory (`fedtier devices list`) showed dev-1 online in cell-b,
     # where cell-b's edge summary put it (a gateway's broker keeps devices' own presence from the cloud).
     assert (seen["dev-1"]["cell"], seen["dev-1"]["state"]) == ("cell-b", "online"), seen["dev-1"]

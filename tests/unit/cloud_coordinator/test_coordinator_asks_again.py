@@ -169,6 +169,31 @@ def test_a_devices_own_presence_wins_over_its_edges_summary(rig: Rig) -> None:
     assert inventory[a0]["state"] == "online" and inventory[a0]["trainer"] == "ort"
 
 
+def test_a_roaming_device_is_where_the_last_summary_listing_it_online_came_from(small_rollout: Any) -> None:
+    # Prepare: a roaming FedBuff rollout; a0 (a member of the first cell) is online in the second.
+    rig = Rig(small_rollout(rounds=2, algorithm="fedbuff", topology={"cells": 2, "devices_per_cell": 2,
+                                                                     "roaming": True}))
+    try:
+        first, second = rig.cells
+        a0, a1 = rig.node.prepared.cells[first]
+        b0, _ = rig.node.prepared.cells[second]
+        rig.summary(second, (a0, b0))
+        # Execute: the first cell's edge, which lost a0, sends its summary after the second's.
+        rig.summary(first, (a1,))
+        rig.node.presence.flush()  # type: ignore[union-attr]
+        # Assert: a0 stays online in the second cell (the first cell's summary only speaks for who is there).
+        inventory = {d["node"]: d for d in device_inventory(rig.store)}
+        assert (inventory[a0]["cell"], inventory[a0]["state"]) == (second, "online")
+        assert (inventory[a1]["cell"], inventory[a1]["state"]) == (first, "online")
+        # a0 leaves the second cell: that cell's next summary says so.
+        rig.summary(second, (b0,))
+        rig.node.presence.flush()  # type: ignore[union-attr]
+        inventory = {d["node"]: d for d in device_inventory(rig.store)}
+        assert (inventory[a0]["cell"], inventory[a0]["state"]) == (second, "offline")
+    finally:
+        rig.close()
+
+
 def test_a_summary_from_a_node_that_is_not_a_cell_of_the_rollout_is_rejected(rig: Rig) -> None:
     rig.summary("cell-x", ("d0",))
     assert rig.node.metrics.get(REJECTED, reason="unknown_sender") == 1

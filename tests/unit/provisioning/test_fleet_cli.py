@@ -537,8 +537,9 @@ def test_a_roaming_rollouts_acl_lets_each_device_into_every_cell_the_broker_serv
         roaming = broker_config.broker_acl(cloud_side=["c0", "c1"], cloud_id="cloud", devices=devices, roaming=True)
         assert "d0" not in roaming  # no device block on a broker no device connects to
         return
-    here = [("write", topics.cell_up(r, "c1", "d0", "device_update")), ("read", topics.cell_down(r, "c1", "device_task")),
-            ("read", topics.cell_manifest(r, "c1")), ("write", topics.cell_status("c1", "d0"))]
+    here = [("write", topics.cell_up(r, "c1", "d0", "device_update")),
+            ("read", topics.cell_down(r, "c1", "device_task")), ("read", topics.cell_manifest(r, "c1")),
+            ("write", topics.cell_status("c1", "d0"))]
     for access, topic in here:
         assert allowed(roaming, "d0", access, topic), topic
         assert not allowed(acl, "d0", access, topic), topic
