@@ -180,7 +180,9 @@ class DeviceNode(NodeBase):
         moved = 0
         for key, topic, payload in pending:
             here = self._here(topic)
-            moved += here != topic
+            if here != topic:
+                self.state.retopic(key, here)  # sent from here: asked for again, it is sent here again
+                moved += 1
             self._publish_update(key, here, payload)
         if pending:
             log.info("resent %d unacknowledged update(s) from the outbox%s", len(pending),
