@@ -551,6 +551,42 @@ def merge_cell_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
 
 
 
+class CountedSteps:
+    """One device's counted device-steps ``j``, compact: every ``j < low``, and the counted ones above it.
+
+    A device's steps are counted nearly in order (0, 1, 2, ...; one lost or stale leaves a gap), so a device costs a
+    number and a few exceptions however long the rollout runs, in memory and in the strategy state, which the
+    coordinator stores with every model version."""
+
+    __slots__ = ("low", "above")
+
+    def __init__(self, low: int = 0, above: set[int] | None = None) -> None:
+        self.low, self.above = low, set() if above is None else above
+
+    def __contains__(self, j: int) -> bool:
+        return j < self.low or j in self.above
+
+    def add(self, j: int) -> None:
+        if j < self.low:
+            return
+        self.above.add(j)
+        while self.low in self.above:
+            self.above.discard(self.low)
+            self.low += 1
+
+    def to_array(self) -> np.ndarray:
+        """``[low, above...]`` (sorted)."""
+        return np.array([self.low, *sorted(self.above)], dtype=np.int64)
+
+    @classmethod
+    def from_array(cls, array: np.ndarray) -> "CountedSteps":
+        values = [int(v) for v in np.asarray(array).reshape(-1)]
+        counted = cls(values[0] if values else 0)
+        for j in values[1:]:
+            counted.add(j)
+        return counted
+
+
 class Cloud(StateGuard):
     """Applies every ``k_cloud`` cell updates, each weighted by its staleness, through the server optimizer."""
 
@@ -584,7 +620,7 @@ class Cloud(StateGuard):
         a restart too (``strategy_state`` carries them with the model version they went into)."""
         self.roster = tuple(sorted({d for m in self.cells.values() for d in m})) if config.roaming else ()
         """Roaming: the rollout's devices, sent in every cell task (``ROSTER``)."""
-        self._steps: dict[str, set[int]] = {}
+        self._steps: dict[str, CountedSteps] = {}
         """Roaming: device -> the ``j`` of its device-steps counted (folded), across cells and restarts
         (``strategy_state``): a cell update repeating one is ``Dropped("duplicate_step")``."""
         self.rejected: dict[str, int] = {}
@@ -647,7 +683,7 @@ class Cloud(StateGuard):
         if staleness > self.config.max_staleness:
             self.rejected["stale"] = self.rejected.get("stale", 0) + 1
             return [Dropped("stale", message.key, f"staleness {staleness} > {self.config.max_staleness}")]
-        counted = [(d, j) for d, j in steps if j in self._steps.get(d, ())]
+        counted = [(d, j) for d, j in steps if d in self._steps and j in self._steps[d]]
         if counted:
             self.rejected["duplicate_step"] = self.rejected.get("duplicate_step", 0) + 1
             return [Dropped("duplicate_step", message.key,
@@ -655,7 +691,7 @@ class Cloud(StateGuard):
                             f"another cell update); {len(steps) - len(counted)} other delta(s) in it not counted")]
         check_like(self._params, message.delta, "cell update")
         for d, j in steps:
-            self._steps.setdefault(d, set()).add(j)
+            self._steps.setdefault(d, CountedSteps()).add(j)
         self._sum.fold(message.delta, message.weight, staleness_weight(self.config, staleness))
         self._folded.append((message.sender, staleness, message.reported))
         merge_cell_stats(self._cell_stats.setdefault(message.sender, {}), message.stats)
@@ -714,10 +750,10 @@ class Cloud(StateGuard):
     def strategy_state(self) -> Mapping[str, np.ndarray] | None:
         """The server optimizer's moments; per cell, the counters of the cell updates counted so far
         (``seen/<cell>``): a redelivered one stays a duplicate after the coordinator restarts; under roaming, per
-        device, the device-steps counted (``step/<device>``)."""
+        device, the device-steps counted (``step/<device>``: ``CountedSteps.to_array``)."""
         state = dict(self._optimizer.state()) if self._optimizer is not None else {}
         state.update({f"{SEEN_PREFIX}{c}": np.array(sorted(u), dtype=np.int64) for c, u in self._seen.items()})
-        state.update({f"{STEP_PREFIX}{d}": np.array(sorted(j), dtype=np.int64) for d, j in self._steps.items()})
+        state.update({f"{STEP_PREFIX}{d}": j.to_array() for d, j in self._steps.items()})
         return state
 
     def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
@@ -725,7 +761,7 @@ class Cloud(StateGuard):
             if name.startswith(SEEN_PREFIX) and name[len(SEEN_PREFIX):] in self._seen:
                 self._seen[name[len(SEEN_PREFIX):]] = {int(u) for u in np.asarray(counters).reshape(-1)}
             elif name.startswith(STEP_PREFIX):
-                self._steps[name[len(STEP_PREFIX):]] = {int(j) for j in np.asarray(counters).reshape(-1)}
+                self._steps[name[len(STEP_PREFIX):]] = CountedSteps.from_array(counters)
         if self._optimizer is not None:
             self._optimizer.load_state({k: v for k, v in state.items()
                                         if not k.startswith((SEEN_PREFIX, STEP_PREFIX))})

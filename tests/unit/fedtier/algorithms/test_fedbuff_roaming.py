@@ -191,13 +191,24 @@ def test_the_counted_device_steps_survive_a_restart_of_the_cloud() -> None:
     c = cloud(k_cloud=1)
     c.receive(cell_update("cell-a", 0, [["dev-0", 0], ["dev-1", 0]]), 0.0)
     state = c.strategy_state()
-    assert state is not None and list(state["step/dev-0"]) == [0]
+    assert state is not None and list(state["step/dev-0"]) == [1]  # every step below 1 counted
     restarted = fedbuff.Cloud(rollout="r", cells=CELLS, initial_params=c.params, config=config(k_cloud=1),
                               rounds=10, start_round=1, model_version=1)
     restarted.load_strategy_state(state)
     restarted.start(0.0)
     out = restarted.receive(cell_update("cell-b", 0, [["dev-1", 0]], base=1), 0.0)
     assert [a.reason for a in out if isinstance(a, Dropped)] == ["duplicate_step"]
+
+
+def test_counted_steps_keep_a_low_mark_and_the_gaps_above_it() -> None:
+    counted = fedbuff.CountedSteps()
+    for j in (0, 1, 3, 5, 2):
+        counted.add(j)
+    assert (counted.low, counted.above) == (4, {5})
+    assert [j in counted for j in range(7)] == [True, True, True, True, False, True, False]
+    again = fedbuff.CountedSteps.from_array(counted.to_array())
+    assert list(counted.to_array()) == [4, 5] and (again.low, again.above) == (4, {5})
+    assert (fedbuff.CountedSteps.from_array(np.array([], np.int64)).low, 7 in fedbuff.CountedSteps()) == (0, False)
 
 
 @pytest.mark.parametrize("stats, error", [
@@ -215,3 +226,18 @@ def test_a_roaming_cell_update_must_name_its_device_steps(stats: dict, error: ty
 def test_a_cell_update_naming_a_stranger_is_refused() -> None:
     with pytest.raises(UnknownSenderError):
         cloud().receive(cell_update("cell-a", 0, [["dev-9", 0]]), 0.0)
+
+
+def test_roaming_without_a_move_gives_the_simulator_the_same_model(small_rollout) -> None:
+    """Nobody moves in the trace simulator: the roster, the device-step lists and the cloud's count change nothing."""
+    from local_fleet.simulate import simulate
+
+    def run(roaming: bool) -> dict[str, np.ndarray]:
+        cfg = small_rollout(rounds=4, algorithm="fedbuff", topology={"roaming": roaming},
+                            fedbuff={"local_steps": 3, "lr": 0.2, "batch_size": 16, "k_edge": 2, "k_cloud": 1},
+                            fleet={"availability": "diurnal", "share_online": 0.5, "compute_s": 60, "day_s": 3600})
+        return dict(simulate(cfg).params)
+
+    plain, roaming = run(False), run(True)
+    for name, value in plain.items():
+        assert np.array_equal(value, roaming[name]), name
