@@ -238,6 +238,8 @@ class CloudNode(NodeBase):
         the service's."""
         self._direct: set[str] = set()
         """Devices whose own presence reaches this node (a shared broker): their summaries are not needed."""
+        self._online_in: dict[str, str] = {}
+        """Roaming: device -> the cell whose presence topic last said it is online (its own documents)."""
         self._summarised: dict[str, tuple[bool, str]] = {}
         """The other devices' states as the last summary that named them said: online or not, and in which cell
         (under ``[topology] roaming`` a device is wherever the last summary listing it online came from)."""
@@ -535,7 +537,7 @@ class CloudNode(NodeBase):
         self._execute(actions, now)
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
-        if self.stale_presence(parsed):
+        if self.stale_presence(parsed) or self._left_behind(inbound, parsed):
             return
         if parsed.device in self.observed.cell_of:
             self._direct.add(parsed.device)
@@ -550,6 +552,24 @@ class CloudNode(NodeBase):
             self.tx.publish(topics.manifest(self.rollout), self.manifest_bytes, retain=True)
         if self.role is not None and not self.finished:
             self._execute(self.role.resend(node, now), now)
+
+    def _left_behind(self, inbound: Inbound, parsed: topics.Topic) -> bool:
+        """Roaming: whether this is a device's ``offline`` document left retained in a cell it moved out of, while
+        it is online in another (retained documents of two cells arrive in any order after a restart)."""
+        if not self.cfg.topology.roaming or parsed.cell is None or parsed.device is None:
+            return False
+        try:
+            state = json.loads(inbound.payload.decode()).get("state") if inbound.payload else "offline"
+        except (UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+            return False  # came_online rejects and counts it
+        if state == "online":
+            self._online_in[parsed.device] = parsed.cell
+            return False
+        where = self._online_in.get(parsed.device, parsed.cell)
+        if where != parsed.cell:
+            return True
+        self._online_in.pop(parsed.device, None)
+        return False
 
     def _on_cell_presence(self, msg: CellPresence) -> None:
         """An edge's summary of its devices' presence: the state of each member of the cell whose own presence

@@ -194,6 +194,33 @@ def test_a_roaming_device_is_where_the_last_summary_listing_it_online_came_from(
         rig.close()
 
 
+def test_a_roaming_devices_offline_document_in_the_cell_it_left_does_not_undo_where_it_is(small_rollout: Any) -> None:
+    # A shared broker keeps a moved device's documents of both cells retained: online in the new one, offline in the
+    # old one; they reach a (restarted) coordinator in either order.
+    rig = Rig(small_rollout(rounds=2, algorithm="fedbuff", topology={"cells": 2, "devices_per_cell": 2,
+                                                                     "roaming": True}))
+    try:
+        first, second = rig.cells
+        a0 = rig.node.prepared.cells[first][0]
+        doc = {"node": a0, "role": "device", "state": "online", "since": 3.0}
+        rig.edges.publish(topics.cell_status(second, a0), json.dumps({**doc, "cell": second}).encode(), retain=True)
+        left = {**doc, "cell": first, "state": "offline"}
+        rig.edges.publish(topics.cell_status(first, a0), json.dumps(left).encode(), retain=True)
+        rig.broker.run_until_idle()
+        rig.node.presence.flush()  # type: ignore[union-attr]
+        inventory = {d["node"]: d for d in device_inventory(rig.store)}
+        assert (inventory[a0]["cell"], inventory[a0]["state"]) == (second, "online")
+        assert rig.node.metrics.get(DEVICES_ONLINE, cell=first) == 1  # counted where it is enrolled
+        # It goes offline where it is: that counts.
+        rig.edges.publish(topics.cell_status(second, a0), json.dumps({**doc, "cell": second, "state": "offline"})
+                          .encode(), retain=True)
+        rig.broker.run_until_idle()
+        rig.node.presence.flush()  # type: ignore[union-attr]
+        assert {d["node"]: d for d in device_inventory(rig.store)}[a0]["state"] == "offline"
+    finally:
+        rig.close()
+
+
 def test_a_summary_from_a_node_that_is_not_a_cell_of_the_rollout_is_rejected(rig: Rig) -> None:
     rig.summary("cell-x", ("d0",))
     assert rig.node.metrics.get(REJECTED, reason="unknown_sender") == 1
