@@ -1,7 +1,8 @@
 """Issue 36 item 4: a device of a roaming FedBuff rollout moves between cells mid-rollout and keeps contributing.
 
-A fleet written by ``fedtier provision fleet`` with a broker per gateway (mutual TLS, the per-cell ACLs it wrote for
-``[topology] roaming = true``, client id bound to the certificate), its nodes as threads built from their bundles.
+A fleet written by ``fedtier provision fleet`` with a broker per gateway, or one broker shared by every node (mutual
+TLS, the ACLs it wrote for ``[topology] roaming = true``, client id bound to the certificate), its nodes as threads
+built from their bundles.
 ``once_per_version`` with ``k_edge = 1`` and ``k_cloud`` = the number of devices makes every model version average
 every device once, so a version cannot close without the device that moved: it must contribute from its new cell.
 The move is how it looks on a board: its agent stops, and starts again with the new cell and that gateway's broker
@@ -92,15 +93,17 @@ def record_outputs(fleet: ThreadFleet, cell: str, into: list[CellUpdate]) -> Non
     store.save_output = saving
 
 
-def provision(tmp_path: Path, artifact_store: Path) -> tuple[Any, dict[str, tuple[str, int]]]:
-    """2 cells x 2 devices, a Mosquitto per gateway with the ACLs `provision fleet` writes for roaming."""
+def provision(tmp_path: Path, artifact_store: Path, layout: str) -> tuple[Any, int]:
+    """2 cells x 2 devices with the ACLs `provision fleet` writes for roaming: a Mosquitto per gateway, or one
+    shared by every node. Returns the fleet and the port of cell-b's broker."""
     rollout = write_rollout(tmp_path / "rollout.toml", rollout="roam", port=free_port(), rounds=VERSIONS,
                             cells=CELLS, artifact_store=artifact_store, extra=FEDBUFF)
-    cell_brokers = {c: ("127.0.0.1", free_port()) for c in CELLS}
+    cell_brokers = {c: ("127.0.0.1", free_port()) for c in CELLS} if layout == "broker per gateway" else {}
     result = provision_fleet(rollout, tmp_path / "site", cell_brokers=cell_brokers, sample_data=True)
-    acl_b = Path(result.brokers["cell-b"]["conf"]).with_name("fedtier.acl").read_text()
-    assert "user dev-1\ntopic write ft/v1/+/cell/cell-b/up/dev-1/#" in acl_b  # dev-1 (of cell-a) may act in cell-b
-    return result, cell_brokers
+    broker_b = result.brokers["cell-b" if cell_brokers else "shared"]
+    acl_b = Path(broker_b["conf"]).with_name("fedtier.acl").read_text()
+    assert "topic write ft/v1/+/cell/cell-b/up/dev-1/#" in acl_b  # dev-1 (enrolled in cell-a) may act in cell-b
+    return result, int(broker_b["port"])
 
 
 def move_with_an_upload_in_flight(fleet: ThreadFleet, device: str, cell: str, port: int,
@@ -135,11 +138,12 @@ def assert_each_device_step_counted_once(rows: list[dict[str, Any]], stored: dic
     assert from_b[0] == in_flight and len(from_b) > 1, from_b  # the upload in flight, then new steps from cell-b
 
 
+@pytest.mark.parametrize("layout", ["broker per gateway", "shared broker"])
 def test_a_device_that_moves_to_another_cell_keeps_contributing_and_no_step_counts_twice(
-        tmp_path: Path, artifact_store: Path) -> None:
+        tmp_path: Path, artifact_store: Path, layout: str) -> None:
     require(mosquitto_binary() is not None, "Mosquitto (apt-get install mosquitto)")
     # Prepare
-    result, cell_brokers = provision(tmp_path, artifact_store)
+    result, port_b = provision(tmp_path, artifact_store, layout)
     paths = FleetPaths(coordinator=result.rollout_config,
                        edges={c: p / "edge.toml" for c, p in result.gateways.items()},
                        devices={d: p / "device.toml" for d, p in result.devices.items()}, workdir=result.out)
@@ -166,7 +170,7 @@ def test_a_device_that_moves_to_another_cell_keeps_contributing_and_no_step_coun
         fleet.wait_until(lambda: len(coordinator.history) >= 2 and newest_upload_at_cell_a(),
                          "model version 2 and dev-1's newest upload at cell-a", timeout=90)
         gate = threading.Event()
-        in_flight = move_with_an_upload_in_flight(fleet, "dev-1", "cell-b", cell_brokers["cell-b"][1], gate)
+        in_flight = move_with_an_upload_in_flight(fleet, "dev-1", "cell-b", port_b, gate)
         # The version cannot close without dev-1, whose training waits until `devices list` shows it in cell-b.
         fleet.wait_until(lambda: inventory(coordinator).get("dev-1", {}).get("cell") == "cell-b",
                          "`devices list` to show dev-1 in cell-b", 30)
@@ -186,7 +190,8 @@ def test_a_device_that_moves_to_another_cell_keeps_contributing_and_no_step_coun
     assert "dev-1" in via[0]["cell-a"] and "dev-1" in via[-1]["cell-b"] and "dev-1" not in via[-1]["cell-a"], via
     assert_each_device_step_counted_once(rows, stored, rejected, in_flight)
     # Presence: while it ran, and at its end, the inventory (`fedtier devices list`) showed dev-1 online in cell-b,
-    # where cell-b's edge summary put it (a gateway's broker keeps devices' own presence from the cloud).
+    # where cell-b's edge summary put it (a gateway's broker keeps devices' own presence from the cloud) or its own
+    # presence there (a shared broker; its offline document in cell-a stays retained).
     assert (seen["dev-1"]["cell"], seen["dev-1"]["state"]) == ("cell-b", "online"), seen["dev-1"]
     assert {d: seen[d]["cell"] for d in ("dev-0", "dev-2", "dev-3")} == {"dev-0": "cell-a", "dev-2": "cell-b",
                                                                         "dev-3": "cell-b"}
