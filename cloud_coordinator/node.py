@@ -724,11 +724,13 @@ class CloudNode(NodeBase):
         (``secagg.waited``) or why the cell aborted."""
         out: dict[str, dict[str, Any]] = {}
         aborts = closed.metrics.get("secagg_aborts", {})
+        anywhere = {d for r in closed.reported.values() for d in r}  # roaming: a member may report through another cell
         for c in sorted(self.prepared.cells):
             reported = closed.reported.get(c, ())
             stats = cells.get(c, {})
             out[c] = {"reported": list(reported),
-                      "missing": sorted(set(self.prepared.cells.get(c, ())) - set(reported)),
+                      "missing": sorted(set(self.prepared.cells.get(c, ()))
+                                        - (anywhere if self.cfg.topology.roaming else set(reported))),
                       "rejected": _rejected_counts(stats.get("rejected")),
                       "failed": _failed_devices(stats.get("failed")),
                       "device_up_bytes": int(stats.get("device_up_bytes", 0)),

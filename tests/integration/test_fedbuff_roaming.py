@@ -188,6 +188,7 @@ def test_a_device_that_moves_to_another_cell_keeps_contributing_and_no_step_coun
     assert [r["devices_reported"] for r in rows] == [4] * VERSIONS, rows
     via = [{c: r["cells"][c]["reported"] for c in CELLS} for r in rows]
     assert "dev-1" in via[0]["cell-a"] and "dev-1" in via[-1]["cell-b"] and "dev-1" not in via[-1]["cell-a"], via
+    assert all(r["cells"][c]["missing"] == [] for r in rows for c in CELLS)  # dev-1 reported, through another cell
     assert_each_device_step_counted_once(rows, stored, rejected, in_flight)
     # Presence: while it ran, and at its end, the inventory (`fedtier devices list`) showed dev-1 online in cell-b,
     # where cell-b's edge summary put it (a gateway's broker keeps devices' own presence from the cloud) or its own
