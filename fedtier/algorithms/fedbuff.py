@@ -74,6 +74,7 @@ Transitions: ``DEVICE_TRANSITIONS``, ``EDGE_TRANSITIONS``, ``CLOUD_TRANSITIONS``
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
@@ -552,38 +553,50 @@ def merge_cell_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
 
 
 class CountedSteps:
-    """One device's counted device-steps ``j``, compact: every ``j < low``, and the counted ones above it.
+    """One device's counted device-steps ``j``, as runs ``[start, end)``: compact whatever the rollout's length.
 
-    A device's steps are counted nearly in order (0, 1, 2, ...; one lost or stale leaves a gap), so a device costs a
-    number and a few exceptions however long the rollout runs, in memory and in the strategy state, which the
-    coordinator stores with every model version."""
+    A device's steps are counted nearly in order (0, 1, 2, ...), each step it skips (a delta rejected as stale, lost
+    with a cell update) leaving a gap for good; a device costs two numbers per gap, in memory and in the strategy
+    state the coordinator stores with every model version (a set of every ``j`` would grow with every upload)."""
 
-    __slots__ = ("low", "above")
+    __slots__ = ("starts", "ends")
 
-    def __init__(self, low: int = 0, above: set[int] | None = None) -> None:
-        self.low, self.above = low, set() if above is None else above
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
 
     def __contains__(self, j: int) -> bool:
-        return j < self.low or j in self.above
+        i = bisect.bisect_right(self.starts, j) - 1
+        return i >= 0 and j < self.ends[i]
 
     def add(self, j: int) -> None:
-        if j < self.low:
+        if j in self:
             return
-        self.above.add(j)
-        while self.low in self.above:
-            self.above.discard(self.low)
-            self.low += 1
+        i = bisect.bisect_right(self.starts, j)  # the run before j is runs[i - 1], the one after it runs[i]
+        joins_before = i > 0 and self.ends[i - 1] == j
+        joins_after = i < len(self.starts) and self.starts[i] == j + 1
+        if joins_before and joins_after:
+            self.ends[i - 1] = self.ends.pop(i)
+            del self.starts[i]
+        elif joins_before:
+            self.ends[i - 1] = j + 1
+        elif joins_after:
+            self.starts[i] = j
+        else:
+            self.starts.insert(i, j)
+            self.ends.insert(i, j + 1)
 
     def to_array(self) -> np.ndarray:
-        """``[low, above...]`` (sorted)."""
-        return np.array([self.low, *sorted(self.above)], dtype=np.int64)
+        """``[start0, end0, start1, end1, ...]``."""
+        return np.array([v for run in zip(self.starts, self.ends, strict=True) for v in run], dtype=np.int64)
 
     @classmethod
     def from_array(cls, array: np.ndarray) -> "CountedSteps":
         values = [int(v) for v in np.asarray(array).reshape(-1)]
-        counted = cls(values[0] if values else 0)
-        for j in values[1:]:
-            counted.add(j)
+        if len(values) % 2 or any(b <= a for a, b in zip(values, values[1:], strict=False)):
+            raise LocalProtocolError(f"counted device-steps are not increasing [start, end) runs: {values[:8]}")
+        counted = cls()
+        counted.starts, counted.ends = values[0::2], values[1::2]
         return counted
 
 

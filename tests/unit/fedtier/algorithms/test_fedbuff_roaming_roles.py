@@ -8,7 +8,7 @@ import pytest
 
 from fedtier.algorithms import fedbuff
 from fedtier.algorithms.base import Dropped, LocalResult, LocalTrain, RoundClosed, SendToChild, SendToParent
-from fedtier.errors import ConfigError, UnexpectedMessageError, UnknownSenderError
+from fedtier.errors import ConfigError, LocalProtocolError, UnexpectedMessageError, UnknownSenderError
 from fedtier.rollout.config import RolloutConfig
 from fedtier.wire.messages import CellTask, CellUpdate, DeviceTask, DeviceUpdate
 
@@ -191,7 +191,7 @@ def test_the_counted_device_steps_survive_a_restart_of_the_cloud() -> None:
     c = cloud(k_cloud=1)
     c.receive(cell_update("cell-a", 0, [["dev-0", 0], ["dev-1", 0]]), 0.0)
     state = c.strategy_state()
-    assert state is not None and list(state["step/dev-0"]) == [1]  # every step below 1 counted
+    assert state is not None and list(state["step/dev-0"]) == [0, 1]  # the run [0, 1)
     restarted = fedbuff.Cloud(rollout="r", cells=CELLS, initial_params=c.params, config=config(k_cloud=1),
                               rounds=10, start_round=1, model_version=1)
     restarted.load_strategy_state(state)
@@ -200,15 +200,20 @@ def test_the_counted_device_steps_survive_a_restart_of_the_cloud() -> None:
     assert [a.reason for a in out if isinstance(a, Dropped)] == ["duplicate_step"]
 
 
-def test_counted_steps_keep_a_low_mark_and_the_gaps_above_it() -> None:
+@pytest.mark.parametrize("order", [(0, 1, 3, 5, 2, 7, 6), (7, 6, 5, 3, 2, 1, 0), (3, 0, 6, 2, 7, 5, 1, 1, 6)])
+def test_counted_steps_are_runs_whatever_the_order(order: tuple[int, ...]) -> None:
     counted = fedbuff.CountedSteps()
-    for j in (0, 1, 3, 5, 2):
+    for j in order:
         counted.add(j)
-    assert (counted.low, counted.above) == (4, {5})
-    assert [j in counted for j in range(7)] == [True, True, True, True, False, True, False]
+    assert [j in counted for j in range(9)] == [j in order for j in range(9)]
+    assert list(counted.to_array()) == [0, 4, 5, 8]  # {0..3} and {5..7}: the gap at 4
     again = fedbuff.CountedSteps.from_array(counted.to_array())
-    assert list(counted.to_array()) == [4, 5] and (again.low, again.above) == (4, {5})
-    assert (fedbuff.CountedSteps.from_array(np.array([], np.int64)).low, 7 in fedbuff.CountedSteps()) == (0, False)
+    assert [j in again for j in range(9)] == [j in order for j in range(9)]
+    big = fedbuff.CountedSteps()
+    big.add(2**62)  # an absurd step costs one run, not 2**62 numbers
+    assert list(big.to_array()) == [2**62, 2**62 + 1] and 5 not in big
+    with pytest.raises(LocalProtocolError):
+        fedbuff.CountedSteps.from_array(np.array([3, 1], np.int64))
 
 
 @pytest.mark.parametrize("stats, error", [
