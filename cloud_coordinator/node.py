@@ -237,8 +237,11 @@ class CloudNode(NodeBase):
         the service's."""
         self._direct: set[str] = set()
         """Devices whose own presence reaches this node (a shared broker): their summaries are not needed."""
-        self._summarised: dict[str, bool] = {}
-        """The other devices' states as the last summary of their cell said (online or not)."""
+        self._online_in: dict[str, str] = {}
+        """Roaming: device -> the cell whose presence topic last said it is online (its own documents)."""
+        self._summarised: dict[str, tuple[bool, str]] = {}
+        """The other devices' states as the last summary that named them said: online or not, and in which cell
+        (under ``[topology] roaming`` a device is wherever the last summary listing it online came from)."""
         self._connects_seen = 0
         self._asked: dict[tuple[int, str], float] = {}
         """When each cell was last asked again for the open round (``_ask_again``)."""
@@ -529,7 +532,7 @@ class CloudNode(NodeBase):
         self._execute(actions, now)
 
     def _on_status(self, inbound: Inbound, parsed: topics.Topic, now: float) -> None:
-        if self.stale_presence(parsed):
+        if self.stale_presence(parsed) or self._left_behind(inbound, parsed):
             return
         if parsed.device in self.observed.cell_of:
             self._direct.add(parsed.device)
@@ -545,6 +548,24 @@ class CloudNode(NodeBase):
         if self.role is not None and not self.finished:
             self._execute(self.role.resend(node, now), now)
 
+    def _left_behind(self, inbound: Inbound, parsed: topics.Topic) -> bool:
+        """Roaming: whether this is a device's ``offline`` document left retained in a cell it moved out of, while
+        it is online in another (retained documents of two cells arrive in any order after a restart)."""
+        if not self.cfg.topology.roaming or parsed.cell is None or parsed.device is None:
+            return False
+        try:
+            state = json.loads(inbound.payload.decode()).get("state") if inbound.payload else "offline"
+        except (UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+            return False  # came_online rejects and counts it
+        if state == "online":
+            self._online_in[parsed.device] = parsed.cell
+            return False
+        where = self._online_in.get(parsed.device, parsed.cell)
+        if where != parsed.cell:
+            return True
+        self._online_in.pop(parsed.device, None)
+        return False
+
     def _on_cell_presence(self, msg: CellPresence) -> None:
         """An edge's summary of its devices' presence: the state of each member of the cell whose own presence
         does not reach this node, for ``fedtier_devices_online`` and the device inventory."""
@@ -553,11 +574,16 @@ class CloudNode(NodeBase):
             raise UnknownSenderError(f"presence summary from {msg.sender!r}, not a cell of rollout {self.rollout}")
         online = set(msg.online)
         wall = self.wall_clock()
-        for device in members:
-            up = device in online
-            if device in self._direct or self._summarised.get(device) == up:
+        if self.cfg.topology.roaming:  # any device of the rollout may be here; one seen in another cell stays there
+            states = [(d, True) for d in sorted(online) if d in self.observed.cell_of]
+            states += [(d, False) for d in self.observed.cell_of if d not in online and self._summarised.get(
+                d, (False, self.observed.cell_of[d]))[1] == msg.sender]
+        else:
+            states = [(d, d in online) for d in members]
+        for device, up in states:
+            if device in self._direct or self._summarised.get(device) == (up, msg.sender):
                 continue
-            self._summarised[device] = up
+            self._summarised[device] = (up, msg.sender)
             self.observed.set_online(device, up)
             if self.inventory is not None:  # "via": the edge that vouches for it (devices list shows no trainer)
                 self.inventory.add(device, {"node": device, "cell": msg.sender, "state": "online" if up else "offline",
@@ -693,15 +719,18 @@ class CloudNode(NodeBase):
         (``secagg.waited``) or why the cell aborted."""
         out: dict[str, dict[str, Any]] = {}
         aborts = closed.metrics.get("secagg_aborts", {})
+        anywhere = {d for r in closed.reported.values() for d in r}  # roaming: a member may report through another cell
         for c in sorted(self.prepared.cells):
             reported = closed.reported.get(c, ())
             stats = cells.get(c, {})
             out[c] = {"reported": list(reported),
-                      "missing": sorted(set(self.prepared.cells.get(c, ())) - set(reported)),
+                      "missing": sorted(set(self.prepared.cells.get(c, ()))
+                                        - (anywhere if self.cfg.topology.roaming else set(reported))),
                       "rejected": _rejected_counts(stats.get("rejected")),
                       "failed": _failed_devices(stats.get("failed")),
                       "device_up_bytes": int(stats.get("device_up_bytes", 0)),
-                      "device_down_bytes": int(stats.get("device_down_bytes", 0))}
+                      "device_down_bytes": int(stats.get("device_down_bytes", 0)),
+                      **({"steps": list(stats["steps"])} if "steps" in stats else {})}  # roaming: [device, j] ids
             abort = aborts.get(c)
             waited = stats.get("secagg_waited") or (abort or {}).get("waited") or {}
             if waited or abort:

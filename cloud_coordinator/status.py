@@ -185,7 +185,8 @@ def device_inventory(store: CoordinatorStore, cell: str | None = None) -> list[d
     or the commit of a round the node's update made (a device that trains sends no presence while it
     is online, so its presence alone would freeze "last seen" at its connection).
 
-    Fields: node, role, cell, state (online/offline/unknown), since, last_seen, agent_version,
+    Fields: node, role, cell (a device's: where its presence last put it, else the cell its rollout names; a device
+    of a roaming rollout moves), state (online/offline/unknown), since, last_seen, agent_version,
     trainer, instance, last_round (rollout, round it last contributed to), trained_version (the
     model version that round started from) and model_version (the version its cell serves:
     ``fedtier rollout promote`` / ``rollback``; None until one is promoted).
@@ -210,6 +211,8 @@ def device_inventory(store: CoordinatorStore, cell: str | None = None) -> list[d
     for node in nodes:
         doc = presence.get(node, {})
         rollout, node_cell = member_of.get(node, (None, doc.get("cell")))
+        if isinstance(doc.get("cell"), str) and doc.get("role", "device") == "device":
+            node_cell = doc["cell"]  # where it announced itself (or its edge listed it): a roaming device moves
         role = doc.get("role") or ("device" if node in member_of and member_of[node][1] != node else
                                    "edge" if node in member_of else None)
         if role == "cloud":

@@ -29,7 +29,8 @@ class DeviceConfig(Section):
 
     device_id: str = opt(help="This device's node id (= MQTT client id; = certificate CN with TLS).",
                          check=node_id)
-    cell: str = opt(help="The cell (edge) this device belongs to.", check=node_id)
+    cell: str = opt(help="The cell (edge) this device is in: the one its broker serves. A device of a roaming "
+                         "rollout that moves gets the new cell here (and its gateway's broker).", check=node_id)
     data_dir: Path = opt(help="Directory of .npz (arrays x, y) or .csv (label last) files with local data.")
     state_dir: Path = opt(help="Directory for the outbox (SQLite) and downloaded artifacts.")
     role: str = opt("device", choices=("device", "host"),

@@ -177,10 +177,27 @@ class DeviceNode(NodeBase):
         self._report_open_work()
         self._resume_installed(now)
         pending = self.state.pending()
+        moved = 0
         for key, topic, payload in pending:
-            self._publish_update(key, topic, payload)
+            here = self._here(topic)
+            if here != topic:
+                self.state.retopic(key, here)  # sent from here: asked for again, it is sent here again
+                moved += 1
+            self._publish_update(key, here, payload)
         if pending:
-            log.info("resent %d unacknowledged update(s) from the outbox", len(pending))
+            log.info("resent %d unacknowledged update(s) from the outbox%s", len(pending),
+                     f" ({moved} queued in another cell: sent to cell {self.cell}, where this device is now)"
+                     if moved else "")
+
+    def _here(self, topic: str) -> str:
+        """``topic`` of an upload, in the cell this device is in now: an upload queued in another cell (the device
+        moved, a roaming rollout) goes to where it is, which is the edge it can reach (and the only uplink its
+        broker lets it publish on)."""
+        parsed = topics.parse(topic)
+        if parsed is None or parsed.channel != "cell_up" or parsed.cell == self.cell or parsed.rollout is None \
+                or parsed.kind is None:
+            return topic
+        return topics.cell_up(parsed.rollout, self.cell, self.device_id, parsed.kind)
 
     def _report_open_work(self) -> None:
         """Say what the previous run died in: local work recorded as started and never finished."""
@@ -502,7 +519,10 @@ class DeviceNode(NodeBase):
         if not kept:
             return
         queued = {key for key, _, _ in self.state.pending()}  # still in the outbox: the transport has it
-        again = [(key, topic, payload) for key, topic, payload in kept if key not in queued]
+        # Only what went to this cell: an upload another cell's broker acknowledged (the device moved since) was
+        # that cell's to deliver; sent here as well, the same device-step would reach two edges.
+        again = [(key, topic, payload) for key, topic, payload in kept
+                 if key not in queued and self._here(topic) == topic]
         for key, topic, payload in again:
             self._publish_update(key, topic, payload)
         if again:

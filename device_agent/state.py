@@ -84,6 +84,13 @@ class DeviceState:
         with self.db.locked() as db:
             db.execute("DELETE FROM outbox WHERE msg_key=?", (key,))
 
+    def retopic(self, key: str, topic: str) -> None:
+        """The upload ``key`` goes to ``topic`` from now on (its outbox entry and its kept bytes): a device of a
+        roaming rollout that moved sends what it queued in its old cell to its new one."""
+        with self.db.transaction() as db:
+            db.execute("UPDATE outbox SET topic=? WHERE msg_key=?", (topic, key))
+            db.execute("UPDATE uploads SET topic=? WHERE msg_key=?", (topic, key))
+
     def pending(self) -> list[tuple[str, str, bytes]]:
         """Unacknowledged messages as ``(key, topic, payload)``, oldest first."""
         with self.db.locked() as db:
@@ -221,6 +228,12 @@ class MemoryDeviceState:
 
     def delete(self, key: str) -> None:
         self._outbox.pop(key, None)
+
+    def retopic(self, key: str, topic: str) -> None:
+        if key in self._outbox:
+            self._outbox[key] = (topic, *self._outbox[key][1:])
+        for rollout, (newest, kept) in self._uploads.items():
+            self._uploads[rollout] = (newest, [(k, topic if k == key else t, p) for k, t, p in kept])
 
     def pending(self) -> list[tuple[str, str, bytes]]:
         return [(k, t, p) for k, (t, p, _, _) in sorted(self._outbox.items(), key=lambda i: (i[1][2], i[1][3]))]

@@ -29,8 +29,8 @@ Brokers, in the two layouts a fleet uses (mixed is fine too):
   connects to its local broker alone.
 
 Every ACL comes from the one writer, :func:`provisioning.broker_config.broker_acl`, with each
-device bound to its own cell by name; every broker maps the certificate's name to the MQTT
-username and client id.
+device bound to its own cell by name (to every cell of the rollout under ``[topology] roaming``);
+every broker maps the certificate's name to the MQTT username and client id.
 
 Running it again keeps what still holds — the CA, each bundle whose certificate is active and
 was issued for the same cell and brokers, each broker certificate valid for its host — and
@@ -237,7 +237,7 @@ def _record(result: FleetResult, label: str, reason: str | None) -> None:
 
 def _broker_dir(fleet: Fleet, plan: BrokerPlan, directory: Path, *, cloud_id: str, devices: Mapping[str, str],
                 run_as: str, days: float | None, result: FleetResult,
-                gateway_bundle: Path | None = None) -> dict[str, Any]:
+                gateway_bundle: Path | None = None, roaming: bool = False) -> dict[str, Any]:
     """Write one broker's directory: its certificate (kept if still valid), CA, CRL, ACL, config."""
     directory.mkdir(parents=True, exist_ok=True)
     host, port = plan.endpoint
@@ -257,7 +257,8 @@ def _broker_dir(fleet: Fleet, plan: BrokerPlan, directory: Path, *, cloud_id: st
               "Clients authenticate with fleet certificates; the CN is the username and the client id.\n"
               "Anything not granted here is denied. Mosquitto re-reads this file on SIGHUP.")
     acl_text = broker_acl(cell_side=plan.cell_side, cloud_side=plan.cloud_side,
-                          cloud_id=cloud_id if plan.coordinator else None, devices=devices, header=header)
+                          cloud_id=cloud_id if plan.coordinator else None, devices=devices, header=header,
+                          roaming=roaming)
     acl = directory / "fedtier.acl"
     pki.write_atomic(acl, acl_text.encode(), 0o644, overwrite=True)
     bridge = None
@@ -403,7 +404,8 @@ def provision_fleet(rollout_path: str | Path, out: str | Path, *, fleet_dir: str
     for plan in plans:
         result.brokers[plan.name] = _broker_dir(fleet, plan, out / "brokers" / plan.name, cloud_id=cfg.cloud_id,
                                                 devices=membership, run_as=run_as, days=None, result=result,
-                                                gateway_bundle=result.gateways.get(plan.name))
+                                                gateway_bundle=result.gateways.get(plan.name),
+                                                roaming=cfg.topology.roaming)
     result.rollout_config = _write_rollout_file(source, cfg, result.coordinator, fleet, cloud)
     _write_device_data(cfg, result, sample_data=sample_data, split_dir=split_dir)
     pki.write_atomic(out / "fleet.json", (json.dumps(result.to_json(), indent=1) + "\n").encode(), 0o644,

@@ -161,7 +161,7 @@ class RoundSettings:
             raise UnexpectedMessageError(f"invalid {cls.ALGORITHM} config in task: {exc}") from None
 
 
-OMIT_AT_DEFAULT = {"strategy": None, "partial_work": False, "dp_clip": None}
+OMIT_AT_DEFAULT = {"strategy": None, "partial_work": False, "dp_clip": None, "roaming": False}
 """Settings added after tasks had a wire form: left out at their default, so such tasks stay byte for byte."""
 
 

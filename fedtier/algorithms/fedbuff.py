@@ -35,6 +35,26 @@ read as follows (``round`` is a version or a sequence number, never a round):
    (``strategy["server_optimizer"]``, ``server_opt``; ``w + Delta`` without one): version ``v + 1``,
    a ``RoundClosed(round=v)``, and step 1 again. ``rounds`` versions end the rollout (``Finished``).
 
+Roaming (``[topology] roaming = true``, ``FedBuffConfig.roaming``): a device may contribute through any cell of
+the rollout, wherever it is connected now.
+
+* cloud: every cell task carries the rollout's devices (``config["roster"]``, in the cell task only: an edge
+  leaves it out of its device tasks), so an edge knows whom it may accept beyond its own members.
+* edge: accepts ``DeviceUpdate`` and ``TrainingFailed`` from any device of the roster; a device of another cell
+  that comes online here (``resend``) is a visitor: it gets the newest model, and each new version like the
+  members. It cannot know what a device that comes online did elsewhere (it may have trained this version in
+  another cell), so a task sent on ``resend`` does not count as held: the next version goes to it whatever.
+  Its cell updates list the device-step ids folded in them: ``stats["steps"] = [[device, j], ...]``.
+* device: takes tasks from ``cell``, the cell it is connected to now (a shell that moves it sets it); its
+  device-step counter ``j`` is its own, so ``(device, j)`` stays one id across cells.
+* cloud: counts every device-step once across cells (``_steps``, carried in ``strategy_state`` under
+  ``step/<device>``, so a restart keeps it). A cell update that repeats a device-step counted already is
+  ``Dropped("duplicate_step")`` (counted by reason in ``rejected``; the detail names the device-steps) and never
+  folded: the deltas of new device-steps in it are lost with it, since a mean cannot be taken apart. It takes a
+  device that moved while its upload was in flight (the old cell's broker had it, the agent had no
+  acknowledgement yet, so it sent it again from its new cell); the agent sends again what its broker did not
+  acknowledge, and never re-sends to a new cell an upload the old one acknowledged.
+
 Determinism: each tier folds in arrival order, so the model depends on the order in which updates
 arrive; the simulator fixes it with its event order (virtual time, then sequence).
 
@@ -54,6 +74,7 @@ Transitions: ``DEVICE_TRANSITIONS``, ``EDGE_TRANSITIONS``, ``CLOUD_TRANSITIONS``
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
@@ -91,6 +112,9 @@ __all__ = ["FedBuffConfig", "Device", "Edge", "Cloud", "NAME", "staleness_weight
 
 STALENESS_WEIGHTS = ("polynomial", "constant")
 SEEN_PREFIX = "seen/"
+STEP_PREFIX = "step/"
+ROSTER = "roster"
+"""The cell task's ``config`` key listing the rollout's devices under roaming (an edge's device tasks omit it)."""
 
 DEVICE_TRANSITIONS: Transitions = {
     RoleState.IDLE: {"task": RoleState.TRAINING},
@@ -123,6 +147,8 @@ class FedBuffConfig(RoundSettings):
             one (FedBuff's devices train again at once, from the version they have). With ``k_edge`` the cell's
             size and ``k_cloud`` the number of cells, every version then averages every device once, whatever
             order the deltas arrive in: the simulator and a rollout over MQTT end with the same model.
+        roaming: a device may contribute through any cell of the rollout (see the module docstring); the cloud
+            then counts each device-step once across cells.
     """
 
     ALGORITHM: ClassVar[str] = NAME
@@ -135,6 +161,7 @@ class FedBuffConfig(RoundSettings):
     staleness_weight: str = "polynomial"
     staleness_exponent: float = 0.5
     once_per_version: bool = False
+    roaming: bool = False
 
     def __post_init__(self) -> None:
         RoundSettings.__post_init__(self)
@@ -152,6 +179,8 @@ class FedBuffConfig(RoundSettings):
             raise LocalProtocolError(f"staleness_exponent must be finite and >= 0, got {self.staleness_exponent!r}")
         if self.bits_device or self.bits_edge:
             raise LocalProtocolError("fedbuff sends float32 (bits_device = bits_edge = 0)")
+        if not isinstance(self.roaming, bool):
+            raise LocalProtocolError(f"roaming must be a bool, got {self.roaming!r}")
 
 
 def staleness_weight(config: FedBuffConfig, staleness: int) -> float:
@@ -192,7 +221,8 @@ class Device(DeviceRoleBase):
                  evaluate: bool = False) -> None:
         """
         Args:
-            device_id, cell, rollout: who this is, whose tasks it takes, for which rollout.
+            device_id, cell, rollout: who this is, whose tasks it takes (the cell it is connected to now: a
+                shell that moves the device sets ``cell``), for which rollout.
             last_round: the newest version it trained from (after a restart).
             last_sent: ``(version, j)`` of its newest upload before a restart: the next upload is ``j + 1``, so
                 the device-step id is never reused (a reused one would be a second release the ledger ignores).
@@ -300,6 +330,12 @@ class Edge(EdgeRoleBase):
         self._trained_from: dict[str, int] = {}
         """Device -> the newest version it uploaded a delta from (``once_per_version``: no second task of it)."""
         self._seq = 0
+        self._roster: frozenset[str] = frozenset()
+        """Roaming: the rollout's devices (the cell task's ``roster``), whom this edge accepts besides its members."""
+        self._device_config: Mapping[str, Any] = {}
+        """The cell task's config without the roster: what each device task carries."""
+        self._visitors: dict[str, None] = {}
+        """Roaming: devices of other cells seen here (came online, or uploaded), in order; new versions go to them."""
         self._reset_buffer()
         self.rejected: dict[str, int] = {}
         """Deltas rejected, by reason (``stale``)."""
@@ -309,7 +345,7 @@ class Edge(EdgeRoleBase):
         self._buffer_since: float | None = None
         self._bases: list[int] = []
         self._reporters: list[str] = []
-        self._steps: list[int] = []
+        self._steps: list[list[Any]] = []
         self._weights: list[float] = []
         self._losses: list[float] = []
         self._releases: list[dict[str, Any]] = []
@@ -339,8 +375,9 @@ class Edge(EdgeRoleBase):
             return self._new_version(message)
         if message.key in self._seen:
             return [Dropped("duplicate", message.key)]
-        if self._task is None or message.sender not in self._task.members:
-            raise UnknownSenderError(f"{message.KIND} from {message.sender!r}, not a member of {self.cell!r}")
+        if self._task is None or not self._accepts(message.sender):
+            raise UnknownSenderError(f"{message.KIND} from {message.sender!r}, not a member of {self.cell!r}"
+                                     + (" nor a device of the rollout" if self.roaming else ""))
         if isinstance(message, TrainingFailed):
             self._seen.add(message.key)
             self._busy.discard(message.sender)
@@ -355,31 +392,59 @@ class Edge(EdgeRoleBase):
         if self._task is not None and task.round <= self._task.round:
             return [Dropped("superseded", task.key, f"edge holds version {self._task.round}")]
         config = FedBuffConfig.from_dict(task.config)
+        roster = task.config.get(ROSTER, ()) if config.roaming else ()
+        if not isinstance(roster, (list, tuple)) or not all(isinstance(d, str) for d in roster):
+            raise UnexpectedMessageError(f"cell task's {ROSTER} must be a list of device ids, got {type(roster)}")
         self._plan = _plan(config, self.cell)
         self._config = config
         self._task = task
+        self._roster = frozenset(roster)
+        self._device_config = {k: v for k, v in task.config.items() if k != ROSTER}
         self._transition("task")
-        # Every member not training gets it (the first version: all of them); a busy one gets it after its
-        # upload, and a task to an offline one is lost and sent again when it comes online (``resend``).
-        return [self._device_task(d) for d in task.members if d not in self._busy and not self._has_trained(d)]
+        # Every member (and visitor) not training gets it (the first version: all of them); a busy one gets it
+        # after its upload, and a task to an offline one is lost and sent again when it comes online (``resend``).
+        return [self._device_task(d) for d in (*task.members, *self._visitors)
+                if d not in self._busy and not self._has_trained(d)]
+
+    @property
+    def roaming(self) -> bool:
+        """The rollout lets devices contribute through any of its cells (``FedBuffConfig.roaming``)."""
+        return self._config is not None and self._config.roaming
+
+    def _accepts(self, device: str) -> bool:
+        """A member of this cell, or under roaming any device of the rollout."""
+        assert self._task is not None
+        return device in self._task.members or device in self._roster
 
     def resend(self, child: str, now: float) -> list[Action]:
         """``child`` came online: give it the newest model (a task it still held was lost while it was away;
-        one it is still training on makes it answer ``Dropped("busy")``)."""
-        if self._task is None or child not in self._task.members or self._has_trained(child):
+        one it is still training on makes it answer ``Dropped("busy")``). Under roaming a device of another cell
+        is a visitor from now on, and the task does not count as held (it may have trained this version in another
+        cell, and then drops it): the next version goes to it whatever."""
+        if self._task is None or not self._accepts(child) or self._has_trained(child):
             return []
-        return [self._device_task(child)]
+        if not self.roaming:
+            return [self._device_task(child)]
+        self._visit(child)
+        self._busy.discard(child)
+        return [self._device_task(child, held=False)]
+
+    def _visit(self, device: str) -> None:
+        assert self._task is not None
+        if device not in self._task.members:
+            self._visitors[device] = None
 
     def _has_trained(self, child: str) -> bool:
         """``once_per_version``: ``child`` uploaded a delta from the version the edge holds (it waits for the next)."""
         assert self._task is not None and self._config is not None
         return self._config.once_per_version and self._trained_from.get(child, -1) >= self._task.round
 
-    def _device_task(self, child: str) -> SendToChild:
+    def _device_task(self, child: str, held: bool = True) -> SendToChild:
         assert self._task is not None
-        self._busy.add(child)
+        if held:
+            self._busy.add(child)
         return SendToChild(child, DeviceTask(rollout=self.rollout, round=self._task.round, sender=self.cell,
-                                             params=self._task.params, config=self._task.config, members=(child,)))
+                                             params=self._task.params, config=self._device_config, members=(child,)))
 
     def _fold(self, update: DeviceUpdate, now: float) -> list[Action]:
         assert self._task is not None and self._config is not None
@@ -388,6 +453,8 @@ class Edge(EdgeRoleBase):
             raise WrongRoundError(f"delta from version {update.round}, edge holds {version}")
         self._seen.add(update.key)
         self._busy.discard(update.sender)
+        if self.roaming:
+            self._visit(update.sender)  # it is here: new versions go to it
         self._trained_from[update.sender] = max(self._trained_from.get(update.sender, -1), update.round)
         out: list[Action] = []
         if self._plan is not None and not self._plan.cells[self.cell].trusted:
@@ -407,7 +474,7 @@ class Edge(EdgeRoleBase):
             self._buffer_since = now if self._buffer_since is None else self._buffer_since
             self._bases.append(update.round)
             self._reporters.append(update.sender)
-            self._steps.append(update.step)
+            self._steps.append([update.sender, update.step])
             self._losses.append(update.train_loss)
             if self._buffer.count >= self._config.k_edge:
                 out.extend(self._flush())
@@ -431,7 +498,8 @@ class Edge(EdgeRoleBase):
         update = CellUpdate(rollout=self.rollout, round=self._seq, sender=self.cell, delta=delta, weight=weight,
                             reported=tuple(self._reporters),
                             mean_loss=float(np.mean(self._losses)) if self._plan is None else 0.0,
-                            stats={"base_version": min(self._bases), "deltas": n}, privacy=privacy)
+                            stats={"base_version": min(self._bases), "deltas": n,
+                                   **({"steps": self._steps} if self.roaming else {})}, privacy=privacy)
         self._seq += 1
         self._reset_buffer()
         return [SendToParent(update)]
@@ -455,8 +523,7 @@ class Edge(EdgeRoleBase):
             sensitivity=plan.edge_sensitivity(n), z=plan.edge_charged_z(self.cell, n),
             calibrated_sensitivity=plan.calibrated_edge_sensitivity(n), protected=sorted(set(reporters)),
             reporters=n)]
-        report["clear"] = [{"sender": d, "receiver": self.cell, "step": j}
-                           for d, j in zip(reporters, self._steps, strict=True)]
+        report["clear"] = [{"sender": d, "receiver": self.cell, "step": j} for d, j in self._steps]
         return noised, report
 
     def overdue(self, now: float) -> tuple[str, ...]:
@@ -468,8 +535,8 @@ class Edge(EdgeRoleBase):
 
 def merge_cell_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
     """Add one cell update's ``stats`` to ``into``: numbers summed (bytes, deltas), ``[reason, n]`` pairs
-    (``rejected``) summed by reason, ``[device, reason]`` pairs (``failed``) kept; the rest (``base_version``)
-    left out."""
+    (``rejected``) summed by reason, ``[device, reason]`` pairs (``failed``) and ``[device, j]`` device-steps
+    (``steps``, under roaming) kept; the rest (``base_version``) left out."""
     for key, value in stats.items():
         if key == "base_version":
             continue
@@ -480,9 +547,57 @@ def merge_cell_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
             for reason, n in value:
                 counts[reason] = counts.get(reason, 0) + n
             into[key] = [[r, n] for r, n in sorted(counts.items())]
-        elif key == "failed" and isinstance(value, (list, tuple)):
+        elif key in ("failed", "steps") and isinstance(value, (list, tuple)):
             into[key] = [*into.get(key, []), *value]
 
+
+
+class CountedSteps:
+    """One device's counted device-steps ``j``, as runs ``[start, end)``: compact whatever the rollout's length.
+
+    A device's steps are counted nearly in order (0, 1, 2, ...), each step it skips (a delta rejected as stale, lost
+    with a cell update) leaving a gap for good; a device costs two numbers per gap, in memory and in the strategy
+    state the coordinator stores with every model version (a set of every ``j`` would grow with every upload)."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def __contains__(self, j: int) -> bool:
+        i = bisect.bisect_right(self.starts, j) - 1
+        return i >= 0 and j < self.ends[i]
+
+    def add(self, j: int) -> None:
+        if j in self:
+            return
+        i = bisect.bisect_right(self.starts, j)  # the run before j is runs[i - 1], the one after it runs[i]
+        joins_before = i > 0 and self.ends[i - 1] == j
+        joins_after = i < len(self.starts) and self.starts[i] == j + 1
+        if joins_before and joins_after:
+            self.ends[i - 1] = self.ends.pop(i)
+            del self.starts[i]
+        elif joins_before:
+            self.ends[i - 1] = j + 1
+        elif joins_after:
+            self.starts[i] = j
+        else:
+            self.starts.insert(i, j)
+            self.ends.insert(i, j + 1)
+
+    def to_array(self) -> np.ndarray:
+        """``[start0, end0, start1, end1, ...]``."""
+        return np.array([v for run in zip(self.starts, self.ends, strict=True) for v in run], dtype=np.int64)
+
+    @classmethod
+    def from_array(cls, array: np.ndarray) -> "CountedSteps":
+        values = [int(v) for v in np.asarray(array).reshape(-1)]
+        if len(values) % 2 or any(b <= a for a, b in zip(values, values[1:], strict=False)):
+            raise LocalProtocolError(f"counted device-steps are not increasing [start, end) runs: {values[:8]}")
+        counted = cls()
+        counted.starts, counted.ends = values[0::2], values[1::2]
+        return counted
 
 
 class Cloud(StateGuard):
@@ -516,8 +631,13 @@ class Cloud(StateGuard):
         self._seen: dict[str, set[int]] = {c: set() for c in self.cells}
         """Cell -> the update counters ``u`` of its cell updates folded or rejected: each is counted once, across
         a restart too (``strategy_state`` carries them with the model version they went into)."""
+        self.roster = tuple(sorted({d for m in self.cells.values() for d in m})) if config.roaming else ()
+        """Roaming: the rollout's devices, sent in every cell task (``ROSTER``)."""
+        self._steps: dict[str, CountedSteps] = {}
+        """Roaming: device -> the ``j`` of its device-steps counted (folded), across cells and restarts
+        (``strategy_state``): a cell update repeating one is ``Dropped("duplicate_step")``."""
         self.rejected: dict[str, int] = {}
-        """Cell updates rejected, by reason (``stale``)."""
+        """Cell updates rejected, by reason (``stale``, ``duplicate_step``)."""
         self._state = RoleState.IDLE
         self._reset()
 
@@ -549,6 +669,8 @@ class Cloud(StateGuard):
 
     def _broadcast(self) -> list[Action]:
         cfg = self.config.to_dict()
+        if self.config.roaming:
+            cfg[ROSTER] = list(self.roster)
         return [SendToChild(c, CellTask(rollout=self.rollout, round=self._version, sender=self.cloud_id,
                                         params=self._params, members=m, config=cfg, model_version=self._version))
                 for c, m in self.cells.items()]
@@ -572,13 +694,22 @@ class Cloud(StateGuard):
             raise UnexpectedMessageError(f"cell update without a base_version (got {base!r})")
         if base > self._version:
             raise WrongRoundError(f"cell update from version {base}, the cloud is at {self._version}")
+        steps = self._device_steps(message) if self.config.roaming else []
         self._seen[message.sender].add(message.round)
         self._note_releases(message)
         staleness = self._version - base
         if staleness > self.config.max_staleness:
             self.rejected["stale"] = self.rejected.get("stale", 0) + 1
             return [Dropped("stale", message.key, f"staleness {staleness} > {self.config.max_staleness}")]
+        counted = [(d, j) for d, j in steps if d in self._steps and j in self._steps[d]]
+        if counted:
+            self.rejected["duplicate_step"] = self.rejected.get("duplicate_step", 0) + 1
+            return [Dropped("duplicate_step", message.key,
+                            f"device-step(s) {', '.join(f'{d}#{j}' for d, j in counted)} counted already (through "
+                            f"another cell update); {len(steps) - len(counted)} other delta(s) in it not counted")]
         check_like(self._params, message.delta, "cell update")
+        for d, j in steps:
+            self._steps.setdefault(d, CountedSteps()).add(j)
         self._sum.fold(message.delta, message.weight, staleness_weight(self.config, staleness))
         self._folded.append((message.sender, staleness, message.reported))
         merge_cell_stats(self._cell_stats.setdefault(message.sender, {}), message.stats)
@@ -594,6 +725,22 @@ class Cloud(StateGuard):
         self._releases.extend({**dict(r), "cell": message.sender, "update": message.round}
                               for r in report.get("releases", ()) if isinstance(r, Mapping))
         self._clear.extend(dict(c) for c in report.get("clear", ()) if isinstance(c, Mapping))
+
+    def _device_steps(self, message: CellUpdate) -> list[tuple[str, int]]:
+        """Roaming: the ``(device, j)`` ids a cell update lists (``stats["steps"]``), one per reporter, in order."""
+        steps = message.stats.get("steps")
+        if not isinstance(steps, (list, tuple)) or not all(
+                isinstance(s, (list, tuple)) and len(s) == 2 and isinstance(s[0], str) and isinstance(s[1], int)
+                and not isinstance(s[1], bool) and s[1] >= 0 for s in steps):
+            raise UnexpectedMessageError(f"cell update of a roaming rollout without its device-steps (stats['steps'] "
+                                         f"= [[device, j], ...]), got {steps!r}")
+        out = [(str(d), int(j)) for d, j in steps]
+        if [d for d, _ in out] != list(message.reported) or len(set(out)) != len(out):
+            raise UnexpectedMessageError("cell update's device-steps do not match its reporters one to one")
+        strangers = sorted({d for d, _ in out} - set(self.roster))
+        if strangers:
+            raise UnknownSenderError(f"cell update with device-steps of {strangers}, not devices of the rollout")
+        return out
 
     def _apply(self) -> list[Action]:
         """``Delta = sum W_c alpha_c delta_c / sum W_c``; the server optimizer's step; version + 1."""
@@ -611,6 +758,8 @@ class Cloud(StateGuard):
                                       "deltas": sum(len(d) for _, _, d in folded),
                                       "mean_staleness": float(np.mean([s for _, s, _ in folded])),
                                       "rejected_stale": self.rejected.get("stale", 0),
+                                      **({"rejected_duplicate_step": self.rejected.get("duplicate_step", 0)}
+                                         if self.config.roaming else {}),
                                       "cells": self._cell_stats,
                                       **({"releases": self._releases, "clear": self._clear}
                                          if self._releases or self._clear else {})})
@@ -628,15 +777,20 @@ class Cloud(StateGuard):
         return ()
 
     def strategy_state(self) -> Mapping[str, np.ndarray] | None:
-        """The server optimizer's moments and, per cell, the counters of the cell updates counted so far
-        (``seen/<cell>``): a redelivered one stays a duplicate after the coordinator restarts."""
+        """The server optimizer's moments; per cell, the counters of the cell updates counted so far
+        (``seen/<cell>``): a redelivered one stays a duplicate after the coordinator restarts; under roaming, per
+        device, the device-steps counted (``step/<device>``: ``CountedSteps.to_array``)."""
         state = dict(self._optimizer.state()) if self._optimizer is not None else {}
         state.update({f"{SEEN_PREFIX}{c}": np.array(sorted(u), dtype=np.int64) for c, u in self._seen.items()})
+        state.update({f"{STEP_PREFIX}{d}": j.to_array() for d, j in self._steps.items()})
         return state
 
     def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
         for name, counters in state.items():
             if name.startswith(SEEN_PREFIX) and name[len(SEEN_PREFIX):] in self._seen:
                 self._seen[name[len(SEEN_PREFIX):]] = {int(u) for u in np.asarray(counters).reshape(-1)}
+            elif name.startswith(STEP_PREFIX):
+                self._steps[name[len(STEP_PREFIX):]] = CountedSteps.from_array(counters)
         if self._optimizer is not None:
-            self._optimizer.load_state({k: v for k, v in state.items() if not k.startswith(SEEN_PREFIX)})
+            self._optimizer.load_state({k: v for k, v in state.items()
+                                        if not k.startswith((SEEN_PREFIX, STEP_PREFIX))})

@@ -227,6 +227,9 @@ class TopologyConfig(Section):
     parents: dict[str, str] | None = opt(
         None, help="Server -> parent server, for aggregators between the cells and the cloud (deeper trees). "
                    "`fedtier privacy plan` resolves them; rollouts run device -> cell -> cloud.")
+    roaming: bool = opt(False, help="A device may contribute through any cell of the rollout, wherever it is "
+                                    "connected now (its ACL lets it into every cell; each device-step is counted "
+                                    "once across cells). Asynchronous algorithms only (fedbuff).")
 
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         if self.members is not None:
@@ -906,6 +909,11 @@ class RolloutConfig(Section):
     def check(self, *, prefix: str = "", source: str | None = None) -> None:
         """Constraints across sections, one step per concern, in the order their errors are reported."""
         self._check_model(prefix=prefix, source=source)
+        if self.topology.roaming and not self.traits.asynchronous:
+            raise self.error(f"{self.algorithm} fixes a round's members when the round opens (its edges wait for "
+                             "them, by quorum and deadline), so a device cannot move to another cell mid-rollout; "
+                             f"roaming needs an asynchronous algorithm ({', '.join(algorithms.names('asynchronous'))})"
+                             " or roaming = false", "topology.roaming", prefix=prefix, source=source)
         self._check_trust(prefix=prefix, source=source)
         if self.traits.split_model:
             self._check_hsgd(prefix=prefix, source=source)
@@ -1168,7 +1176,8 @@ class RolloutConfig(Section):
         if self.traits.split_model:
             return self.hsgd.algorithm_config(self.seed, self.hsgd_hosts())
         section: Any = self.section
-        return self._with_strategy(section.algorithm_config(self.seed))
+        config = self._with_strategy(section.algorithm_config(self.seed))
+        return dataclasses.replace(config, roaming=True) if self.topology.roaming else config
 
     def _with_strategy(self, config: Any) -> Any:
         """``config`` carrying the rollout's strategy map (unchanged without one)."""

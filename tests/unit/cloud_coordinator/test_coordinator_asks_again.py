@@ -169,6 +169,58 @@ def test_a_devices_own_presence_wins_over_its_edges_summary(rig: Rig) -> None:
     assert inventory[a0]["state"] == "online" and inventory[a0]["trainer"] == "ort"
 
 
+def test_a_roaming_device_is_where_the_last_summary_listing_it_online_came_from(small_rollout: Any) -> None:
+    # Prepare: a roaming FedBuff rollout; a0 (a member of the first cell) is online in the second.
+    rig = Rig(small_rollout(rounds=2, algorithm="fedbuff", topology={"cells": 2, "devices_per_cell": 2,
+                                                                     "roaming": True}))
+    try:
+        first, second = rig.cells
+        a0, a1 = rig.node.prepared.cells[first]
+        b0, _ = rig.node.prepared.cells[second]
+        rig.summary(second, (a0, b0))
+        # Execute: the first cell's edge, which lost a0, sends its summary after the second's.
+        rig.summary(first, (a1,))
+        rig.node.presence.flush()  # type: ignore[union-attr]
+        # Assert: a0 stays online in the second cell (the first cell's summary only speaks for who is there).
+        inventory = {d["node"]: d for d in device_inventory(rig.store)}
+        assert (inventory[a0]["cell"], inventory[a0]["state"]) == (second, "online")
+        assert (inventory[a1]["cell"], inventory[a1]["state"]) == (first, "online")
+        # a0 leaves the second cell: that cell's next summary says so.
+        rig.summary(second, (b0,))
+        rig.node.presence.flush()  # type: ignore[union-attr]
+        inventory = {d["node"]: d for d in device_inventory(rig.store)}
+        assert (inventory[a0]["cell"], inventory[a0]["state"]) == (second, "offline")
+    finally:
+        rig.close()
+
+
+def test_a_roaming_devices_offline_document_in_the_cell_it_left_does_not_undo_where_it_is(small_rollout: Any) -> None:
+    # A shared broker keeps a moved device's documents of both cells retained: online in the new one, offline in the
+    # old one; they reach a (restarted) coordinator in either order.
+    rig = Rig(small_rollout(rounds=2, algorithm="fedbuff", topology={"cells": 2, "devices_per_cell": 2,
+                                                                     "roaming": True}))
+    try:
+        first, second = rig.cells
+        a0 = rig.node.prepared.cells[first][0]
+        doc = {"node": a0, "role": "device", "state": "online", "since": 3.0}
+        rig.edges.publish(topics.cell_status(second, a0), json.dumps({**doc, "cell": second}).encode(), retain=True)
+        left = {**doc, "cell": first, "state": "offline"}
+        rig.edges.publish(topics.cell_status(first, a0), json.dumps(left).encode(), retain=True)
+        rig.broker.run_until_idle()
+        rig.node.presence.flush()  # type: ignore[union-attr]
+        inventory = {d["node"]: d for d in device_inventory(rig.store)}
+        assert (inventory[a0]["cell"], inventory[a0]["state"]) == (second, "online")
+        assert rig.node.metrics.get(DEVICES_ONLINE, cell=first) == 1  # counted where it is enrolled
+        # It goes offline where it is: that counts.
+        rig.edges.publish(topics.cell_status(second, a0), json.dumps({**doc, "cell": second, "state": "offline"})
+                          .encode(), retain=True)
+        rig.broker.run_until_idle()
+        rig.node.presence.flush()  # type: ignore[union-attr]
+        assert {d["node"]: d for d in device_inventory(rig.store)}[a0]["state"] == "offline"
+    finally:
+        rig.close()
+
+
 def test_a_summary_from_a_node_that_is_not_a_cell_of_the_rollout_is_rejected(rig: Rig) -> None:
     rig.summary("cell-x", ("d0",))
     assert rig.node.metrics.get(REJECTED, reason="unknown_sender") == 1

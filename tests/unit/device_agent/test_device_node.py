@@ -211,3 +211,32 @@ def test_a_device_restarted_mid_round_does_not_release_an_uploaded_step_again(sm
     edge.publish(topics.cell_down(rollout, cell, CellStep.KIND), step.encode())
     broker.run_until_idle()
     assert [(u.round, u.step) for u in uplinks(received, DeviceUpdate)] == [(0, 0), (0, 0), (0, 1)]
+
+
+def test_an_agent_started_in_another_cell_sends_its_outbox_there(small_rollout, tmp_path: Path) -> None:
+    """A roaming device that moved: what it queued in its old cell goes to the uplink of the cell it is in now (the
+    one its broker lets it publish on), and its kept copy with it."""
+    prepared = prepare(small_rollout())
+    rollout = prepared.config.rollout
+    old, new = list(prepared.cells)[:2]
+    device = prepared.cells[old][0]
+    broker = MemoryBroker()
+    heard: dict[str, list] = {old: [], new: []}
+    for cell in (old, new):
+        broker.connect(f"edge-{cell}", heard[cell].append).subscribe(topics.cell_up_filter(cell))
+    state = DeviceState(tmp_path / "agent.db")
+    update = DeviceUpdate(rollout=rollout, round=0, sender=device, step=3, delta=prepared.initial_params,
+                          num_samples=4, train_loss=0.5, steps=1)
+    state.put_update(update.key, topics.cell_up(rollout, old, device, update.KIND), update.encode(), rollout, 0, 0.0,
+                     sent=(0, 3))
+    state.close()
+    x, y = prepared.data.train[device]
+    node = DeviceNode(device_id=device, cell=new, transport=broker.connect(device), data=LocalData(x=x, y=y),
+                      trainer_provider=lambda b: make_trainer("ort", b), state=DeviceState(tmp_path / "agent.db"),
+                      cache=ArtifactCache(tmp_path / "cache"), bundles_dir=tmp_path / "bundles")
+    node.start(0.0)
+    broker.run_until_idle()
+    assert heard[old] == [] and [u.key for u in uplinks(heard[new], DeviceUpdate)] == [update.key]
+    assert heard[new][0].topic == topics.cell_up(rollout, new, device, update.KIND)
+    assert node.state.pending() == [] and [t for _, t, _ in node.state.uploads(rollout, 0, 3)] == [heard[new][0].topic]
+    node.state.close()

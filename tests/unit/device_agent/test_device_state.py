@@ -18,6 +18,7 @@ OPERATIONS = st.one_of(
               st.integers(-1, 4), st.floats(0, 3, allow_nan=False),
               st.none() | st.tuples(st.integers(0, 4), st.integers(0, 3))),
     st.tuples(st.just("delete"), KEYS),
+    st.tuples(st.just("retopic"), KEYS, st.sampled_from(["t/a", "t/c"])),
     st.tuples(st.just("set_manifest_version"), st.integers(0, 9)),
     st.tuples(st.just("save_manifest"), ROLLOUTS, st.integers(0, 9), st.binary(max_size=8)),
     st.tuples(st.just("forget_manifest"), ROLLOUTS),

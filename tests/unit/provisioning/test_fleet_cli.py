@@ -521,6 +521,34 @@ def test_the_acl_grants_each_role_exactly_its_topics(mode_: str) -> None:
     assert not allowed(acl, "d0", "read", topics.cell_down(r, "c1", "device_task"))
 
 
+@pytest.mark.parametrize("shape", ["combined", "gateway of c1", "cloud only"])
+def test_a_roaming_rollouts_acl_lets_each_device_into_every_cell_the_broker_serves(shape: str) -> None:
+    """``[topology] roaming``: d0 (enrolled in c0) may act in c1 as itself — its uplink, c1's downlink, its presence
+    there — and still as nobody else; without roaming it is bound to c0."""
+    r, devices = "r1", {"d0": "c0", "d1": "c1"}
+    if shape == "combined":
+        acl = broker_config.combined_acl(["c0", "c1"], "cloud", devices)
+        roaming = broker_config.broker_acl(cell_side=["c0", "c1"], cloud_side=["c0", "c1"], cloud_id="cloud",
+                                           devices=devices, roaming=True)
+    elif shape == "gateway of c1":
+        acl = broker_config.broker_acl(cell_side=["c1"], devices=devices)
+        roaming = broker_config.broker_acl(cell_side=["c1"], devices=devices, roaming=True)
+    else:  # the cloud's broker of a fleet with gateway brokers: no device connects there
+        roaming = broker_config.broker_acl(cloud_side=["c0", "c1"], cloud_id="cloud", devices=devices, roaming=True)
+        assert "d0" not in roaming  # no device block on a broker no device connects to
+        return
+    here = [("write", topics.cell_up(r, "c1", "d0", "device_update")),
+            ("read", topics.cell_down(r, "c1", "device_task")), ("read", topics.cell_manifest(r, "c1")),
+            ("write", topics.cell_status("c1", "d0"))]
+    for access, topic in here:
+        assert allowed(roaming, "d0", access, topic), topic
+        assert not allowed(acl, "d0", access, topic), topic
+    for t in (topics.cell_up(r, "c1", "d1", "device_update"), topics.cell_status("c1", "d1"),
+              topics.cell_down(r, "c1", "device_task")):
+        assert not allowed(roaming, "d0", "write", t), t
+    assert allowed(roaming, "d1", "write", topics.cell_up(r, "c1", "d1", "device_update"))
+
+
 # --- help -----------------------------------------------------------------------------------------------
 
 
