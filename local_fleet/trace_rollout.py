@@ -1,7 +1,8 @@
 """``fedtier simulate`` of a rollout on the trace simulator (``local_fleet.trace_sim``).
 
 Used when the rollout has a ``[fleet]`` section (device availability and speeds on a virtual clock)
-or its algorithm is asynchronous (FedBuff, which the round-based node shells do not host). The
+or its algorithm is asynchronous (FedBuff: its versions are driven by events, which the in-memory round
+simulator does not model; over MQTT the node shells host it). The
 devices train with the same shared trainers as the in-memory simulator (``[simulation] trainer``)
 on the same shards, minibatches drawn from the streams the roles name, exactly as
 ``DeviceNode.train`` does; the coordinator's central test set scores every new global model.
