@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from fedtier import algorithms
 from fedtier.errors import ConfigError
 
 DEVICE_TIER = "devices under untrusted cells"
@@ -273,8 +274,10 @@ def _cell_text(doc: dict[str, Any], cell: dict[str, Any], devices: list[dict[str
         tls = "over TLS" if doc["require_tls"] else "WITHOUT TLS (require_tls = false)"
         sampled = (f", from the devices it samples in secret (q = {doc['sample_rate']:g})"
                    if doc.get("device_sampling", "none") != "none" else "")
-        return (f"its {n} devices send clear updates {tls}; the edge adds noise once per round towards the cloud"
-                f"{sampled} ({noise})")
+        when = ("to each cell update it sends the cloud (one per k_edge deltas)"
+                if algorithms.describe(str(doc.get("algorithm", "fedavg"))).asynchronous
+                else "once per round towards the cloud")
+        return f"its {n} devices send clear updates {tls}; the edge adds noise {when}{sampled} ({noise})"
     if cell["trusted"]:
         return f"its {n} devices send clear updates; the edge adds no noise ({cell['why']})"
     releases = sorted({int(d["releases"]) for d in devices})
