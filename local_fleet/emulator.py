@@ -272,15 +272,24 @@ def check_availability(opts: EmulatorOptions) -> None:
 
 
 def _algorithm_section(opts: EmulatorOptions, per_cell: int) -> dict[str, Any]:
-    """FedAvg's rounds, or FedBuff with a cell update every half cell of deltas and a version every ``cells``
-    cell updates, each device training once per version (so a device that trains fast does not flood its edge
-    with deltas of one version while the next is on its way)."""
-    section: dict[str, Any] = {"local_steps": opts.local_steps, "batch_size": 16, "lr": 0.1,
+    """A synchronous algorithm's rounds (with ``--quorum``), or an asynchronous one (FedBuff) with a cell update
+    every half cell of deltas and a version every ``cells`` cell updates, each device training once per version
+    (so a device that trains fast does not flood its edge with deltas of one version while the next is on its
+    way). Algorithms with hosts, pair scoring or per-cell submodels need their own task: refused."""
+    from fedtier import algorithms
+    from fedtier.errors import UnexpectedMessageError
+
+    try:
+        traits = algorithms.describe(opts.algorithm)
+    except UnexpectedMessageError as exc:
+        raise ConfigError(str(exc), key="algorithm") from None
+    if traits.split_model or traits.scorer or traits.submodels:
+        raise ConfigError(f"the fleet emulator's synthetic task does not suit {opts.algorithm} (it needs hosts, "
+                          "pairs of classes or per-cell submodels): use fedavg or fedbuff", key="algorithm")
+    section: dict[str, Any] = {traits.local_steps_setting: opts.local_steps, "batch_size": 16, "lr": 0.1,
                                "deadline_s": opts.deadline_s}
-    if opts.algorithm == "fedbuff":
+    if traits.asynchronous:
         section.update(k_edge=max(1, per_cell // 2), k_cloud=opts.cells, once_per_version=True)
-    elif opts.algorithm != "fedavg":
-        raise ConfigError(f"the fleet emulator runs fedavg or fedbuff, not {opts.algorithm!r}", key="algorithm")
     else:
         section["quorum"] = opts.quorum
     return section
