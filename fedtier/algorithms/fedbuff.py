@@ -553,7 +553,8 @@ def merge_cell_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
 
 
 class CountedSteps:
-    """One device's counted device-steps ``j``, as runs ``[start, end)``: compact whatever the rollout's length.
+    """Counted sequence numbers (a device's device-steps ``j``, a cell's update counters ``u``), as runs
+    ``[start, end)``: compact whatever the rollout's length.
 
     A device's steps are counted nearly in order (0, 1, 2, ...), each step it skips (a delta rejected as stale, lost
     with a cell update) leaving a gap for good; a device costs two numbers per gap, in memory and in the strategy
@@ -628,9 +629,10 @@ class Cloud(StateGuard):
         strategy = config.strategy or {}
         spec = OptimizerSpec.from_dict(strategy["server_optimizer"]) if "server_optimizer" in strategy else None
         self._optimizer = ServerOptimizer(spec) if spec is not None and not spec.is_plain else None
-        self._seen: dict[str, set[int]] = {c: set() for c in self.cells}
+        self._seen: dict[str, CountedSteps] = {c: CountedSteps() for c in self.cells}
         """Cell -> the update counters ``u`` of its cell updates folded or rejected: each is counted once, across
-        a restart too (``strategy_state`` carries them with the model version they went into)."""
+        a restart too (``strategy_state`` carries them with the model version they went into). A cell numbers its
+        updates 0, 1, 2, ..., so as runs (``CountedSteps``) they stay two numbers a cell however long the rollout."""
         self.roster = tuple(sorted({d for m in self.cells.values() for d in m})) if config.roaming else ()
         """Roaming: the rollout's devices, sent in every cell task (``ROSTER``)."""
         self._steps: dict[str, CountedSteps] = {}
@@ -781,14 +783,14 @@ class Cloud(StateGuard):
         (``seen/<cell>``): a redelivered one stays a duplicate after the coordinator restarts; under roaming, per
         device, the device-steps counted (``step/<device>``: ``CountedSteps.to_array``)."""
         state = dict(self._optimizer.state()) if self._optimizer is not None else {}
-        state.update({f"{SEEN_PREFIX}{c}": np.array(sorted(u), dtype=np.int64) for c, u in self._seen.items()})
+        state.update({f"{SEEN_PREFIX}{c}": u.to_array() for c, u in self._seen.items()})
         state.update({f"{STEP_PREFIX}{d}": j.to_array() for d, j in self._steps.items()})
         return state
 
     def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
         for name, counters in state.items():
             if name.startswith(SEEN_PREFIX) and name[len(SEEN_PREFIX):] in self._seen:
-                self._seen[name[len(SEEN_PREFIX):]] = {int(u) for u in np.asarray(counters).reshape(-1)}
+                self._seen[name[len(SEEN_PREFIX):]] = CountedSteps.from_array(counters)
             elif name.startswith(STEP_PREFIX):
                 self._steps[name[len(STEP_PREFIX):]] = CountedSteps.from_array(counters)
         if self._optimizer is not None:
