@@ -108,15 +108,8 @@ TRAINING_FAILED = "fedtier_training_failed_total"
 """Devices' ``training_failed`` reports the edge accepted, by reason (crash, error, non_finite)."""
 ROUND_INPUTS = (CellTask, DeviceUpdate, DeviceGradient, TrainingFailed, *secagg_messages.UPWARD)
 """Messages a role takes as inputs of its round (stored and replayed), besides HSGD's ``Embeddings``. An
-asynchronous rollout's (FedBuff) are kept from its first model version on (``_asynchronous``)."""
+asynchronous rollout's (FedBuff) are kept from its first model version on (``EdgeNode._asynchronous``)."""
 
-
-
-def _asynchronous(task: Message) -> bool:
-    """Whether ``task`` is of an asynchronous rollout (FedBuff): its edge state spans every model version, so
-    nothing it accepted is pruned when a new version arrives (a restart replays the rollout's inputs)."""
-    return algorithms.describe(str(task.config.get("algorithm", ""))).asynchronous if isinstance(task, CellTask) \
-        else False
 
 
 PRESENCE_SUMMARY_S = 2.0
@@ -158,7 +151,9 @@ class EdgeNode(NodeBase):
         """(rollout, sha) -> the file's encoded message, the same for every device that asks."""
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._asynchronous: set[str] = set()
-        """Rollouts of an asynchronous algorithm (FedBuff): bytes are counted per cell update (``_bytes_key``)."""
+        """Rollouts of an asynchronous algorithm (FedBuff), known from their first task: the edge state spans every
+        model version, so nothing accepted is pruned when a new one arrives (a restart replays the rollout's inputs),
+        and bytes are counted per cell update (``_bytes_key``)."""
         self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
         self._task_arrived: dict[tuple[str, int], float] = {}
         """When each open round's cell task arrived (monotonic), for ``AGGREGATION_SECONDS``."""
@@ -347,7 +342,7 @@ class EdgeNode(NodeBase):
             if not isinstance(msg, CellTask):
                 raise UnexpectedMessageError(f"no open round of rollout {msg.rollout!r}")
             module = algorithms.load(str(msg.config.get("algorithm", "")))
-            if _asynchronous(msg):
+            if algorithms.describe(str(msg.config.get("algorithm", ""))).asynchronous:
                 self._asynchronous.add(msg.rollout)
             self._check_clear_inputs(msg)
             new: EdgeRole = module.Edge(cell=self.cell, rollout=msg.rollout, parent=self.parent, noise=self.noise)
@@ -394,7 +389,7 @@ class EdgeNode(NodeBase):
                 # Accepted: make it durable before the broker is acknowledged (run_loop confirms
                 # only after this returns), so a crash from here on loses nothing.
                 self.store.record(msg.rollout, msg.round, msg.KIND, msg.key, payload)
-                if isinstance(msg, CellTask) and not _asynchronous(msg):
+                if isinstance(msg, CellTask) and msg.rollout not in self._asynchronous:
                     self.store.prune(msg.rollout, msg.round)
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
             if isinstance(msg, TrainingFailed):
@@ -441,7 +436,7 @@ class EdgeNode(NodeBase):
         second aggregate (a second noisy release); a copy that did arrive is dropped there as a duplicate."""
         # An asynchronous edge's outputs are numbered by its own counter, not by the version: all of them
         # (the cloud drops those it counted; its state is the replay of every input since the rollout began).
-        payloads = self.store.outputs(task.rollout, None if _asynchronous(task) else task.round)
+        payloads = self.store.outputs(task.rollout, None if task.rollout in self._asynchronous else task.round)
         for payload in payloads:
             kind = str(wire.peek_header(payload)["t"])
             self.cloud_tx.publish(topics.edge_up(task.rollout, self.cell, kind), payload)
