@@ -349,17 +349,18 @@ class Cloud(StateGuard):
     def _close(self, now: float) -> list[Action]:
         cells = sorted(self._updates)
         updates = [self._updates[c] for c in cells]
-        self.params = self._aggregate(self._updates)
+        if updates:  # none: every cell answered without one (secure aggregation aborted): the model stays as it is
+            self.params = self._aggregate(self._updates)
         self.model_version += 1
         reported = {c: self._updates[c].reported for c in cells}
         all_members = {d for m in self._round_cells.values() for d in m}
         missing = tuple(sorted(all_members - {d for r in reported.values() for d in r}))
         total_weight = sum(u.weight for u in updates)
-        mean_loss = sum(u.mean_loss * u.weight for u in updates) / total_weight
+        mean_loss = sum(u.mean_loss * u.weight for u in updates) / total_weight if total_weight else None
         q1 = [float(u.stats["device_q"]) for u in updates if isinstance(u.stats.get("device_q"), (int, float))]
         if q1:
             self.q1_estimate = sum(q1) / len(q1)
-        q2 = sum(u.q for u in updates) / len(updates)
+        q2 = sum(u.q for u in updates) / len(updates) if updates else None
         evaluation = aggregate.combine_evaluations([u.evaluation for u in updates])
         federated = None if evaluation is None else {
             "loss": evaluation.loss, "accuracy": evaluation.accuracy, "examples": evaluation.count,

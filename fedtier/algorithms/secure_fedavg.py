@@ -56,7 +56,7 @@ from fedtier.algorithms.base import Action, Dropped, LocalResult, LocalTrain, No
     SendToChild, SendToParent
 from fedtier.algorithms import strategies
 from fedtier.algorithms.cloud import Cloud as _Cloud
-from fedtier.algorithms.common import check_int, check_like, quorum_count
+from fedtier.algorithms.common import check_int, check_like
 from fedtier.algorithms.fedavg import FedAvgConfig
 from fedtier.algorithms.hier_qsgd import _DeviceBase, _EdgeBase
 from fedtier.privacy import audit
@@ -514,8 +514,11 @@ class Cloud(_Cloud):
     """The rounds of a secure-aggregation rollout: ``fedtier.algorithms.cloud.Cloud`` plus the cells' abort reports.
 
     A cell that reports ``SecAggAborted`` for the open round has answered: it sends no update for it, so the round
-    closes as soon as every cell updated or aborted and a quorum of cells updated (else at the deadline, as
-    before; with no update at all the round waits, as for offline cells). The closed round carries the aborts
+    closes as soon as every cell updated or aborted (else at the deadline once a quorum of cells updated, as
+    before). Once every cell answered nobody is left to wait for, so the quorum does not hold the round open: with
+    fewer updates than the quorum, or none at all (every cell aborted: the model stays as it was, a new version
+    of the same weights), the round closes and the next one opens, so that cells below ``s_min`` cost each round
+    their phase deadlines and never the rollout. The closed round carries the aborts
     in ``metrics["secagg_aborts"]`` and, under a noise plan, in ``metrics["privacy"][cell]["secagg_abort"]`` for
     the ledger (``PrivacyLedger.rows_for_round``). A report that arrives after the round closed is refused as
     late: the ledger has charged the cell's planned release, as for any cell that did not report in time.
@@ -548,11 +551,9 @@ class Cloud(_Cloud):
         return [note, *self._close_if_answered(now)]
 
     def _close_if_answered(self, now: float) -> list[Action]:
-        """Close the round early when every cell updated or aborted and a quorum of them updated."""
+        """Close the round when every cell updated or aborted (whatever the quorum: no answer is left to come)."""
         if (self._state is not RoleState.COLLECTING or not self._aborted
-                or set(self._updates) | set(self._aborted) != set(self._round_cells)
-                or not self._updates
-                or len(self._updates) < quorum_count(self.config.quorum, len(self._round_cells))):
+                or set(self._updates) | set(self._aborted) != set(self._round_cells)):
             return []
         return self._close(now)
 

@@ -197,3 +197,33 @@ def test_a_cell_below_s_min_aborts_every_round_and_charges_no_device(mosquitto, 
     finally:
         store.close()
     assert sorted((r["round"], r["node"]) for r in rows) == [(0, "cell-a"), (1, "cell-a")]
+
+
+def test_a_rollout_whose_only_cell_aborts_every_round_ends_with_the_initial_model(mosquitto, small_rollout,
+                                                                                 tmp_path: Path) -> None:
+    """One cell of 3 with s_min 3 and distributed DP, one device never comes online: every round the cell aborts
+    at its keys deadline and no cell has an update. Each round closes once the abort is in (every cell answered),
+    so the rollout ends, with the weights it started with, and charges nobody; it waited for ever before."""
+    from fedtier.rollout.config import RolloutConfig
+
+    cfg = small_rollout(rounds=2, topology={"cells": 1, "devices_per_cell": 3}, privacy={"epsilon": 8.0, "clip": 1.0},
+                        fedavg={**SECURE["fedavg"], "secagg_min_survivors": 3, "deadline_s": 5.0})
+    silent = cfg.topology.layout()["cell-a"][0]
+    paths, fleet, cloud = _run_without(cfg, {silent}, mosquitto, tmp_path)
+    history = cloud.history
+    assert [r["round"] for r in history] == [0, 1] and all(r["devices_reported"] == 0 for r in history)
+    assert all(r["cells"]["cell-a"]["secagg"]["aborted"]["reason"] == "too_few_keys" for r in history)
+    assert all(r["round_s"] < 5.0 for r in history[1:])  # the keys deadline (0.6 x 5 s), not the round's, nor more
+    assert all(e == 0.0 for e in history[-1]["privacy"]["epsilon"].values())
+    cfg = load(RolloutConfig, paths.coordinator)
+    store = CoordinatorStore(cfg.state_dir / "coordinator.db")
+    try:
+        first, last = store.model(cfg.rollout, 0), store.latest_model(cfg.rollout)
+        rows = store.privacy_releases(cfg.rollout)
+    finally:
+        store.close()
+    assert first is not None and last is not None and last.version == 2
+    assert all(np.array_equal(last.params[k], first.params[k]) for k in first.params)
+    assert rows == []
+    for name, running in fleet.nodes.items():
+        assert running.node.metrics.total(REJECTED) == 0, (name, running.node.metrics.snapshot())

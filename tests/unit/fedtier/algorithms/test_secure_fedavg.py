@@ -344,9 +344,46 @@ def test_the_cloud_takes_an_abort_report_as_the_cells_answer_for_the_round() -> 
     assert any(isinstance(a, RoundClosed) for a in cloud.receive(wire(update("e0", 1)), 4.0))
 
 
-def test_a_round_where_every_cell_aborted_waits_as_for_offline_cells() -> None:
-    cells = {"e0": ("a0", "a1", "a2")}
+def test_a_round_where_every_cell_aborted_closes_with_the_model_unchanged_and_the_rollout_goes_on() -> None:
+    """Every cell answered, none with an update (each below s_min): nothing is left to come, so the round closes
+    at once with the same weights (a new version of them) and the next opens; the rollout ends after its rounds
+    instead of waiting for ever (before: a round with no update waited as for offline cells)."""
+    from fedtier.algorithms.base import Finished, RoundClosed, SendToChild
+
+    cells = {"e0": ("a0", "a1", "a2"), "e1": ("b0", "b1", "b2")}
     cloud = Cloud(rollout=ROLLOUT, cells=cells, initial_params=PARAMS, config=config(quorum=0.5), rounds=2)
     cloud.start(0.0)
-    cloud.receive(SecAggAborted(rollout=ROLLOUT, round=0, sender="e0", phase="masked", reason="too_few_inputs"), 1.0)
-    assert cloud.tick(100.0) == [] and cloud.round == 0 and cloud.overdue(100.0) == ()
+    for r in range(2):
+        assert cloud.receive(SecAggAborted(rollout=ROLLOUT, round=r, sender="e0", phase="masked",
+                                           reason="too_few_inputs"), 1.0 + r)[0].event == "cell_aborted"
+        actions = cloud.receive(SecAggAborted(rollout=ROLLOUT, round=r, sender="e1", phase="keys",
+                                              reason="too_few_keys"), 1.5 + r)
+        [closed] = [a for a in actions if isinstance(a, RoundClosed)]
+        assert closed.round == r and closed.reported == {}
+        assert closed.missing == tuple(sorted(cells["e0"] + cells["e1"]))
+        assert all(np.array_equal(closed.params[k], PARAMS[k]) for k in PARAMS)
+        assert closed.metrics["model_version"] == r + 1 and closed.metrics["train_loss"] is None
+        assert sorted(closed.metrics["secagg_aborts"]) == ["e0", "e1"] and closed.metrics["federated"] is None
+        if r == 0:  # the next round's tasks go to both cells again: they start afresh
+            assert sorted(a.child for a in actions if isinstance(a, SendToChild)) == ["e0", "e1"]
+    assert isinstance(actions[-1], Finished) and cloud.round == 2
+
+
+def test_every_cell_answered_with_fewer_updates_than_the_quorum_closes_the_round() -> None:
+    """Quorum 1.0 (every cell must update before the deadline), one cell aborts: once the others updated nobody is
+    left to wait for, and the round closes with their mean instead of waiting for an update that cannot come."""
+    from fedtier.algorithms.base import RoundClosed
+
+    cells = {"e0": ("a0", "a1", "a2"), "e1": ("b0", "b1", "b2"), "e2": ("c0", "c1", "c2")}
+    cloud = Cloud(rollout=ROLLOUT, cells=cells, initial_params=PARAMS, config=config(quorum=1.0), rounds=1)
+    cloud.start(0.0)
+    step = {k: np.full_like(v, 0.5) for k, v in PARAMS.items()}
+    cloud.receive(SecAggAborted(rollout=ROLLOUT, round=0, sender="e2", phase="keys", reason="too_few_keys"), 1.0)
+    assert cloud.receive(CellUpdate(rollout=ROLLOUT, round=0, sender="e0", delta=step, weight=3.0,
+                                    reported=cells["e0"]), 2.0) == []
+    assert cloud.tick(100.0) == []  # a quorum of 1.0 is not met at the deadline: the round still waits for e1
+    actions = cloud.receive(CellUpdate(rollout=ROLLOUT, round=0, sender="e1", delta=step, weight=3.0,
+                                       reported=cells["e1"]), 101.0)
+    [closed] = [a for a in actions if isinstance(a, RoundClosed)]
+    assert sorted(closed.reported) == ["e0", "e1"] and closed.metrics["secagg_aborts"]["e2"]["reason"] == "too_few_keys"
+    assert all(np.allclose(closed.params[k], PARAMS[k] + 0.5) for k in PARAMS)
