@@ -152,8 +152,9 @@ class EdgeNode(NodeBase):
         self._round_bytes: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._asynchronous: set[str] = set()
         """Rollouts of an asynchronous algorithm (FedBuff), known from their first task: the edge state spans every
-        model version, so nothing accepted is pruned when a new one arrives (a restart replays the rollout's inputs),
-        and bytes are counted per cell update (``_bytes_key``)."""
+        model version, so inputs are not pruned when a new one arrives but when a cell update leaves, with the role's
+        state stored beside it (``EdgeStore.save_checkpoint``: a restart loads it and replays what came after), and
+        bytes are counted per cell update (``_bytes_key``)."""
         self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
         self._task_arrived: dict[tuple[str, int], float] = {}
         """When each open round's cell task arrived (monotonic), for ``AGGREGATION_SECONDS``."""
@@ -235,15 +236,18 @@ class EdgeNode(NodeBase):
     def _restore_strategy_state(self, rollout: str, task: Message) -> None:
         """Give the role what it carried over from the rounds before the stored one (an edge optimizer's
         moments), before that round (``task`` first) is replayed into it: the replay then ends where the edge was."""
-        saved = self.store.strategy_state_before(rollout, task.round) if isinstance(task, CellTask) else None
-        if saved is None:
+        if not isinstance(task, CellTask):
             return
         try:
             role = self._role_for(task)
-        except RemoteProtocolError as exc:  # the replay reports it for the task itself
+        except (RemoteProtocolError, PrivacyViolationError) as exc:  # the replay reports it for the task itself
             log.debug("no strategy state restored for %s: %s", rollout, exc)
             return
-        role.load_strategy_state(npz_file.decode_arrays(saved))
+        # an asynchronous edge's newest checkpoint: its stored inputs are the ones after it (EdgeStore.save_checkpoint)
+        saved = (self.store.latest_strategy_state(rollout) if rollout in self._asynchronous
+                 else self.store.strategy_state_before(rollout, task.round))
+        if saved is not None:
+            role.load_strategy_state(npz_file.decode_arrays(saved))
 
     def _end_rollout(self, rollout: str) -> None:
         """The coordinator cleared the rollout's manifest: the rollout ended (or was retired).
@@ -434,8 +438,8 @@ class EdgeNode(NodeBase):
         the cell: the update was lost after the broker acknowledged it (a broker restarted without
         persistence forgets what it had queued for the coordinator). The stored bytes go out, never a
         second aggregate (a second noisy release); a copy that did arrive is dropped there as a duplicate."""
-        # An asynchronous edge's outputs are numbered by its own counter, not by the version: all of them
-        # (the cloud drops those it counted; its state is the replay of every input since the rollout began).
+        # An asynchronous edge's outputs are numbered by its own counter, not by the version: all it still holds
+        # (those the cloud said it counted are gone, EdgeStore.prune_outputs; it drops any other it counted).
         payloads = self.store.outputs(task.rollout, None if task.rollout in self._asynchronous else task.round)
         for payload in payloads:
             kind = str(wire.peek_header(payload)["t"])
@@ -447,7 +451,9 @@ class EdgeNode(NodeBase):
     def _execute(self, rollout: str, actions: Sequence[Action]) -> None:
         self.diagnostics(actions)
         for action in actions:
-            if isinstance(action, Note) and action.event == "secagg_abort":
+            if isinstance(action, Note) and action.event == "cell_updates_counted":  # never to be sent again
+                self.store.prune_outputs(rollout, int(action.fields["before"]))
+            elif isinstance(action, Note) and action.event == "secagg_abort":
                 self.metrics.inc(SECAGG_ABORTS, reason=action.fields.get("reason", "unknown"))
             elif isinstance(action, Note) and action.event == "secagg_waited":
                 for phase, missing in dict(action.fields.get("waited", {})).items():
@@ -467,41 +473,49 @@ class EdgeNode(NodeBase):
                 if action.message.KIND == PartnerEmbeddings.KIND:
                     counts["embedding_down_bytes"] += sent or len(payload)
             elif isinstance(action, SendToParent):
-                msg = action.message
-                role = self.roles.get(rollout)
-                stats = dict(self._round_bytes.pop((rollout, msg.round), {}))
-                stored = self.store.output(msg.key)
-                if stored is None:
-                    if isinstance(msg, CellUpdate):
-                        rejected = [[reason, n] for reason, n in sorted(self._rejected.items())]
-                        self._rejected = defaultdict(int)
-                        failed = [[device, reason] for device, reason in
-                                  sorted(self._failures.pop((rollout, msg.round), {}).items())]
-                        if role is not None and role.sampling_secretly:
-                            # byte and reject counts count the sampled devices' messages, a failure names one:
-                            # participation stays in the cell
-                            stats = dict.fromkeys(("device_up_bytes", "device_up_f32_bytes", "device_down_bytes"), 0)
-                            rejected, failed = [], []
-                        msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats, "rejected": rejected,
-                                                              **({"failed": failed} if failed else {})})
-                        if self._refuse_clear_aggregate(rollout, msg):
-                            continue
-                    stored = msg.encode(action.encodings)
-                    carried = role.strategy_state() if role is not None and isinstance(msg, CellUpdate) else None
-                    if carried is not None:  # committed with the output below: both or neither survive a crash
-                        self.store.save_strategy_state(rollout, msg.round, npz_file.encode_arrays(carried))
-                    self.store.save_output(rollout, msg.round, msg.key, stored)
-                # else: a replay closed the cell again; the same bytes go out, never a second noisy release
-                self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), stored)
-                arrived = self._task_arrived.pop((rollout, msg.round), None)
-                if isinstance(msg, secagg_messages.SecAggAborted):
-                    log.info("cell %s aborted round %s of %s in secure aggregation phase %s (%s): no update, the "
-                             "abort -> cloud", self.cell, msg.round, rollout, msg.phase, msg.reason)
-                    continue
-                if arrived is not None:
-                    self.metrics.observe(AGGREGATION_SECONDS, time.monotonic() - arrived)
-                log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,
-                         len(getattr(msg, "reported", ())))
+                self._send_up(rollout, action)
+
+    def _send_up(self, rollout: str, action: SendToParent) -> None:
+        """The role's message for the cloud: its statistics added, stored (with the role's state) before it is
+        published, or the stored bytes when a replay made it again; then published and logged."""
+        msg = action.message
+        role = self.roles.get(rollout)
+        stats = dict(self._round_bytes.pop((rollout, msg.round), {}))
+        stored = self.store.output(msg.key)
+        if stored is None:
+            if isinstance(msg, CellUpdate):
+                rejected = [[reason, n] for reason, n in sorted(self._rejected.items())]
+                self._rejected = defaultdict(int)
+                failed = [[device, reason] for device, reason in
+                          sorted(self._failures.pop((rollout, msg.round), {}).items())]
+                if role is not None and role.sampling_secretly:
+                    # byte and reject counts count the sampled devices' messages, a failure names one:
+                    # participation stays in the cell
+                    stats = dict.fromkeys(("device_up_bytes", "device_up_f32_bytes", "device_down_bytes"), 0)
+                    rejected, failed = [], []
+                msg = dataclasses.replace(msg, stats={**dict(msg.stats), **stats, "rejected": rejected,
+                                                      **({"failed": failed} if failed else {})})
+                if self._refuse_clear_aggregate(rollout, msg):
+                    return
+            stored = msg.encode(action.encodings)
+            carried = role.strategy_state() if role is not None and isinstance(msg, CellUpdate) else None
+            if carried is not None and rollout in self._asynchronous:  # inputs it holds are forgotten
+                self.store.save_checkpoint(rollout, msg.round, msg.key, stored, npz_file.encode_arrays(carried))
+            else:
+                if carried is not None:  # committed with the output below: both or neither survive a crash
+                    self.store.save_strategy_state(rollout, msg.round, npz_file.encode_arrays(carried))
+                self.store.save_output(rollout, msg.round, msg.key, stored)
+        # else: a replay closed the cell again; the same bytes go out, never a second noisy release
+        self.cloud_tx.publish(topics.edge_up(rollout, self.cell, msg.KIND), stored)
+        arrived = self._task_arrived.pop((rollout, msg.round), None)
+        if isinstance(msg, secagg_messages.SecAggAborted):
+            log.info("cell %s aborted round %s of %s in secure aggregation phase %s (%s): no update, the "
+                     "abort -> cloud", self.cell, msg.round, rollout, msg.phase, msg.reason)
+            return
+        if arrived is not None:
+            self.metrics.observe(AGGREGATION_SECONDS, time.monotonic() - arrived)
+        log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,
+                 len(getattr(msg, "reported", ())))
 
     # --- presence ---------------------------------------------------------------------------------
 

@@ -14,6 +14,11 @@ What a role carries from one round to the next beyond its inputs (an edge optimi
 stored with the round's output, in the same commit; a restarted edge hands the state stored for the
 round before the open one back to the role before it replays the open round.
 
+An asynchronous rollout (FedBuff) has no rounds to prune by: its edge stores its role's state with each cell
+update (``save_checkpoint``) and forgets the inputs that state holds, so a restart loads the state and replays
+the newest cell task and what arrived after it; the outputs the cloud has counted are forgotten as it says so
+(``prune_outputs``).
+
 Rollouts that ended (their manifest cleared) are remembered, with the sha256 of their last manifest:
 the edge refuses their messages for good (a replayed task is not a new round), until a different
 manifest of the same rollout id starts it again.
@@ -25,6 +30,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from fedtier.storage.sqlite import Database
+from fedtier.wire.messages import CellTask
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS inputs (
@@ -94,6 +100,32 @@ class EdgeStore:
         """A role's state after it closed ``round`` (committed with the round's output, which follows)."""
         with self.db.locked() as db:
             db.execute("INSERT OR REPLACE INTO strategy_states VALUES (?,?,?)", (rollout, round, state))
+
+    def save_checkpoint(self, rollout: str, update: int, key: str, payload: bytes, state: bytes) -> None:
+        """Asynchronous rollout (FedBuff): cell update ``update`` (its output, kept before it is published) and the
+        role's state right after it, in one commit that also forgets what that state holds: every input of the
+        rollout but its newest cell task (where a replay starts, the state loaded first), and older states. An
+        asynchronous edge's store then holds one buffer's inputs, however long the rollout has run."""
+        with self.db.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO strategy_states VALUES (?,?,?)", (rollout, update, state))
+            db.execute("DELETE FROM strategy_states WHERE rollout=? AND round<?", (rollout, update))
+            db.execute("DELETE FROM inputs WHERE rollout=? AND id IS NOT (SELECT MAX(id) FROM inputs WHERE rollout=? "
+                       "AND kind=?)", (rollout, rollout, CellTask.KIND))
+            db.execute("INSERT OR IGNORE INTO outputs VALUES (?,?,?,?)", (key, rollout, update, payload))
+        self.db.commit_pending()  # durable before it is published, inside a batch too
+
+    def prune_outputs(self, rollout: str, before: int) -> None:
+        """Forget the outputs numbered below ``before``: the parent counted them (an asynchronous rollout's cell
+        updates, ``fedbuff.COUNTED``), so none is ever published again."""
+        with self.db.locked() as db:
+            db.execute("DELETE FROM outputs WHERE rollout=? AND round<?", (rollout, before))
+
+    def latest_strategy_state(self, rollout: str) -> bytes | None:
+        """The newest state stored for ``rollout``: an asynchronous edge's checkpoint (``save_checkpoint``)."""
+        with self.db.locked() as db:
+            row = db.execute("SELECT state FROM strategy_states WHERE rollout=? ORDER BY round DESC LIMIT 1",
+                             (rollout,)).fetchone()
+        return bytes(row[0]) if row else None
 
     def strategy_state_before(self, rollout: str, round: int) -> bytes | None:
         """The newest state stored for a round before ``round``: where a replay of ``round`` starts."""

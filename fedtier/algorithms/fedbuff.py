@@ -75,6 +75,7 @@ Transitions: ``DEVICE_TRANSITIONS``, ``EDGE_TRANSITIONS``, ``CLOUD_TRANSITIONS``
 from __future__ import annotations
 
 import bisect
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
@@ -115,6 +116,13 @@ SEEN_PREFIX = "seen/"
 STEP_PREFIX = "step/"
 ROSTER = "roster"
 """The cell task's ``config`` key listing the rollout's devices under roaming (an edge's device tasks omit it)."""
+COUNTED = "counted"
+"""The cell task's ``config`` key saying which of the cell's updates the cloud has counted: every counter ``u``
+below it (left out while it is 0; an edge's device tasks omit it). The edge then forgets those outputs: it never
+has to send them again (``Note("cell_updates_counted")``)."""
+CELL_TASK_ONLY = (ROSTER, COUNTED)
+EDGE_STATE = "edge/state"
+"""``Edge.strategy_state``'s one array: the edge's state between two cell updates, as UTF-8 JSON bytes."""
 
 DEVICE_TRANSITIONS: Transitions = {
     RoleState.IDLE: {"task": RoleState.TRAINING},
@@ -324,7 +332,9 @@ class Edge(EdgeRoleBase):
         self._task: CellTask | None = None
         self._config: FedBuffConfig | None = None
         self._plan: NoisePlan | None = None
-        self._seen: set[str] = set()
+        self._seen: dict[tuple[str, str], CountedSteps] = {}
+        """(message kind, device) -> the device's upload counters ``j`` of that kind accepted: its idempotency keys,
+        as runs (``CountedSteps``), so what the edge remembers stays small however long the rollout."""
         self._busy: set[str] = set()
         """Devices holding a task they have not answered yet (a device is given one task at a time)."""
         self._trained_from: dict[str, int] = {}
@@ -373,13 +383,14 @@ class Edge(EdgeRoleBase):
     def receive(self, message: Message, now: float) -> list[Action]:
         if isinstance(message, CellTask):
             return self._new_version(message)
-        if message.key in self._seen:
+        seen = self._seen.get((message.KIND, message.sender))
+        if seen is not None and message.step in seen:
             return [Dropped("duplicate", message.key)]
         if self._task is None or not self._accepts(message.sender):
             raise UnknownSenderError(f"{message.KIND} from {message.sender!r}, not a member of {self.cell!r}"
                                      + (" nor a device of the rollout" if self.roaming else ""))
         if isinstance(message, TrainingFailed):
-            self._seen.add(message.key)
+            self._mark_seen(message)
             self._busy.discard(message.sender)
             return [Note("training_failed", {"device": message.sender, "reason": message.reason})]
         if isinstance(message, DeviceUpdate):
@@ -395,16 +406,53 @@ class Edge(EdgeRoleBase):
         roster = task.config.get(ROSTER, ()) if config.roaming else ()
         if not isinstance(roster, (list, tuple)) or not all(isinstance(d, str) for d in roster):
             raise UnexpectedMessageError(f"cell task's {ROSTER} must be a list of device ids, got {type(roster)}")
+        counted = task.config.get(COUNTED, 0)
+        if not isinstance(counted, int) or isinstance(counted, bool) or counted < 0:
+            raise UnexpectedMessageError(f"cell task's {COUNTED} must be a count of this cell's updates, "
+                                         f"got {counted!r}")
         self._plan = _plan(config, self.cell)
         self._config = config
         self._task = task
         self._roster = frozenset(roster)
-        self._device_config = {k: v for k, v in task.config.items() if k != ROSTER}
+        self._device_config = {k: v for k, v in task.config.items() if k not in CELL_TASK_ONLY}
         self._transition("task")
         # Every member (and visitor) not training gets it (the first version: all of them); a busy one gets it
         # after its upload, and a task to an offline one is lost and sent again when it comes online (``resend``).
-        return [self._device_task(d) for d in (*task.members, *self._visitors)
-                if d not in self._busy and not self._has_trained(d)]
+        out: list[Action] = [self._device_task(d) for d in (*task.members, *self._visitors)
+                             if d not in self._busy and not self._has_trained(d)]
+        return [Note("cell_updates_counted", {"before": counted}), *out] if counted else out
+
+    def _mark_seen(self, message: Message) -> None:
+        self._seen.setdefault((message.KIND, message.sender), CountedSteps()).add(message.step)
+
+    def strategy_state(self) -> Mapping[str, np.ndarray] | None:
+        """What the edge carries from one cell update to the next beyond its inputs, taken by the shell right
+        after each cell update (the buffer is empty then): the update counter, the uploads seen (as runs), who
+        holds a task, who trained from which version, the visitors and the rejects. A restarted edge loads it
+        and replays only the inputs accepted after it (the newest cell task first), so an asynchronous rollout's
+        edge store holds one buffer's inputs, not the rollout's."""
+        if self._buffer.count:
+            return None  # taken only between cell updates: the buffer's deltas are in no checkpoint
+        state = {"seq": self._seq, "trained_from": self._trained_from, "busy": sorted(self._busy),
+                 "visitors": list(self._visitors), "rejected": self.rejected,
+                 "seen": [[kind, device, runs.to_array().tolist()] for (kind, device), runs in self._seen.items()]}
+        return {EDGE_STATE: np.frombuffer(json.dumps(state, sort_keys=True).encode(), dtype=np.uint8)}
+
+    def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore ``strategy_state`` into a new edge, before its newest cell task is replayed."""
+        if EDGE_STATE not in state:
+            return
+        try:
+            loaded = json.loads(np.asarray(state[EDGE_STATE], dtype=np.uint8).tobytes())
+            self._seq = int(loaded["seq"])
+            self._trained_from = {str(d): int(v) for d, v in loaded["trained_from"].items()}
+            self._busy = {str(d) for d in loaded["busy"]}
+            self._visitors = dict.fromkeys(str(d) for d in loaded["visitors"])
+            self.rejected = {str(r): int(n) for r, n in loaded["rejected"].items()}
+            self._seen = {(str(k), str(d)): CountedSteps.from_array(np.asarray(runs, dtype=np.int64))
+                          for k, d, runs in loaded["seen"]}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise LocalProtocolError(f"unreadable fedbuff edge state: {exc}") from None
 
     @property
     def roaming(self) -> bool:
@@ -451,7 +499,7 @@ class Edge(EdgeRoleBase):
         version = self._task.round
         if update.round > version:
             raise WrongRoundError(f"delta from version {update.round}, edge holds {version}")
-        self._seen.add(update.key)
+        self._mark_seen(update)
         self._busy.discard(update.sender)
         if self.roaming:
             self._visit(update.sender)  # it is here: new versions go to it
@@ -674,8 +722,16 @@ class Cloud(StateGuard):
         if self.config.roaming:
             cfg[ROSTER] = list(self.roster)
         return [SendToChild(c, CellTask(rollout=self.rollout, round=self._version, sender=self.cloud_id,
-                                        params=self._params, members=m, config=cfg, model_version=self._version))
+                                        params=self._params, members=m, config=self._with_counted(cfg, c),
+                                        model_version=self._version))
                 for c, m in self.cells.items()]
+
+    def _with_counted(self, config: dict[str, Any], cell: str) -> dict[str, Any]:
+        """``config`` with ``COUNTED``: the cell's updates below the first it has not counted (all of them, as the
+        cell numbers them 0, 1, 2, ...; one lost and never sent again holds the prefix where it is)."""
+        seen = self._seen[cell]
+        counted = seen.ends[0] if seen.starts and seen.starts[0] == 0 else 0
+        return {**config, COUNTED: counted} if counted else config
 
     def resend(self, child: str, now: float) -> list[Action]:
         if self._state is not RoleState.COLLECTING or child not in self.cells:

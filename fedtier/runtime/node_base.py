@@ -42,6 +42,8 @@ IDENTITY_CONFLICTS = "fedtier_identity_conflicts_total"
 by that id (``identity``); the ``node`` label stays the exporting node's. Bounded: only identities
 that had a conflict get a series."""
 EXPECTED_DROPS = ("duplicate",)
+ROUTINE_NOTES = ("cell_updates_counted",)
+"""Notes a role makes in normal operation, many times a rollout: logged at DEBUG, not INFO."""
 """Drop reasons that a healthy fleet produces (QoS 1 redeliveries, resends after a restart): DEBUG, not INFO."""
 REJECT_LOG_INTERVAL_S = 60.0
 """A rejection's reason and sender are logged at WARNING at most once per this many seconds (``NodeBase.reject``)."""
@@ -250,7 +252,8 @@ class NodeBase:
                 level = logging.DEBUG if action.reason in EXPECTED_DROPS else logging.INFO
                 self.log.log(level, "dropped %s: %s %s", action.key, action.reason, action.detail)
             elif isinstance(action, Note):
-                self.log.info("%s %s", action.event, " ".join(f"{k}={v}" for k, v in action.fields.items()))
+                self.log.log(logging.DEBUG if action.event in ROUTINE_NOTES else logging.INFO, "%s %s", action.event,
+                             " ".join(f"{k}={v}" for k, v in action.fields.items()))
 
 
 MAX_BATCH = 256

@@ -12,7 +12,9 @@ computes, and the coordinator's committed rows must name every device once in ev
 from __future__ import annotations
 
 import signal
+import sqlite3
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
 VERSIONS = 14
 FEDTIER = [sys.executable, "-m", "fedtier"]
+
+
+def _held(db: Path) -> dict[str, int]:
+    """What an edge's store holds of its rollout: inputs by kind, outputs, role states."""
+    with closing(sqlite3.connect(db)) as con:
+        kinds = dict(con.execute("SELECT kind, COUNT(*) FROM inputs GROUP BY kind").fetchall())
+        return {"cell_tasks": kinds.pop("cell_task", 0), "deltas": sum(kinds.values()),
+                "outputs": con.execute("SELECT COUNT(*) FROM outputs").fetchone()[0],
+                "states": con.execute("SELECT COUNT(*) FROM strategy_states").fetchone()[0]}
 
 
 def test_kill_9_of_a_device_an_edge_and_the_coordinator_counts_every_delta_once(
@@ -78,6 +89,7 @@ def test_kill_9_of_a_device_an_edge_and_the_coordinator_counts_every_delta_once(
         agents[victim] = agent(victim)
         wait_for_text(edges["cell-a"], "closed round 5 of t", 120, procs)
         kill_9(edges["cell-a"])
+        held = _held(tmp_path / "fleet" / "edges" / "cell-a" / "edge.db")
         edges["cell-a"] = edge("cell-a")
         wait_for_text(cloud, "round 8 closed", 120, procs)
         kill_9(cloud)
@@ -98,6 +110,10 @@ def test_kill_9_of_a_device_an_edge_and_the_coordinator_counts_every_delta_once(
     over_mqtt = store.latest_model(fleet_cfg.rollout)
     store.close()
     assert [r["round"] for r in rows] == list(range(VERSIONS))
+    # The killed edge held one buffer's inputs (at most k_edge - 1 deltas or failures) after its newest cell
+    # tasks, and its newest state: not every input since the rollout began, which its restart replayed before.
+    assert held["deltas"] <= 1 and 1 <= held["cell_tasks"] <= 2 and held["states"] == 1, held
+    assert held["outputs"] <= 3, held  # the cell updates the cloud had not said it counted
     members: dict[str, list[str]] = {}
     for device, config in sorted(paths.devices.items()):
         members.setdefault(str(read_toml(config)["cell"]), []).append(device)

@@ -82,15 +82,15 @@ def record_outputs(fleet: ThreadFleet, cell: str, into: list[CellUpdate]) -> Non
     """Keep every cell update the edge of ``cell`` stores before it publishes it (its store forgets them when the
     rollout ends)."""
     store = fleet.nodes[cell].node.store
-    save = store.save_output
+    save = store.save_checkpoint  # an asynchronous edge stores each cell update with its state
 
-    def saving(rollout: str, round: int, key: str, payload: bytes) -> None:
+    def saving(rollout: str, round: int, key: str, payload: bytes, state: bytes) -> None:
         message = decode_message(payload)
         if isinstance(message, CellUpdate):
             into.append(message)
-        save(rollout, round, key, payload)
+        save(rollout, round, key, payload, state)
 
-    store.save_output = saving
+    store.save_checkpoint = saving
 
 
 def provision(tmp_path: Path, artifact_store: Path, layout: str) -> tuple[Any, int]:

@@ -252,3 +252,59 @@ def test_a_cell_update_does_not_depend_on_the_order_its_deltas_arrived_in() -> N
         means.append(up.delta)
     for name in PARAMS:
         assert np.array_equal(means[0][name], means[1][name])
+
+
+# --- the edge's checkpoint and the cloud's "counted" ----------------------------------------------
+
+
+def _task(version: int, counted: int = 0, **kw: object) -> CellTask:
+    cfg = {**config(**kw).to_dict(), **({fedbuff.COUNTED: counted} if counted else {})}
+    return CellTask(rollout="r", round=version, sender="cloud", params=full(float(version)), members=CELLS["cell-a"],
+                    config=cfg, model_version=version)
+
+
+def test_an_edge_restored_from_its_checkpoint_and_the_inputs_after_it_goes_on_as_the_uninterrupted_one() -> None:
+    """The state taken right after a cell update, loaded into a new edge before its newest cell task and the inputs
+    that came after it are replayed, gives the same cell updates, device tasks and duplicate drops as the edge that
+    saw every input since the start; so its store need not keep those (``EdgeStore.save_checkpoint``)."""
+    kw = {"k_edge": 2, "once_per_version": True}
+    before = [_task(0, **kw), upload("dev-0", 0, 0, 1.0), upload("dev-1", 0, 0, 2.0), _task(1, **kw),
+              upload("dev-2", 0, 0, 3.0), upload("dev-0", 1, 1, 4.0)]
+    after = [upload("dev-1", 1, 1, 5.0), upload("dev-0", 1, 1, 4.0), _task(2, counted=1, **kw),
+             upload("dev-2", 1, 1, 6.0), upload("dev-1", 0, 0, 2.0), upload("dev-0", 2, 2, 7.0)]
+    whole = fedbuff.Edge(cell="cell-a", rollout="r")
+    for m in before:
+        whole.receive(m, 0.0)
+    state = whole.strategy_state()  # the second cell update has just left: the buffer is empty
+    assert state is not None and whole.step == 2
+    restored = fedbuff.Edge(cell="cell-a", rollout="r")
+    restored.load_strategy_state({k: np.array(v) for k, v in state.items()})
+    restored.receive(_task(1, **kw), 0.0)  # the newest cell task, which the store keeps
+    for m in after:
+        got, want = restored.receive(m, 1.0), whole.receive(m, 1.0)
+        assert repr(got) == repr(want), m.key
+    assert restored.step == whole.step == 3
+    assert restored.rejected == whole.rejected
+    # a delta of the checkpointed past is a duplicate for both; a buffer holding a delta is in no checkpoint
+    assert isinstance(restored.receive(upload("dev-2", 0, 0, 3.0), 2.0)[0], Dropped)
+    assert restored.strategy_state() is None and whole.strategy_state() is None
+    restored.receive(upload("dev-1", 2, 2, 1.0), 2.0)
+    assert restored.strategy_state() is not None and restored.step == 4
+
+
+def test_the_cloud_tells_each_cell_which_updates_it_counted_and_devices_never_see_it() -> None:
+    c = cloud(k_cloud=2)
+    c.receive(cell_update("cell-a", 0, base=0, value=1.0, weight=1), 0.0)
+    actions = c.receive(cell_update("cell-b", 0, base=0, value=1.0, weight=1), 0.0)
+    tasks = {a.child: a.message for a in actions if isinstance(a, SendToChild)}
+    assert tasks["cell-a"].config[fedbuff.COUNTED] == 1 and tasks["cell-b"].config[fedbuff.COUNTED] == 1
+    c.receive(cell_update("cell-a", 2, base=1, value=1.0, weight=1), 0.0)  # update 1 of cell-a is lost
+    actions = c.receive(cell_update("cell-b", 1, base=1, value=1.0, weight=1), 0.0)
+    tasks = {a.child: a.message for a in actions if isinstance(a, SendToChild)}
+    assert tasks["cell-a"].config[fedbuff.COUNTED] == 1 and tasks["cell-b"].config[fedbuff.COUNTED] == 2
+    e = edge()
+    e.receive(upload("dev-0", 0, 0, 1.0), 0.0)
+    e.receive(upload("dev-1", 0, 0, 1.0), 0.0)
+    out = e.receive(tasks["cell-a"], 0.0)
+    assert out[0].event == "cell_updates_counted" and out[0].fields == {"before": 1}
+    assert all(fedbuff.COUNTED not in a.message.config for a in out if isinstance(a, SendToChild))
