@@ -23,7 +23,7 @@ from fedtier.runtime.metrics import BYTES, DOCS, MESSAGES, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-LABELS = {"node", "role", "rollout", "cell", "reason", "kind", "tier", "direction", "identity",  # fedtier's
+LABELS = {"node", "role", "rollout", "cell", "reason", "kind", "tier", "direction", "identity", "phase",  # fedtier's
           "instance", "job", "le"}  # Prometheus's (target labels) and the histograms' buckets
 NAME = re.compile(r"\b((?:fedtier|process|python)_[a-z_]+|up)\b")
 
@@ -102,7 +102,8 @@ def test_the_dashboard_shows_the_series_an_operator_watches() -> None:
     shown = {n for _, expr in grafana_queries() for n in NAME.findall(expr)}
     for name in ("fedtier_accuracy", "fedtier_loss", "fedtier_round_seconds_bucket", "fedtier_devices_online",
                  "fedtier_rejected_total", "fedtier_bytes_total", "fedtier_epsilon_spent_max",
-                 "fedtier_identity_conflicts_total", "fedtier_round_deadline_timestamp_seconds"):
+                 "fedtier_identity_conflicts_total", "fedtier_round_deadline_timestamp_seconds",
+                 "fedtier_training_failed_total", "fedtier_secagg_waited_total", "fedtier_federated_accuracy_min"):
         assert name in shown, name
 
 
