@@ -369,6 +369,9 @@ def crl_cmd(fleet_dir: Path, days: float, broker_dirs: tuple[Path, ...]) -> None
 @click.option("--members-only", is_flag=True,
               help="Grant device rights only to devices of CELL in the inventory (regenerate + SIGHUP "
                    "after enrolling more), instead of to any fleet device.")
+@click.option("--roaming", is_flag=True,
+              help="With --members-only: every device of the inventory, whatever its cell, may act in this cell, each "
+                   "by name (a rollout with [topology] roaming = true).")
 @click.option("--bridge-to", default=None, metavar="HOST:PORT",
               help="Bridge this broker to the cloud broker there (mutual TLS with the gateway's certificate; only "
                    "this cell's edge topics cross); the edge then connects to this broker alone.")
@@ -380,7 +383,7 @@ def crl_cmd(fleet_dir: Path, days: float, broker_dirs: tuple[Path, ...]) -> None
               help="The coordinator's id, whose presence the bridge brings in.")
 @click.option("--force", is_flag=True, help="Overwrite an existing mosquitto.conf/fedtier.acl in --out.")
 def broker_config_cmd(cell: str, fleet_dir: Path, out: Path, port: int, bind: str, cert: Path | None,
-                      key: Path | None, run_as: str | None, members_only: bool, bridge_to: str | None,
+                      key: Path | None, run_as: str | None, members_only: bool, roaming: bool, bridge_to: str | None,
                       bridge_cert: Path | None, bridge_key: Path | None, cloud_id: str, force: bool) -> None:
     """Write a Mosquitto 2.0 config (mutual TLS, CRL, ACL) for the broker of one cell.
 
@@ -401,6 +404,9 @@ def broker_config_cmd(cell: str, fleet_dir: Path, out: Path, port: int, bind: st
 
     if (cert is None) != (key is None):
         raise click.UsageError("--cert and --key go together")
+    if roaming and not members_only:
+        raise click.UsageError("--roaming goes with --members-only (without it any fleet device may act in the cell "
+                               "already)")
     remote = None
     if bridge_to is not None:
         if bridge_cert is None or bridge_key is None:
@@ -414,7 +420,7 @@ def broker_config_cmd(cell: str, fleet_dir: Path, out: Path, port: int, bind: st
         raise click.UsageError("--bridge-cert and --bridge-key go with --bridge-to")
     with _errors(name_hint="--cell"):
         setup = write_cell_broker_config(fleet_dir, cell, out, port=port, bind=bind, cert=cert, key=key,
-                                         run_as=run_as, members_only=members_only, force=force,
+                                         run_as=run_as, members_only=members_only, roaming=roaming, force=force,
                                          bridge_to=remote, bridge_cert=bridge_cert, bridge_key=bridge_key,
                                          cloud_id=cloud_id)
     click.echo(f"config: {setup.conf}\nACL:    {setup.acl}\nCRL:    {setup.crl}")

@@ -402,6 +402,13 @@ def test_members_only_binds_devices_to_the_cell(tmp_path: Path, fleet_dir: Path,
     acl = (out / "fedtier.acl").read_text()
     assert "user d0\ntopic write ft/v1/+/cell/c0/up/d0/#\ntopic read ft/v1/+/cell/c0/down/#" in acl
     assert "user d1" not in acl and "user e0" not in acl and "%u/#" not in acl
+    # a roaming rollout: every device of the inventory may act here, each by name (revoked d1 still not)
+    assert "--roaming goes with --members-only" in cli("broker-config", "--cell", "c0", "--fleet", fleet_dir,
+                                                       "--out", out, "--force", "--roaming", ok=False).output
+    cli("broker-config", "--cell", "c0", "--fleet", fleet_dir, "--out", out, "--force", "--members-only", "--roaming")
+    acl = (out / "fedtier.acl").read_text()
+    assert "user e0\ntopic write ft/v1/+/cell/c0/up/e0/#\ntopic read ft/v1/+/cell/c0/down/#" in acl
+    assert "user d0\n" in acl and "user d1" not in acl and "%u/#" not in acl
 
 
 def test_run_as_hands_a_0600_key_copy_to_that_user(tmp_path: Path, fleet_dir: Path, cli: Cli) -> None:
