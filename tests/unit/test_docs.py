@@ -50,7 +50,7 @@ def test_every_experiment_config_loads() -> None:
         if not isinstance(spec.get("rollout"), dict):  # a plain rollout config (its "rollout" is an id)
             load(RolloutConfig, path)
             continue
-        runner = __import__(path.stem)
+        runner = __import__(str(spec.get("runner", path.stem)))  # a variant config names the runner it is for
         if hasattr(runner, "all_mappings"):  # runners whose runs are not (split x algorithm)
             for mapping in runner.all_mappings(spec):
                 RolloutConfig.from_mapping(mapping, source=str(path), base_dir=path.parent)
