@@ -112,6 +112,12 @@ asynchronous rollout's (FedBuff) are kept from its first model version on (``Edg
 
 
 
+CHECKPOINT_SHARE = 16
+CHECKPOINT_MAX = 1024
+"""An asynchronous edge stores its role's state with a cell update once the inputs since the last such checkpoint
+reach a sixteenth of its cell's devices (at every cell update in a cell of up to 16), and at most 1,024: the state,
+which names every device, is then encoded once per that many inputs, and the store holds at most that many."""
+
 PRESENCE_SUMMARY_S = 2.0
 """At most one ``cell_presence`` summary per this many seconds: a cell of thousands of devices that all
 connect within a minute sends a few dozen summaries, not one per device."""
@@ -155,6 +161,8 @@ class EdgeNode(NodeBase):
         model version, so inputs are not pruned when a new one arrives but when a cell update leaves, with the role's
         state stored beside it (``EdgeStore.save_checkpoint``: a restart loads it and replays what came after), and
         bytes are counted per cell update (``_bytes_key``)."""
+        self._since_checkpoint: dict[str, int] = {}
+        """Asynchronous rollout -> inputs accepted since its last checkpoint (``_save_async_output``)."""
         self._dormant: dict[str, list[bytes]] = {}  # stored inputs of rollouts not yet seen alive after a restart
         self._task_arrived: dict[tuple[str, int], float] = {}
         """When each open round's cell task arrived (monotonic), for ``AGGREGATION_SECONDS``."""
@@ -398,6 +406,8 @@ class EdgeNode(NodeBase):
                 self.metrics.inc(ACCEPTED, kind=msg.KIND)
             if isinstance(msg, TrainingFailed):
                 self._training_failed(msg, replay)
+            if msg.rollout in self._asynchronous and not isinstance(msg, CellTask):  # replayed ones count too
+                self._since_checkpoint[msg.rollout] = self._since_checkpoint.get(msg.rollout, 0) + 1
             # the aggregation clock starts with a round's task, or with the first delta of an asynchronous buffer
             if isinstance(msg, CellTask) != (msg.rollout in self._asynchronous):
                 self._task_arrived.setdefault(key, time.monotonic())
@@ -498,10 +508,10 @@ class EdgeNode(NodeBase):
                 if self._refuse_clear_aggregate(rollout, msg):
                     return
             stored = msg.encode(action.encodings)
-            carried = role.strategy_state() if role is not None and isinstance(msg, CellUpdate) else None
-            if carried is not None and rollout in self._asynchronous:  # inputs it holds are forgotten
-                self.store.save_checkpoint(rollout, msg.round, msg.key, stored, npz_file.encode_arrays(carried))
+            if rollout in self._asynchronous and isinstance(msg, CellUpdate):
+                self._save_async_output(rollout, msg, stored, role)
             else:
+                carried = role.strategy_state() if role is not None and isinstance(msg, CellUpdate) else None
                 if carried is not None:  # committed with the output below: both or neither survive a crash
                     self.store.save_strategy_state(rollout, msg.round, npz_file.encode_arrays(carried))
                 self.store.save_output(rollout, msg.round, msg.key, stored)
@@ -516,6 +526,20 @@ class EdgeNode(NodeBase):
             self.metrics.observe(AGGREGATION_SECONDS, time.monotonic() - arrived)
         log.info("cell %s closed round %s of %s: %d updates -> cloud", self.cell, msg.round, rollout,
                  len(getattr(msg, "reported", ())))
+
+    def _save_async_output(self, rollout: str, msg: CellUpdate, stored: bytes, role: EdgeRole | None) -> None:
+        """An asynchronous rollout's cell update, kept before it is published; with the role's state (a checkpoint:
+        the inputs it holds are forgotten) once ``CHECKPOINT_SHARE`` of the cell's devices worth of inputs arrived
+        since the last one. The state grows with the devices the edge knows, the inputs it replaces with the time
+        since: a checkpoint at every cell update of a cell of 10,000 devices would cost more than its deltas."""
+        due = self._since_checkpoint.get(rollout, 0) >= min(len(role.members) // CHECKPOINT_SHARE, CHECKPOINT_MAX) \
+            if role is not None else False
+        carried = role.strategy_state() if role is not None and due else None
+        if carried is None:
+            self.store.save_output(rollout, msg.round, msg.key, stored)
+            return
+        self.store.save_checkpoint(rollout, msg.round, msg.key, stored, npz_file.encode_arrays(carried))
+        self._since_checkpoint[rollout] = 0
 
     # --- presence ---------------------------------------------------------------------------------
 

@@ -116,9 +116,12 @@ class EdgeStore:
 
     def prune_outputs(self, rollout: str, before: int) -> None:
         """Forget the outputs numbered below ``before``: the parent counted them (an asynchronous rollout's cell
-        updates, ``fedbuff.COUNTED``), so none is ever published again."""
+        updates, ``fedbuff.COUNTED``), so none is ever published again. Only those the newest checkpoint holds: a
+        replay from it makes the others again, and must find their stored bytes (a fresh encoding of a trusted
+        edge's update would be a second noisy release of it)."""
         with self.db.locked() as db:
-            db.execute("DELETE FROM outputs WHERE rollout=? AND round<?", (rollout, before))
+            db.execute("DELETE FROM outputs WHERE rollout=? AND round<? AND round <= (SELECT MAX(round) FROM "
+                       "strategy_states WHERE rollout=?)", (rollout, before, rollout))
 
     def latest_strategy_state(self, rollout: str) -> bytes | None:
         """The newest state stored for ``rollout``: an asynchronous edge's checkpoint (``save_checkpoint``)."""

@@ -435,7 +435,7 @@ class Edge(EdgeRoleBase):
             return None  # taken only between cell updates: the buffer's deltas are in no checkpoint
         state = {"seq": self._seq, "trained_from": self._trained_from, "busy": sorted(self._busy),
                  "visitors": list(self._visitors), "rejected": self.rejected,
-                 "seen": [[kind, device, runs.to_array().tolist()] for (kind, device), runs in self._seen.items()]}
+                 "seen": [[kind, device, runs.starts, runs.ends] for (kind, device), runs in self._seen.items()]}
         return {EDGE_STATE: np.frombuffer(json.dumps(state, sort_keys=True).encode(), dtype=np.uint8)}
 
     def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
@@ -449,8 +449,9 @@ class Edge(EdgeRoleBase):
             self._busy = {str(d) for d in loaded["busy"]}
             self._visitors = dict.fromkeys(str(d) for d in loaded["visitors"])
             self.rejected = {str(r): int(n) for r, n in loaded["rejected"].items()}
-            self._seen = {(str(k), str(d)): CountedSteps.from_array(np.asarray(runs, dtype=np.int64))
-                          for k, d, runs in loaded["seen"]}
+            self._seen = {(str(k), str(d)): CountedSteps.from_array(
+                np.array([v for run in zip(starts, ends, strict=True) for v in run], dtype=np.int64))
+                for k, d, starts, ends in loaded["seen"]}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise LocalProtocolError(f"unreadable fedbuff edge state: {exc}") from None
 
