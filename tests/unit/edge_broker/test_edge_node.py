@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_helpers import memory_edge
+
 from edge_broker.service import TRAINING_FAILED, EdgeNode
-from edge_broker.store import EdgeStore
 from fedtier.algorithms.fedavg import FedAvgConfig
-from fedtier.artifacts.cache import ArtifactCache, sha256_hex
+from fedtier.artifacts.cache import sha256_hex
 from fedtier.privacy.mechanism import NoiseSource
 from fedtier.privacy.plan import CellPlan, NoisePlan
 from fedtier.runtime.node_base import ACCEPTED, REJECTED
@@ -45,14 +46,7 @@ class Rig:
         self.edge = self.new_edge(tmp, store_path)
 
     def new_edge(self, tmp: Path, store_path: Path | None) -> EdgeNode:
-        edge = EdgeNode(cell=CELL, cell_transport=self.broker.connect("edge-cell"),
-                        cloud_transport=self.broker.connect("edge-cloud"),
-                        store=EdgeStore(store_path or ":memory:"), cache=ArtifactCache(tmp / "cache"))
-        for tx in (edge.cell_tx, edge.cloud_tx):
-            tx.set_handler(lambda inbound, e=edge: e.handle(inbound, self.broker.now))
-        edge.start(self.broker.now)
-        self.broker.run_until_idle()
-        return edge
+        return memory_edge(self.broker, CELL, store_path or ":memory:", tmp / "cache")
 
     def task(self, config: FedAvgConfig | None = None) -> None:
         task = CellTask(rollout=ROLLOUT, round=0, sender="cloud", params=PARAMS, members=MEMBERS,

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_helpers import memory_edge
+
 from edge_broker.service import CHECKPOINT_SHARE, EdgeNode
-from edge_broker.store import EdgeStore
 from fedtier.algorithms import fedbuff
-from fedtier.artifacts.cache import ArtifactCache, sha256_hex
+from fedtier.artifacts.cache import sha256_hex
 from fedtier.privacy.plan import CellPlan, NoisePlan
 from fedtier.security.manifest import Manifest
 from fedtier.transport import topics
@@ -48,14 +49,7 @@ class Rig:
         self.steps: dict[str, int] = {}
 
     def start(self) -> EdgeNode:
-        edge = EdgeNode(cell=CELL, cell_transport=self.broker.connect("edge-cell"),
-                        cloud_transport=self.broker.connect("edge-cloud"), store=EdgeStore(self.db),
-                        cache=ArtifactCache(self.tmp / "cache"))
-        for tx in (edge.cell_tx, edge.cloud_tx):
-            tx.set_handler(lambda inbound, e=edge: e.handle(inbound, self.broker.now))
-        edge.start(self.broker.now)
-        self.broker.run_until_idle()
-        return edge
+        return memory_edge(self.broker, CELL, self.db, self.tmp / "cache")
 
     def restart(self) -> None:
         self.edge.store.close()

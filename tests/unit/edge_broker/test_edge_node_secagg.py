@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_helpers import memory_edge
+
 from edge_broker.service import EdgeNode
-from edge_broker.store import EdgeStore
 from fedtier.algorithms.base import LocalResult, LocalTrain, SendToParent
 from fedtier.algorithms.secure_fedavg import Device, SecureFedAvgConfig
-from fedtier.artifacts.cache import ArtifactCache
 from fedtier.transport import topics
 from fedtier.transport.memory import MemoryBroker
 from fedtier.wire import messages
@@ -39,14 +39,7 @@ class Rig:
         self.edge = self.new_edge()
 
     def new_edge(self) -> EdgeNode:
-        edge = EdgeNode(cell=CELL, cell_transport=self.broker.connect("edge-cell"),
-                        cloud_transport=self.broker.connect("edge-cloud"), store=EdgeStore(self.db),
-                        cache=ArtifactCache(self.tmp / "cache"))
-        for tx in (edge.cell_tx, edge.cloud_tx):
-            tx.set_handler(lambda inbound, e=edge: e.handle(inbound, self.broker.now))
-        edge.start(self.broker.now)
-        self.broker.run_until_idle()
-        return edge
+        return memory_edge(self.broker, CELL, self.db, self.tmp / "cache")
 
     def on_cell(self, inbound) -> None:
         parsed = topics.parse(inbound.topic)
