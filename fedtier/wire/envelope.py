@@ -509,8 +509,12 @@ def _split(data: bytes, max_bytes: int) -> tuple[dict[str, Any], memoryview]:
             use_list=True,
             max_bin_len=MAX_BIN_BYTES,
             max_str_len=1 << 16,
-            max_array_len=MAX_TENSORS * 4,
-            max_map_len=1 << 12,
+            # Containers as long as the header can hold (an element takes a byte at least, a map entry two): a cell
+            # task lists its members, a cell update its reporters and their evaluations, a roaming task the
+            # rollout's devices. Tighter fixed limits (16,384 items, 4,096 keys) refused every message of a cell of
+            # 16,384 devices, and every cell update with more than 4,096 devices' evaluations.
+            max_array_len=hlen,
+            max_map_len=hlen // 2,
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)

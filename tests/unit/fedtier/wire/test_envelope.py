@@ -409,6 +409,29 @@ def test_header_length_above_the_limit_is_malformed() -> None:
         wire.decode(data)
 
 
+def test_a_cell_of_20000_devices_has_tasks_and_updates_that_decode() -> None:
+    """A cell task lists its members (and under roaming the rollout's devices), a cell update its reporters and each
+    one's evaluation: containers as long as the header allows. With msgpack's fixed limits (16,384 items, 4,096
+    keys) a cell of 20,000 devices could neither get a task nor send an update: a round waited for it for ever."""
+    from fedtier.wire.messages import CellTask, CellUpdate, decode_message
+
+    ids = tuple(f"dev-{i:05d}" for i in range(20_000))
+    task = CellTask(rollout="r", round=0, sender="cloud", params={"w": np.zeros(4, np.float32)}, members=ids,
+                    config={"roster": list(ids)})
+    update = CellUpdate(rollout="r", round=0, sender="cell-a", delta={"w": np.zeros(4, np.float32)}, weight=1.0,
+                        reported=ids, stats={"evaluations": {d: [5, 0.5, 3, None] for d in ids}})
+    assert decode_message(task.encode()).members == ids
+    assert len(decode_message(update.encode()).device_evaluations) == len(ids)
+
+
+def test_a_container_longer_than_its_header_is_refused_before_it_is_built() -> None:
+    """What bounds a header's containers is its length: an array claiming more items than bytes is malformed."""
+    raw = b"\x81\xa1t\xdd\x7f\xff\xff\xff"  # {"t": an array of 2^31 - 1 items}, none of them present
+    data = PREFIX.pack(b"FTEN", 1, len(raw)) + raw
+    with pytest.raises(MalformedHeaderError):
+        wire.decode(data)
+
+
 @pytest.mark.parametrize("key", ["t", "ro", "r", "st", "s", "k", "sha", "m", "ts"])
 def test_missing_header_key(key: str) -> None:
     header = base_header()
