@@ -108,7 +108,7 @@ TRAINING_FAILED = "fedtier_training_failed_total"
 """Devices' ``training_failed`` reports the edge accepted, by reason (crash, error, non_finite)."""
 ROUND_INPUTS = (CellTask, DeviceUpdate, DeviceGradient, TrainingFailed, *secagg_messages.UPWARD)
 """Messages a role takes as inputs of its round (stored and replayed), besides HSGD's ``Embeddings``. An
-asynchronous rollout's (FedBuff) are kept from its first model version on (``EdgeNode._asynchronous``)."""
+asynchronous rollout's (FedBuff) are kept from its newest checkpoint on (``EdgeNode._save_async_output``)."""
 
 
 
