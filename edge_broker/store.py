@@ -14,10 +14,10 @@ What a role carries from one round to the next beyond its inputs (an edge optimi
 stored with the round's output, in the same commit; a restarted edge hands the state stored for the
 round before the open one back to the role before it replays the open round.
 
-An asynchronous rollout (FedBuff) has no rounds to prune by: its edge stores its role's state with each cell
-update (``save_checkpoint``) and forgets the inputs that state holds, so a restart loads the state and replays
-the newest cell task and what arrived after it; the outputs the cloud has counted are forgotten as it says so
-(``prune_outputs``).
+An asynchronous rollout (FedBuff) has no rounds to prune by: its edge stores its role's state with a cell update
+now and then (``save_checkpoint``; how often is the service's choice) and forgets the inputs that state holds, so
+a restart loads the state and replays the newest cell task and what arrived after it; the outputs the cloud has
+counted are forgotten as it says so (``prune_outputs``).
 
 Rollouts that ended (their manifest cleared) are remembered, with the sha256 of their last manifest:
 the edge refuses their messages for good (a replayed task is not a new round), until a different
@@ -105,7 +105,7 @@ class EdgeStore:
         """Asynchronous rollout (FedBuff): cell update ``update`` (its output, kept before it is published) and the
         role's state right after it, in one commit that also forgets what that state holds: every input of the
         rollout but its newest cell task (where a replay starts, the state loaded first), and older states. An
-        asynchronous edge's store then holds one buffer's inputs, however long the rollout has run."""
+        asynchronous edge's store then holds the inputs since its last checkpoint, however long the rollout ran."""
         with self.db.transaction() as db:
             db.execute("INSERT OR REPLACE INTO strategy_states VALUES (?,?,?)", (rollout, update, state))
             db.execute("DELETE FROM strategy_states WHERE rollout=? AND round<?", (rollout, update))

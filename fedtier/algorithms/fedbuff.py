@@ -427,15 +427,15 @@ class Edge(EdgeRoleBase):
 
     def strategy_state(self) -> Mapping[str, np.ndarray] | None:
         """What the edge carries from one cell update to the next beyond its inputs, taken by the shell right
-        after each cell update (the buffer is empty then): the update counter, the uploads seen (as runs), who
-        holds a task, who trained from which version, the visitors and the rejects. A restarted edge loads it
-        and replays only the inputs accepted after it (the newest cell task first), so an asynchronous rollout's
-        edge store holds one buffer's inputs, not the rollout's."""
+        after a cell update (the buffer is empty then; how often is the shell's choice): the update counter, the
+        uploads seen (as runs), who holds a task, who trained from which version, the visitors and the rejects. A
+        restarted edge loads it and replays only the inputs accepted after it (the newest cell task first), so an
+        asynchronous rollout's edge store holds the inputs since its last checkpoint, not the rollout's."""
         if self._buffer.count:
             return None  # taken only between cell updates: the buffer's deltas are in no checkpoint
         state = {"seq": self._seq, "trained_from": self._trained_from, "busy": sorted(self._busy),
                  "visitors": list(self._visitors), "rejected": self.rejected,
-                 "seen": [[kind, device, runs.starts, runs.ends] for (kind, device), runs in self._seen.items()]}
+                 "seen": [[kind, device, runs.to_list()] for (kind, device), runs in self._seen.items()]}
         return {EDGE_STATE: np.frombuffer(json.dumps(state, sort_keys=True).encode(), dtype=np.uint8)}
 
     def load_strategy_state(self, state: Mapping[str, np.ndarray]) -> None:
@@ -449,9 +449,7 @@ class Edge(EdgeRoleBase):
             self._busy = {str(d) for d in loaded["busy"]}
             self._visitors = dict.fromkeys(str(d) for d in loaded["visitors"])
             self.rejected = {str(r): int(n) for r, n in loaded["rejected"].items()}
-            self._seen = {(str(k), str(d)): CountedSteps.from_array(
-                np.array([v for run in zip(starts, ends, strict=True) for v in run], dtype=np.int64))
-                for k, d, starts, ends in loaded["seen"]}
+            self._seen = {(str(k), str(d)): CountedSteps.from_array(runs) for k, d, runs in loaded["seen"]}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise LocalProtocolError(f"unreadable fedbuff edge state: {exc}") from None
 
@@ -636,12 +634,20 @@ class CountedSteps:
             self.starts.insert(i, j)
             self.ends.insert(i, j + 1)
 
+    def prefix(self) -> int:
+        """How many numbers are counted from 0 on without a gap: every ``j`` below it is counted."""
+        return self.ends[0] if self.starts and self.starts[0] == 0 else 0
+
+    def to_list(self) -> list[int]:
+        """``[start0, end0, start1, end1, ...]``, plain ints (what a JSON state holds; no array per device)."""
+        return [v for run in zip(self.starts, self.ends, strict=True) for v in run]
+
     def to_array(self) -> np.ndarray:
-        """``[start0, end0, start1, end1, ...]``."""
-        return np.array([v for run in zip(self.starts, self.ends, strict=True) for v in run], dtype=np.int64)
+        """``to_list`` as an int64 array (what a strategy state holds)."""
+        return np.array(self.to_list(), dtype=np.int64)
 
     @classmethod
-    def from_array(cls, array: np.ndarray) -> "CountedSteps":
+    def from_array(cls, array: np.ndarray | list[int]) -> "CountedSteps":
         values = [int(v) for v in np.asarray(array).reshape(-1)]
         if len(values) % 2 or any(b <= a for a, b in zip(values, values[1:], strict=False)):
             raise LocalProtocolError(f"counted device-steps are not increasing [start, end) runs: {values[:8]}")
@@ -730,8 +736,7 @@ class Cloud(StateGuard):
     def _with_counted(self, config: dict[str, Any], cell: str) -> dict[str, Any]:
         """``config`` with ``COUNTED``: the cell's updates below the first it has not counted (all of them, as the
         cell numbers them 0, 1, 2, ...; one lost and never sent again holds the prefix where it is)."""
-        seen = self._seen[cell]
-        counted = seen.ends[0] if seen.starts and seen.starts[0] == 0 else 0
+        counted = self._seen[cell].prefix()
         return {**config, COUNTED: counted} if counted else config
 
     def resend(self, child: str, now: float) -> list[Action]:

@@ -42,9 +42,9 @@ IDENTITY_CONFLICTS = "fedtier_identity_conflicts_total"
 by that id (``identity``); the ``node`` label stays the exporting node's. Bounded: only identities
 that had a conflict get a series."""
 EXPECTED_DROPS = ("duplicate",)
+"""Drop reasons that a healthy fleet produces (QoS 1 redeliveries, resends after a restart): DEBUG, not INFO."""
 ROUTINE_NOTES = ("cell_updates_counted",)
 """Notes a role makes in normal operation, many times a rollout: logged at DEBUG, not INFO."""
-"""Drop reasons that a healthy fleet produces (QoS 1 redeliveries, resends after a restart): DEBUG, not INFO."""
 REJECT_LOG_INTERVAL_S = 60.0
 """A rejection's reason and sender are logged at WARNING at most once per this many seconds (``NodeBase.reject``)."""
 REJECT_LOG_BUDGET = 20
